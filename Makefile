@@ -1,0 +1,20 @@
+# Two commands on a fresh machine with Python 3.10+ and pip: `make train` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+
+.PHONY: train test clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $@
+
+train: $(VENV)/.installed
+	$(VENV)/bin/hlat train --config configs/tiny.toml --train.run_dir runs/tiny-$$(date +%Y%m%d-%H%M%S) $(ARGS)
+
+test: $(VENV)/.installed
+	$(PY) -m pytest $(ARGS)
+
+clean:
+	rm -rf $(VENV) runs build *.egg-info .pytest_cache

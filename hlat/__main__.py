@@ -1,0 +1,3 @@
+from hlat.cli import main
+
+raise SystemExit(main())

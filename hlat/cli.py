@@ -1,0 +1,137 @@
+"""The `hlat` command: train, describe, plan, import-hf, export-hf.
+
+Heavy imports (torch) happen inside the subcommands, so `hlat describe` and `hlat plan` start instantly.
+User mistakes raise HlatError, printed here as one line with a non-zero exit and no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from hlat import HlatError, __version__
+
+
+def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from hlat.train.config import load_config
+    from hlat.train.loop import train
+
+    if args.resume is not None:
+        overrides = overrides + ["--train.resume", args.resume]
+    cfg = load_config(args.config, overrides)
+    console = Console()
+    s = train(cfg, console)
+    table = Table(title="run summary", show_header=False)
+    for name, value in (("run directory", s.run_dir), ("steps", f"{s.steps:,}"),
+                        ("tokens seen", f"{s.tokens_seen:,}"), ("tokens/s", f"{s.tokens_per_s:,.0f}"),
+                        ("first loss", f"{s.first_loss:.4f}"), ("last loss", f"{s.last_loss:.4f}"),
+                        ("checkpoint", s.checkpoint)):
+        table.add_row(name, value)
+    console.print(table)
+    return 0
+
+
+def cmd_describe(args: argparse.Namespace, overrides: list[str]) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from hlat.optim.modes import MODES
+    from hlat.train.config import load_config
+
+    if args.model:
+        overrides = ["--model.preset", args.model] + overrides
+    cfg = load_config(args.config, overrides)
+    m, seq_len = cfg.model, args.seq_len or cfg.train.seq_len
+    total = m.num_params()
+    table = Table(title=f"{m.preset or m.family}: {m.n_layers} layers, dim {m.dim}, {m.n_heads} heads "
+                        f"({m.kv_heads} kv), ffn {m.ffn_dim}, vocab {m.vocab_size}", show_header=False)
+    table.add_row("parameters", f"{total:,}")
+    table.add_row("  embedding", f"{m.embedding_params():,}")
+    table.add_row("  non-embedding", f"{m.num_params(embedding=False):,}")
+    table.add_row(f"training FLOPs/token (seq {seq_len})", f"{m.flops_per_token(seq_len):.4g}")
+    for mode in MODES.values():
+        gb = lambda nbytes: f"{total * nbytes / 2**30:,.1f} GiB"  # noqa: E731
+        table.add_row(f"{mode.name}: weights / grads / optimizer ({mode.bytes_per_param} B/param)",
+                      f"{gb(mode.weight_bytes)} / {gb(mode.grad_bytes)} / {gb(mode.optimizer_bytes)}")
+    Console().print(table)
+    return 0
+
+
+def cmd_import_hf(args: argparse.Namespace, overrides: list[str]) -> int:
+    from hlat.train.interop import import_hf
+
+    print(f"wrote {import_hf(args.hf_dir, args.out)}")
+    return 0
+
+
+def cmd_export_hf(args: argparse.Namespace, overrides: list[str]) -> int:
+    from hlat.train.interop import export_hf
+
+    print(f"wrote {export_hf(args.ckpt_dir, args.out)}")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
+    from hlat.planner.cli import run
+
+    return run(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hlat", description="Pretrain large language models at low cost per token.")
+    parser.add_argument("--version", action="version", version=f"hlat {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="train a model from a config",
+                       description="Train from a TOML config; any field can be overridden, e.g. --optim.lr 1e-3.")
+    p.add_argument("--config", help="TOML config file (defaults: the built-in tiny model)")
+    p.add_argument("--resume", help="'auto' (latest complete checkpoint of the run dir, if any) or a checkpoint path")
+    p.set_defaults(func=cmd_train, overrides=True)
+
+    p = sub.add_parser("describe", help="parameter counts, FLOPs and memory of a model, without building it")
+    p.add_argument("--model", help="preset name, e.g. llama2-70b")
+    p.add_argument("--config", help="TOML config with a [model] table")
+    p.add_argument("--seq-len", type=int, help="sequence length for FLOPs per token (default: train.seq_len)")
+    p.set_defaults(func=cmd_describe, overrides=True)
+
+    p = sub.add_parser("import-hf", help="convert a transformers Llama/GPT-NeoX directory into an hlat checkpoint")
+    p.add_argument("hf_dir")
+    p.add_argument("--out", required=True, help="checkpoint directory to write")
+    p.set_defaults(func=cmd_import_hf, overrides=False)
+
+    p = sub.add_parser("export-hf", help="convert an hlat checkpoint (or run dir) into a transformers directory")
+    p.add_argument("ckpt_dir")
+    p.add_argument("--out", required=True, help="directory for config.json and model.safetensors")
+    p.set_defaults(func=cmd_export_hf, overrides=False)
+
+    p = sub.add_parser("plan", help="choose a parallel layout and predict memory, step time and cost")
+    try:
+        from hlat.planner.cli import add_arguments
+    except ImportError:  # the planner is optional while it is being built
+        add_arguments = None
+    if add_arguments:
+        add_arguments(p)
+    p.set_defaults(func=cmd_plan, overrides=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest and not args.overrides:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    try:
+        return args.func(args, rest)
+    except HlatError as e:
+        print(f"hlat: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("hlat: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

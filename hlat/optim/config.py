@@ -1,0 +1,48 @@
+"""Optimizer and schedule settings (torch-free)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hlat.config import ConfigError
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    min_lr: float = 3e-5  # cosine decay ends here
+    warmup_steps: int = 2000
+    decay_steps: int = 0  # cosine horizon in steps (including warmup); 0 = the run's train.steps
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    decay_norms_and_biases: bool = True  # HLAT decays every parameter, norms included
+    clip_grad_norm: float = 1.0  # 0 disables clipping
+
+    def validate(self) -> "OptimConfig":
+        for field in ("lr", "eps"):
+            if getattr(self, field) <= 0:
+                raise ConfigError(f"optim.{field}: must be positive, got {getattr(self, field)}")
+        for field in ("min_lr", "weight_decay", "clip_grad_norm", "warmup_steps", "decay_steps"):
+            if getattr(self, field) < 0:
+                raise ConfigError(f"optim.{field}: must be >= 0, got {getattr(self, field)}")
+        if self.min_lr > self.lr:
+            raise ConfigError(f"optim.min_lr: {self.min_lr} is larger than optim.lr {self.lr}")
+        for field in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, field) < 1.0:
+                raise ConfigError(f"optim.{field}: must be in [0, 1), got {getattr(self, field)}")
+        return self
+
+
+@dataclass
+class PrecisionConfig:
+    mode: str = "fp32"  # one of IMPLEMENTED_MODES; the table of all modes is hlat.optim.modes.MODES
+
+    def validate(self) -> "PrecisionConfig":
+        if self.mode not in IMPLEMENTED_MODES:
+            raise ConfigError(f"precision.mode: {self.mode!r} is not one of {', '.join(IMPLEMENTED_MODES)}")
+        return self
+
+
+IMPLEMENTED_MODES = ("fp32", "bf16_mixed")

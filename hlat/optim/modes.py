@@ -1,0 +1,29 @@
+"""Training precision modes and what each stores per parameter (torch-free: `hlat describe` and the planner
+read this table without importing torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PrecisionMode:
+    name: str
+    summary: str
+    weight_bytes: int  # persistent weights (the master copy where there is one)
+    grad_bytes: int
+    optimizer_bytes: int  # AdamW first and second moments (+ any compensation buffer)
+
+    @property
+    def bytes_per_param(self) -> int:
+        return self.weight_bytes + self.grad_bytes + self.optimizer_bytes
+
+
+MODES: dict[str, PrecisionMode] = {
+    m.name: m
+    for m in (
+        PrecisionMode("fp32", "fp32 weights, gradients, optimizer states and compute", 4, 4, 8),
+        PrecisionMode("bf16_mixed", "bf16 compute; fp32 master weights, gradients and optimizer states", 4, 4, 8),
+        PrecisionMode("bf16_sr", "pure bf16 weights, gradients and states; stochastic rounding on update", 2, 2, 4),
+    )
+}

@@ -1,0 +1,95 @@
+"""The whole job's config: one typed dataclass per section, loaded from TOML plus command-line overrides and
+validated before any work starts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hlat.config import ConfigError, load_toml, parse_overrides, set_path, to_dict, to_toml, update
+from hlat.data.config import DataConfig
+from hlat.models.config import ModelConfig, preset_config
+from hlat.optim.config import OptimConfig, PrecisionConfig
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300  # optimizer steps in the whole run (a resumed run continues up to this)
+    global_batch: int = 8  # sequences per optimizer step, across all data-parallel ranks
+    micro_batch: int = 8  # sequences per forward/backward; global_batch = micro_batch x grad_accum x dp
+    seq_len: int = 256
+    log_every: int = 10
+    ckpt_every: int = 0  # 0: save only at the end
+    keep_checkpoints: int = 2  # older complete checkpoints are deleted; 0 keeps all
+    run_dir: str = "runs/default"
+    resume: str = ""  # "" starts fresh, "auto" continues from the latest complete checkpoint, or a path
+    init_from: str = ""  # start a fresh run from these weights (a checkpoint, e.g. from `hlat import-hf`)
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda
+    peak_flops: float = 0.0  # per device, for MFU; 0 looks the device up in hlat.train.metrics.PEAK_FLOPS
+
+    def validate(self, model: ModelConfig) -> "TrainConfig":
+        for name in ("steps", "global_batch", "micro_batch", "seq_len", "log_every"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"train.{name}: must be positive, got {getattr(self, name)}")
+        for name in ("ckpt_every", "keep_checkpoints", "peak_flops"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"train.{name}: must be >= 0, got {getattr(self, name)}")
+        if self.global_batch % self.micro_batch:
+            raise ConfigError(f"train.global_batch: {self.global_batch} is not a multiple of train.micro_batch "
+                              f"{self.micro_batch}")
+        if self.seq_len > model.max_seq_len:
+            raise ConfigError(f"train.seq_len: {self.seq_len} exceeds model.max_seq_len {model.max_seq_len}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"train.device: {self.device!r} is not one of 'auto', 'cpu', 'cuda'")
+        return self
+
+    def grad_accum(self, dp: int = 1) -> int:
+        """Micro-batches each data-parallel rank runs per optimizer step."""
+        if self.global_batch % (self.micro_batch * dp):
+            raise ConfigError(f"train.global_batch: {self.global_batch} is not divisible by micro_batch "
+                              f"{self.micro_batch} x data-parallel size {dp}")
+        return self.global_batch // (self.micro_batch * dp)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def validate(self) -> "Config":
+        self.model.validate()
+        self.data.validate()
+        self.optim.validate()
+        self.precision.validate()
+        self.train.validate(self.model)
+        return self
+
+    def to_toml(self) -> str:
+        return to_toml(to_dict(self))
+
+
+def build_config(data: dict | None = None, overrides: list[str] | None = None) -> Config:
+    """A validated Config from a TOML-shaped dict and `--section.key value` overrides.
+
+    `model.preset` is applied first, wherever it was given, so the other model fields override the preset."""
+    data = {k: dict(v) if isinstance(v, dict) else v for k, v in (data or {}).items()}
+    pairs = parse_overrides(overrides or [])
+    preset = dict(pairs).get("model.preset", (data.get("model") or {}).get("preset", ""))
+    if not isinstance(preset, str):
+        raise ConfigError(f"model.preset: expected a string, got {preset!r}")
+    cfg = Config(model=preset_config(preset))
+    if isinstance(data.get("model"), dict):
+        data["model"].pop("preset", None)
+    update(cfg, data)
+    for key, value in pairs:
+        if key != "model.preset":
+            set_path(cfg, key, value)
+    return cfg.validate()
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    return build_config(load_toml(path) if path else {}, overrides)

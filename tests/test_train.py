@@ -1,0 +1,100 @@
+"""The single-process trainer: exact resume, checkpoints, metrics and clean errors for bad input."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from hlat.cli import main
+from hlat.models import build_model, materialize
+from hlat.train.checkpoint import complete_checkpoints, load_checkpoint
+from hlat.train.config import build_config
+from hlat.train.loop import train
+
+CORPUS = os.path.join(os.path.dirname(json.__file__), "*.py")  # a few real files, on every machine
+TINY = {"preset": "tiny", "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128,
+        "vocab_size": 512}
+
+
+def config(run_dir: Path, **train):
+    data = {"model": dict(TINY), "data": {"paths": [CORPUS]},
+            "optim": {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 2, "decay_steps": 8},
+            "train": {"steps": 8, "global_batch": 4, "micro_batch": 2, "seq_len": 32, "log_every": 1,
+                      "run_dir": str(run_dir), **train}}
+    return build_config(data)
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def final_weights(run_dir: Path, cfg) -> dict:
+    model = materialize(build_model(cfg.model), "cpu")
+    load_checkpoint(complete_checkpoints(run_dir)[-1][1], model)
+    return model.state_dict()
+
+
+def test_resume_is_bit_exact(tmp_path):
+    full = config(tmp_path / "full")
+    train(full)
+    train(config(tmp_path / "split", steps=3))  # stops at step 3 (same schedule: decay_steps is fixed)
+    train(config(tmp_path / "split", resume="auto"))
+    assert losses(tmp_path / "split") == losses(tmp_path / "full")
+    assert len(losses(tmp_path / "full")) == 8
+    a, b = final_weights(tmp_path / "full", full), final_weights(tmp_path / "split", full)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_metrics_and_learning(tmp_path):
+    cfg = config(tmp_path / "run", steps=30, ckpt_every=10, keep_checkpoints=2)
+    summary = train(cfg)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 31))
+    for key in ("loss", "grad_norm", "lr", "tokens_seen", "tokens_per_s", "step_time_s", "mfu", "peak_memory_gb"):
+        assert all(r[key] is not None for r in records), key
+    assert records[-1]["tokens_seen"] == 30 * 4 * 32 == summary.tokens_seen
+    assert summary.last_loss < 0.8 * summary.first_loss
+    assert [s for s, _ in complete_checkpoints(tmp_path / "run")] == [20, 30]  # keep_checkpoints prunes
+    assert (tmp_path / "run" / "tokenizer.json").is_file()
+
+
+def test_partial_checkpoint_is_ignored(tmp_path):
+    run = tmp_path / "run"
+    train(config(run, steps=2))
+    (run / "checkpoints" / "step_00000005.partial").mkdir()  # as a crash mid-save would leave it
+    train(config(run, steps=4, resume="auto"))
+    assert [s for s, _ in complete_checkpoints(run)] == [2, 4]
+    assert not list((run / "checkpoints").glob("*.partial"))
+
+
+def test_fresh_start_never_overwrites_checkpoints(tmp_path, capsys):
+    train(config(tmp_path / "run", steps=1))
+    cfg_file = tmp_path / "c.toml"
+    cfg_file.write_text(config(tmp_path / "run").to_toml())
+    assert main(["train", "--config", str(cfg_file)]) == 2
+    assert "already holds checkpoints" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("override, message", [
+    (["--data.paths", "/no/such/dir/*.txt"], "data.paths: no files match"),
+    (["--train.resume", "{empty}"], "holds no complete checkpoint"),
+    (["--train.init_from", "{empty}"], "holds no complete checkpoint"),
+])
+def test_bad_input_is_one_line(tmp_path, capsys, override, message):
+    (tmp_path / "empty").mkdir()
+    cfg_file = tmp_path / "c.toml"
+    cfg_file.write_text(config(tmp_path / "run").to_toml())
+    override = [o.format(empty=tmp_path / "empty") for o in override]
+    assert main(["train", "--config", str(cfg_file), *override]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err and "Traceback" not in err
+
+
+def test_empty_corpus_is_an_error(tmp_path, capsys):
+    (tmp_path / "blank.txt").write_text("   \n")
+    cfg_file = tmp_path / "c.toml"
+    cfg_file.write_text(config(tmp_path / "run").to_toml())
+    assert main(["train", "--config", str(cfg_file), "--data.paths", str(tmp_path / "blank.txt")]) == 2
+    assert "no usable text" in capsys.readouterr().err.lower()
