@@ -1,0 +1,43 @@
+"""Model construction. Torch is imported lazily so `hlat.models.config` stays torch-free for the planner."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from hlat.models.config import ModelConfig
+
+
+def build_model(cfg: ModelConfig, device: torch.device | str = "meta") -> nn.Module:
+    """The model of `cfg.family`, built on the meta device (a 70B model allocates nothing), then materialised
+    on `device` unless that is meta too."""
+    import torch
+
+    from hlat.models.llama import Llama
+    from hlat.models.neox import GPTNeoX
+
+    cfg.validate()
+    with torch.device("meta"):
+        model = {"llama": Llama, "neox": GPTNeoX}[cfg.family](cfg)
+    return model if torch.device(device).type == "meta" else materialize(model, device)
+
+
+def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
+    """Allocate the (meta) model's storage on `device` and initialise every weight and the rope table."""
+    import torch
+
+    model.to_empty(device=device)
+    # to_empty may replace parameters with new objects, which would untie the output from the embedding.
+    if model.cfg.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
+        model.output.weight = model.tok_embeddings.weight
+    with torch.no_grad():
+        model.init_weights()
+    return model
+
+
+def count_params(model: nn.Module) -> int:
+    """Unique parameters: a tied embedding counts once."""
+    return sum(p.numel() for p in model.parameters())

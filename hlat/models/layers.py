@@ -1,0 +1,154 @@
+"""Layers shared by the model families: rotary embeddings, attention, the two MLPs and weight init."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hlat.models.config import ModelConfig
+
+
+def rope_table(cfg: ModelConfig, device: torch.device | str | None = None) -> torch.Tensor:
+    """cos and sign-folded sin per position, shape [max_seq_len, 2, head_dim], float32.
+
+    Partial rotary uses the zero-frequency trick: the rotated dimension pairs (j, j + head_dim/2) get the
+    usual inverse frequencies for the first rotary_dim/2 pairs and frequency 0 for the rest (cos 1, sin 0),
+    so the whole head is rotated in one operation with no slicing into rotated and passed-through parts.
+    """
+    rot, half = cfg.rotary_dim, cfg.head_dim // 2
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, rot, 2, device=device, dtype=torch.float32) / rot))
+    inv_freq = F.pad(inv_freq, (0, half - rot // 2))
+    angles = torch.outer(torch.arange(cfg.max_seq_len, device=device, dtype=torch.float32), inv_freq)
+    cos, sin = angles.cos().repeat(1, 2), angles.sin()
+    # rotate_half(x) = (-x2, x1) = swap_halves(x) * (-1, +1): fold the sign into sin.
+    signed_sin = torch.cat([-sin, sin], dim=-1)
+    return torch.stack([cos, signed_sin], dim=1)
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """x: [batch, seq, heads, head_dim]; rope: [seq, 2, head_dim] or [batch, seq, 2, head_dim]."""
+    cos, sin = rope.unbind(-2)
+    cos, sin = cos.unsqueeze(-2).to(x.dtype), sin.unsqueeze(-2).to(x.dtype)
+    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
+    return x * cos + swapped * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        hd, bias = cfg.head_dim, cfg.has_bias
+        self.head_dim = hd
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * hd, bias=bias)
+        self.wk = nn.Linear(cfg.dim, cfg.kv_heads * hd, bias=bias)
+        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * hd, bias=bias)
+        self.wo = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=bias)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        # Head counts come from the weights' shapes, so a tensor-parallel shard sees its local heads.
+        q = self.wq(x).unflatten(-1, (-1, self.head_dim))
+        k = self.wk(x).unflatten(-1, (-1, self.head_dim))
+        v = self.wv(x).unflatten(-1, (-1, self.head_dim))
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        return self.wo(out.transpose(1, 2).flatten(-2))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # gate
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # up
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class GeluMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim)
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.gelu(self.w1(x)))
+
+
+OUTPUT_PROJECTIONS = ("wo", "w2")  # written into the residual stream: initialised with a smaller std
+
+
+def init_block(block: nn.Module, cfg: ModelConfig) -> None:
+    """Normal(0, init_std) weights, residual output projections scaled by 1/sqrt(2 n_layers), zero biases,
+    unit norms (HLAT: std 0.021)."""
+    out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+    for name, module in block.named_modules():
+        if isinstance(module, nn.Linear):
+            std = out_std if name.rsplit(".", 1)[-1] in OUTPUT_PROJECTIONS else cfg.init_std
+            nn.init.normal_(module.weight, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+            module.reset_parameters()
+
+
+class Block(nn.Module):
+    """One transformer layer: sequential (x + attn, then + mlp) or parallel (x + attn(ln1 x) + mlp(ln2 x))."""
+
+    def __init__(self, cfg: ModelConfig, norm: type[nn.Module], mlp: type[nn.Module], parallel_residual: bool):
+        super().__init__()
+        self.attention = Attention(cfg)
+        self.feed_forward = mlp(cfg)
+        self.attention_norm = norm(cfg.dim, eps=cfg.norm_eps)
+        self.ffn_norm = norm(cfg.dim, eps=cfg.norm_eps)
+        self.parallel_residual = parallel_residual
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        return h + self.feed_forward(self.ffn_norm(x if self.parallel_residual else h))
+
+
+class Transformer(nn.Module):
+    """Embedding, blocks keyed "0", "1", ..., final norm and output projection.
+
+    A part set to None (or a block deleted from `layers`) is skipped, so a pipeline stage keeps only the parts
+    it owns; a stage without `tok_embeddings` takes hidden states instead of tokens.
+    """
+
+    def __init__(self, cfg: ModelConfig, norm: type[nn.Module], mlp: type[nn.Module], parallel_residual: bool):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, norm, mlp, parallel_residual) for i in range(cfg.n_layers)})
+        self.norm = norm(cfg.dim, eps=cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # Derived from the config, not learned: kept out of state dicts and rebuilt by init_weights.
+        self.register_buffer("rope", rope_table(cfg), persistent=False)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
+        rope = self.rope[: h.shape[1]] if positions is None else self.rope[positions]
+        for layer in self.layers.values():
+            if layer is not None:
+                h = layer(h, rope)
+        if self.norm is not None:
+            h = self.norm(h)
+        return h if self.output is None else self.output(h)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        cfg = self.cfg
+        self.rope.copy_(rope_table(cfg, device=self.rope.device))
+        for embedding in (self.tok_embeddings, self.output):
+            if embedding is not None:  # tied: the same matrix twice, initialised identically
+                nn.init.normal_(embedding.weight, std=cfg.init_std)
+        for layer in self.layers.values():
+            if layer is not None:
+                init_block(layer, cfg)
+        if self.norm is not None:
+            self.norm.reset_parameters()
