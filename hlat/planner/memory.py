@@ -1,0 +1,117 @@
+"""Memory per device: model states by precision mode and sharding, activations by recomputation, sequence
+parallelism and pipeline schedule (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+Transformer Models"), and a fixed framework overhead. Everything is for the busiest device: the first pipeline
+stage, which holds the most micro-batches in flight, charged with the output layer's logits as well."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from hlat.models.config import ModelConfig
+from hlat.planner.layout import Layout, Workload
+from hlat.planner.profiles import HardwareProfile
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Memory:
+    weights: float  # bytes per device
+    grads: float
+    optimizer: float
+    activations: float
+    buffers: float  # FSDP's unsharded parameters and gradients of the layers in flight
+    overhead: float
+    capacity: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.activations + self.buffers + self.overhead
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.capacity
+
+    def shortfall(self) -> str:
+        """What does not fit, in words ('' when it fits)."""
+        if self.fits:
+            return ""
+        parts = {"model states": self.weights + self.grads + self.optimizer, "activations": self.activations}
+        worst = max(parts, key=parts.get)
+        return (f"needs {self.total / GIB:.1f} GiB of {self.capacity / GIB:.0f} GiB per device "
+                f"({worst} {parts[worst] / GIB:.1f} GiB)")
+
+
+def layer_params_per_device(model: ModelConfig, tp: int) -> float:
+    """One transformer layer's parameters on one tensor-parallel rank. When tp exceeds the kv heads each rank
+    keeps a whole kv head (they are replicated), so its K and V weights do not shrink further."""
+    kv_extra = 2 * model.dim * model.head_dim * max(0.0, 1.0 - model.kv_heads / tp)
+    return model.layer_params() / tp + kv_extra
+
+
+def stage_params(model: ModelConfig, layout: Layout) -> float:
+    """Parameters on one device of the largest pipeline stage (the embedding on the first stage, the output
+    projection on the last; with one stage both, counted once when tied)."""
+    layers = math.ceil(model.n_layers / layout.pp)
+    embedding = model.embedding_params() if layout.pp == 1 else model.vocab_size * model.dim
+    return layers * layer_params_per_device(model, layout.tp) + embedding / layout.tp
+
+
+def layer_activation_bytes(model: ModelConfig, seq_len: int, layout: Layout, recompute: str, act_bytes: int,
+                           flash: bool) -> float:
+    """Bytes one layer keeps for the backward pass of one micro-batch on one device.
+
+    Korthikanti et al.'s accounting, generalised to grouped-query attention and either MLP, without dropout
+    (hlat trains without it), in tensors of s x b x h elements: the 4 outside the tensor-parallel region (norm
+    inputs and outputs) are split only by sequence parallelism; Q, K, V, the attention output and the MLP's
+    intermediates are split by tp; the softmax output (a s / h of them) is kept only without recomputation
+    ('selective' recomputes the attention core) and without fused (flash) attention, which never stores it.
+    With 'full' only the layer's input is kept."""
+    t = layout.tp
+    sbh = seq_len * layout.micro_batch * model.dim * act_bytes
+    sp = t if layout.sequence_parallel else 1
+    if recompute == "full":
+        return sbh / sp
+    kv = model.kv_heads / model.n_heads
+    mlp = (4 if model.family == "llama" else 2) * model.ffn_dim / model.dim  # SwiGLU keeps 4 f-wide tensors
+    inside = (1 + 2 * kv + 1 + mlp) * sbh / t
+    scores = model.n_heads * seq_len / model.dim * sbh / t if recompute == "none" and not flash else 0.0
+    return 4 * sbh / sp + inside + scores
+
+
+def in_flight(layout: Layout, microbatches: int) -> float:
+    """Micro-batches whose activations the first stage holds at once, in units of its whole stage."""
+    p, v = layout.pp, layout.virtual_stages
+    if p == 1:
+        return 1.0
+    if layout.pp_schedule == "gpipe":
+        return microbatches
+    if layout.pp_schedule == "interleaved_1f1b":
+        return min(microbatches, p + (p - 1) / v)  # Korthikanti: L (1 + (p - 1) / (p v)) layers' worth
+    return min(microbatches, p)
+
+
+def memory(work: Workload, layout: Layout, hw: HardwareProfile) -> Memory:
+    model, mode = work.model, work.mode
+    params = stage_params(model, layout)
+    shard = layout.dp_shard
+    opt_shard = layout.dp if layout.zero1 else shard
+
+    act_bytes = work.compute_bytes
+    layers = math.ceil(model.n_layers / layout.pp)
+    m = layout.microbatches(work.global_batch)
+    stored = layer_activation_bytes(model, work.seq_len, layout, layout.activation_checkpoint, act_bytes,
+                                    hw.flash_attention)
+    activations = layers * in_flight(layout, m) * stored
+    if layout.activation_checkpoint == "full":  # one layer's activations are rebuilt at a time in backward
+        activations += layer_activation_bytes(model, work.seq_len, layout, "selective", act_bytes, hw.flash_attention)
+    # Logits of the output layer (compute dtype, then fp32 for the loss), vocabulary-parallel across tp.
+    activations += (act_bytes + 4) * work.seq_len * layout.micro_batch * model.vocab_size / layout.tp
+
+    buffers = 0.0
+    if shard > 1:  # the layer being computed and the one prefetched, gathered; one layer's full gradients
+        buffers = (2 * act_bytes + mode.grad_bytes) * layer_params_per_device(model, layout.tp)
+    return Memory(weights=params * mode.weight_bytes / shard, grads=params * mode.grad_bytes / shard,
+                  optimizer=params * mode.optimizer_bytes / opt_shard, activations=activations, buffers=buffers,
+                  overhead=hw.overhead_gib * GIB, capacity=hw.memory_gib * GIB)

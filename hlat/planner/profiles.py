@@ -1,0 +1,193 @@
+"""Hardware profiles (`hardware/*.toml`) and the calibration that fits their efficiency factors.
+
+A profile holds public figures (devices, memory, peak FLOP/s, link bandwidths and latencies, prices) and a `[fit]`
+table of factors that turn nominal times into predicted ones. The step-time model is linear in those factors
+(see `hlat.planner.timing`), so fitting them to measured step times is a small non-negative least-squares problem
+on relative errors, solved here exactly without numpy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import statistics
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from hlat import HlatError
+from hlat.config import ConfigError, load_toml, to_toml, update
+
+HARDWARE_DIR = Path(__file__).resolve().parents[2] / "hardware"
+
+
+@dataclass
+class Fit:
+    """Measured-over-nominal factors. Predicted step time = sum of factor x nominal term (+ the optimizer step)."""
+
+    flops_factor: float = 2.0  # seconds per second of peak-rate FLOPs: 1 / achieved compute efficiency
+    layer_overhead_ms: float = 0.0  # fixed cost per layer per micro-batch (kernel launches, small ops)
+    intra_factor: float = 1.0  # intra-node collectives and transfers, measured / nominal time
+    inter_factor: float = 1.0  # inter-node collectives and transfers, measured / nominal time
+    dp_factor: float = 1.0  # data-parallel gradient reduction: exposed (not overlapped) share / link efficiency
+    source: str = "defaults, not fitted"
+
+    @property
+    def compute_efficiency(self) -> float:
+        return 1.0 / self.flops_factor if self.flops_factor else float("inf")
+
+
+FACTORS = ("flops_factor", "layer_overhead_ms", "intra_factor", "inter_factor", "dp_factor")
+
+
+@dataclass
+class HardwareProfile:
+    name: str = ""
+    description: str = ""
+    devices_per_node: int = 8  # the unit the parallel degrees count (GPU, or Trainium NeuronCore)
+    memory_gib: float = 80.0  # per device
+    peak_tflops: float = 312.0  # dense bf16, per device
+    hbm_gbs: float = 2000.0  # device memory bandwidth, GB/s (the optimizer step is bound by it)
+    intra_gbs: float = 300.0  # per device, one direction, GB/s
+    intra_latency_us: float = 5.0  # per step of a ring collective
+    inter_gbps: float = 400.0  # per node, Gbit/s
+    inter_latency_us: float = 20.0
+    overhead_gib: float = 2.0  # runtime, communication buffers and fragmentation, per device
+    price_on_demand: float = 0.0  # USD per node-hour; 0 = unknown
+    price_reserved: float = 0.0
+    flash_attention: bool = True  # the attention scores are never stored (fused attention kernels)
+    supports_fsdp: bool = True  # whether the search considers FSDP on this hardware's software stack
+    fit: Fit = field(default_factory=Fit)
+
+    def validate(self) -> "HardwareProfile":
+        for name in ("devices_per_node", "memory_gib", "peak_tflops", "hbm_gbs", "intra_gbs", "inter_gbps"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"hardware {self.name!r}: {name} must be positive, got {getattr(self, name)}")
+        for name in ("intra_latency_us", "inter_latency_us", "overhead_gib", "price_on_demand", "price_reserved",
+                     *FACTORS):
+            value = getattr(self.fit if name in FACTORS else self, name)
+            if value < 0:
+                raise ConfigError(f"hardware {self.name!r}: {name} must be >= 0, got {value}")
+        return self
+
+    def price(self, kind: str) -> float:
+        return {"on_demand": self.price_on_demand, "reserved": self.price_reserved}[kind]
+
+    def to_toml(self) -> str:
+        return to_toml(dataclasses.asdict(self))
+
+
+def profile_names() -> list[str]:
+    return sorted(p.stem for p in HARDWARE_DIR.glob("*.toml"))
+
+
+def load_profile(name_or_path: str) -> HardwareProfile:
+    """A profile by name (a file in hardware/) or by path to a TOML file of the same shape."""
+    path = Path(name_or_path)
+    if path.suffix != ".toml":  # a name, like "trn1.32xlarge"
+        path = HARDWARE_DIR / f"{name_or_path}.toml"
+        if not path.is_file():
+            raise HlatError(f"--hardware: unknown profile {name_or_path!r} (known: {', '.join(profile_names())}; "
+                            "or give a TOML file)")
+    data = load_toml(path)
+    hw = update(HardwareProfile(name=path.stem), data, f"{path}: ")
+    return hw.validate()
+
+
+# --- calibration -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One measured step: what ran, where, and how long it took."""
+
+    name: str
+    workload: object  # hlat.planner.layout.Workload
+    layout: object  # hlat.planner.layout.Layout
+    hardware: HardwareProfile
+    step_s: float
+    group: str = ""
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Solve the square system a x = b by Gaussian elimination with partial pivoting (None if singular)."""
+    n = len(b)
+    m = [row[:] + [rhs] for row, rhs in zip(a, b)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) < 1e-12:
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(n):
+            if r != col:
+                f = m[r][col] / m[col][col]
+                m[r] = [x - f * y for x, y in zip(m[r], m[col])]
+    return [m[i][n] / m[i][i] for i in range(n)]
+
+
+def nnls(rows: list[list[float]], targets: list[float]) -> list[float]:
+    """Non-negative least squares for a handful of unknowns: the best unconstrained solution over every subset of
+    free variables whose solution is non-negative (exact, and cheap for up to ~8 unknowns)."""
+    n = len(rows[0])
+    best, best_err = [0.0] * n, sum(t * t for t in targets)
+    for size in range(1, n + 1):
+        for subset in itertools.combinations(range(n), size):
+            ata = [[sum(r[i] * r[j] for r in rows) for j in subset] for i in subset]
+            atb = [sum(r[i] * t for r, t in zip(rows, targets)) for i in subset]
+            sol = _solve(ata, atb)
+            if sol is None or min(sol) < 0:
+                continue
+            x = [0.0] * n
+            for i, v in zip(subset, sol):
+                x[i] = v
+            err = sum((sum(c * v for c, v in zip(r, x)) - t) ** 2 for r, t in zip(rows, targets))
+            if err < best_err:
+                best, best_err = x, err
+    return best
+
+
+# Nothing runs faster than its nominal peak: these factors are fitted as 1 + a non-negative excess.
+FLOORS = {"flops_factor": 1.0, "intra_factor": 1.0, "inter_factor": 1.0}
+
+
+def fit_factors(samples: list[Sample], free: tuple[str, ...], base: Fit, source: str,
+                weights: list[float] | None = None) -> Fit:
+    """Fit the `free` factors of `base` to the samples, minimising the (weighted) squared relative error of the
+    step time; the other factors keep their values from `base`."""
+    from hlat.planner.timing import step_time  # timing imports this module for Fit
+
+    if not samples:
+        raise HlatError("calibration: no measurements to fit")
+    unknown = set(free) - set(FACTORS)
+    if unknown:
+        raise HlatError(f"calibration: unknown factors {sorted(unknown)} (known: {', '.join(FACTORS)})")
+    floor = replace(base, **{k: FLOORS.get(k, 0.0) for k in free})
+    zero = replace(base, **{k: 0.0 for k in free})
+    rows, targets = [], []
+    for s, w in zip(samples, weights or [1.0] * len(samples)):
+        fixed = step_time(s.workload, s.layout, s.hardware, floor).total
+        # The model is linear in each factor, so its coefficient is the time with that factor at 1, the others 0.
+        base_time = step_time(s.workload, s.layout, s.hardware, zero).total
+        coef = [step_time(s.workload, s.layout, s.hardware, replace(zero, **{k: 1.0})).total - base_time
+                for k in free]
+        scale = w ** 0.5 / s.step_s
+        rows.append([c * scale for c in coef])
+        targets.append((s.step_s - fixed) * scale)
+    excess = nnls(rows, targets)
+    values = {k: round(getattr(floor, k) + x, 4) for k, x in zip(free, excess)}
+    return replace(base, source=source, **values)
+
+
+def read_run(run_dir: str | Path, skip: int = 1) -> tuple[dict, float]:
+    """The resolved config and the median step time of an hlat run directory (config.toml + metrics.jsonl).
+    The first `skip` logged intervals are dropped: they include compilation and warm-up."""
+    run = Path(run_dir)
+    metrics = run / "metrics.jsonl"
+    if not (metrics.is_file() and (run / "config.toml").is_file()):
+        raise HlatError(f"--calibrate: {run} is not an hlat run directory (needs config.toml and metrics.jsonl)")
+    config = load_toml(run / "config.toml")
+    times = [json.loads(line)["step_time_s"] for line in metrics.read_text().splitlines() if line.strip()]
+    times = times[skip:] or times
+    if not times:
+        raise HlatError(f"--calibrate: {metrics} has no logged steps")
+    return config, statistics.median(times)

@@ -1,0 +1,151 @@
+"""Enumerate the valid layouts of a workload on a cluster, predict each, and rank them."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+from hlat import HlatError
+from hlat.planner.layout import Layout, Workload, layout_problem
+from hlat.planner.memory import Memory, memory
+from hlat.planner.profiles import HardwareProfile
+from hlat.planner.timing import StepTime, step_time
+
+OBJECTIVES = ("tokens_per_s", "tokens_per_dollar")
+RECOMPUTE = ("none", "selective", "full")
+MAX_MICRO_BATCH = 64
+VIRTUAL_STAGES = (2, 4)
+TOLERANCE = 0.03  # predictions this close count as equal
+
+
+@dataclass(frozen=True)
+class Plan:
+    work: Workload
+    layout: Layout
+    hw: HardwareProfile
+    nodes: int
+    price: float  # USD per node-hour; 0 = unknown
+    memory: Memory
+    time: StepTime
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.work.tokens_per_step / self.time.total
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs (no recomputation) per second over the cluster's peak."""
+        peak = self.nodes * self.hw.devices_per_node * self.hw.peak_tflops * 1e12
+        return self.work.model.flops_per_token(self.work.seq_len) * self.tokens_per_s / peak
+
+    @property
+    def dollars_per_hour(self) -> float:
+        return self.nodes * self.price
+
+    @property
+    def tokens_per_dollar(self) -> float | None:
+        return self.tokens_per_s * 3600 / self.dollars_per_hour if self.price else None
+
+    def budget(self, tokens: float) -> tuple[float, float | None]:
+        """Days and dollars to train `tokens`."""
+        hours = tokens / self.tokens_per_s / 3600
+        return hours / 24, (hours * self.dollars_per_hour if self.price else None)
+
+    def score(self, objective: str) -> float:
+        return self.tokens_per_s if objective == "tokens_per_s" else (self.tokens_per_dollar or 0.0)
+
+
+def evaluate(work: Workload, layout: Layout, hw: HardwareProfile, nodes: int, price: float = 0.0) -> Plan:
+    """The prediction for one layout; raises HlatError when the layout cannot run the workload at all."""
+    problem = layout_problem(work, layout, nodes * hw.devices_per_node)
+    if problem:
+        raise HlatError(f"layout {layout.describe()}: {problem}")
+    return Plan(work, layout, hw, nodes, price, memory(work, layout, hw), step_time(work, layout, hw))
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(work: Workload, hw: HardwareProfile, nodes: int) -> Iterator[Layout]:
+    """Every valid layout: tp within a node (or whole nodes), pp dividing the layers, dp the rest; every
+    micro-batch size; 1F1B, and interleaved 1F1B where it applies (GPipe never beats 1F1B: same time, more
+    memory); sequence parallelism whenever tp > 1 (never worse); every recomputation; DDP, ZeRO-1 and FSDP."""
+    model, dpn = work.model, hw.devices_per_node
+    devices = nodes * dpn
+    for tp in _divisors(devices):
+        if (dpn % tp and tp % dpn) or model.n_heads % tp or (model.kv_heads % tp and tp % model.kv_heads):
+            continue
+        if model.ffn_dim % tp or model.vocab_size % tp or work.seq_len % tp:
+            continue
+        for pp in _divisors(devices // tp):
+            dp = devices // (tp * pp)
+            if model.n_layers % pp or work.global_batch % dp:
+                continue
+            shardings = [(1, False)] + ([(1, True)] if dp > 1 else [])
+            if dp > 1 and hw.supports_fsdp:
+                shardings.append((dp, False))
+            for mb in _divisors(work.global_batch // dp):
+                if mb > MAX_MICRO_BATCH:
+                    break
+                m = work.global_batch // (dp * mb)
+                schedules = [("1f1b", 1)]
+                if pp > 1:
+                    schedules += [("interleaved_1f1b", v) for v in VIRTUAL_STAGES
+                                  if model.n_layers % (pp * v) == 0 and m % pp == 0]
+                for (schedule, v), (shard, zero1), recompute in (
+                        (s, z, r) for s in schedules for z in shardings for r in RECOMPUTE):
+                    yield Layout(tp=tp, pp=pp, dp_replicate=dp // shard, dp_shard=shard, micro_batch=mb,
+                                 pp_schedule=schedule, virtual_stages=v, sequence_parallel=tp > 1, zero1=zero1,
+                                 activation_checkpoint=recompute)
+
+
+@dataclass
+class SearchResult:
+    plans: list[Plan]  # the layouts that fit, best first
+    considered: int
+    nearest: Plan | None  # when nothing fits: the layout needing the least memory
+    seconds: float
+
+
+def simplicity(plan: Plan) -> tuple:
+    """Fewer pipeline stages, no interleaving, less tensor parallelism, less recomputation, less memory."""
+    layout = plan.layout
+    return (layout.pp, layout.virtual_stages, layout.tp, RECOMPUTE.index(layout.activation_checkpoint),
+            plan.memory.total)
+
+
+def search(work: Workload, hw: HardwareProfile, nodes: int, objective: str = "tokens_per_s",
+           price: float = 0.0, tolerance: float = TOLERANCE) -> SearchResult:
+    """Rank every layout that fits in memory. With tokens_per_dollar the search also tries smaller clusters
+    (halving the node count), since fewer nodes can cost less per token.
+
+    Predictions closer than `tolerance` to the best are below the model's accuracy (its fits are off by 5-10%
+    on held-out runs), so among those the simplest layout ranks first."""
+    if objective not in OBJECTIVES:
+        raise HlatError(f"--objective: {objective!r} is not one of {', '.join(OBJECTIVES)}")
+    if objective == "tokens_per_dollar" and not price:
+        raise HlatError(f"--objective tokens_per_dollar: profile {hw.name!r} has no price of that kind")
+    start = time.perf_counter()
+    node_counts = [nodes]
+    while objective == "tokens_per_dollar" and node_counts[-1] % 2 == 0:
+        node_counts.append(node_counts[-1] // 2)
+    fitting, nearest, considered = [], None, 0
+    for n in node_counts:
+        for layout in candidates(work, hw, n):
+            if layout_problem(work, layout, n * hw.devices_per_node):
+                continue
+            considered += 1
+            mem = memory(work, layout, hw)
+            if not mem.fits:
+                if nearest is None or mem.total < nearest.memory.total:
+                    nearest = Plan(work, layout, hw, n, price, mem, step_time(work, layout, hw))
+                continue
+            fitting.append(Plan(work, layout, hw, n, price, mem, step_time(work, layout, hw)))
+    fitting.sort(key=lambda p: -p.score(objective))
+    if fitting:
+        cutoff = fitting[0].score(objective) * (1 - tolerance)
+        tied = sorted((p for p in fitting if p.score(objective) >= cutoff), key=simplicity)
+        fitting = tied + fitting[len(tied):]
+    return SearchResult(fitting, considered, None if fitting else nearest, time.perf_counter() - start)
