@@ -162,11 +162,13 @@ def report() -> str:
         say(table(["#", "layout", "GiB/device", "s/step", "tokens/s", "MFU"], rows) + "\n")
 
     work = Workload(model_config("llama2-70b"), 4096, 1024, "bf16_mixed")
-    start = time.perf_counter()
-    result = search(work, hw, 256)
-    seconds = time.perf_counter() - start
-    say(f"Search speed: llama2-70b on 256 trn1 nodes (8,192 NeuronCores): {result.considered:,} layouts in "
-        f"{seconds:.2f} s on this machine.")
+    for name in ("trn1.32xlarge", "p4d.24xlarge"):
+        profile = load_profile(name)
+        start = time.perf_counter()
+        result = search(work, profile, 256)
+        seconds = time.perf_counter() - start
+        say(f"Search speed, llama2-70b on 256 {name} ({256 * profile.devices_per_node:,} devices): "
+            f"{result.considered:,} layouts in {seconds:.2f} s on this machine.\n")
     return "\n".join(out) + "\n"
 
 

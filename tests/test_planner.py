@@ -15,7 +15,7 @@ from hlat.config import ConfigError, load_toml
 from hlat.models.config import model_config
 from hlat.planner.cli import add_arguments, run
 from hlat.planner.layout import Layout, Workload, layout_problem
-from hlat.planner.memory import GIB, layer_activation_bytes, memory, stage_params
+from hlat.planner.memory import layer_activation_bytes, memory, stage_params
 from hlat.planner.profiles import FACTORS, Fit, load_profile, nnls, profile_names
 from hlat.planner.search import candidates, evaluate, search
 from hlat.planner.timing import collective, step_time

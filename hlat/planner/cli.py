@@ -155,9 +155,10 @@ def _show(args: argparse.Namespace, work: Workload, hw: HardwareProfile, plans: 
     console.width = max(console.width, 104)  # one line per layout, numbers unclipped
     devices = args.nodes * hw.devices_per_node
     price = f"{args.price.replace('_', '-')} price"
-    table = Table(title=f"{work.model.preset or work.model.family} on {args.nodes} x {hw.name} ({devices:,} devices): "
-                        f"seq {work.seq_len}, batch {work.global_batch} ({work.tokens_per_step / 1e6:.2f}M tokens), "
-                        f"{work.precision}", caption=f"{note}. Factors: {hw.fit.source}.", box=box.SIMPLE_HEAD)
+    table = Table(title=f"{work.model.preset or work.model.family} on {args.nodes} x {hw.name} ({devices:,} "
+                        f"device{'s' if devices > 1 else ''}): seq {work.seq_len}, batch {work.global_batch} "
+                        f"({_si(work.tokens_per_step)} tokens), {work.precision}",
+                  caption=f"{note}. Factors: {hw.fit.source}.", box=box.SIMPLE_HEAD)
     show_nodes = any(p.nodes != args.nodes for p in plans)
     for col in ("#", "layout", *(["nodes"] if show_nodes else []), "GiB", "s/step", "tok/s", "MFU", "tok/$"):
         table.add_column(col, justify="left" if col == "layout" else "right", no_wrap=True)
