@@ -2,6 +2,7 @@
 
 import json
 import logging
+from collections import Counter
 import sysconfig
 from pathlib import Path
 
@@ -208,7 +209,7 @@ def test_build_stream_with_a_trained_tokenizer(tmp_path):
     docs = [f"def f{i}(x):\n    return x + {i}\n" for i in range(50)]
     files = [jsonl(tmp_path / "code.jsonl", docs), write(tmp_path / "notes.md", "# Notes\n\nSome prose. " * 20)]
     tok = train_bpe(iter(docs), 300)
-    cfg = DataConfig(seed=1, shuffle_files=False)
+    cfg = DataConfig(seed=1, shuffle_files=False, shuffle_rows=0)
     inputs, targets = next(build_stream(cfg, tok, files, seq_len=32, batch_size=4))
     assert inputs.shape == (4, 32) and int(inputs.max()) < tok.vocab_size
     assert torch.equal(inputs[:, 1:], targets[:, :-1]) and torch.equal(inputs[1:, 0], targets[:-1, -1])
@@ -226,3 +227,30 @@ def test_config_validation(data, message):
     with pytest.raises(ConfigError, match=message):
         update(DataConfig(), data, "data.").validate()
     assert update(DataConfig(), {"paths": ["x/*.jsonl"], "seed": 3}, "data.").validate().seed == 3
+
+
+def test_row_shuffle_mixes_and_resumes_exactly(tmp_path):
+    from hlat.data.packing import RowShuffle
+
+    files = [jsonl(tmp_path / f"{i}.jsonl", [f"file {i} doc {j} " * 3 for j in range(20)]) for i in range(4)]
+
+    def stream():
+        return RowShuffle(PackedStream(files, CharTokenizer(), seq_len=8, batch_size=1, shuffle_files=False),
+                          pool_rows=16, batch_size=4, seed=3)
+
+    plain = PackedStream(files, CharTokenizer(), seq_len=8, batch_size=1, shuffle_files=False)
+    plain_rows = [torch.cat([x[0], y[0, -1:]]).tolist() for x, y in take(plain, 16 + 40)]
+    batches = take(stream(), 10)
+    shuffled_rows = [torch.cat([x, y[:, -1:]], 1).tolist() for x, y in batches]
+    emitted = [row for rows in shuffled_rows for row in rows]
+    assert emitted != plain_rows[:40]  # mixed...
+    emitted_count, plain_count = Counter(map(tuple, emitted)), Counter(map(tuple, plain_rows))
+    assert not emitted_count - plain_count  # ...and never repeated: each row of the stream at most once
+    for k in (1, 4, 7):
+        s = stream()
+        take(s, k)
+        state = json.loads(json.dumps(s.state_dict()))
+        restored = stream()
+        restored.load_state_dict(state)
+        for (x, y), (x2, y2) in zip(batches[k:], take(restored, 10 - k)):
+            assert torch.equal(x, x2) and torch.equal(y, y2)

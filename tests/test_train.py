@@ -18,9 +18,9 @@ TINY = {"preset": "tiny", "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 
         "vocab_size": 512}
 
 
-def config(run_dir: Path, **train):
+def config(run_dir: Path, decay_steps=8, **train):
     data = {"model": dict(TINY), "data": {"paths": [CORPUS]},
-            "optim": {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 2, "decay_steps": 8},
+            "optim": {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 2, "decay_steps": decay_steps},
             "train": {"steps": 8, "global_batch": 4, "micro_batch": 2, "seq_len": 32, "log_every": 1,
                       "run_dir": str(run_dir), **train}}
     return build_config(data)
@@ -48,14 +48,15 @@ def test_resume_is_bit_exact(tmp_path):
 
 
 def test_metrics_and_learning(tmp_path):
-    cfg = config(tmp_path / "run", steps=30, ckpt_every=10, keep_checkpoints=2)
+    cfg = config(tmp_path / "run", decay_steps=30, steps=30, ckpt_every=10, keep_checkpoints=2,
+                 global_batch=16, micro_batch=8, seq_len=64)
     summary = train(cfg)
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 31))
     for key in ("loss", "grad_norm", "lr", "tokens_seen", "tokens_per_s", "step_time_s", "mfu", "peak_memory_gb"):
         assert all(r[key] is not None for r in records), key
-    assert records[-1]["tokens_seen"] == 30 * 4 * 32 == summary.tokens_seen
-    assert summary.last_loss < 0.8 * summary.first_loss
+    assert records[-1]["tokens_seen"] == 30 * 16 * 64 == summary.tokens_seen
+    assert summary.last_loss < 0.85 * summary.first_loss  # from ln(512) = 6.24 to below the unigram entropy
     assert [s for s, _ in complete_checkpoints(tmp_path / "run")] == [20, 30]  # keep_checkpoints prunes
     assert (tmp_path / "run" / "tokenizer.json").is_file()
 
@@ -97,4 +98,4 @@ def test_empty_corpus_is_an_error(tmp_path, capsys):
     cfg_file = tmp_path / "c.toml"
     cfg_file.write_text(config(tmp_path / "run").to_toml())
     assert main(["train", "--config", str(cfg_file), "--data.paths", str(tmp_path / "blank.txt")]) == 2
-    assert "no usable text" in capsys.readouterr().err.lower()
+    assert "no documents" in capsys.readouterr().err

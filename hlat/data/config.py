@@ -17,6 +17,7 @@ class DataConfig:
     tokenizer: str = ""
     tokenizer_sample_bytes: int = 3_000_000  # how much text that BPE is trained on
     shuffle_files: bool = True
+    shuffle_rows: int = 1024  # rows mixed in a pool so one long file does not fill whole batches; 0 = off
     seed: int = 0
 
     def validate(self) -> "DataConfig":
@@ -30,6 +31,8 @@ class DataConfig:
             raise bad("text_field", "must name a JSONL field, got an empty string")
         if self.tokenizer_sample_bytes <= 0:
             raise bad("tokenizer_sample_bytes", f"must be positive, got {self.tokenizer_sample_bytes}")
+        if self.shuffle_rows < 0:
+            raise bad("shuffle_rows", f"must be >= 0, got {self.shuffle_rows}")
         if self.seed < 0:
             raise bad("seed", f"must be >= 0, got {self.seed}")
         return self

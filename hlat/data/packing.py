@@ -134,6 +134,50 @@ class PackedStream:
         return chunk[:-1].view(B, S), chunk[1:].view(B, S).clone()
 
 
+class RowShuffle:
+    """Draws rows at random from a pool of `pool_rows` packed rows, refilling each drawn slot from the stream.
+
+    A packed stream emits a long file as many consecutive rows; without mixing, whole batches (and their loss)
+    come from one file. The pool, the RNG state and the inner stream's position make up the resumable state.
+    """
+
+    def __init__(self, rows: PackedStream, pool_rows: int, batch_size: int, seed: int = 0):
+        if rows.batch_size != 1:
+            raise ValueError("RowShuffle reads its stream one row at a time (batch_size 1)")
+        self.rows, self.pool_rows, self.batch_size, self.seed = rows, pool_rows, batch_size, seed
+        self._pool: list[torch.Tensor] = []
+        self._rng = random.Random(seed)
+
+    def state_dict(self) -> dict:
+        version, internal, gauss = self._rng.getstate()
+        return {"rows": self.rows.state_dict(), "pool": [row.tolist() for row in self._pool],
+                "rng": [version, list(internal), gauss]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rows.load_state_dict(state["rows"])
+        self._pool = [torch.tensor(row, dtype=torch.long) for row in state["pool"]]
+        version, internal, gauss = state["rng"]
+        self._rng.setstate((version, tuple(internal), gauss))
+
+    def _next_row(self) -> torch.Tensor:
+        inputs, targets = next(self.rows)
+        return torch.cat([inputs[0], targets[0, -1:]])
+
+    def __iter__(self) -> "RowShuffle":
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        while len(self._pool) < self.pool_rows:
+            self._pool.append(self._next_row())
+        batch = []
+        for _ in range(self.batch_size):
+            i = self._rng.randrange(self.pool_rows)
+            batch.append(self._pool[i])
+            self._pool[i] = self._next_row()
+        rows = torch.stack(batch)
+        return rows[:, :-1], rows[:, 1:]
+
+
 def build_stream(
     cfg: DataConfig,
     tokenizer: Tokenizer,
@@ -142,15 +186,17 @@ def build_stream(
     batch_size: int,
     rank: int = 0,
     world_size: int = 1,
-) -> PackedStream:
-    return PackedStream(
+) -> PackedStream | RowShuffle:
+    """The configured stream of (inputs, targets) batches: packed rows, mixed in a pool unless shuffle_rows is 0."""
+    rows = PackedStream(
         files,
         tokenizer,
         seq_len,
-        batch_size,
+        1 if cfg.shuffle_rows else batch_size,
         text_field=cfg.text_field,
         seed=cfg.seed,
         shuffle_files=cfg.shuffle_files,
         rank=rank,
         world_size=world_size,
     )
+    return RowShuffle(rows, cfg.shuffle_rows, batch_size, seed=cfg.seed) if cfg.shuffle_rows else rows

@@ -69,6 +69,11 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
 
 
+def format_duration(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
 class StopRequest:
     """SIGTERM/SIGINT ask the loop to checkpoint and stop after the current step instead of dying mid-step."""
 
@@ -129,14 +134,16 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
     losses: list[float] = []
     step, saved = start, None
     run_start = interval_start = time.perf_counter()
-    interval_tokens = 0
+    interval_tokens = interval_steps = 0
+    interval_loss = torch.zeros((), device=device)
 
     def checkpoint(at: int) -> Path:
         trainer_state = {"step": at, "data": stream.state_dict(), "rng": rng_state()}
         return save_checkpoint(run_dir, at, model, optimizer, trainer_state, cfg.to_toml(), tc.keep_checkpoints)
 
     console.print(f"training {cfg.model.preset or cfg.model.family} ({sum(p.numel() for p in model.parameters()):,} "
-                  f"parameters) on {device}, {tc.steps} steps of {tokens_per_step:,} tokens, run dir {run_dir}")
+                  f"parameters) on {device}, {tc.steps} steps of {tokens_per_step:,} tokens, run dir {run_dir}",
+                  soft_wrap=True, highlight=False)
     with StopRequest().installed() as stop:
         while step < tc.steps:
             lr = lr_at(step, cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup_steps, decay_steps)
@@ -156,23 +163,28 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
             optimizer.zero_grad(set_to_none=True)
             step += 1
             interval_tokens += tokens_per_step
-
-            if step % tc.log_every == 0 or step == tc.steps or stop.requested:
-                loss_value = loss_sum.item()
+            interval_loss += loss_sum
+            interval_steps += 1
+            if step % tc.log_every == 0 or step in (start + 1, tc.steps) or stop.requested:
+                loss_value = (interval_loss / interval_steps).item()  # mean over the steps since the last log
                 now = time.perf_counter()
                 tokens_per_s = interval_tokens / (now - interval_start)
+                step_time = (now - interval_start) / interval_steps
                 record = {
                     "step": step, "loss": loss_value, "grad_norm": grad_norm.item(), "lr": lr,
                     "tokens_seen": step * tokens_per_step, "tokens_per_s": round(tokens_per_s, 1),
-                    "step_time_s": round((now - interval_start) * tokens_per_step / interval_tokens, 4),
+                    "step_time_s": round(step_time, 4),
                     "mfu": round(flops_per_token * tokens_per_s / peak, 5) if peak else None,
                     "peak_memory_gb": round(peak_memory_gb(device), 3),
                 }
                 metrics.write(record)
                 losses.append(loss_value)
-                console.print(f"step {step:>6}/{tc.steps}  loss {loss_value:7.4f}  grad_norm {record['grad_norm']:.3f}  "
-                              f"lr {lr:.2e}  {tokens_per_s:>9,.0f} tok/s  mfu {record['mfu'] or 0:.2%}")
-                interval_start, interval_tokens = now, 0
+                eta = format_duration(step_time * (tc.steps - step))
+                console.print(f"step {step:>6}/{tc.steps}  loss {loss_value:7.4f}  grad_norm {record['grad_norm']:6.3f}  "
+                              f"lr {lr:.2e}  {tokens_per_s:>9,.0f} tok/s  mfu {record['mfu'] or 0:6.2%}  eta {eta}",
+                              soft_wrap=True, highlight=False)
+                interval_start, interval_tokens, interval_steps = now, 0, 0
+                interval_loss = torch.zeros((), device=device)
             if (tc.ckpt_every and step % tc.ckpt_every == 0) or step == tc.steps or stop.requested:
                 saved = checkpoint(step)
             if stop.requested:

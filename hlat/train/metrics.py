@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-# Peak dense bf16 FLOP/s per device (vendor figures; dense, no sparsity). The CPU entry is a nominal
-# figure (cores x 2.5 GHz x 32 fp32 FLOP/cycle with AVX2 FMA), only meant to make CPU MFU comparable.
+# Peak dense bf16 FLOP/s per device (vendor figures; dense, no sparsity). CPUs get a nominal figure (cores x
+# 2.5 GHz x fp32 FLOP/cycle of two FMA units: 64 with AVX-512, 32 with AVX2), only to make CPU MFU comparable.
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12}
 
 
@@ -21,7 +21,14 @@ def peak_flops(device: torch.device, configured: float) -> float:
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         return next((v for k, v in PEAK_FLOPS.items() if k in name), 0.0)
-    return (os.cpu_count() or 1) * 2.5e9 * 32
+    return (os.cpu_count() or 1) * 2.5e9 * (64 if _has_avx512() else 32)
+
+
+def _has_avx512() -> bool:
+    try:
+        return "avx512f" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
 
 
 def peak_memory_gb(device: torch.device) -> float:
