@@ -208,9 +208,10 @@ def test_cli_given_layout_and_table(capsys, tmp_path):
     assert run(plan_args("--model", "llama2-70b", "--hardware", "trn1.32xlarge", "--nodes", "64", "--seq-len",
                          "4096", "--tp", "32", "--pp", "8", "--zero1")) == 0
     assert "TP32 PP8 DP8" in capsys.readouterr().out
+    emit = tmp_path / "never.toml"
     assert run(plan_args("--model", "llama2-70b", "--hardware", "trn1.32xlarge", "--nodes", "64", "--seq-len",
-                         "4096", "--tp", "8", "--recompute", "none")) == 1  # does not fit: says so, exits 1
-    assert "does not fit" in capsys.readouterr().out
+                         "4096", "--tp", "8", "--recompute", "none", "--emit", str(emit))) == 1
+    assert "does not fit" in capsys.readouterr().out and not emit.exists()  # says so, exits 1, writes nothing
     config = tmp_path / "model.toml"
     config.write_text('[model]\npreset = "tiny"\nn_layers = 6\n[train]\nseq_len = 512\nglobal_batch = 16\n')
     assert run(plan_args("--model", str(config), "--hardware", "cpu")) == 0

@@ -64,8 +64,9 @@ def run(args: argparse.Namespace) -> int:
     work = _workload(args)
     price = hw.price(args.price)
     if any(getattr(args, f) not in (None, False) for f in LAYOUT_FLAGS):
-        plan = evaluate(work, _given_layout(args, work, hw), hw, args.nodes, price)
-        _show(args, work, hw, [plan], f"layout given, {plan.layout.describe()}")
+        plan = evaluate(work, _given_layout(args, hw), hw, args.nodes, price)
+        _show(args, work, hw, [plan], f"layout given, {plan.layout.describe()}",
+              args.emit if plan.memory.fits else None)
         if not plan.memory.fits:
             print(f"does not fit: {plan.memory.shortfall()}")
             return 1
@@ -79,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         raise HlatError(f"no layout of {work.model.preset or 'the model'} fits {args.nodes} x {hw.name}{why}")
     _show(args, work, hw, result.plans[:args.top],
           f"{result.considered:,} layouts considered in {result.seconds:.2f} s, {len(result.plans):,} fit; "
-          f"within {args.tolerance:.0%} of the best counts as equal, simplest first")
+          f"within {args.tolerance:.0%} of the best counts as equal, simplest first", args.emit)
     return 0
 
 
@@ -107,7 +108,7 @@ def _workload(args: argparse.Namespace) -> Workload:
     return Workload(model, seq_len, batch, precision)
 
 
-def _given_layout(args: argparse.Namespace, work: Workload, hw: HardwareProfile) -> Layout:
+def _given_layout(args: argparse.Namespace, hw: HardwareProfile) -> Layout:
     tp, pp, shard = args.tp or 1, args.pp or 1, args.dp_shard or 1
     devices = args.nodes * hw.devices_per_node
     if devices % (tp * pp * shard):
@@ -134,13 +135,15 @@ def _row(plan: Plan, tokens: float) -> dict:
     }
 
 
-def _show(args: argparse.Namespace, work: Workload, hw: HardwareProfile, plans: list[Plan], note: str) -> None:
-    if args.emit:
+def _show(args: argparse.Namespace, work: Workload, hw: HardwareProfile, plans: list[Plan], note: str,
+          emit: str | None) -> None:
+    """Print the plans (a table, or JSON with --json); write the first as config tables to `emit`."""
+    if emit:
         best = plans[0]
         header = (f"# hlat plan: {work.model.preset or work.model.family} on {best.nodes} x {hw.name}: "
                   f"{best.layout.describe()}, predicted {best.time.total:.3g} s/step, "
                   f"{best.tokens_per_s:,.0f} tokens/s, {best.memory.total / GIB:.1f} GiB/device\n")
-        Path(args.emit).write_text(header + to_toml(best.layout.config_sections(work)))
+        Path(emit).write_text(header + to_toml(best.layout.config_sections(work)))
     if args.json:
         print(json.dumps({"model": work.model.preset, "hardware": hw.name, "nodes": args.nodes,
                           "seq_len": work.seq_len, "global_batch": work.global_batch, "precision": work.precision,
@@ -178,8 +181,8 @@ def _show(args: argparse.Namespace, work: Workload, hw: HardwareProfile, plans: 
     console.print(f"#1 memory {m.total / GIB:.1f} of {m.capacity / GIB:.0f} GiB = weights {m.weights / GIB:.1f} "
                   f"+ grads {m.grads / GIB:.1f} + optimizer {m.optimizer / GIB:.1f} + activations "
                   f"{m.activations / GIB:.1f} + FSDP buffers {m.buffers / GIB:.1f} + overhead {m.overhead / GIB:.1f}")
-    if args.emit:
-        console.print(f"wrote {args.emit}")
+    if emit:
+        console.print(f"wrote {emit}")
 
 
 def _si(x: float) -> str:

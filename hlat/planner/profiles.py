@@ -8,15 +8,15 @@ on relative errors, solved here exactly without numpy.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 import statistics
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from hlat import HlatError
 from hlat.config import ConfigError, load_toml, to_toml, update
+from hlat.planner.layout import Layout, Workload
 
 HARDWARE_DIR = Path(__file__).resolve().parents[2] / "hardware"
 
@@ -31,10 +31,6 @@ class Fit:
     inter_factor: float = 1.0  # inter-node collectives and transfers, measured / nominal time
     dp_factor: float = 1.0  # data-parallel gradient reduction: exposed (not overlapped) share / link efficiency
     source: str = "defaults, not fitted"
-
-    @property
-    def compute_efficiency(self) -> float:
-        return 1.0 / self.flops_factor if self.flops_factor else float("inf")
 
 
 FACTORS = ("flops_factor", "layer_overhead_ms", "intra_factor", "inter_factor", "dp_factor")
@@ -74,7 +70,7 @@ class HardwareProfile:
         return {"on_demand": self.price_on_demand, "reserved": self.price_reserved}[kind]
 
     def to_toml(self) -> str:
-        return to_toml(dataclasses.asdict(self))
+        return to_toml(asdict(self))
 
 
 def profile_names() -> list[str]:
@@ -102,8 +98,8 @@ class Sample:
     """One measured step: what ran, where, and how long it took."""
 
     name: str
-    workload: object  # hlat.planner.layout.Workload
-    layout: object  # hlat.planner.layout.Layout
+    workload: Workload
+    layout: Layout
     hardware: HardwareProfile
     step_s: float
     group: str = ""
