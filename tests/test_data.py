@@ -51,7 +51,8 @@ def expected_tokens(docs: list[str]) -> list[int]:
 
 
 def take(stream, n):
-    return [next(stream) for _ in range(n)]
+    """n batches as (inputs, targets) pairs."""
+    return [(b["inputs"], b["targets"]) for b in (next(stream) for _ in range(n))]
 
 
 def flatten(batches) -> list[int]:
@@ -177,7 +178,7 @@ def test_exact_resume(tmp_path, corpus):
         resumed.load_state_dict(states[k - 1])
         for expected in reference[k:]:
             got = next(resumed)
-            assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+            assert all(torch.equal(got[key], expected[key]) for key in ("inputs", "targets"))
         # nothing consumed before the state is tokenized again: the restored stream encodes exactly
         # what the uninterrupted one encoded after that point
         assert tok.encoded == full_tok.encoded[encoded_before[k - 1] :]
@@ -210,7 +211,7 @@ def test_build_stream_with_a_trained_tokenizer(tmp_path):
     files = [jsonl(tmp_path / "code.jsonl", docs), write(tmp_path / "notes.md", "# Notes\n\nSome prose. " * 20)]
     tok = train_bpe(iter(docs), 300)
     cfg = DataConfig(seed=1, shuffle_files=False, shuffle_rows=0)
-    inputs, targets = next(build_stream(cfg, tok, files, seq_len=32, batch_size=4))
+    (inputs, targets), = take(build_stream(cfg, tok, files, seq_len=32, batch_size=4), 1)
     assert inputs.shape == (4, 32) and int(inputs.max()) < tok.vocab_size
     assert torch.equal(inputs[:, 1:], targets[:, :-1]) and torch.equal(inputs[1:, 0], targets[:-1, -1])
     first_eos = inputs.flatten().tolist().index(tok.eos_id)

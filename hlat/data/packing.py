@@ -26,7 +26,7 @@ CHARS_PER_TOKEN = 4  # rough, only sizes each read-ahead to about what the next 
 
 
 class PackedStream:
-    """Endless (inputs, targets) LongTensor batches of shape [batch_size, seq_len]; targets = inputs shifted by 1.
+    """Endless batches {"inputs", "targets"} of LongTensors [batch_size, seq_len]; targets = inputs shifted by 1.
 
     `state_dict()` after k batches restores a stream whose next batch is batch k+1 of the uninterrupted
     stream. The state holds the epoch, the next document's position (file index in the epoch's order,
@@ -120,7 +120,7 @@ class PackedStream:
     def __iter__(self) -> "PackedStream":
         return self
 
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def __next__(self) -> dict[str, torch.Tensor]:
         B, S = self.batch_size, self.seq_len
         while len(self._buffer) < B * S + 1:
             missing = B * S + 1 - len(self._buffer)
@@ -131,7 +131,7 @@ class PackedStream:
         chunk = torch.tensor(self._buffer[: B * S + 1], dtype=torch.long)
         del self._buffer[: B * S]  # keep the shared token: it starts the next row
         # targets get their own storage, so masking them in place cannot change the inputs
-        return chunk[:-1].view(B, S), chunk[1:].view(B, S).clone()
+        return {"inputs": chunk[:-1].view(B, S), "targets": chunk[1:].view(B, S).clone()}
 
 
 class RowShuffle:
@@ -160,13 +160,13 @@ class RowShuffle:
         self._rng.setstate((version, tuple(internal), gauss))
 
     def _next_row(self) -> torch.Tensor:
-        inputs, targets = next(self.rows)
-        return torch.cat([inputs[0], targets[0, -1:]])
+        batch = next(self.rows)
+        return torch.cat([batch["inputs"][0], batch["targets"][0, -1:]])
 
     def __iter__(self) -> "RowShuffle":
         return self
 
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def __next__(self) -> dict[str, torch.Tensor]:
         while len(self._pool) < self.pool_rows:
             self._pool.append(self._next_row())
         batch = []
@@ -175,7 +175,7 @@ class RowShuffle:
             batch.append(self._pool[i])
             self._pool[i] = self._next_row()
         rows = torch.stack(batch)
-        return rows[:, :-1], rows[:, 1:]
+        return {"inputs": rows[:, :-1], "targets": rows[:, 1:]}
 
 
 def build_stream(
@@ -187,7 +187,7 @@ def build_stream(
     rank: int = 0,
     world_size: int = 1,
 ) -> PackedStream | RowShuffle:
-    """The configured stream of (inputs, targets) batches: packed rows, mixed in a pool unless shuffle_rows is 0."""
+    """The configured stream of {"inputs", "targets"} batches: packed rows, mixed in a pool unless shuffle_rows is 0."""
     rows = PackedStream(
         files,
         tokenizer,

@@ -151,9 +151,10 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
                 group["lr"] = lr
             loss_sum = torch.zeros((), device=device)
             for _ in range(grad_accum):
-                inputs, targets = (t.to(device, non_blocking=True) for t in next(stream))
+                batch = {k: t.to(device, non_blocking=True) for k, t in next(stream).items()}
+                targets = batch.pop("targets")
                 with autocast:
-                    logits = model(inputs)
+                    logits = model(batch.pop("inputs"), **batch)  # extra keys (positions...) go to the model
                 loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) / grad_accum
                 loss.backward()
                 loss_sum += loss.detach()
