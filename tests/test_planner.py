@@ -156,7 +156,7 @@ def test_candidates_are_valid_and_ties_rank_the_simplest_first():
     assert all(a.tokens_per_s >= b.tokens_per_s for a, b in zip(exact, exact[1:]))
     tied = search(work, TRN1, 4, tolerance=0.05).plans
     assert tied[0].tokens_per_s >= 0.95 * exact[0].tokens_per_s
-    assert (tied[0].layout.pp, tied[0].layout.tp) <= (exact[0].layout.pp, exact[0].layout.tp)
+    assert (tied[0].layout.pp, tied[0].layout.virtual_stages) <= (exact[0].layout.pp, exact[0].layout.virtual_stages)
 
 
 @pytest.mark.parametrize("hardware", ["trn1.32xlarge", "p4d.24xlarge"])

@@ -110,10 +110,9 @@ class SearchResult:
 
 
 def simplicity(plan: Plan) -> tuple:
-    """Fewer pipeline stages, no interleaving, less tensor parallelism, less recomputation, less memory."""
+    """Fewer pipeline stages, no interleaving, less recomputation, then more memory left free."""
     layout = plan.layout
-    return (layout.pp, layout.virtual_stages, layout.tp, RECOMPUTE.index(layout.activation_checkpoint),
-            plan.memory.total)
+    return layout.pp, layout.virtual_stages, RECOMPUTE.index(layout.activation_checkpoint), plan.memory.total
 
 
 def search(work: Workload, hw: HardwareProfile, nodes: int, objective: str = "tokens_per_s",
