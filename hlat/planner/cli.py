@@ -155,27 +155,25 @@ def _show(args: argparse.Namespace, work: Workload, hw: HardwareProfile, plans: 
     from rich.table import Table
 
     console = Console()
-    console.width = max(console.width, 104)  # one line per layout, numbers unclipped
+    console.width = max(console.width, 120)  # one line per layout, numbers unclipped
     devices = args.nodes * hw.devices_per_node
-    price = f"{args.price.replace('_', '-')} price"
+    budget = f"{args.tokens / 1e12:g}T"
     table = Table(title=f"{work.model.preset or work.model.family} on {args.nodes} x {hw.name} ({devices:,} "
                         f"device{'s' if devices > 1 else ''}): seq {work.seq_len}, batch {work.global_batch} "
-                        f"({_si(work.tokens_per_step)} tokens), {work.precision}",
-                  caption=f"{note}. Factors: {hw.fit.source}.", box=box.SIMPLE_HEAD)
+                        f"({_si(work.tokens_per_step)} tokens), {work.precision}, {args.price.replace('_', '-')} "
+                        "price", caption=f"{note}. Factors: {hw.fit.source}.", box=box.SIMPLE_HEAD)
     show_nodes = any(p.nodes != args.nodes for p in plans)
-    for col in ("#", "layout", *(["nodes"] if show_nodes else []), "GiB", "s/step", "tok/s", "MFU", "tok/$"):
+    for col in ("#", "layout", *(["nodes"] if show_nodes else []), "GiB", "s/step", "tok/s", "MFU", "tok/$",
+                f"days/{budget}", f"$/{budget}"):
         table.add_column(col, justify="left" if col == "layout" else "right", no_wrap=True)
     for i, p in enumerate(plans, 1):
+        days, dollars = p.budget(args.tokens)
         table.add_row(str(i), p.layout.describe(), *([str(p.nodes)] if show_nodes else []),
                       f"{p.memory.total / GIB:.1f}", f"{p.time.total:.3g}", _si(p.tokens_per_s), f"{p.mfu:.1%}",
-                      _si(p.tokens_per_dollar) if p.tokens_per_dollar else "-")
+                      _si(p.tokens_per_dollar) if p.tokens_per_dollar else "-", f"{days:,.1f}",
+                      f"${_si(dollars)}" if dollars else "-")
     console.print(table)
-    best = plans[0]
-    t, m = best.time, best.memory
-    days, dollars = best.budget(args.tokens)
-    cost = f" for ${dollars / 1e6:,.2f}M ({price})" if dollars else ""
-    console.print(f"#1 trains {args.tokens / 1e12:g}T tokens in {days:,.1f} days{cost} on {best.nodes} "
-                  f"node{'s' if best.nodes > 1 else ''}.")
+    t, m = plans[0].time, plans[0].memory
     console.print(f"#1 step {t.total:.3g} s = compute {t.compute:.3g} + TP {t.tp_comm:.3g} + PP {t.pp_comm:.3g} "
                   f"+ bubble {t.bubble:.3g} + DP {t.dp_comm:.3g} + optimizer {t.optimizer:.2g}")
     console.print(f"#1 memory {m.total / GIB:.1f} of {m.capacity / GIB:.0f} GiB = weights {m.weights / GIB:.1f} "
