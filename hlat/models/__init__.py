@@ -25,8 +25,9 @@ def build_model(cfg: ModelConfig, device: torch.device | str = "meta") -> nn.Mod
     return model if torch.device(device).type == "meta" else materialize(model, device)
 
 
-def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
-    """Allocate the (meta) model's storage on `device` and initialise every weight and the rope table."""
+def materialize(model: nn.Module, device: torch.device | str, seed: int = 0) -> nn.Module:
+    """Allocate the (meta) model's storage on `device` and initialise every weight and the rope table; the
+    weights depend only on `seed`, not on how the model was split or sharded before this call."""
     import torch
 
     model.to_empty(device=device)
@@ -34,7 +35,7 @@ def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
     if model.cfg.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
         model.output.weight = model.tok_embeddings.weight
     with torch.no_grad():
-        model.init_weights()
+        model.init_weights(seed)
     return model
 
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+import zlib
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from hlat.models.config import ModelConfig
 
@@ -51,6 +53,8 @@ class Attention(nn.Module):
         q = self.wq(x).unflatten(-1, (-1, self.head_dim))
         k = self.wk(x).unflatten(-1, (-1, self.head_dim))
         v = self.wv(x).unflatten(-1, (-1, self.head_dim))
+        if rope.dim() == 3:  # the whole table: the first seq_len positions
+            rope = rope[: q.shape[1]]
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
@@ -81,18 +85,38 @@ class GeluMLP(nn.Module):
 OUTPUT_PROJECTIONS = ("wo", "w2")  # written into the residual stream: initialised with a smaller std
 
 
-def init_block(block: nn.Module, cfg: ModelConfig) -> None:
-    """Normal(0, init_std) weights, residual output projections scaled by 1/sqrt(2 n_layers), zero biases,
-    unit norms (HLAT: std 0.021)."""
-    out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
-    for name, module in block.named_modules():
-        if isinstance(module, nn.Linear):
-            std = out_std if name.rsplit(".", 1)[-1] in OUTPUT_PROJECTIONS else cfg.init_std
-            nn.init.normal_(module.weight, std=std)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
-            module.reset_parameters()
+def initial_value(param: torch.Tensor, name: str, std: float, seed: int) -> torch.Tensor:
+    """The full fp32 initial value of parameter `name`: normal(0, std), or ones/zeros for std 1.0/0.0.
+
+    Each parameter draws from its own generator seeded by (seed, name), not from the global RNG, so its value
+    does not depend on which other parameters a process holds: every parallel layout starts from the weights
+    a single process would have."""
+    full = torch.empty(param.shape, dtype=torch.float32)
+    if std in (0.0, 1.0):
+        return full.fill_(std)
+    generator = torch.Generator().manual_seed(seed * 2**32 + zlib.crc32(name.encode()))
+    return full.normal_(0.0, std, generator=generator)
+
+
+def fill_parameter(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy a full value into a parameter; a sharded (DTensor) parameter keeps only its own shard."""
+    if isinstance(param, DTensor):
+        # every rank computed the same full value, so each cuts its shard locally (src_data_rank=None: no comms)
+        value = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None).to_local()
+        param = param.to_local()
+    param.copy_(value)
+
+
+def init_std(cfg: ModelConfig, module_name: str, module: nn.Module, param_name: str) -> float:
+    """HLAT's init: normal(init_std) matrices and embeddings, residual output projections scaled by
+    1/sqrt(2 n_layers), zero biases, unit norm weights. 0.0 and 1.0 mean constant fills."""
+    if param_name == "bias":
+        return 0.0
+    if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+        return 1.0
+    if module_name.rsplit(".", 1)[-1] in OUTPUT_PROJECTIONS:
+        return cfg.init_std / math.sqrt(2 * cfg.n_layers)
+    return cfg.init_std
 
 
 class Block(nn.Module):
@@ -132,7 +156,9 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
-        rope = self.rope[: h.shape[1]] if positions is None else self.rope[positions]
+        # the whole table, cut to length inside attention: under sequence parallelism h holds only this
+        # rank's part of the sequence, while attention sees all of it
+        rope = self.rope if positions is None else self.rope[positions]
         for layer in self.layers.values():
             if layer is not None:
                 h = layer(h, rope)
@@ -141,14 +167,14 @@ class Transformer(nn.Module):
         return h if self.output is None else self.output(h)
 
     @torch.no_grad()
-    def init_weights(self) -> None:
-        cfg = self.cfg
-        self.rope.copy_(rope_table(cfg, device=self.rope.device))
-        for embedding in (self.tok_embeddings, self.output):
-            if embedding is not None:  # tied: the same matrix twice, initialised identically
-                nn.init.normal_(embedding.weight, std=cfg.init_std)
-        for layer in self.layers.values():
-            if layer is not None:
-                init_block(layer, cfg)
-        if self.norm is not None:
-            self.norm.reset_parameters()
+    def init_weights(self, seed: int = 0) -> None:
+        """Rebuild the rope table and initialise every parameter this module holds (see `initial_value`)."""
+        self.rope.copy_(rope_table(self.cfg, device=self.rope.device))
+        done: set[int] = set()  # a tied output matrix is the embedding: initialise it once
+        for module_name, module in self.named_modules():
+            for param_name, param in module.named_parameters(recurse=False):
+                if id(param) not in done:
+                    done.add(id(param))
+                    name = f"{module_name}.{param_name}"
+                    std = init_std(self.cfg, module_name, module, param_name)
+                    fill_parameter(param, initial_value(param, name, std, seed))
