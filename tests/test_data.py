@@ -1,19 +1,30 @@
-"""Data path: corpus resolution, document reading, packing and exact resume."""
+"""Data path: sources and formats, bad input, packing, mixing, sharding and exact resume."""
 
+import gzip
 import json
 import logging
-from collections import Counter
+import random
+import string
 import sysconfig
+from collections import Counter
+from itertools import accumulate
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
+import zstandard
 
 from hlat import HlatError
 from hlat.config import ConfigError, update
 from hlat.data.config import DataConfig
-from hlat.data.packing import PackedStream, build_stream
-from hlat.data.sources import default_corpus, iter_documents, resolve_paths, skipped
+from hlat.data.packing import PROBE, build_stream
+from hlat.data.rounds import best_fit
+from hlat.data.sources import (
+    Split, default_corpus, iter_documents, make_splits, read_split, resolve_data_files, resolve_paths,
+    resolve_sources, skipped,
+)
 from hlat.data.tokenizer import train_bpe
 
 EOS = 0
@@ -42,26 +53,53 @@ def write(path: Path, text: str) -> Path:
     return path
 
 
+def lines(docs: list[str]) -> bytes:
+    return "".join(json.dumps({"text": d}) + "\n" for d in docs).encode()
+
+
 def jsonl(path: Path, docs: list[str]) -> Path:
-    return write(path, "".join(json.dumps({"text": d}) + "\n" for d in docs))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(lines(docs))
+    return path
 
 
-def expected_tokens(docs: list[str]) -> list[int]:
-    return [t for d in docs for t in [ord(c) + 1 for c in d] + [EOS]]
+def stream(files, seq_len=16, batch_size=2, tok=None, **cfg):
+    """A stream over `files` in file order, without the row pool unless asked for."""
+    cfg = DataConfig(**{"shuffle_files": False, "shuffle_rows": 0, "workers": 0, **cfg})
+    return build_stream(cfg, tok or CharTokenizer(), files, seq_len, batch_size)
 
 
-def take(stream, n):
-    """n batches as (inputs, targets) pairs."""
-    return [(b["inputs"], b["targets"]) for b in (next(stream) for _ in range(n))]
+def take(s, n):
+    return [next(s) for _ in range(n)]
 
 
-def flatten(batches) -> list[int]:
-    """The token stream the batches were cut from (each row repeats the previous row's last token)."""
+def rows_of(batches) -> list[list[int]]:
+    """The packed rows (seq_len + 1 tokens, padding as -1) the batches were made from."""
+    out = []
+    for b in batches:
+        for x, y in zip(b["inputs"].tolist(), b["targets"].tolist()):
+            out.append([x[0]] + [-1 if t == -100 else t for t in y])
+    return out
+
+
+def concat_tokens(batches) -> list[int]:
+    """The token stream concat rows were cut from (each row repeats the previous row's last token)."""
     tokens: list[int] = []
-    for inputs, targets in batches:
-        for x, y in zip(inputs.tolist(), targets.tolist()):
-            tokens.extend((x[1:] if tokens else x) + y[-1:])
+    for row in rows_of(batches):
+        tokens.extend(row[1:] if tokens else row)
     return tokens
+
+
+def docs_in(tokens) -> list[str]:
+    return CharTokenizer().decode(tokens).split("\0")
+
+
+def same(a, b) -> bool:
+    return len(a) == len(b) and all(x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+                                    for x, y in zip(a, b))
+
+
+# --- finding files ---------------------------------------------------------------------------------------
 
 
 def test_default_corpus_is_the_stdlib():
@@ -71,15 +109,21 @@ def test_default_corpus_is_the_stdlib():
     assert all(f.suffix == ".py" and f.resolve().is_relative_to(stdlib) for f in files)
     assert not any(part in ("site-packages", "dist-packages") for f in files for part in f.parts)
     assert stdlib / "json" / "decoder.py" in {f.resolve() for f in files}
+    assert resolve_data_files(DataConfig()) == files
 
 
 def test_resolve_paths(tmp_path):
     a = write(tmp_path / "d" / "a.txt", "a")
     b = write(tmp_path / "d" / "sub" / "b.py", "b")
     c = jsonl(tmp_path / "c.jsonl", ["c"])
+    z = tmp_path / "d" / "z.jsonl.zst"
+    z.write_bytes(zstandard.ZstdCompressor().compress(lines(["z"])))
     write(tmp_path / "d" / "ignored.bin", "x")
     files = resolve_paths([str(tmp_path / "d"), str(tmp_path / "*.jsonl"), str(a), str(tmp_path / "**" / "*.py")])
-    assert files == sorted([a.resolve(), b.resolve(), c.resolve()])
+    assert files == sorted([a.resolve(), b.resolve(), c.resolve(), z.resolve()])
+    # fsspec URLs pass through as strings
+    assert resolve_paths([f"file://{tmp_path}/*.jsonl"]) == [f"file://{c}"]
+    assert list(iter_documents(f"file://{c}")) == ["c"]
 
 
 @pytest.mark.parametrize("make, message", [
@@ -88,10 +132,79 @@ def test_resolve_paths(tmp_path):
     (lambda d: [str(write(d / "x.bin", "x"))], "unsupported file type '.*x.bin'"),
     (lambda d: [str(write(d / "empty.txt", ""))], "the corpus is empty"),
     (lambda d: [], "the corpus is empty"),
+    (lambda d: ["nosuchfs://bucket/x.jsonl"], "cannot open 'nosuchfs://bucket/x.jsonl'"),
 ])
 def test_resolve_paths_errors(tmp_path, make, message):
     with pytest.raises(HlatError, match=message):
         resolve_paths(make(tmp_path))
+
+
+def test_named_sources(tmp_path):
+    prose = jsonl(tmp_path / "prose" / "a.jsonl", ["p"])
+    web = jsonl(tmp_path / "web" / "b.jsonl", ["w"])
+    code = write(tmp_path / "code" / "c.py", "x = 1")
+    cfg = DataConfig(sources=[f"prose:0.7:{tmp_path}/prose", f"prose:0.7:{tmp_path}/web/*.jsonl",
+                              f"code:0.3:file://{tmp_path}/code/*.py"]).validate()
+    sources = resolve_sources(cfg)
+    assert [(s.name, s.weight, s.files) for s in sources] == [
+        ("prose", 0.7, [prose.resolve(), web.resolve()]), ("code", 0.3, [f"file://{code}"])]
+    assert resolve_data_files(cfg) == sorted([prose.resolve(), web.resolve(), f"file://{code}"], key=str)
+    with pytest.raises(HlatError, match="data source 'code': data.paths: no files match"):
+        resolve_sources(DataConfig(sources=[f"code:1:{tmp_path}/nothing/*.py"]))
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"tokenizer_sample_bytes": 0}, "data.tokenizer_sample_bytes: must be positive"),
+    ({"seed": -1}, "data.seed: must be >= 0"),
+    ({"workers": -1}, "data.workers: must be >= 0"),
+    ({"text_field": ""}, "data.text_field: must name a JSONL field"),
+    ({"paths": ["a", " "]}, r"data.paths\[1\]: empty path"),
+    ({"packing": "greedy"}, "data.packing: 'greedy' is not one of 'concat', 'best_fit'"),
+    ({"max_bad_fraction": 1.5}, r"data.max_bad_fraction: must be in \[0, 1\]"),
+    ({"sources": ["a:1:x"], "paths": ["y"]}, "set data.paths .* or data.sources .*, not both"),
+    ({"sources": ["a:x"]}, r"data.sources\[0\]: 'a:x' is not 'name:weight:path'"),
+    ({"sources": ["a:0:x"]}, "needs a name, a positive weight and a path"),
+    ({"sources": ["a:1:x", "a:2:y"]}, "source 'a' has two weights, 1.0 and 2.0"),
+])
+def test_config_validation(data, message):
+    with pytest.raises(ConfigError, match=message):
+        update(DataConfig(), data, "data.").validate()
+    assert update(DataConfig(), {"paths": ["x/*.jsonl"], "seed": 3}, "data.").validate().seed == 3
+
+
+# --- formats and bad input -------------------------------------------------------------------------------
+
+
+DOCS = [f"document {i}: " + "word " * (i % 7) for i in range(40)]
+
+
+def each_format(tmp_path, docs=DOCS) -> list[Path]:
+    """`docs` as JSONL, gzip and zstd JSONL, Parquet (4 row groups); and docs[0] as a text file."""
+    plain = jsonl(tmp_path / "d.jsonl", docs)
+    gz, zst, parquet = tmp_path / "d.jsonl.gz", tmp_path / "d.jsonl.zst", tmp_path / "d.parquet"
+    gz.write_bytes(gzip.compress(plain.read_bytes()))
+    zst.write_bytes(zstandard.ZstdCompressor().compress(plain.read_bytes()))
+    pq.write_table(pa.table({"id": list(range(len(docs))), "text": docs}), parquet, row_group_size=len(docs) // 4)
+    return [plain, gz, zst, parquet, write(tmp_path / "d.txt", docs[0])]
+
+
+def test_every_format_reads_and_resumes_from_any_record(tmp_path):
+    *record_files, text = each_format(tmp_path)
+    assert list(iter_documents(text)) == [DOCS[0]]
+    for f in record_files:
+        assert list(iter_documents(f)) == DOCS, f
+        records = list(read_split(Split(f, 0), (-1, 0), "text", 1000))
+        for k in (1, 17, 39):  # restarting from the cursor after record k gives the records after it
+            assert list(read_split(Split(f, 0), records[k - 1][2], "text", 1000)) == records[k:]
+
+
+def test_jsonl_splits_cover_every_line_once(tmp_path):
+    f = jsonl(tmp_path / "big.jsonl", DOCS)
+    splits = make_splits([f], world_size=4)  # a single file cut into line-aligned byte ranges
+    assert len(splits) >= 8 and sum(s.size for s in splits) == f.stat().st_size
+    got = [r for s in splits for r in read_split(s, (-1, 0), "text", 1000)]
+    assert [json.loads(r[0])["text"] for r in got] == DOCS
+    assert any(s.start and " byte " in where for s in splits for _, where, _ in read_split(s, (-1, 0), "text", 1000))
 
 
 def test_jsonl_bad_lines_are_skipped_and_counted(tmp_path, caplog):
@@ -104,154 +217,299 @@ def test_jsonl_bad_lines_are_skipped_and_counted(tmp_path, caplog):
         b'{"body": "wrong field"}\n'
         b'{"text": "  "}\n'
         b'["not an object"]\n'
+        b'{"text": "' + b"x" * 200 + b'"}\n'
         b'{"text": "second", "id": 7}\n'
     )
-    before = skipped.copy()
+    before = skipped.counts.copy()
     with caplog.at_level(logging.WARNING, logger="hlat.data.sources"):
-        assert list(iter_documents(path, "text")) == ["first", "second"]
-    delta = skipped - before
-    assert delta == {"malformed JSON": 1, "invalid UTF-8": 1, "no string field 'text'": 2, "empty document": 1}
-    assert f"{path}:2" in caplog.text
+        assert list(iter_documents(path, "text", max_bytes=100)) == ["first", "second"]
+    assert skipped.counts - before == {"malformed JSON": 1, "invalid UTF-8": 1, "no string field 'text'": 2,
+                                       "empty document": 1, "document over 100 bytes": 1}
+    assert f"{path}:2" in caplog.text and f"{path}:8" in caplog.text  # file and line of each first skip
     assert list(iter_documents(path, "body")) == ["wrong field"]
 
 
-def test_text_files_are_whole_documents(tmp_path):
-    text = write(tmp_path / "a.md", "# title\n\nbody\n")
-    bad = tmp_path / "b.txt"
-    bad.write_bytes(b"caf\xe9")
-    before = skipped["invalid UTF-8"]
-    assert list(iter_documents(text)) == ["# title\n\nbody\n"]
-    assert list(iter_documents(bad)) == [] and skipped["invalid UTF-8"] == before + 1
+def test_a_document_over_100_mb_is_skipped_without_holding_it(tmp_path):
+    path = tmp_path / "huge.jsonl"
+    with path.open("wb") as f:
+        f.write(lines(["before"]) + b'{"text": "')
+        for _ in range(101):
+            f.write(b"y" * (1 << 20))
+        f.write(b'"}\n' + lines(["after"]))
+    before = skipped.counts["document over 100000000 bytes"]
+    assert list(iter_documents(path)) == ["before", "after"]  # the default limit: 100 MB
+    assert skipped.counts["document over 100000000 bytes"] == before + 1
+    text = tmp_path / "huge.txt"
+    text.write_bytes(b"z" * 1001)
+    assert list(iter_documents(text, max_bytes=1000)) == []
 
 
-def test_batches_are_the_packed_token_stream(tmp_path):
+@pytest.mark.parametrize("suffix, compress", [(".jsonl.gz", gzip.compress),
+                                              (".jsonl.zst", zstandard.ZstdCompressor().compress)])
+def test_truncated_compressed_files_keep_what_came_before(tmp_path, suffix, compress):
+    rng = random.Random(0)  # incompressible enough that half the file holds whole blocks
+    docs = [f"doc {i} " + "".join(rng.choices(string.ascii_letters, k=50)) for i in range(10_000)]
+    data = compress(lines(docs))
+    path = tmp_path / f"cut{suffix}"
+    path.write_bytes(data[: len(data) // 2])
+    before = skipped.counts["truncated or corrupt file"]
+    got = list(iter_documents(path))
+    assert 100 < len(got) < len(docs) and got == docs[: len(got)]
+    assert skipped.counts["truncated or corrupt file"] == before + 1
+
+
+def test_bad_files_are_skipped_and_counted_in_the_stream(tmp_path, caplog):
+    good = jsonl(tmp_path / "good.jsonl", DOCS)
+    gone = jsonl(tmp_path / "gone.jsonl", ["never read"])
+    no_column = tmp_path / "body.parquet"
+    pq.write_table(pa.table({"body": ["x"]}), no_column)
+    bad_text = tmp_path / "latin1.txt"
+    bad_text.write_bytes(b"caf\xe9")
+    files = resolve_paths([str(tmp_path)])
+    gone.unlink()  # unreadable after the files were listed
+    with caplog.at_level(logging.WARNING, logger="hlat.data.sources"):
+        s = stream(files, max_bad_fraction=0.5)
+        tokens = concat_tokens(take(s, 60))
+    assert docs_in(tokens)[: len(DOCS)] == DOCS
+    reasons = ("unreadable file", "Parquet file with no column 'text'", "invalid UTF-8")
+    assert s.epoch == 1 and s.state[0].bad == {reason: 2 for reason in reasons}  # met in each of two epochs
+    assert s.stats()["data_bad"] == 6 and str(gone) in caplog.text and str(no_column) in caplog.text
+    assert caplog.text.count("skipped a bad record") == 3  # rate-limited; checking the data first does not warn
+    assert good in files
+
+
+def test_nothing_usable_is_an_error_before_training(tmp_path):
+    no_column = tmp_path / "a.parquet"
+    pq.write_table(pa.table({"body": ["x"]}), no_column)
+    files = [no_column, jsonl(tmp_path / "b.jsonl", []), write(tmp_path / "c.txt", "   ")]
+    with pytest.raises(HlatError, match=r"data source 'default': no documents in its 3 files \(1 Parquet file with "
+                                        r"no column 'text', 1 empty document\)"):
+        stream(files)
+
+
+def test_too_much_bad_data_is_an_error(tmp_path):
+    path = tmp_path / "half.jsonl"
+    path.write_bytes(b"".join(lines([f"doc {i}"]) if i % 2 else b"{oops\n" for i in range(200)))
+    with pytest.raises(HlatError, match=r"100 of 200 records are bad \(100 malformed JSON\), more than "
+                                        r"data.max_bad_fraction = 0.1"):
+        next(stream([path], max_bad_fraction=0.1))
+    assert next(stream([path], max_bad_fraction=0.5))["inputs"].shape == (2, 16)
+
+
+# --- packing ---------------------------------------------------------------------------------------------
+
+
+def test_concat_rows_are_the_packed_token_stream(tmp_path):
     docs = [f"document number {i} " + "z" * i for i in range(30)]
     files = [jsonl(tmp_path / "a.jsonl", docs[:20]), jsonl(tmp_path / "b.jsonl", docs[20:])]
-    B, S = 3, 16
-    stream = PackedStream(files, CharTokenizer(), seq_len=S, batch_size=B, shuffle_files=False)
-    tokens = expected_tokens(docs) * 3  # a few epochs, in file order
-    for k, (inputs, targets) in enumerate(take(stream, 20)):
-        assert inputs.shape == targets.shape == (B, S) and inputs.dtype == targets.dtype == torch.long
-        for r in range(B):
-            row = tokens[(k * B + r) * S : (k * B + r + 1) * S + 1]  # rows share one token with the next
-            assert inputs[r].tolist() == row[:-1] and targets[r].tolist() == row[1:]
-    assert stream.epoch >= 1
+    s = stream(files, seq_len=16, batch_size=3, round_bytes=100)
+    expected = [t for d in docs for t in [ord(c) + 1 for c in d] + [EOS]] * 3  # a few epochs, in file order
+    batches = take(s, 30)
+    for k, b in enumerate(batches):
+        assert b["inputs"].shape == b["targets"].shape == (3, 16) and b["inputs"].dtype == torch.long
+        assert set(b) == {"inputs", "targets"}
+        for r in range(3):
+            row = expected[(k * 3 + r) * 16 : (k * 3 + r + 1) * 16 + 1]  # rows share one token with the next
+            assert b["inputs"][r].tolist() == row[:-1] and b["targets"][r].tolist() == row[1:]
+    assert s.epoch >= 1
+    # every document that a row start (rows 1 to 90, the one after the last emitted row included) falls
+    # inside of is counted once as split
+    ends = list(accumulate(len(d) + 1 for d in docs * 3))
+    cut = sum(any(a < b < e for b in range(16, 90 * 16 + 1, 16)) for a, e in zip([0] + ends, ends))
+    assert s.state[0].split_docs == cut > 20
 
 
-def test_shuffled_epochs_cover_every_file_once(tmp_path):
-    letters = "abcdefgh"
-    files = [write(tmp_path / f"{c}.txt", c * 3) for c in letters]
-    make = lambda seed: PackedStream(files, CharTokenizer(), seq_len=4, batch_size=2, seed=seed)  # noqa: E731
-    tokens = flatten(take(make(5), 12))  # 97 tokens: 3 epochs of 8 documents of 4 tokens, and one more
-    docs = CharTokenizer().decode(tokens).split("\0")
-    epochs = [[d[0] for d in docs[i * 8 : (i + 1) * 8]] for i in range(3)]
-    assert all(sorted(e) == list(letters) for e in epochs)
-    assert epochs[0] != epochs[1] and epochs[0] != list(letters)
-    assert flatten(take(make(5), 12)) == tokens and flatten(take(make(6), 12)) != tokens
+def test_best_fit_is_best_fit_decreasing():
+    ids = [[1] * 6, [2] * 5, [3] * 4, [4] * 3, [5] * 2, [6] * 2, [7] * 9]  # with EOS: 7, 6, 5, 4, 3, 3, 10 tokens
+    rows, cut = best_fit(ids, EOS, capacity=8)
+    # longest first, each into the fullest row that still holds it; only the 10-token document is cut (8 + 2)
+    assert cut == 1 and rows.tolist() == [
+        [7] * 8,
+        [1] * 6 + [0, -1],
+        [2] * 5 + [0] + [7, 0],
+        [3] * 4 + [0] + [5, 5, 0],
+        [4] * 3 + [0] + [6, 6, 0, -1],
+    ]
 
 
-@pytest.mark.parametrize("corpus", ["mid_file", "epochs"])
-def test_exact_resume(tmp_path, corpus):
-    if corpus == "mid_file":  # many documents per file: the state lands inside a file and inside the buffer
-        docs = [[f"doc {i}.{j} " + "w" * (j % 7) for j in range(40)] for i in range(3)]
-        files = [jsonl(tmp_path / f"{i}.jsonl", d) for i, d in enumerate(docs)]
-        files.append(write(tmp_path / "t.txt", "a whole text file " * 5))
-        seq_len, batch_size = 24, 2
-    else:  # a tiny corpus: ten batches go through several epochs
-        files = [write(tmp_path / "a.txt", "alpha beta"), write(tmp_path / "b.txt", "gamma")]
-        seq_len, batch_size = 5, 2
-    make = lambda tok: PackedStream(files, tok, seq_len, batch_size, seed=3)  # noqa: E731
+def test_best_fit_pads_and_splits_fewer_documents_than_concat(tmp_path):
+    docs = [f"doc {i} " + "abcdefgh"[: i % 8] * (i % 13) for i in range(300)]
+    files = [jsonl(tmp_path / "a.jsonl", docs)]
+    fit, cat = (stream(files, seq_len=64, packing=p, round_bytes=1000) for p in ("best_fit", "concat"))
+    fit_batches = take(fit, 70)  # about an epoch
+    take(cat, 70)
+    f, c = fit.stats(), cat.stats()
+    assert f["data_split_fraction"] < 0.1 < 0.3 < c["data_split_fraction"]
+    assert c["data_padding_fraction"] == 0 < f["data_padding_fraction"] < 0.1
+    long_docs = [d for d in docs if len(d) + 1 > 65]
+    for b in fit_batches:  # rows of whole documents, or pieces of longer ones, then padding
+        for row in rows_of([b]):
+            tokens = [t for t in row if t >= 0]
+            assert row == tokens + [-1] * (len(row) - len(tokens))
+            *whole, rest = docs_in(tokens)
+            assert all(d in docs or any(x.endswith(d) for x in long_docs) for d in whole)
+            assert not rest or (len(tokens) == 65 and any(rest in x for x in long_docs))
+        padded = torch.tensor(rows_of([b])) < 0
+        assert torch.equal(b["targets"] == -100, padded[:, 1:]) and (b["inputs"][padded[:, :-1]] == EOS).all()
+
+
+def test_doc_ids_and_positions(tmp_path):
+    files = [jsonl(tmp_path / "a.jsonl", ["abc", "de", "fghijklmn"])]
+    b = next(build_stream(DataConfig(shuffle_files=False, shuffle_rows=0, workers=0), CharTokenizer(), files,
+                          seq_len=8, batch_size=2, doc_mask=True))
+    # row 0: a b c EOS d e EOS f | row 1: (f) g h i j k l m n — its start continues a document
+    assert b["doc_ids"].tolist() == [[0, 0, 0, 0, 1, 1, 1, 2], [0, 0, 0, 0, 0, 0, 0, 0]]
+    assert b["positions"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 0], [0, 1, 2, 3, 4, 5, 6, 7]]
+
+
+# --- mixing ----------------------------------------------------------------------------------------------
+
+
+def test_mixing_proportions_over_a_million_tokens(tmp_path):
+    for name, n in (("prose", 50), ("code", 80), ("math", 20)):
+        for i in range(3):
+            jsonl(tmp_path / name / f"{i}.jsonl", [f"{name} {i} {j} " + name[0] * (j * 7 % 300) for j in range(n)])
+    cfg = DataConfig(sources=[f"prose:5:{tmp_path}/prose", f"code:3:{tmp_path}/code", f"math:2:{tmp_path}/math"],
+                     workers=0, shuffle_rows=64, round_bytes=4096)
+    s = build_stream(cfg, CharTokenizer(), [], seq_len=512, batch_size=8)
+    counts = Counter()
+    for b in take(s, 250):  # 1,024,000 tokens
+        for row in b["inputs"].tolist():
+            counts[_source_of(row)] += len(row)
+    total = sum(counts.values())
+    assert total >= 1_000_000
+    for name, weight in (("prose", 0.5), ("code", 0.3), ("math", 0.2)):
+        assert abs(counts[name] / total - weight) < 0.02, counts
+    again = build_stream(cfg, CharTokenizer(), [], seq_len=512, batch_size=8)
+    assert same(take(again, 3), take(build_stream(cfg, CharTokenizer(), [], seq_len=512, batch_size=8), 3))
+
+
+def _source_of(row) -> str:
+    """Rows never mix sources; each source's documents are made of its own letters."""
+    letters = set(CharTokenizer().decode(row)) & set("pcm")
+    return {"p": "prose", "c": "code", "m": "math"}[letters.pop()] if len(letters) == 1 else "?"
+
+
+# --- sharding --------------------------------------------------------------------------------------------
+
+
+def _epoch_docs(s) -> list[str]:
+    """The documents a rank's stream reads in its first epoch."""
+    tokens = []
+    while s.epoch == 0:
+        tokens += concat_tokens(take(s, 1))[1 if tokens else 0 :]
+    return [d for d in docs_in(tokens) if d]
+
+
+def test_ranks_read_disjoint_shares_that_cover_the_data(tmp_path):
+    docs = [f"doc-{i:03d}" for i in range(120)]
+    files = [jsonl(tmp_path / f"{i}.jsonl", docs[i * 10 : i * 10 + 10]) for i in range(9)]  # 90 in JSONL...
+    big = jsonl(tmp_path / "big.jsonl", docs[90:])  # ...and 30 in one file that is split among ranks
+    seen = []
+    for rank in range(3):
+        cfg = DataConfig(shuffle_rows=0, workers=0, round_bytes=64)
+        s = build_stream(cfg, CharTokenizer(), [*files, big], seq_len=8, batch_size=1, rank=rank, world_size=3)
+        mine = set(_epoch_docs(s)) & set(docs)  # whole documents
+        assert len(mine) >= 30  # balanced by bytes
+        seen.append(mine)
+    assert not (seen[0] & seen[1] or seen[0] & seen[2] or seen[1] & seen[2])
+    assert set.union(*seen) == set(docs)
+
+
+def test_a_rank_never_runs_out_and_resume_needs_the_same_ranks(tmp_path):
+    files = [write(tmp_path / "a.txt", "a" * 500), write(tmp_path / "b.txt", "b")]
+    small = build_stream(DataConfig(shuffle_rows=0, workers=0), CharTokenizer(), files, 8, 2, rank=1, world_size=2)
+    take(small, 50)  # 50 epochs of its one short file: it keeps step with the rank holding the long one
+    assert small.epoch > 20
+    state = small.state_dict()
+    with pytest.raises(HlatError, match="written with 2 data-parallel ranks and this run has 3"):
+        more = [*files, write(tmp_path / "c.txt", "c")]
+        build_stream(DataConfig(workers=0), CharTokenizer(), more, 8, 2, 1, 3).load_state_dict(state)
+    with pytest.raises(HlatError, match="2 files cannot be shared among 3 data-parallel ranks"):
+        build_stream(DataConfig(workers=0), CharTokenizer(), files, 8, 2, 0, 3)
+
+
+# --- exact resume ----------------------------------------------------------------------------------------
+
+
+def _corpus(tmp_path) -> list[Path]:
+    files = [jsonl(tmp_path / f"{i}.jsonl", [f"doc {i}.{j} " + "w" * (j * 5 % 37) for j in range(15)])
+             for i in range(3)]
+    return files + [write(tmp_path / "t.txt", "a whole text file " * 5)]
+
+
+@pytest.mark.parametrize("packing", ["concat", "best_fit"])
+def test_exact_resume_mid_document_and_mid_round(tmp_path, packing):
+    files = _corpus(tmp_path)
+    cfg = dict(packing=packing, round_bytes=300, shuffle_rows=6, seed=3, shuffle_files=True)
     full_tok = CharTokenizer()
-    full = make(full_tok)
-    reference, states, encoded_before = [], [], []
-    for _ in range(10):
+    full = stream(files, 24, 2, tok=full_tok, **cfg)
+    reference, states, encoded = [], [], []
+    for _ in range(40):
         reference.append(next(full))
         states.append(json.loads(json.dumps(full.state_dict())))  # the state survives JSON
-        encoded_before.append(len(full_tok.encoded))
-    if corpus == "mid_file":
-        assert states[3]["doc_index"] > 0 and states[3]["buffer"]
-    else:
-        assert states[-1]["epoch"] >= 3
-    for k in range(1, 10):
+        encoded.append(len(full_tok.encoded))
+    positions = [st["sources"][0] for st in states]
+    assert any(p["used"] and (p["mid"] or packing == "best_fit") for p in positions)  # mid round and document
+    assert states[-1]["sources"][0]["start"][0] >= 1 and all(st["pool"] for st in states)  # epochs; the pool
+    for k in (1, 7, 13, 29):
         tok = CharTokenizer()
-        resumed = make(tok)
+        resumed = stream(files, 24, 2, tok=tok, **cfg)
         resumed.load_state_dict(states[k - 1])
-        for expected in reference[k:]:
-            got = next(resumed)
-            assert all(torch.equal(got[key], expected[key]) for key in ("inputs", "targets"))
-        # nothing consumed before the state is tokenized again: the restored stream encodes exactly
-        # what the uninterrupted one encoded after that point
-        assert tok.encoded == full_tok.encoded[encoded_before[k - 1] :]
+        assert same(take(resumed, 40 - k), reference[k:])
+        # resuming encodes again only the documents of the round it stopped in (at most ~10 of them), never
+        # what was consumed before: it encodes what the uninterrupted run encoded from that round on
+        assert tok.encoded[0] == PROBE  # what the fingerprint encodes to tell tokenizers apart
+        again = len(tok.encoded) - 1 - (len(full_tok.encoded) - encoded[k - 1])
+        assert 0 <= again <= 10 and tok.encoded[1:] == full_tok.encoded[len(full_tok.encoded) - len(tok.encoded) + 1 :]
 
 
-def test_state_from_another_corpus_is_refused(tmp_path):
-    files = [write(tmp_path / f"{i}.txt", "text") for i in range(3)]
-    state = PackedStream(files, CharTokenizer(), 4, 1).state_dict()
-    with pytest.raises(HlatError, match="saved data position is for 3 files per rank on 1 ranks"):
-        PackedStream(files[:2], CharTokenizer(), 4, 1).load_state_dict(state)
+@pytest.mark.parametrize("packing", ["concat", "best_fit"])
+def test_workers_give_the_same_stream_and_resume_exactly(tmp_path, packing):
+    files = _corpus(tmp_path)
+    tok = train_bpe((d for f in files for d in iter_documents(f)), 300)
+    cfg = dict(packing=packing, round_bytes=200, shuffle_rows=4, shuffle_files=True, seed=1)
+    inline = take(stream(files, 16, 2, tok=tok, **cfg), 30)
+    s = stream(files, 16, 2, tok=tok, workers=2, **cfg)
+    assert same(take(s, 12), inline[:12])
+    state = s.state_dict()
+    position = state["sources"][0]
+    assert position["round"] >= 2 and position["used"] and (position["mid"] or packing == "best_fit")
+    procs = s._fetcher.procs
+    s.close()
+    assert len(procs) == 2 and not any(p.is_alive() for p in procs)
+    resumed = stream(files, 16, 2, tok=tok, workers=2, **cfg)
+    resumed.load_state_dict(state)
+    assert same(take(resumed, 18), inline[12:])
+    resumed.close()
 
 
-def test_ranks_split_files_round_robin(tmp_path):
-    files = [write(tmp_path / f"{i}.txt", chr(ord("a") + i)) for i in range(5)]
-    streams = [PackedStream(files, CharTokenizer(), 4, 1, shuffle_files=False, rank=r, world_size=2) for r in (0, 1)]
-    assert flatten(take(streams[0], 1)) == expected_tokens(["a", "c", "e"])[:5]
-    assert flatten(take(streams[1], 1)) == expected_tokens(["b", "d", "b"])[:5]  # b again: the next epoch
-    with pytest.raises(HlatError, match="5 files cannot be shared among 8 ranks"):
-        PackedStream(files, CharTokenizer(), 2, 1, world_size=8)
-
-
-def test_a_corpus_without_documents_is_an_error(tmp_path):
-    files = [jsonl(tmp_path / "a.jsonl", []), write(tmp_path / "b.txt", "   ")]
-    with pytest.raises(HlatError, match="no documents in the 2 files"):
-        next(PackedStream(files, CharTokenizer(), 4, 1))
+def test_changed_settings_are_refused_unless_forced(tmp_path):
+    files = _corpus(tmp_path)
+    s = stream(files, packing="concat")
+    take(s, 5)
+    state = s.state_dict()
+    with pytest.raises(HlatError, match=r"data settings changed since the checkpoint: packing 'concat' -> "
+                                        r"'best_fit'.*data.force_resume"):
+        stream(files, packing="best_fit").load_state_dict(state)
+    with pytest.raises(HlatError, match=r"sources.default.files '\w+' -> '\w+'"):
+        stream(files[:3]).load_state_dict(state)
+    other_tok = CharTokenizer()
+    other_tok.vocab_size += 1
+    with pytest.raises(HlatError, match="tokenizer"):
+        stream(files, tok=other_tok).load_state_dict(state)
+    forced = stream(files[:3], force_resume=True)
+    forced.load_state_dict(state)
+    assert same(take(forced, 3), take(stream(files[:3]), 3))  # afresh
 
 
 def test_build_stream_with_a_trained_tokenizer(tmp_path):
     docs = [f"def f{i}(x):\n    return x + {i}\n" for i in range(50)]
     files = [jsonl(tmp_path / "code.jsonl", docs), write(tmp_path / "notes.md", "# Notes\n\nSome prose. " * 20)]
     tok = train_bpe(iter(docs), 300)
-    cfg = DataConfig(seed=1, shuffle_files=False, shuffle_rows=0)
-    (inputs, targets), = take(build_stream(cfg, tok, files, seq_len=32, batch_size=4), 1)
+    (b,) = take(stream(files, 32, 4, tok=tok), 1)
+    inputs, targets = b["inputs"], b["targets"]
     assert inputs.shape == (4, 32) and int(inputs.max()) < tok.vocab_size
     assert torch.equal(inputs[:, 1:], targets[:, :-1]) and torch.equal(inputs[1:, 0], targets[:-1, -1])
     first_eos = inputs.flatten().tolist().index(tok.eos_id)
     assert tok.decode(inputs.flatten()[:first_eos].tolist()) == docs[0]
-
-
-@pytest.mark.parametrize("data, message", [
-    ({"tokenizer_sample_bytes": 0}, "data.tokenizer_sample_bytes: must be positive"),
-    ({"seed": -1}, "data.seed: must be >= 0"),
-    ({"text_field": ""}, "data.text_field: must name a JSONL field"),
-    ({"paths": ["a", " "]}, r"data.paths\[1\]: empty path"),
-])
-def test_config_validation(data, message):
-    with pytest.raises(ConfigError, match=message):
-        update(DataConfig(), data, "data.").validate()
-    assert update(DataConfig(), {"paths": ["x/*.jsonl"], "seed": 3}, "data.").validate().seed == 3
-
-
-def test_row_shuffle_mixes_and_resumes_exactly(tmp_path):
-    from hlat.data.packing import RowShuffle
-
-    files = [jsonl(tmp_path / f"{i}.jsonl", [f"file {i} doc {j} " * 3 for j in range(20)]) for i in range(4)]
-
-    def stream():
-        return RowShuffle(PackedStream(files, CharTokenizer(), seq_len=8, batch_size=1, shuffle_files=False),
-                          pool_rows=16, batch_size=4, seed=3)
-
-    plain = PackedStream(files, CharTokenizer(), seq_len=8, batch_size=1, shuffle_files=False)
-    plain_rows = [torch.cat([x[0], y[0, -1:]]).tolist() for x, y in take(plain, 16 + 40)]
-    batches = take(stream(), 10)
-    shuffled_rows = [torch.cat([x, y[:, -1:]], 1).tolist() for x, y in batches]
-    emitted = [row for rows in shuffled_rows for row in rows]
-    assert emitted != plain_rows[:40]  # mixed...
-    emitted_count, plain_count = Counter(map(tuple, emitted)), Counter(map(tuple, plain_rows))
-    assert not emitted_count - plain_count  # ...and never repeated: each row of the stream at most once
-    for k in (1, 4, 7):
-        s = stream()
-        take(s, k)
-        state = json.loads(json.dumps(s.state_dict()))
-        restored = stream()
-        restored.load_state_dict(state)
-        for (x, y), (x2, y2) in zip(batches[k:], take(restored, 10 - k)):
-            assert torch.equal(x, x2) and torch.equal(y, y2)

@@ -1,23 +1,87 @@
-"""Where documents come from: the default corpus, user paths, and the documents inside a file (torch-free)."""
+"""Where documents come from (torch-free): the default corpus, user paths and named sources, the split of the
+files among data-parallel ranks, and the records of a file read from a resumable cursor.
+
+A file is local or an fsspec URL (s3://, gs://, https://, when fsspec and its filesystem are installed).
+Formats: text files (.txt/.py/.md: one document each), JSON lines (.jsonl, .jsonl.gz, .jsonl.zst: one
+document per line, in `text_field`) and Parquet (column `text_field`, read row group by row group).
+"""
 
 from __future__ import annotations
 
 import glob
+import gzip
+import heapq
+import importlib
+import io
 import json
 import logging
+import math
+import random
+import sys
 import sysconfig
+import zlib
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, NamedTuple
 
 from hlat import HlatError
+from hlat.data.config import DataConfig
 
-SUFFIXES = (".txt", ".py", ".md", ".jsonl")
+TEXT_SUFFIXES = (".txt", ".py", ".md")
+SUFFIXES = (*TEXT_SUFFIXES, ".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
+# Uncompressed JSONL files are cut into line-aligned byte ranges of at most this size, so that a few big files
+# still spread over many ranks and evenly; other files are read whole by one rank.
+SPLIT_BYTES = 64 << 20
 
 log = logging.getLogger(__name__)
 
-# Documents skipped since the process started, by reason ("malformed JSON", "invalid UTF-8", ...).
-skipped: Counter[str] = Counter()
+File = Path | str  # a local path, or an fsspec URL kept as a string
+
+
+# --- finding files ---------------------------------------------------------------------------------------
+
+
+def _optional(module: str, what: str) -> Any:
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise HlatError(f"{what} needs the optional package {module!r}: pip install {module}") from None
+
+
+def file_format(name: str) -> str | None:
+    """"text", "jsonl", "jsonl.gz", "jsonl.zst" or "parquet"; None for anything else."""
+    for suffix in SUFFIXES:
+        if name.endswith(suffix):
+            return "text" if suffix in TEXT_SUFFIXES else suffix[1:]
+    return None
+
+
+def is_url(file: File) -> bool:
+    return isinstance(file, str) and "://" in file
+
+
+def _fs(url: str):
+    fsspec = _optional("fsspec", url)
+    try:
+        return fsspec.core.url_to_fs(url)
+    except (ImportError, ValueError) as e:  # e.g. s3:// without s3fs
+        raise HlatError(f"data.paths: cannot open {url!r}: {e}") from None
+
+
+def file_size(file: File) -> int:
+    if is_url(file):
+        fs, path = _fs(file)
+        return fs.size(path)
+    return Path(file).stat().st_size
+
+
+def open_file(file: File) -> io.BufferedIOBase:
+    if is_url(file):
+        fs, path = _fs(file)
+        return fs.open(path, "rb")
+    return open(file, "rb")
 
 
 def default_corpus() -> list[Path]:
@@ -38,80 +102,344 @@ def default_corpus() -> list[Path]:
     return files
 
 
-def _expand(pattern: str) -> list[Path]:
-    expanded = Path(pattern).expanduser()
-    is_glob = any(c in pattern for c in "*?[")
-    if is_glob:
-        matches = [Path(m) for m in glob.glob(str(expanded), recursive=True)]
+def _expand_url(pattern: str) -> list[str]:
+    fs, path = _fs(pattern)
+    if any(c in path for c in "*?["):
+        matches = fs.glob(path)
+    elif fs.isdir(path):
+        matches = fs.find(path)
     else:
-        matches = [expanded] if expanded.exists() else []
-    files: list[Path] = []
-    for match in matches:
-        if match.is_dir():
-            files.extend(p for p in match.rglob("*") if p.suffix in SUFFIXES and p.is_file())
-        elif match.suffix in SUFFIXES:
-            files.append(match)
-        elif not is_glob:  # named explicitly, so not silently dropped
-            raise HlatError(f"data.paths: unsupported file type {pattern!r} (supported: {', '.join(SUFFIXES)})")
+        matches = [path] if fs.exists(path) else []
+    return [fs.unstrip_protocol(m) for m in matches if file_format(m) and not fs.isdir(m)]
+
+
+def _expand(pattern: str) -> list[File]:
+    if is_url(pattern):
+        files: list[File] = list(_expand_url(pattern))
+    else:
+        expanded = Path(pattern).expanduser()
+        is_glob = any(c in pattern for c in "*?[")
+        if is_glob:
+            matches = [Path(m) for m in glob.glob(str(expanded), recursive=True)]
+        else:
+            matches = [expanded] if expanded.exists() else []
+        files = []
+        for match in matches:
+            if match.is_dir():
+                files.extend(p for p in match.rglob("*") if file_format(p.name) and p.is_file())
+            elif file_format(match.name):
+                files.append(match)
+            elif not is_glob:  # named explicitly, so not silently dropped
+                raise HlatError(f"data.paths: unsupported file type {pattern!r} (supported: {', '.join(SUFFIXES)})")
     if not files:
         raise HlatError(f"data.paths: no files match {pattern!r} (supported: {', '.join(SUFFIXES)})")
     return files
 
 
-def resolve_paths(patterns: list[str]) -> list[Path]:
-    """Expand files, directories (recursively) and globs into a sorted, deduplicated list of files."""
-    files = sorted({p.resolve() for pattern in patterns for p in _expand(pattern)})
-    if not files or all(p.stat().st_size == 0 for p in files):
+def resolve_paths(patterns: list[str]) -> list[File]:
+    """Expand files, directories (recursively), globs and URLs into a sorted, deduplicated list of files."""
+    found = {p if is_url(p) else p.resolve() for pattern in patterns for p in _expand(pattern)}
+    files = sorted(found, key=str)
+    if not files or all(file_size(p) == 0 for p in files):
         raise HlatError(f"data.paths: the corpus is empty ({len(files)} files, 0 bytes)")
     return files
 
 
-def _skip(path: Path, where: str, reason: str) -> None:
-    skipped[reason] += 1
-    count = skipped[reason]
-    if str(count).rstrip("0") == "1":  # warn at the 1st, 10th, 100th, ... occurrence of each reason
-        log.warning(
-            "skipped a document (%s) at %s%s; %d skipped for this reason so far", reason, path, where, count
-        )
+@dataclass(frozen=True)
+class Source:
+    name: str
+    weight: float
+    files: list[File]
 
 
-def iter_documents(path: str | Path, text_field: str = "text") -> Iterator[str]:
-    """Yield the documents of one file: a whole text file is one document; a JSONL line holds one.
+def resolve_sources(cfg: DataConfig) -> list[Source]:
+    """The named sources of `data.sources`, or one source "default" of `data.paths` or the default corpus."""
+    if not cfg.sources:
+        return [Source("default", 1.0, resolve_paths(cfg.paths) if cfg.paths else default_corpus())]
+    sources = []
+    for name, (weight, patterns) in cfg.source_patterns().items():
+        try:
+            sources.append(Source(name, weight, resolve_paths(patterns)))
+        except HlatError as e:
+            raise HlatError(f"data source {name!r}: {e}") from None
+    return sources
 
-    Malformed JSON, invalid UTF-8 and empty documents are skipped and counted in `skipped`; blank JSONL
-    lines are not documents at all and are ignored.
-    """
-    path = Path(path)
+
+def resolve_data_files(cfg: DataConfig) -> list[File]:
+    """Every file of the run's data, sorted (what a trained tokenizer samples from)."""
+    return sorted({f for source in resolve_sources(cfg) for f in source.files}, key=str)
+
+
+# --- splitting among ranks -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Split:
+    """A file, or for uncompressed JSONL the lines starting in the byte range [start, stop) of it."""
+
+    file: File
+    size: int
+    start: int = 0
+    stop: int = -1  # -1: to the end of the file
+
+    @property
+    def format(self) -> str:
+        return file_format(str(self.file)) or "text"
+
+
+def _size_or_zero(file: File) -> int:
     try:
-        if path.suffix != ".jsonl":
-            try:
-                text = path.read_bytes().decode("utf-8")
-            except UnicodeDecodeError:
-                _skip(path, "", "invalid UTF-8")
-                return
-            if text.strip():
-                yield text
-            else:
-                _skip(path, "", "empty document")
+        return file_size(file)
+    except OSError:  # gone since it was listed: reading it will count it as unreadable
+        return 0
+
+
+def make_splits(files: list[File], world_size: int) -> list[Split]:
+    """Files as splits, uncompressed JSONL cut into pieces of at most SPLIT_BYTES, and smaller pieces when the
+    data would not otherwise give every rank a couple of them."""
+    sizes = {f: _size_or_zero(f) for f in files}
+    piece = max(1, min(SPLIT_BYTES, sum(sizes.values()) // (2 * world_size)))
+    splits = []
+    for f, size in sizes.items():
+        if file_format(str(f)) != "jsonl" or size <= piece:
+            splits.append(Split(f, size))
+            continue
+        cuts = list(range(0, size, math.ceil(size / math.ceil(size / piece)))) + [size]
+        splits.extend(Split(f, b - a, a, b) for a, b in zip(cuts, cuts[1:]))
+    return splits
+
+
+def shard(splits: list[Split], rank: int, world_size: int, what: str) -> list[Split]:
+    """The splits of `rank`: largest first to the least loaded rank, so ranks get disjoint shares of nearly
+    equal bytes; in file order."""
+    if len(splits) < world_size:
+        raise HlatError(f"{what}: {len(splits)} files cannot be shared among {world_size} data-parallel ranks "
+                        "(only uncompressed JSONL files are split; others are read whole by one rank): split the data "
+                        "into more files")
+    loads = [(0, r) for r in range(world_size)]
+    mine = []
+    for split in sorted(splits, key=lambda s: (-s.size, str(s.file), s.start)):
+        load, r = heapq.heappop(loads)
+        heapq.heappush(loads, (load + split.size, r))
+        if r == rank:
+            mine.append(split)
+    return sorted(mine, key=lambda s: (str(s.file), s.start))
+
+
+# --- records ---------------------------------------------------------------------------------------------
+
+
+class Bad(NamedTuple):
+    """A record that is not a document; `reason` is counted, `detail` only shown."""
+
+    reason: str
+    detail: str = ""
+
+
+Cursor = tuple[int, int]  # within a split: (offset, line); offset -1 = the split's start, not yet read
+
+
+def where(split: Split, offset: int, line: int) -> str:
+    """file:line, or file and byte offset inside a split whose line numbers are not known."""
+    if split.format == "parquet":
+        return f"{split.file} row {line}"
+    return f"{split.file}:{line}" if line else f"{split.file} byte {offset}"
+
+
+class _ZstdReader(io.RawIOBase):
+    """A zstd stream as a file (any number of frames) that raises EOFError if the data stops inside a frame:
+    zstandard's own stream reader silently ends a truncated file."""
+
+    def __init__(self, raw: io.BufferedIOBase):
+        self._zstd = importlib.import_module("zstandard")
+        self._raw, self._out = raw, b""
+        self._d = self._zstd.ZstdDecompressor().decompressobj()
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while not self._out:
+            chunk = self._d.unused_data or self._raw.read(1 << 20)
+            if not chunk:
+                if not self._d.eof:
+                    raise EOFError("zstd data ends inside a frame")
+                return 0
+            if self._d.eof:  # the next frame
+                self._d = self._zstd.ZstdDecompressor().decompressobj()
+            self._out = self._d.decompress(chunk)
+        n = min(len(buffer), len(self._out))
+        buffer[:n], self._out = self._out[:n], self._out[n:]
+        return n
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
+
+
+def _corrupt_errors() -> tuple[type[BaseException], ...]:
+    """What reading a damaged file raises; evaluated only when something was raised, so the optional
+    packages are looked up only if they were loaded to read the file."""
+    errors: tuple[type[BaseException], ...] = (EOFError, OSError, zlib.error)
+    for module, name in (("zstandard", "ZstdError"), ("pyarrow", "ArrowException")):
+        if module in sys.modules:
+            errors += (getattr(sys.modules[module], name),)
+    return errors
+
+
+def _rest_of_line(f: io.BufferedIOBase) -> int:
+    """Skip to the start of the next line, never holding a long line whole; the number of bytes skipped."""
+    n = 0
+    while chunk := f.readline(1 << 20):
+        n += len(chunk)
+        if chunk.endswith(b"\n"):
+            break
+    return n
+
+
+def _skip(f: io.BufferedIOBase, n: int) -> None:
+    if f.seekable():
+        f.seek(n)  # gzip decompresses up to it; nothing is parsed
+    else:
+        while n > 0 and (chunk := f.read(min(n, 1 << 20))):
+            n -= len(chunk)
+
+
+def _jsonl_lines(split: Split, f: io.BufferedIOBase, cursor: Cursor, max_bytes: int):
+    offset, line = cursor
+    if offset < 0:  # a split's start: its first line is the first that starts at or after `start`
+        offset, line = split.start, int(split.start == 0)
+        if offset:
+            _skip(f, offset - 1)
+            offset += _rest_of_line(f) - 1
+    elif offset:
+        _skip(f, offset)
+    while split.stop < 0 or offset < split.stop:
+        data = f.readline(max_bytes + 1)
+        if not data:
             return
-        with path.open("rb") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line.decode("utf-8"))
-                except UnicodeDecodeError:
-                    _skip(path, f":{lineno}", "invalid UTF-8")
-                    continue
-                except ValueError:
-                    _skip(path, f":{lineno}", "malformed JSON")
-                    continue
-                doc = record.get(text_field) if isinstance(record, dict) else None
-                if not isinstance(doc, str):
-                    _skip(path, f":{lineno}", f"no string field {text_field!r}")
-                elif not doc.strip():
-                    _skip(path, f":{lineno}", "empty document")
-                else:
-                    yield doc
+        start, start_line = offset, line
+        offset += len(data)
+        line += bool(line)
+        if len(data) > max_bytes and not data.endswith(b"\n"):
+            offset += _rest_of_line(f)
+            data = Bad(f"document over {max_bytes} bytes")
+        elif not data.strip():
+            continue  # a blank line is no record at all
+        yield data, where(split, start, start_line), (offset, line)
+
+
+def _parquet_rows(split: Split, f: io.BufferedIOBase, cursor: Cursor, text_field: str):
+    pq = _optional("pyarrow.parquet", f"Parquet file {split.file}")
+    pa = importlib.import_module("pyarrow")
+    pf = pq.ParquetFile(f)
+    field = pf.schema_arrow.field(text_field) if text_field in pf.schema_arrow.names else None
+    if field is None or not (pa.types.is_string(field.type) or pa.types.is_large_string(field.type)):
+        why = "no column" if field is None else f"column of type {field.type}, not text,"
+        yield Bad(f"Parquet file with {why} {text_field!r}"), str(split.file), (0, 0)
+        return
+    first = max(cursor[0], 0)
+    row = 0
+    for group in range(pf.num_row_groups):
+        n = pf.metadata.row_group(group).num_rows
+        if row + n > first:
+            values = pf.read_row_group(group, columns=[text_field]).column(0).to_pylist()
+            for i in range(max(first - row, 0), n):
+                value = values[i]
+                record = value if value is not None else Bad(f"no string field {text_field!r}")
+                yield record, where(split, 0, row + i + 1), (row + i + 1, 0)
+        row += n
+
+
+def read_split(split: Split, cursor: Cursor, text_field: str, max_bytes: int):
+    """The records of a split from `cursor`: (raw record, where, cursor after it). A raw record is the bytes of
+    a text file or JSON line, the str of a Parquet value, or a Bad. An unreadable, truncated or corrupt
+    file ends with a Bad record; reading the same file again meets the same records."""
+    fmt = split.format
+    if fmt == "text" and cursor[0] > 0:
+        return
+    try:
+        f = open_file(split.file)
     except OSError as e:
-        raise HlatError(f"{path}: cannot read: {e.strerror or e}") from None
+        yield Bad("unreadable file", e.strerror or str(e)), str(split.file), (1, 0)
+        return
+    at = cursor
+    try:
+        with f:
+            if fmt == "text":
+                too_big = f.seek(0, io.SEEK_END) > max_bytes
+                f.seek(0)
+                yield (Bad(f"document over {max_bytes} bytes") if too_big else f.read()), str(split.file), (1, 0)
+            elif fmt == "parquet":
+                for record in _parquet_rows(split, f, cursor, text_field):
+                    at = record[2]
+                    yield record
+            else:
+                stream = {"jsonl": lambda: f, "jsonl.gz": lambda: gzip.GzipFile(fileobj=f),
+                          "jsonl.zst": lambda: io.BufferedReader(_ZstdReader(f))}[fmt]()
+                for record in _jsonl_lines(split, stream, cursor, max_bytes):
+                    at = record[2]
+                    yield record
+    except _corrupt_errors() as e:
+        yield Bad("truncated or corrupt file", str(e)), where(split, *at) if at[0] >= 0 else str(split.file), at
+
+
+def decode(record: bytes | str | Bad, fmt: str, text_field: str) -> str | Bad:
+    """The document of a raw record, or why it is not one."""
+    if isinstance(record, Bad):
+        return record
+    if isinstance(record, bytes):
+        try:
+            text = record.decode("utf-8")
+        except UnicodeDecodeError:
+            return Bad("invalid UTF-8")
+        if fmt != "text":
+            try:
+                obj = json.loads(text)
+            except ValueError:
+                return Bad("malformed JSON")
+            text = obj.get(text_field) if isinstance(obj, dict) else None
+            if not isinstance(text, str):
+                return Bad(f"no string field {text_field!r}")
+    else:
+        text = record
+    return text if text.strip() else Bad("empty document")
+
+
+class BadLog:
+    """Counts bad records by reason and logs a warning naming the place at the 1st, 10th, 100th... of each."""
+
+    def __init__(self, name: str = ""):
+        self.counts: Counter[str] = Counter()
+        self.prefix = f"data source {name!r}: " if name else ""
+
+    def add(self, bad: Bad, place: str) -> None:
+        self.counts[bad.reason] += 1
+        n = self.counts[bad.reason]
+        if str(n).rstrip("0") == "1":
+            detail = f" ({bad.detail})" if bad.detail else ""
+            log.warning("%sskipped a bad record (%s%s) at %s; %d skipped for this reason so far",
+                        self.prefix, bad.reason, detail, place, n)
+
+
+# Bad records met by iter_documents since the process started (tokenizer sampling, `hlat data inspect`).
+skipped = BadLog()
+
+
+def iter_documents(file: File, text_field: str = "text", max_bytes: int = 100_000_000,
+                   bad: BadLog = skipped) -> Iterator[str]:
+    """The documents of one file; bad records are skipped and counted in `bad`."""
+    split = Split(file, 0)
+    for record, place, _ in read_split(split, (-1, 0), text_field, max_bytes):
+        doc = decode(record, split.format, text_field)
+        if isinstance(doc, Bad):
+            bad.add(doc, place)
+        else:
+            yield doc
+
+
+def epoch_order(splits: list[Split], seed: int, name: str, epoch: int, shuffle: bool) -> list[Split]:
+    order = list(splits)
+    if shuffle:
+        random.Random(f"{seed}:{name}:{epoch}").shuffle(order)
+    return order

@@ -1,0 +1,193 @@
+"""Rounds: documents read, tokenized and packed together, the unit of work of a tokenizer worker (torch-free,
+so worker processes start without importing torch).
+
+A source's records on one rank form an endless sequence, epoch after epoch. That sequence is cut into rounds
+of about `round_bytes` of raw records (never across an epoch boundary), by sizes alone, so every process cuts
+it identically and knows where round k starts without parsing or tokenizing rounds before it. A round's
+output depends only on its records; hence the token stream does not depend on the number of workers, and a
+position in it is (round, where the round starts, how much of it was used).
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import traceback
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from itertools import chain
+
+import numpy as np
+
+from hlat import HlatError
+from hlat.data.sources import Bad, Split, decode, epoch_order, read_split
+
+Position = list[int]  # [epoch, split index in the epoch's order, offset, line]: where a record starts
+START: Position = [0, 0, -1, 0]
+
+
+@dataclass
+class SourceSpec:
+    """What a process needs to read one source on one rank."""
+
+    name: str
+    weight: float
+    splits: list[Split]  # this rank's
+    text_field: str = "text"
+    max_doc_bytes: int = 100_000_000
+    seed: int = 0
+    shuffle: bool = True
+
+    def records(self, position: Position) -> Iterator[tuple[bytes | str | Bad, str, str, Position] | None]:
+        """(raw record, format, where, position after it) from `position` on; None marks each epoch's end."""
+        epoch, index, offset, line = position
+        while True:
+            order = epoch_order(self.splits, self.seed, self.name, epoch, self.shuffle)
+            seen = False
+            for i in range(index, len(order)):
+                cursor = (offset, line) if i == index else (-1, 0)
+                for record, where, (offset_after, line_after) in read_split(
+                    order[i], cursor, self.text_field, self.max_doc_bytes
+                ):
+                    seen = True
+                    yield record, order[i].format, where, [epoch, i, offset_after, line_after]
+            if not seen and index == 0 and offset < 0:
+                raise HlatError(f"data source {self.name!r}: no records in its {len(order)} files on this rank")
+            epoch, index, offset, line = epoch + 1, 0, -1, 0
+            yield None
+
+    def check(self, rank_note: str = "") -> None:
+        """Raise a clear error, before any training, when no document can be read from this source."""
+        bad: Counter[str] = Counter()
+        for item in self.records(START):
+            if item is None:
+                counts = ", ".join(f"{n} {reason}" for reason, n in bad.most_common()) or "no records"
+                raise HlatError(f"data source {self.name!r}: no documents in its {len(self.splits)} files"
+                                f"{rank_note} ({counts})")
+            record, fmt, where, _ = item
+            doc = decode(record, fmt, self.text_field)
+            if not isinstance(doc, Bad):
+                return
+            bad[doc.reason] += 1
+
+
+@dataclass
+class Packing:
+    mode: str  # "concat" | "best_fit"
+    seq_len: int
+    round_bytes: int
+    eos: int
+
+
+@dataclass
+class Round:
+    source: int
+    index: int
+    start: Position
+    end: Position  # where the next round starts
+    tokens: np.ndarray  # concat: the documents' tokens, each followed by EOS; best_fit: rows [n, seq_len + 1], -1 pads
+    docs: int = 0
+    split_docs: int = 0  # best_fit: documents longer than a row, cut into pieces
+    bad: list[tuple[Bad, str]] = field(default_factory=list)
+
+
+def concat(ids: list[list[int]], eos: int) -> np.ndarray:
+    lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+    flat = np.fromiter(chain.from_iterable(ids), dtype=np.int32, count=int(lengths.sum()))
+    return np.insert(flat, np.cumsum(lengths), eos)
+
+
+def best_fit(ids: list[list[int]], eos: int, capacity: int) -> tuple[np.ndarray, int]:
+    """Best-fit decreasing: documents (with EOS) longest first, each into the row with the least room that
+    still holds it, else a new row. Only documents longer than a row are cut, into row-sized pieces.
+    Returns rows [n, capacity] padded with -1 and the number of documents cut."""
+    pieces, cut = [], 0
+    for doc in ids:
+        doc = [*doc, eos]
+        cut += len(doc) > capacity
+        pieces.extend(doc[i : i + capacity] for i in range(0, len(doc), capacity))
+    pieces.sort(key=len, reverse=True)  # stable: equal lengths keep document order
+    rooms: list[tuple[int, int]] = []  # (room left, row) of the rows not yet full, sorted
+    rows: list[list[list[int]]] = []
+    for piece in pieces:
+        i = bisect.bisect_left(rooms, (len(piece), -1))
+        if i == len(rooms):
+            room, r = capacity, len(rows)
+            rows.append([])
+        else:
+            room, r = rooms.pop(i)
+        rows[r].append(piece)
+        if room > len(piece):
+            bisect.insort(rooms, (room - len(piece), r))
+    out = np.full((len(rows), capacity), -1, dtype=np.int32)
+    for r, row in enumerate(rows):
+        flat = list(chain.from_iterable(row))
+        out[r, : len(flat)] = flat
+    return out, cut
+
+
+class RoundMaker:
+    """Produces the rounds of one source, in increasing order, skipping those asked of other workers."""
+
+    def __init__(self, source: int, spec: SourceSpec, packing: Packing, tokenizer, index: int = 0,
+                 position: Position = START):
+        self.source, self.spec, self.packing, self.tokenizer = source, spec, packing, tokenizer
+        self.index, self.position = index, list(position)
+        self._records = spec.records(self.position)
+
+    def _take(self) -> tuple[Position, list]:
+        """The next round's raw records: at least round_bytes of them, or to the end of the epoch."""
+        start, taken, size = self.position, [], 0
+        while size < self.packing.round_bytes:
+            item = next(self._records)
+            if item is None:  # the epoch ended: so does the round, or an empty one starts in the next epoch
+                self.position = [self.position[0] + 1, 0, -1, 0]
+                if taken:
+                    break
+                start = self.position
+                continue
+            record, fmt, where, self.position = item
+            taken.append((record, fmt, where))
+            size += 1 if isinstance(record, Bad) else len(record)
+        self.index += 1
+        return start, taken
+
+    def make(self, index: int) -> Round:
+        if index < self.index:
+            raise RuntimeError(f"round {index} of source {self.spec.name} was asked for after round {self.index}")
+        while self.index < index:
+            self._take()
+        start, records = self._take()
+        docs, bad = [], []
+        for record, fmt, where in records:
+            doc = decode(record, fmt, self.spec.text_field)
+            if isinstance(doc, Bad):
+                bad.append((doc, where))
+            else:
+                docs.append(doc)
+        ids = self.tokenizer.encode_batch(docs) if docs else []
+        p = self.packing
+        if p.mode == "best_fit":
+            tokens, cut = best_fit(ids, p.eos, p.seq_len + 1)
+        else:
+            tokens, cut = concat(ids, p.eos), 0
+        return Round(self.source, index, start, list(self.position), tokens, len(docs), cut, bad)
+
+
+def worker_main(specs: list[SourceSpec], packing: Packing, tokenizer, starts: list[tuple[int, Position]],
+                tasks, results) -> None:
+    """A tokenizer worker: answers (source, round) requests in order; None stops it. An error is sent back
+    (HlatError as itself, anything else with its traceback) and ends the worker."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker; scale with more workers
+    makers = [RoundMaker(s, spec, packing, tokenizer, *starts[s]) for s, spec in enumerate(specs)]
+    while (task := tasks.get()) is not None:
+        source, index = task
+        try:
+            results.put(makers[source].make(index))
+        except HlatError as e:
+            results.put(e)
+            return
+        except Exception:
+            results.put(RuntimeError(f"data worker failed:\n{traceback.format_exc()}"))
+            return
