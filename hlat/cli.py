@@ -7,7 +7,9 @@ User mistakes raise HlatError, printed here as one line with a non-zero exit and
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 from hlat import HlatError, __version__
 
@@ -24,6 +26,8 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = load_config(args.config, overrides)
     console = Console()
     s = train(cfg, console)
+    if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 speaks for the job
+        return 0
     table = Table(title="run summary", show_header=False)
     for name, value in (("run directory", s.run_dir), ("steps", f"{s.steps:,}"),
                         ("tokens seen", f"{s.tokens_seen:,}"), ("tokens/s", f"{s.tokens_per_s:,.0f}"),
@@ -74,6 +78,20 @@ def cmd_export_hf(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def cmd_launch(args: argparse.Namespace, overrides: list[str]) -> int:
+    from hlat.train.launch import render
+
+    if args.nodes < 1 or args.nproc_per_node < 1:
+        raise HlatError(f"--nodes and --nproc-per-node must be >= 1, got {args.nodes} and {args.nproc_per_node}")
+    text = render(args.config, args.nodes, args.nproc_per_node, args.target, overrides, args.image, not args.cpu)
+    if args.out:
+        Path(args.out).write_text(text)
+        print(f"wrote {args.out}")
+    else:
+        print(text, end="")
+    return 0
+
+
 def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     from hlat.planner.cli import run
 
@@ -107,13 +125,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="directory for config.json and model.safetensors")
     p.set_defaults(func=cmd_export_hf, overrides=False)
 
+    p = sub.add_parser("launch", help="render a multi-node SLURM script or Kubernetes PyTorchJob for a config",
+                       description="Render a multi-node job; config overrides (--section.key value) are passed on.")
+    p.add_argument("--config", required=True)
+    p.add_argument("--nodes", type=int, required=True)
+    p.add_argument("--nproc-per-node", type=int, default=8, help="processes (devices) per node (default 8)")
+    p.add_argument("--target", choices=["slurm", "k8s"], required=True)
+    p.add_argument("--image", default="hlat:latest", help="container image for k8s")
+    p.add_argument("--cpu", action="store_true", help="CPU nodes: request no GPUs")
+    p.add_argument("--out", help="file to write (default: print)")
+    p.set_defaults(func=cmd_launch, overrides=True)
+
     p = sub.add_parser("plan", help="choose a parallel layout and predict memory, step time and cost")
-    try:
-        from hlat.planner.cli import add_arguments
-    except ImportError:  # the planner is optional while it is being built
-        add_arguments = None
-    if add_arguments:
-        add_arguments(p)
+    from hlat.planner.cli import add_arguments
+
+    add_arguments(p)
     p.set_defaults(func=cmd_plan, overrides=False)
     return parser
 

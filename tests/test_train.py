@@ -32,7 +32,7 @@ def losses(run_dir: Path) -> list[float]:
 
 def final_weights(run_dir: Path, cfg) -> dict:
     model = materialize(build_model(cfg.model), "cpu")
-    load_checkpoint(complete_checkpoints(run_dir)[-1][1], model)
+    load_checkpoint(complete_checkpoints(run_dir)[-1][1], [model])
     return model.state_dict()
 
 

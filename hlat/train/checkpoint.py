@@ -14,9 +14,16 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from hlat import HlatError
 
@@ -53,8 +60,18 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return latest
 
 
-def _rank_key(rank: int) -> str:
-    return f"trainer_rank{rank}"
+def model_state(parts: list[nn.Module]) -> dict:
+    """The model's state dict by parameter name, merged over the parts (pipeline stages) this rank holds."""
+    return {k: v for part in parts for k, v in get_model_state_dict(part).items()}
+
+
+def optimizer_state(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> dict:
+    """Optimizer states keyed by parameter name (flattened), so they load into any other layout."""
+    return {k: v for part, opt in zip(parts, optimizers)
+            for k, v in get_optimizer_state_dict(part, opt, options=_FLAT).items()}
+
+
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def write_checkpoint(final: Path, state: dict, config_toml: str, rank: int = 0) -> Path:
@@ -63,23 +80,28 @@ def write_checkpoint(final: Path, state: dict, config_toml: str, rank: int = 0) 
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
+    _barrier()
     dcp.save(state, checkpoint_id=partial)
     if rank == 0:
         (partial / CONFIG_FILE).write_text(config_toml)
         if final.exists():  # re-saving the same step (a resumed run's final save): replace it
             shutil.rmtree(final)
         partial.rename(final)
+    _barrier()
     return final
 
 
-def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                    trainer_state: dict, config_toml: str, keep: int = 0, rank: int = 0) -> Path:
-    """Save model, optimizer and this rank's JSON-serialisable trainer state (step, data position, RNG...)."""
-    state: dict = {_rank_key(rank): json.dumps(trainer_state)}
-    if optimizer is None:
-        state["model"] = model.state_dict()
-    else:
-        state["model"], state["optim"] = get_state_dict(model, optimizer)
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def save_checkpoint(run_dir: str | Path, step: int, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
+                    trainer_state: dict, trainer_key: str, config_toml: str, keep: int = 0, rank: int = 0) -> Path:
+    """Save model, optimizer and the JSON-serialisable trainer state (step, data position, RNG...) under
+    `trainer_key` (one per rank when ranks hold different data positions, else one shared key)."""
+    state = {"model": model_state(parts), "optim": optimizer_state(parts, optimizers),
+             trainer_key: json.dumps(trainer_state)}
     root = checkpoint_root(run_dir)
     final = write_checkpoint(root / f"step_{step:08d}", state, config_toml, rank)
     if rank == 0:
@@ -95,23 +117,25 @@ def _prune(root: Path, keep: int) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                    rank: int = 0) -> dict:
-    """Load into `model` (and `optimizer`) in place; return this rank's trainer state ({} if none saved)."""
-    state: dict = {}
-    if optimizer is None:
-        state["model"] = model.state_dict()
-    else:
-        state["model"], state["optim"] = get_state_dict(model, optimizer)
-    has_trainer_state = _rank_key(rank) in dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    if has_trainer_state:
-        state[_rank_key(rank)] = ""
+def load_checkpoint(path: Path, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer] | None = None,
+                    trainer_key: str | None = None) -> dict:
+    """Load into the model parts (and optimizers) in place, resharding to this layout whatever layout saved it;
+    return the trainer state saved under `trainer_key` ({} if none)."""
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    if trainer_key and trainer_key not in saved:
+        raise HlatError(f"{path}: has no trainer state {trainer_key!r}: it was saved by a different number of "
+                        "ranks with per-rank data positions (parallel.data_sharding = 'files')")
+    state: dict = {"model": model_state(parts)}
+    if optimizers is not None:
+        state["optim"] = optimizer_state(parts, optimizers)
+    if trainer_key:
+        state[trainer_key] = ""
     try:
         dcp.load(state, checkpoint_id=path)
     except Exception as e:  # DCP's errors are long and nested; the first line says what did not match
         raise HlatError(f"{path}: cannot load checkpoint: {str(e).strip().splitlines()[0]}") from None
-    if optimizer is None:
-        model.load_state_dict(state["model"])
-    else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return json.loads(state[_rank_key(rank)]) if has_trainer_state else {}
+    for i, part in enumerate(parts):
+        set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
+        if optimizers is not None:
+            set_optimizer_state_dict(part, optimizers[i], state["optim"], options=_FLAT)
+    return json.loads(state[trainer_key]) if trainer_key else {}

@@ -10,6 +10,7 @@ from hlat.config import ConfigError, load_toml, parse_overrides, set_path, to_di
 from hlat.data.config import DataConfig
 from hlat.models.config import ModelConfig, preset_config
 from hlat.optim.config import OptimConfig, PrecisionConfig
+from hlat.parallel.config import ParallelConfig, world_size_from_env
 
 
 @dataclass
@@ -58,15 +59,30 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def validate(self) -> "Config":
+        """Check every section; the parallel layout is checked by `resolved_parallel` once the world size is
+        known (a config can be written on one machine for a cluster of another size)."""
         self.model.validate()
         self.data.validate()
         self.optim.validate()
         self.precision.validate()
         self.train.validate(self.model)
         return self
+
+    def resolved_parallel(self, world_size: int | None = None) -> ParallelConfig:
+        """The parallel layout with dp_shard filled in, checked against the model and the batch."""
+        p = self.parallel.validate(self.model, world_size or world_size_from_env())
+        accum = self.train.grad_accum(p.dp)
+        if p.pp > 1 and accum < p.pp:
+            raise ConfigError(f"parallel.pp: {accum} micro-batches per step (global_batch / (micro_batch x dp)) "
+                              f"cannot fill {p.pp} pipeline stages; use a smaller train.micro_batch")
+        if p.pp_schedule == "interleaved_1f1b" and p.pp > 1 and accum % p.pp:
+            raise ConfigError(f"parallel.pp_schedule: interleaved_1f1b needs the {accum} micro-batches per step "
+                              f"to be a multiple of pp {p.pp}")
+        return p
 
     def to_toml(self) -> str:
         return to_toml(to_dict(self))

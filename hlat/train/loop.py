@@ -1,7 +1,8 @@
-"""The training loop: config in, trained checkpoints and metrics out.
+"""The training loop: config in, trained checkpoints and metrics out, on one process or many (torchrun).
 
-Order of work (docs/architecture.md): resolve data and device -> tokenizer -> model on meta, materialised and
-initialised -> optimizer -> data stream -> restore a checkpoint if resuming -> steps -> checkpoints.
+Order of work (docs/architecture.md): check the config against the world size, resolve data and device ->
+process group and mesh -> tokenizer -> model on meta, split/sharded, materialised and initialised ->
+optimizers -> data stream -> restore a checkpoint if resuming -> steps -> checkpoints.
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from rich.console import Console
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from hlat import HlatError
 from hlat.data.packing import build_stream
@@ -22,6 +26,10 @@ from hlat.data.sources import default_corpus, resolve_paths
 from hlat.data.tokenizer import get_tokenizer
 from hlat.models import build_model, materialize
 from hlat.optim import build_optimizer, lr_at
+from hlat.parallel import Topology, init_topology, parallelize
+from hlat.parallel.grads import clip_grad_norm
+from hlat.parallel.mesh import local_device
+from hlat.parallel.pipeline import build_schedule
 from hlat.train.checkpoint import latest_checkpoint, load_checkpoint, resolve_checkpoint, save_checkpoint
 from hlat.train.config import Config
 from hlat.train.metrics import MetricsLog, peak_flops, peak_memory_gb
@@ -43,7 +51,7 @@ def pick_device(name: str) -> torch.device:
         raise HlatError("train.device: 'cuda' was asked for but no CUDA device is available")
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
+    return local_device(name)
 
 
 def find_resume_checkpoint(cfg: Config) -> Path | None:
@@ -75,7 +83,8 @@ def format_duration(seconds: float) -> str:
 
 
 class StopRequest:
-    """SIGTERM/SIGINT ask the loop to checkpoint and stop after the current step instead of dying mid-step."""
+    """SIGTERM/SIGINT ask the loop to checkpoint and stop after the current step instead of dying mid-step;
+    ranks agree on it each step, so they all save the same step."""
 
     def __init__(self):
         self.requested = False
@@ -92,44 +101,119 @@ class StopRequest:
             for s, h in previous.items():
                 signal.signal(s, h)
 
+    def agreed(self, device: torch.device) -> bool:
+        if not dist.is_initialized():
+            return self.requested
+        flag = torch.tensor([float(self.requested)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean token loss in fp32; logits may be a vocabulary-sharded DTensor (under loss_parallel)."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+class Batches:
+    """This rank's micro-batches for each step.
+
+    `replicated` data sharding: every rank reads the whole stream and takes micro-batches dp_rank,
+    dp_rank + dp, ... of each step's global batch, so every layout trains on exactly the batches a single
+    process would and the data position is the same on all ranks (a checkpoint resumes under any layout).
+    `files`: each data-parallel rank reads its own files, for clusters where reading everything everywhere
+    would cost too much; the data positions are per rank and a resume needs the same data-parallel size."""
+
+    def __init__(self, stream, topo: Topology, global_accum: int):
+        self.stream, self.topo, self.global_accum = stream, topo, global_accum
+        self.replicated = topo.cfg.data_sharding == "replicated"
+
+    def next_step(self, device: torch.device) -> list[dict]:
+        dp, rank = self.topo.cfg.dp, self.topo.dp_rank
+        if self.replicated:
+            micro = [next(self.stream) for _ in range(self.global_accum)][rank::dp]
+        else:
+            micro = [next(self.stream) for _ in range(self.global_accum // dp)]
+        return [{k: t.to(device, non_blocking=True) for k, t in batch.items()} for batch in micro]
+
+    @property
+    def trainer_key(self) -> str:
+        return "trainer" if self.replicated else f"trainer_rank{self.topo.rank}"
+
 
 def train(cfg: Config, console: Console | None = None) -> Summary:
-    console = console or Console()
     tc = cfg.train
+    pcfg = cfg.resolved_parallel()  # every layout error is raised here, before any process group starts
     run_dir = Path(tc.run_dir)
     device = pick_device(tc.device)
     files = resolve_paths(cfg.data.paths) if cfg.data.paths else default_corpus()
     resume_from = find_resume_checkpoint(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.toml").write_text(cfg.to_toml())
+
+    topo = init_topology(pcfg, device)
+    console = console if topo.is_main and console is not None else Console(quiet=not topo.is_main)
+    try:
+        return _train(cfg, topo, device, files, resume_from, run_dir, console)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _train(cfg: Config, topo: Topology, device: torch.device, files: list[Path], resume_from: Path | None,
+           run_dir: Path, console: Console) -> Summary:
+    tc, pcfg = cfg.train, topo.cfg
+    if topo.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.toml").write_text(cfg.to_toml())
+        tokenizer = get_tokenizer(cfg.data, files, cfg.model.vocab_size, run_dir)  # trained once, saved in the run
+    if dist.is_initialized():
+        dist.barrier()
+    if not topo.is_main:
+        tokenizer = get_tokenizer(cfg.data, files, cfg.model.vocab_size, run_dir)
 
     torch.manual_seed(tc.seed)
-    tokenizer = get_tokenizer(cfg.data, files, cfg.model.vocab_size, run_dir)
-    model = materialize(build_model(cfg.model), device)
-    optimizer = build_optimizer(model, cfg.optim)
-    stream = build_stream(cfg.data, tokenizer, files, tc.seq_len, tc.micro_batch)
+    model = build_model(cfg.model)
+    stages = parallelize(model, topo, device, tc.seed) if topo.mesh else [(0, materialize(model, device, tc.seed))]
+    parts = [module for _, module in stages]
+    optimizers = [build_optimizer(part, cfg.optim) for part in parts]
+    params = [p for part in parts for p in part.parameters()]
+    global_accum = tc.grad_accum()
+    accum = global_accum // pcfg.dp
+    batches = Batches(build_stream(cfg.data, tokenizer, files, tc.seq_len, tc.micro_batch,
+                                   **({} if pcfg.data_sharding == "replicated"
+                                      else {"rank": topo.dp_rank, "world_size": pcfg.dp})),
+                      topo, global_accum)
+    stream = batches.stream
+    n_stages = pcfg.stages()
+    first_stage = any(sid == 0 for sid, _ in stages)
+    last_stage = any(sid == n_stages - 1 for sid, _ in stages)
+    schedule = build_schedule(stages, topo, device, accum, cross_entropy) if pcfg.pp > 1 else None
     metrics = MetricsLog(run_dir)
 
     start = 0
     if resume_from is not None:
-        state = load_checkpoint(resume_from, model, optimizer)
+        state = load_checkpoint(resume_from, parts, optimizers, batches.trainer_key)
         start = state["step"]
         stream.load_state_dict(state["data"])
         set_rng_state(state["rng"])
-        metrics.truncate_after(start)
+        if topo.is_main:
+            metrics.truncate_after(start)
         console.print(f"resumed from {resume_from} at step {start}")
     else:
-        metrics.truncate_after(-1)
+        if topo.is_main:
+            metrics.truncate_after(-1)
         if tc.init_from:
-            load_checkpoint(resolve_checkpoint(tc.init_from), model)
+            load_checkpoint(resolve_checkpoint(tc.init_from), parts)
             console.print(f"initialised weights from {tc.init_from}")
 
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if cfg.precision.mode == "bf16_mixed"
                 else contextlib.nullcontext())
-    grad_accum = tc.grad_accum()
+    loss_context = loss_parallel if pcfg.tp > 1 else contextlib.nullcontext
     tokens_per_step = tc.global_batch * tc.seq_len
     flops_per_token = cfg.model.flops_per_token(tc.seq_len)
-    peak = peak_flops(device, tc.peak_flops)
+    peak = peak_flops(device, tc.peak_flops) * (dist.get_world_size() if dist.is_initialized() else 1)
     decay_steps = cfg.optim.decay_steps or tc.steps
     losses: list[float] = []
     step, saved = start, None
@@ -139,34 +223,62 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
 
     def checkpoint(at: int) -> Path:
         trainer_state = {"step": at, "data": stream.state_dict(), "rng": rng_state()}
-        return save_checkpoint(run_dir, at, model, optimizer, trainer_state, cfg.to_toml(), tc.keep_checkpoints)
+        return save_checkpoint(run_dir, at, parts, optimizers, trainer_state, batches.trainer_key, cfg.to_toml(),
+                               tc.keep_checkpoints, topo.rank)
 
-    console.print(f"training {cfg.model.preset or cfg.model.family} ({sum(p.numel() for p in model.parameters()):,} "
-                  f"parameters) on {device}, {tc.steps} steps of {tokens_per_step:,} tokens, run dir {run_dir}",
-                  soft_wrap=True, highlight=False)
+    def step_loss(micro: list[dict]) -> torch.Tensor:
+        """Forward and backward over this rank's micro-batches; the mean loss of those (0 off the last stage)."""
+        if schedule is not None:
+            inputs = torch.cat([b["inputs"] for b in micro]) if first_stage else None
+            targets = torch.cat([b["targets"] for b in micro]) if last_stage else None
+            microbatch_losses: list[torch.Tensor] = []
+            with autocast, loss_context():
+                schedule.step(*([inputs] if first_stage else []), target=targets, losses=microbatch_losses)
+            if not last_stage:
+                return torch.zeros((), device=device)
+            return torch.stack([plain(loss.detach()) for loss in microbatch_losses]).mean()
+        total = torch.zeros((), device=device)
+        for batch in micro:
+            targets = batch.pop("targets")
+            with loss_context():
+                with autocast:
+                    logits = parts[0](batch.pop("inputs"), **batch)  # extra keys (positions...) go to the model
+                loss = cross_entropy(logits, targets) / accum
+                loss.backward()
+            total += plain(loss.detach())
+        return total
+
+    def global_mean(local_loss: torch.Tensor) -> torch.Tensor:
+        """The loss over the global batch: the mean over data-parallel ranks of the last stage's losses
+        (tensor-parallel peers hold the same value)."""
+        if not dist.is_initialized():
+            return local_loss
+        total = local_loss.clone()
+        dist.all_reduce(total)
+        return total / (pcfg.dp * pcfg.tp)
+
+    n_params = sum(p.numel() for p in build_model(cfg.model).parameters())
+    console.print(f"training {cfg.model.preset or cfg.model.family} ({n_params:,} parameters) on {device}"
+                  f"{f' x {dist.get_world_size()} ranks' if dist.is_initialized() else ''}, {tc.steps} steps of "
+                  f"{tokens_per_step:,} tokens, run dir {run_dir}", soft_wrap=True, highlight=False)
     with StopRequest().installed() as stop:
         while step < tc.steps:
             lr = lr_at(step, cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup_steps, decay_steps)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            loss_sum = torch.zeros((), device=device)
-            for _ in range(grad_accum):
-                batch = {k: t.to(device, non_blocking=True) for k, t in next(stream).items()}
-                targets = batch.pop("targets")
-                with autocast:
-                    logits = model(batch.pop("inputs"), **batch)  # extra keys (positions...) go to the model
-                loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) / grad_accum
-                loss.backward()
-                loss_sum += loss.detach()
-            max_norm = cfg.optim.clip_grad_norm or float("inf")
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            for optimizer in optimizers:
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+            loss = global_mean(step_loss(batches.next_step(device)))
+            pp_group = topo.group("pp") if pcfg.pp > 1 else None
+            grad_norm = clip_grad_norm(params, cfg.optim.clip_grad_norm, pp_group)
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
             step += 1
             interval_tokens += tokens_per_step
-            interval_loss += loss_sum
+            interval_loss += loss
             interval_steps += 1
-            if step % tc.log_every == 0 or step in (start + 1, tc.steps) or stop.requested:
+            stopping = stop.agreed(device)
+            if step % tc.log_every == 0 or step in (start + 1, tc.steps) or stopping:
                 loss_value = (interval_loss / interval_steps).item()  # mean over the steps since the last log
                 now = time.perf_counter()
                 tokens_per_s = interval_tokens / (now - interval_start)
@@ -178,18 +290,18 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
                     "mfu": round(flops_per_token * tokens_per_s / peak, 5) if peak else None,
                     "peak_memory_gb": round(peak_memory_gb(device), 3),
                 }
-                metrics.write(record)
+                if topo.is_main:
+                    metrics.write(record)
                 losses.append(loss_value)
-                eta = format_duration(step_time * (tc.steps - step))
                 console.print(f"step {step:>6}/{tc.steps}  loss {loss_value:7.4f}  grad_norm {record['grad_norm']:6.3f}  "
-                              f"lr {lr:.2e}  {tokens_per_s:>9,.0f} tok/s  mfu {record['mfu'] or 0:6.2%}  eta {eta}",
-                              soft_wrap=True, highlight=False)
+                              f"lr {lr:.2e}  {tokens_per_s:>9,.0f} tok/s  mfu {record['mfu'] or 0:6.2%}  "
+                              f"eta {format_duration(step_time * (tc.steps - step))}", soft_wrap=True, highlight=False)
                 interval_start, interval_tokens, interval_steps = now, 0, 0
                 interval_loss = torch.zeros((), device=device)
-            if (tc.ckpt_every and step % tc.ckpt_every == 0) or step == tc.steps or stop.requested:
+            if (tc.ckpt_every and step % tc.ckpt_every == 0) or step == tc.steps or stopping:
                 saved = checkpoint(step)
-            if stop.requested:
-                console.print(f"stopped by signal at step {step}; checkpoint {saved}; resume with --train.resume auto")
+            if stopping:
+                console.print(f"stopped by signal at step {step}; checkpoint {saved}; resume with --resume auto")
                 break
     elapsed = time.perf_counter() - run_start
     ran = step - start

@@ -1,0 +1,42 @@
+"""Parallelism applied from outside the model, one function per concern, in torchtitan's order: pipeline
+split, tensor parallelism, activation checkpointing, compilation, data parallelism; then the (still meta)
+parts are allocated and initialised, identically to a single process."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from hlat.models import materialize
+from hlat.parallel.checkpointing import apply_activation_checkpointing
+from hlat.parallel.config import ParallelConfig
+from hlat.parallel.data import apply_data_parallel
+from hlat.parallel.mesh import Topology, init_topology
+from hlat.parallel.pipeline import split_model
+from hlat.parallel.tensor import apply_tensor_parallel
+
+__all__ = ["ParallelConfig", "Topology", "init_topology", "parallelize"]
+
+
+def parallelize(model: nn.Module, topo: Topology, device: torch.device, seed: int) -> list[tuple[int, nn.Module]]:
+    """(stage id, module) for the parts of a meta-device `model` this rank runs, parallelised and initialised.
+    Without pipeline parallelism that is [(0, model)]."""
+    cfg = topo.cfg
+    parts = split_model(model, topo) if cfg.pp > 1 else [(0, model)]
+    for _, part in parts:
+        if cfg.tp > 1:
+            apply_tensor_parallel(part, topo.mesh["tp"], cfg.sequence_parallel)
+        apply_activation_checkpointing(part, cfg.activation_checkpoint)
+        if cfg.compile:
+            # HLAT moved the compile cache to each node's local disk: a shared file system became the bottleneck
+            if cfg.compile_cache_dir:
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = cfg.compile_cache_dir
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", "/tmp/hlat-compile-cache")
+            for block in part.layers.values():
+                block.compile()
+        if cfg.dp > 1:
+            apply_data_parallel(part, topo.mesh["dp_replicate", "dp_shard"], cfg.zero1, pipelined=cfg.pp > 1)
+        materialize(part, device, seed)
+    return parts

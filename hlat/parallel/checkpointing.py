@@ -1,0 +1,40 @@
+"""Activation checkpointing per block: `full` recomputes the whole block in backward; `selective` keeps the
+outputs of the matrix multiplications (and of tensor-parallel collectives, so no communication is repeated)
+and recomputes the rest: the attention core (scaled dot-product attention), as HLAT did (after Korthikanti et
+al. 2022), and the cheap elementwise work around it. Parameter names are unchanged, so checkpoints do not
+depend on this setting."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+_SAVED_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops._c10d_functional.all_gather_into_tensor.default,
+    torch.ops._c10d_functional.all_reduce.default,
+}
+
+
+def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _checkpointed(forward, selective: bool, *args, **kwargs):
+    context = functools.partial(create_selective_checkpoint_contexts, _save_matmuls) if selective else None
+    extra = {"context_fn": context} if context else {}
+    return checkpoint(forward, *args, use_reentrant=False, **extra, **kwargs)
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
+    if mode == "none":
+        return
+    for block in model.layers.values():
+        # wrapping the bound forward (not the module) keeps the block's parameter names
+        block.forward = functools.partial(_checkpointed, block.forward, mode == "selective")

@@ -1,0 +1,75 @@
+"""The `[parallel]` config section (torch-free): mesh degrees, pipeline schedule, ZeRO-1, recomputation."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+from hlat.config import ConfigError
+from hlat.models.config import ModelConfig
+
+
+def world_size_from_env() -> int:
+    """Processes in this job: torchrun sets WORLD_SIZE; a plain `hlat train` is one."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+@dataclass
+class ParallelConfig:
+    dp_replicate: int = 1  # replicated data parallelism (DDP; with dp_shard > 1, HSDP)
+    dp_shard: int = -1  # FSDP degree; -1 fills what the other degrees leave of the world size
+    tp: int = 1  # tensor parallelism (with sequence parallelism in the norm regions when sequence_parallel)
+    pp: int = 1  # pipeline stages (x virtual_stages stage modules under interleaved_1f1b)
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
+    virtual_stages: int = 2  # stage modules per pipeline rank under interleaved_1f1b
+    sequence_parallel: bool = True
+    zero1: bool = False  # shard optimizer states (and gradients) over dp_shard, gather parameters once a step
+    activation_checkpoint: Literal["none", "selective", "full"] = "none"  # selective recomputes attention
+    data_sharding: Literal["replicated", "files"] = "replicated"  # see hlat/train/loop.py: local_batches
+    compile: bool = False  # torch.compile each block
+    compile_cache_dir: str = ""  # "" = the node's local disk (/tmp/hlat-compile-cache), not a shared FS
+
+    def stages(self) -> int:
+        return self.pp * (self.virtual_stages if self.pp_schedule == "interleaved_1f1b" else 1)
+
+    def resolved(self, world_size: int) -> "ParallelConfig":
+        """A copy with dp_shard filled in, checked against the world size."""
+        fixed = self.dp_replicate * self.tp * self.pp
+        for name in ("dp_replicate", "tp", "pp", "virtual_stages"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"parallel.{name}: must be >= 1, got {getattr(self, name)}")
+        dp_shard = self.dp_shard
+        if dp_shard == -1:
+            if world_size % fixed:
+                raise ConfigError(f"parallel: dp_replicate x tp x pp = {fixed} does not divide the world size "
+                                  f"{world_size}")
+            dp_shard = world_size // fixed
+        if dp_shard < 1 or fixed * dp_shard != world_size:
+            raise ConfigError(f"parallel: dp_replicate {self.dp_replicate} x dp_shard {dp_shard} x tp {self.tp} x "
+                              f"pp {self.pp} = {fixed * dp_shard}, but the world size is {world_size}")
+        return ParallelConfig(**{**self.__dict__, "dp_shard": dp_shard})
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def validate(self, model: ModelConfig, world_size: int, doc_mask: bool = False) -> "ParallelConfig":
+        """Everything that can be checked before any process group exists; returns the resolved config."""
+        p = self.resolved(world_size)
+        for field, size in (("n_heads", model.n_heads), ("ffn_dim", model.ffn_dim), ("vocab_size", model.vocab_size)):
+            if size % p.tp:
+                raise ConfigError(f"parallel.tp: {p.tp} does not divide model.{field} {size}")
+        if model.kv_heads % p.tp:
+            raise ConfigError(f"parallel.tp: {p.tp} does not divide model.n_kv_heads {model.kv_heads} "
+                              "(replicating kv heads across tensor-parallel ranks is not supported yet)")
+        if model.n_layers < p.stages():
+            raise ConfigError(f"parallel.pp: {p.stages()} pipeline stages but only {model.n_layers} layers")
+        if p.pp > 1 and model.tie_embeddings:
+            raise ConfigError("parallel.pp: tied embeddings cannot be split across pipeline stages; set "
+                              "model.tie_embeddings = false")
+        if p.pp > 1 and doc_mask:
+            raise ConfigError("parallel.pp: document masking is not supported with pipeline parallelism yet")
+        if p.zero1 and p.dp_shard == 1:
+            raise ConfigError("parallel.zero1: shards optimizer states over dp_shard, which is 1")
+        return p

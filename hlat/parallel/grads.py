@@ -1,0 +1,33 @@
+"""Global gradient-norm clipping across every mesh dimension."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float, pp_group: dist.ProcessGroup | None = None
+                   ) -> torch.Tensor:
+    """Clip to `max_norm` (0: only measure) and return the total norm over the whole model.
+
+    Gradients sharded alike (same mesh and placements) are reduced together: their DTensor norm is already
+    global over data and tensor parallelism. Pipeline stages hold disjoint parameters, so their squared norms
+    are summed over the pipeline group."""
+    grads = [p.grad for p in params if p.grad is not None]
+    groups: dict = {}
+    for g in grads:
+        key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else None
+        groups.setdefault(key, []).append(g)
+    squares = []
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm(group, foreach=True)
+        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float() ** 2)
+    device = grads[0].device if grads else torch.device("cpu")
+    total = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
+    if pp_group is not None:
+        dist.all_reduce(total, group=pp_group)
+    total = total.sqrt()
+    if max_norm:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+    return total

@@ -1,0 +1,56 @@
+"""Process group and device mesh: one mesh with dimensions (pp, dp_replicate, dp_shard, tp), tp innermost so
+tensor-parallel peers are neighbouring ranks (the same node under torchrun's rank order)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from hlat.parallel.config import ParallelConfig, world_size_from_env
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+@dataclass
+class Topology:
+    """Where this process sits: its mesh (None in a single process) and its coordinates."""
+
+    cfg: ParallelConfig
+    mesh: DeviceMesh | None
+    rank: int = 0
+    pp_rank: int = 0
+    dp_rank: int = 0
+    tp_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def group(self, dim: str) -> dist.ProcessGroup:
+        return self.mesh.get_group(dim)
+
+
+def init_topology(cfg: ParallelConfig, device: torch.device) -> Topology:
+    """Start the process group when launched by torchrun (gloo on CPU, NCCL on CUDA) and build the mesh."""
+    if world_size_from_env() == 1:
+        return Topology(cfg, None)
+    if not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=10))
+    shape = tuple(getattr(cfg, d) for d in MESH_DIMS)
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
+    coord = dict(zip(MESH_DIMS, mesh.get_coordinate()))
+    return Topology(cfg, mesh, rank=dist.get_rank(), pp_rank=coord["pp"], tp_rank=coord["tp"],
+                    dp_rank=coord["dp_replicate"] * cfg.dp_shard + coord["dp_shard"])
+
+
+def local_device(name: str) -> torch.device:
+    if name == "cuda" and dist.is_initialized():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device(name)

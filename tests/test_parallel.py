@@ -1,0 +1,146 @@
+"""Every parallel layout follows the single-process loss trajectory (CPU, gloo, torchrun), checkpoints move
+between layouts, and impossible layouts are refused before any process starts."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hlat.config import ConfigError, update
+from hlat.train.config import build_config
+from hlat.train.loop import train
+
+CORPUS = os.path.join(os.path.dirname(json.__file__), "*.py")
+MODELS = {
+    "llama": {"preset": "tiny", "dim": 64, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128,
+              "vocab_size": 512},
+    "neox": {"preset": "tiny-neox", "dim": 64, "n_layers": 4, "n_heads": 4, "ffn_dim": 128, "vocab_size": 512},
+}
+LAYOUTS = {  # name: (processes, [parallel] overrides)
+    "ddp2": (2, {"dp_replicate": 2, "dp_shard": 1}),
+    "fsdp2": (2, {"dp_shard": 2, "activation_checkpoint": "full"}),
+    "zero1_2": (2, {"dp_shard": 2, "zero1": True}),
+    "tp2_sp": (2, {"tp": 2, "sequence_parallel": True, "activation_checkpoint": "selective"}),
+    "pp2_1f1b": (2, {"pp": 2, "pp_schedule": "1f1b"}),
+    "pp2_interleaved": (2, {"pp": 2, "pp_schedule": "interleaved_1f1b", "virtual_stages": 2}),
+    "tp2_fsdp2": (4, {"tp": 2, "dp_shard": 2, "activation_checkpoint": "selective"}),
+    "pp2_tp2": (4, {"pp": 2, "tp": 2, "dp_shard": 1, "activation_checkpoint": "full"}),
+    "pp2_fsdp2": (4, {"pp": 2, "dp_shard": 2}),
+}
+
+
+def job(run_dir: Path, family: str, **train) -> dict:
+    return {"model": dict(MODELS[family]), "data": {"paths": [CORPUS], "shuffle_rows": 64},
+            "optim": {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 2, "decay_steps": 10},
+            "train": {"steps": 10, "global_batch": 8, "micro_batch": 2, "seq_len": 32, "log_every": 1,
+                      "run_dir": str(run_dir), **train}}
+
+
+def write_toml(path: Path, data: dict) -> Path:
+    path.write_text(build_config(data).to_toml())
+    return path
+
+
+def torchrun(nproc: int, config: Path, parallel: dict, *extra: str) -> None:
+    overrides = [a for k, v in parallel.items() for a in (f"--parallel.{k}", str(v).lower())]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "hlat", "train", "--config", str(config), *overrides, *extra]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def trajectory(run_dir: Path) -> list[tuple[float, float]]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["loss"], r["grad_norm"]) for r in records]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Single-process trajectories, one per family."""
+    root = tmp_path_factory.mktemp("reference")
+    runs = {}
+    for family in MODELS:
+        train(build_config(job(root / family, family)))
+        runs[family] = trajectory(root / family)
+    return runs
+
+
+def assert_close(got, expected, rtol=1e-4):
+    assert len(got) == len(expected)
+    for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(got, expected), 1):
+        assert abs(loss - ref_loss) <= rtol * abs(ref_loss), (step, loss, ref_loss)
+        assert abs(norm - ref_norm) <= rtol * abs(ref_norm) + 1e-6, (step, norm, ref_norm)
+
+
+@pytest.mark.parametrize("family", list(MODELS))
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_matches_single_process(layout, family, reference, tmp_path):
+    nproc, parallel = LAYOUTS[layout]
+    config = write_toml(tmp_path / "job.toml", job(tmp_path / "run", family))
+    torchrun(nproc, config, parallel)
+    assert_close(trajectory(tmp_path / "run"), reference[family])
+
+
+@pytest.mark.parametrize("saved, resumed", [
+    ((4, {"tp": 2, "dp_shard": 2}), (4, {"dp_shard": 4})),
+    ((4, {"tp": 2, "dp_shard": 2}), (4, {"pp": 2, "dp_shard": 2})),
+])
+def test_checkpoint_resumes_under_another_layout(saved, resumed, reference, tmp_path):
+    config = write_toml(tmp_path / "job.toml", job(tmp_path / "run", "llama", ckpt_every=5))
+    torchrun(*saved, "--train.steps", "5")
+    torchrun(*resumed, "--resume", "auto")
+    assert_close(trajectory(tmp_path / "run"), reference["llama"])
+
+
+@pytest.mark.parametrize("parallel, world, message", [
+    ({"tp": 2, "pp": 2, "dp_shard": 1}, 8, "= 4, but the world size is 8"),
+    ({"tp": 3}, 3, "parallel.tp: 3 does not divide model.n_heads 4"),
+    ({"tp": 4}, 4, "does not divide model.n_kv_heads 2"),
+    ({"pp": 8}, 8, "8 pipeline stages but only 4 layers"),
+    ({"pp": 2, "pp_schedule": "interleaved_1f1b", "virtual_stages": 4}, 2, "8 pipeline stages but only 4 layers"),
+    ({"dp_replicate": 3}, 4, "does not divide the world size 4"),
+    ({"pp": 4, "dp_replicate": 2, "dp_shard": 1}, 8, "cannot fill 4 pipeline stages"),
+    ({"dp_shard": 2, "zero1": True, "dp_replicate": 2}, 4, None),
+])
+def test_impossible_layouts_are_refused_up_front(parallel, world, message, tmp_path):
+    cfg = build_config(job(tmp_path, "llama"))
+    update(cfg.parallel, parallel)
+    if message is None:
+        assert cfg.resolved_parallel(world).dp == 4
+        return
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        cfg.resolved_parallel(world)
+
+
+def test_selective_checkpointing_recomputes_only_attention():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hlat.models import build_model, materialize
+    from hlat.parallel.checkpointing import apply_activation_checkpointing
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls: dict[str, int] = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    cfg = build_config(job(Path("."), "llama")).model
+    counts = {}
+    for mode in ("none", "selective", "full"):
+        model = materialize(build_model(cfg), "cpu")
+        apply_activation_checkpointing(model, mode)
+        tokens = torch.randint(0, cfg.vocab_size, (2, 16))
+        with Count() as counter:
+            model(tokens).sum().backward()
+        counts[mode] = counter.calls
+    attention = next(k for k in counts["none"] if k.startswith("_scaled_dot_product") and "backward" not in k)
+    assert counts["selective"][attention] == counts["full"][attention] == 2 * counts["none"][attention]
+    assert counts["selective"]["mm"] == counts["none"]["mm"] < counts["full"]["mm"]  # matmuls are kept
