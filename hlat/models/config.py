@@ -29,6 +29,9 @@ class ModelConfig:
     tie_embeddings: bool = False
     parallel_residual: bool = True  # NeoX only: x + attn(ln1(x)) + mlp(ln2(x))
     init_std: float = 0.02  # output projections use init_std / sqrt(2 * n_layers)
+    # attend only within each packed document, positions restarting per document (the loader then also
+    # yields doc_ids and positions)
+    doc_mask: bool = False
 
     # --- derived shapes -------------------------------------------------------------------------
     @property

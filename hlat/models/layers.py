@@ -38,6 +38,13 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     return x * cos + swapped * sin
 
 
+def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """[batch, 1, seq, seq], True where a query may attend a key: causal, and both in the same document."""
+    seq = doc_ids.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=doc_ids.device).tril()
+    return ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal).unsqueeze(1)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -48,7 +55,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.kv_heads * hd, bias=bias)
         self.wo = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=bias)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         # Head counts come from the weights' shapes, so a tensor-parallel shard sees its local heads.
         q = self.wq(x).unflatten(-1, (-1, self.head_dim))
         k = self.wk(x).unflatten(-1, (-1, self.head_dim))
@@ -57,7 +64,8 @@ class Attention(nn.Module):
             rope = rope[: q.shape[1]]
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                             enable_gqa=k.shape[1] != q.shape[1])
         return self.wo(out.transpose(1, 2).flatten(-2))
 
 
@@ -130,8 +138,8 @@ class Block(nn.Module):
         self.ffn_norm = norm(cfg.dim, eps=cfg.norm_eps)
         self.parallel_residual = parallel_residual
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, mask)
         return h + self.feed_forward(self.ffn_norm(x if self.parallel_residual else h))
 
 
@@ -154,14 +162,18 @@ class Transformer(nn.Module):
         # Derived from the config, not learned: kept out of state dicts and rebuilt by init_weights.
         self.register_buffer("rope", rope_table(cfg), persistent=False)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [batch, seq] (or hidden states); `positions` [batch, seq] index the rotary table (packed
+        documents restart at 0); with `doc_ids` [batch, seq] a token attends only within its document."""
         h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
         # the whole table, cut to length inside attention: under sequence parallelism h holds only this
         # rank's part of the sequence, while attention sees all of it
         rope = self.rope if positions is None else self.rope[positions]
+        mask = None if doc_ids is None else document_mask(doc_ids)
         for layer in self.layers.values():
             if layer is not None:
-                h = layer(h, rope)
+                h = layer(h, rope, mask)
         if self.norm is not None:
             h = self.norm(h)
         return h if self.output is None else self.output(h)
