@@ -22,7 +22,7 @@ from hlat.data.config import DataConfig
 from hlat.data.packing import PROBE, build_stream
 from hlat.data.rounds import best_fit
 from hlat.data.sources import (
-    Split, default_corpus, iter_documents, make_splits, read_split, resolve_data_files, resolve_paths,
+    BadLog, Split, default_corpus, iter_documents, make_splits, read_split, resolve_data_files, resolve_paths,
     resolve_sources, skipped,
 )
 from hlat.data.tokenizer import train_bpe
@@ -198,7 +198,12 @@ def test_every_format_reads_and_resumes_from_any_record(tmp_path):
             assert list(read_split(Split(f, 0), records[k - 1][2], "text", 1000)) == records[k:]
 
 
-def test_jsonl_splits_cover_every_line_once(tmp_path):
+@pytest.fixture
+def small_splits(monkeypatch):
+    monkeypatch.setattr("hlat.data.sources.MIN_SPLIT_BYTES", 64)  # split even these small test files
+
+
+def test_jsonl_splits_cover_every_line_once(tmp_path, small_splits):
     f = jsonl(tmp_path / "big.jsonl", DOCS)
     splits = make_splits([f], world_size=4)  # a single file cut into line-aligned byte ranges
     assert len(splits) >= 8 and sum(s.size for s in splits) == f.stat().st_size
@@ -220,11 +225,11 @@ def test_jsonl_bad_lines_are_skipped_and_counted(tmp_path, caplog):
         b'{"text": "' + b"x" * 200 + b'"}\n'
         b'{"text": "second", "id": 7}\n'
     )
-    before = skipped.counts.copy()
+    bad = BadLog()
     with caplog.at_level(logging.WARNING, logger="hlat.data.sources"):
-        assert list(iter_documents(path, "text", max_bytes=100)) == ["first", "second"]
-    assert skipped.counts - before == {"malformed JSON": 1, "invalid UTF-8": 1, "no string field 'text'": 2,
-                                       "empty document": 1, "document over 100 bytes": 1}
+        assert list(iter_documents(path, "text", max_bytes=100, bad=bad)) == ["first", "second"]
+    assert bad.counts == {"malformed JSON": 1, "invalid UTF-8": 1, "no string field 'text'": 2,
+                          "empty document": 1, "document over 100 bytes": 1}
     assert f"{path}:2" in caplog.text and f"{path}:8" in caplog.text  # file and line of each first skip
     assert list(iter_documents(path, "body")) == ["wrong field"]
 
@@ -401,7 +406,7 @@ def _epoch_docs(s) -> list[str]:
     return [d for d in docs_in(tokens) if d]
 
 
-def test_ranks_read_disjoint_shares_that_cover_the_data(tmp_path):
+def test_ranks_read_disjoint_shares_that_cover_the_data(tmp_path, small_splits):
     docs = [f"doc-{i:03d}" for i in range(120)]
     files = [jsonl(tmp_path / f"{i}.jsonl", docs[i * 10 : i * 10 + 10]) for i in range(9)]  # 90 in JSONL...
     big = jsonl(tmp_path / "big.jsonl", docs[90:])  # ...and 30 in one file that is split among ranks

@@ -31,9 +31,11 @@ from hlat.data.config import DataConfig
 
 TEXT_SUFFIXES = (".txt", ".py", ".md")
 SUFFIXES = (*TEXT_SUFFIXES, ".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
-# Uncompressed JSONL files are cut into line-aligned byte ranges of at most this size, so that a few big files
-# still spread over many ranks and evenly; other files are read whole by one rank.
+# Uncompressed JSONL files are cut into line-aligned byte ranges of at most SPLIT_BYTES, so that a few big files
+# still spread over many ranks and evenly; other files are read whole by one rank. Pieces are no smaller than
+# MIN_SPLIT_BYTES: inside a piece that starts mid-file, bad records are named by byte offset, not line.
 SPLIT_BYTES = 64 << 20
+MIN_SPLIT_BYTES = 1 << 20
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +45,14 @@ File = Path | str  # a local path, or an fsspec URL kept as a string
 # --- finding files ---------------------------------------------------------------------------------------
 
 
-def _optional(module: str, what: str) -> Any:
+def _optional(module: str, what: str, install: str = "'hlat[formats]'") -> Any:
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise HlatError(f"{what} needs the optional package {module!r}: pip install {module}") from None
+        raise HlatError(f"{what} needs the optional package {module.split('.')[0]!r}: pip install {install}") from None
+
+
+READERS = {"parquet": "pyarrow.parquet", "jsonl.zst": "zstandard"}  # the optional package each format needs
 
 
 def file_format(name: str) -> str | None:
@@ -63,7 +68,7 @@ def is_url(file: File) -> bool:
 
 
 def _fs(url: str):
-    fsspec = _optional("fsspec", url)
+    fsspec = _optional("fsspec", url, "fsspec (and s3fs for s3://, gcsfs for gs://)")
     try:
         return fsspec.core.url_to_fs(url)
     except (ImportError, ValueError) as e:  # e.g. s3:// without s3fs
@@ -195,10 +200,12 @@ def _size_or_zero(file: File) -> int:
 
 
 def make_splits(files: list[File], world_size: int) -> list[Split]:
-    """Files as splits, uncompressed JSONL cut into pieces of at most SPLIT_BYTES, and smaller pieces when the
-    data would not otherwise give every rank a couple of them."""
+    """Files as splits, uncompressed JSONL cut into pieces of at most SPLIT_BYTES, and smaller ones (down to
+    MIN_SPLIT_BYTES) when the data would not otherwise give every rank a couple of them."""
     sizes = {f: _size_or_zero(f) for f in files}
-    piece = max(1, min(SPLIT_BYTES, sum(sizes.values()) // (2 * world_size)))
+    for fmt in {file_format(str(f)) for f in files} & READERS.keys():
+        _optional(READERS[fmt], f"reading .{fmt} files")
+    piece = min(SPLIT_BYTES, max(MIN_SPLIT_BYTES, sum(sizes.values()) // (2 * world_size)))
     splits = []
     for f, size in sizes.items():
         if file_format(str(f)) != "jsonl" or size <= piece:
@@ -251,7 +258,7 @@ class _ZstdReader(io.RawIOBase):
     zstandard's own stream reader silently ends a truncated file."""
 
     def __init__(self, raw: io.BufferedIOBase):
-        self._zstd = importlib.import_module("zstandard")
+        self._zstd = _optional(READERS["jsonl.zst"], "reading .jsonl.zst files")
         self._raw, self._out = raw, b""
         self._d = self._zstd.ZstdDecompressor().decompressobj()
 
@@ -330,8 +337,8 @@ def _jsonl_lines(split: Split, f: io.BufferedIOBase, cursor: Cursor, max_bytes: 
 
 
 def _parquet_rows(split: Split, f: io.BufferedIOBase, cursor: Cursor, text_field: str):
-    pq = _optional("pyarrow.parquet", f"Parquet file {split.file}")
-    pa = importlib.import_module("pyarrow")
+    pq = _optional(READERS["parquet"], f"Parquet file {split.file}")
+    pa = sys.modules["pyarrow"]
     pf = pq.ParquetFile(f)
     field = pf.schema_arrow.field(text_field) if text_field in pf.schema_arrow.names else None
     if field is None or not (pa.types.is_string(field.type) or pa.types.is_large_string(field.type)):

@@ -1,0 +1,178 @@
+"""`hlat data inspect PATH...` (documents, tokens and bad records of each file) and `hlat data bench PATH...`
+(tokens/s of the whole loader for 1, 2, ... workers against the tokenizer's own batch encoding of the same text).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import time
+from collections import Counter
+from dataclasses import replace
+
+from hlat import HlatError
+
+BENCH_ROUND_BYTES = 1 << 18
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="data_command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("paths", nargs="+", metavar="PATH", help="files, directories, globs or URLs")
+    common.add_argument("--text-field", default="text", help="JSONL field / Parquet column (default: text)")
+    common.add_argument("--tokenizer", help="tokenizer file or directory (inspect: without one, tokens are not "
+                                            "counted; bench: without one, a byte-level BPE is trained on the data)")
+    common.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p = sub.add_parser("inspect", parents=[common], help="documents, tokens and bad records by kind, per file")
+    p.add_argument("--max-doc-bytes", type=int, default=100_000_000, help="longer documents are bad records")
+    p = sub.add_parser("bench", parents=[common], help="loader tokens/s for several worker counts vs the tokenizer")
+    p.add_argument("--workers", default="1,2", help="worker counts to run, comma-separated (default 1,2)")
+    p.add_argument("--mb", type=float, default=8.0, help="megabytes of text to run through (default 8)")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--packing", choices=("concat", "best_fit"), default="concat")
+    p.add_argument("--vocab-size", type=int, default=8192, help="of the BPE trained when no --tokenizer is given")
+
+
+def run(args: argparse.Namespace) -> int:
+    from hlat.data.sources import resolve_paths
+
+    files = resolve_paths(args.paths)
+    if args.data_command == "inspect":
+        result = inspect(files, args.text_field, _tokenizer(args, files) if args.tokenizer else None,
+                         args.max_doc_bytes)
+        print(json.dumps(result, indent=1) if args.json else _inspect_table(result))
+    else:
+        try:
+            counts = [int(n) for n in args.workers.split(",")]
+        except ValueError:
+            raise HlatError(f"--workers: expected comma-separated numbers, got {args.workers!r}") from None
+        if not counts or min(counts) < 1:
+            raise HlatError(f"--workers: worker counts must be >= 1, got {args.workers!r}")
+        result = bench(files, _tokenizer(args, files), counts, int(args.mb * 1e6), args.seq_len, args.batch_size,
+                       args.packing, args.text_field)
+        print(json.dumps(result, indent=1) if args.json else _bench_table(result))
+    return 0
+
+
+def _tokenizer(args: argparse.Namespace, files):
+    from hlat.data.tokenizer import load_tokenizer, train_bpe, training_sample
+
+    if args.tokenizer:
+        return load_tokenizer(args.tokenizer)
+    return train_bpe(training_sample(files, args.text_field, 3_000_000, 0), args.vocab_size)
+
+
+def inspect(files, text_field: str = "text", tokenizer=None, max_doc_bytes: int = 100_000_000) -> dict:
+    """Per file: documents, bytes of text, tokens (with a tokenizer) and bad records by reason, with the place
+    of the first of each."""
+    from hlat.data.sources import Bad, Split, decode, read_split
+
+    rows = []
+    for f in files:
+        split = Split(f, 0)
+        docs, chars, tokens, bad, first = 0, 0, 0, Counter(), {}
+        batch: list[str] = []
+
+        def encode() -> int:
+            n = sum(map(len, tokenizer.encode_batch(batch))) if tokenizer and batch else 0
+            batch.clear()
+            return n
+
+        for record, where, _ in read_split(split, (-1, 0), text_field, max_doc_bytes):
+            doc = decode(record, split.format, text_field)
+            if isinstance(doc, Bad):
+                bad[doc.reason] += 1
+                first.setdefault(doc.reason, where)
+                continue
+            docs += 1
+            chars += len(doc)
+            batch.append(doc)
+            if len(batch) == 256:
+                tokens += encode()
+        tokens += encode()
+        rows.append({"file": str(f), "documents": docs, "characters": chars,
+                     "tokens": tokens if tokenizer else None, "bad": dict(bad), "first_bad": first})
+    total_bad: Counter[str] = Counter()
+    for row in rows:
+        total_bad.update(row["bad"])
+    return {"files": rows, "documents": sum(r["documents"] for r in rows),
+            "characters": sum(r["characters"] for r in rows),
+            "tokens": sum(r["tokens"] for r in rows) if tokenizer else None, "bad": dict(total_bad)}
+
+
+def _inspect_table(result: dict) -> str:
+    lines = [f"{'documents':>10} {'characters':>13} {'tokens':>12} {'bad':>6}  file"]
+    for r in result["files"] + [dict(result, file="total")]:
+        tokens = "-" if r["tokens"] is None else f"{r['tokens']:,}"
+        lines.append(f"{r['documents']:>10,} {r['characters']:>13,} {tokens:>12} {sum(r['bad'].values()):>6,}  {r['file']}")
+    for r in result["files"]:
+        lines.extend(f"  {n:,} x {reason}, first at {r['first_bad'][reason]}" for reason, n in r["bad"].items())
+    return "\n".join(lines)
+
+
+def bench(files, tokenizer, workers: list[int], text_bytes: int, seq_len: int = 2048, batch_size: int = 8,
+          packing: str = "concat", text_field: str = "text") -> dict:
+    """Tokens/s of the tokenizer's own batch encoding, in one process and one thread, on the first `text_bytes`
+    of the data in file order; then of the whole loader (reading, tokenizing, packing, batching) on the same
+    text with each number of workers. The loader is timed from its first batch on, after the workers started;
+    its `cpu_efficiency` compares the tokens per CPU-second of all its processes (start-up included) with the
+    tokenizer's: what the loader costs beyond tokenizing, whatever else the machine is doing."""
+    from hlat.data.config import DataConfig
+    from hlat.data.packing import build_stream
+    from hlat.data.sources import iter_documents
+
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread, as in each worker
+    # small rounds, so that the timing covers many of them and hardly depends on the first ones
+    cfg = DataConfig(text_field=text_field, packing=packing, shuffle_files=False, shuffle_rows=0,
+                     round_bytes=BENCH_ROUND_BYTES, max_bad_fraction=1.0)
+    chunks, chunk, size, chunk_size = [], [], 0, 0
+    for doc in (doc for f in files for doc in iter_documents(f, text_field)):
+        chunk.append(doc)
+        chunk_size += len(doc.encode())
+        if chunk_size >= cfg.round_bytes:  # the documents of one round, as the loader encodes them
+            chunks.append(chunk)
+            size += chunk_size
+            chunk, chunk_size = [], 0
+            if size >= text_bytes:
+                break
+    chunks.append(chunk)
+    size += chunk_size
+    began, cpu = time.perf_counter(), _cpu_s()
+    tokens = sum(len(ids) + 1 for c in chunks for ids in tokenizer.encode_batch(c))  # + EOS per document
+    own, own_cpu = tokens / (time.perf_counter() - began), tokens / (_cpu_s() - cpu)
+    runs = []
+    for n in workers:
+        cpu = _cpu_s()
+        stream = build_stream(replace(cfg, workers=n), tokenizer, files, seq_len, batch_size)
+        first = next(stream)["inputs"].numel()
+        began, emitted = time.perf_counter(), 0
+        while emitted < tokens:
+            emitted += next(stream)["inputs"].numel()
+        rate = emitted / (time.perf_counter() - began)
+        stream.close()  # joins the workers: their CPU time is counted from here on
+        cpu_rate = (first + emitted) / (_cpu_s() - cpu)
+        runs.append({"workers": n, "tokens_per_s": round(rate), "vs_tokenizer": round(rate / own, 3),
+                     "cpu_efficiency": round(cpu_rate / own_cpu, 3)})
+    return {"text_bytes": size, "documents": sum(map(len, chunks)), "tokens": tokens, "tokenizer": tokenizer.kind,
+            "vocab_size": tokenizer.vocab_size, "packing": packing, "seq_len": seq_len, "batch_size": batch_size,
+            "cpus": os.cpu_count(), "tokenizer_tokens_per_s": round(own), "loader": runs}
+
+
+def _cpu_s() -> float:
+    """CPU seconds of this process and its finished children (the loader's workers, once joined)."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
+
+
+def _bench_table(result: dict) -> str:
+    lines = [f"{result['text_bytes'] / 1e6:.1f} MB, {result['documents']:,} documents, {result['tokens']:,} tokens "
+             f"({result['tokenizer']} tokenizer, vocab {result['vocab_size']:,}); {result['cpus']} CPUs",
+             f"tokenizer batch encode, 1 process, 1 thread: {result['tokenizer_tokens_per_s']:>12,} tokens/s"]
+    for r in result["loader"]:
+        lines.append(f"loader, {r['workers']} worker{'s' if r['workers'] > 1 else ' '}:"
+                     f"{r['tokens_per_s']:>30,} tokens/s ({r['vs_tokenizer']:.0%} of the tokenizer; "
+                     f"{r['cpu_efficiency']:.0%} of its tokens per CPU-second)")
+    return "\n".join(lines)
