@@ -3,8 +3,11 @@
 import gzip
 import json
 import logging
+import os
 import random
 import string
+import subprocess
+import sys
 import sysconfig
 from collections import Counter
 from itertools import accumulate
@@ -518,3 +521,37 @@ def test_build_stream_with_a_trained_tokenizer(tmp_path):
     assert torch.equal(inputs[:, 1:], targets[:, :-1]) and torch.equal(inputs[1:, 0], targets[:-1, -1])
     first_eos = inputs.flatten().tolist().index(tok.eos_id)
     assert tok.decode(inputs.flatten()[:first_eos].tolist()) == docs[0]
+
+
+def test_workers_neither_hang_the_exit_nor_outlive_it(tmp_path):
+    files = _corpus(tmp_path)
+    code = f"""
+import os
+from hlat.data.config import DataConfig
+from hlat.data.packing import build_stream
+from hlat.data.tokenizer import train_bpe
+files = {[str(f) for f in files]!r}
+s = build_stream(DataConfig(workers=2, round_bytes=100), train_bpe(["abc def"] * 10, 300), files, 8, 2)
+next(s)
+print(*(p.pid for p in s._fetcher.procs))
+"""  # exits with the workers busy and the stream never closed
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    for pid in map(int, done.stdout.split()):
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_a_dead_worker_or_vanished_data_is_an_error_not_a_hang(tmp_path):
+    files = _corpus(tmp_path)
+    tok = train_bpe(["abc def"] * 10, 300)
+    s = stream(files, tok=tok, workers=1, round_bytes=100)
+    next(s)
+    s._fetcher.procs[0].kill()
+    with pytest.raises(HlatError, match=r"data worker 0 died \(exit code -9\)"):
+        take(s, 1000)
+    s = stream(files, tok=tok, round_bytes=100)
+    for f in files:
+        f.unlink()
+    with pytest.raises(HlatError, match="a whole epoch went by without a readable document"):
+        take(s, 1000)

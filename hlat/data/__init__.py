@@ -1,4 +1,5 @@
-"""The data path: files -> documents (`sources`) -> token ids (`tokenizer`) -> packed batches (`packing`).
+"""The data path (docs/data.md): files and their records (`sources`), rounds of documents tokenized and packed in
+worker processes (`rounds`, `tokenizer`), rows cut, mixed and batched in the training process (`packing`).
 
 Only the torch-free config is imported here, so `hlat.data.config` stays cheap for the planner.
 """

@@ -69,17 +69,11 @@ class _Inline:
         pass
 
 
-def _stop_workers(procs, tasks) -> None:
-    for q in tasks:
-        try:
-            q.put(None)
-        except (OSError, ValueError):
-            pass
+def _stop_workers(procs) -> None:
     for p in procs:
-        p.join(timeout=2)
-        if p.is_alive():
-            p.terminate()
-            p.join(timeout=2)
+        p.terminate()  # they hold nothing to clean up, and may be busy with rounds nobody will read
+    for p in procs:
+        p.join(timeout=5)
 
 
 class _Workers:
@@ -99,7 +93,7 @@ class _Workers:
             q.cancel_join_thread()  # never block the process's exit on a dead worker's queue
         self.requested = [index for index, _ in starts]
         self.ready: dict[tuple[int, int], Round] = {}
-        self._stop = weakref.finalize(self, _stop_workers, self.procs, self.tasks)
+        self._stop = weakref.finalize(self, _stop_workers, self.procs)  # also run at exit
 
     def get(self, source: int, index: int) -> Round:
         while self.requested[source] < index + PREFETCH * self.n:

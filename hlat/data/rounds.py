@@ -11,7 +11,10 @@ position in it is (round, where the round starts, how much of it was used).
 from __future__ import annotations
 
 import bisect
+import multiprocessing as mp
 import os
+import queue
+import signal
 import traceback
 from collections import Counter
 from collections.abc import Iterator
@@ -177,12 +180,19 @@ class RoundMaker:
 
 def worker_main(specs: list[SourceSpec], packing: Packing, tokenizer, starts: list[tuple[int, Position]],
                 tasks, results) -> None:
-    """A tokenizer worker: answers (source, round) requests in order; None stops it. An error is sent back
-    (HlatError as itself, anything else with its traceback) and ends the worker."""
+    """A tokenizer worker: answers (source, round) requests in order until it is terminated, or its parent is
+    gone. An error is sent back (HlatError as itself, anything else with its traceback) and ends the worker."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the trainer, which stops after its step
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker; scale with more workers
     makers = [RoundMaker(s, spec, packing, tokenizer, *starts[s]) for s, spec in enumerate(specs)]
-    while (task := tasks.get()) is not None:
-        source, index = task
+    parent = mp.parent_process()
+    while True:
+        try:
+            source, index = tasks.get(timeout=1.0)
+        except queue.Empty:
+            if parent is not None and not parent.is_alive():
+                return
+            continue
         try:
             results.put(makers[source].make(index))
         except HlatError as e:
