@@ -25,7 +25,7 @@ from hlat.data.config import DataConfig
 from hlat.data.packing import PROBE, build_stream
 from hlat.data.rounds import best_fit
 from hlat.data.sources import (
-    BadLog, Split, default_corpus, iter_documents, make_splits, read_split, resolve_data_files, resolve_paths,
+    START, Bad, BadLog, Split, default_corpus, iter_documents, make_splits, read_split, resolve_data_files, resolve_paths,
     resolve_sources, skipped,
 )
 from hlat.data.tokenizer import train_bpe
@@ -196,9 +196,15 @@ def test_every_format_reads_and_resumes_from_any_record(tmp_path):
     assert list(iter_documents(text)) == [DOCS[0]]
     for f in record_files:
         assert list(iter_documents(f)) == DOCS, f
-        records = list(read_split(Split(f, 0), (-1, 0), "text", 1000))
-        for k in (1, 17, 39):  # restarting from the cursor after record k gives the records after it
-            assert list(read_split(Split(f, 0), records[k - 1][2], "text", 1000)) == records[k:]
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(gzip.compress(lines(DOCS))[:-30])
+    no_column = tmp_path / "body.parquet"
+    pq.write_table(pa.table({"body": ["x"]}), no_column)
+    for f in [*record_files, text, cut, no_column, tmp_path / "missing.jsonl"]:
+        records = list(read_split(Split(f, 0), (START, 0), "text", 1000))
+        assert isinstance(records[-1][0], Bad) == (f in (cut, no_column, tmp_path / "missing.jsonl")), f
+        for k in range(1, len(records) + 1):  # reading on from the cursor after record k meets the records after it
+            assert list(read_split(Split(f, 0), records[k - 1][2], "text", 1000)) == records[k:], (f, k)
 
 
 @pytest.fixture
@@ -210,9 +216,9 @@ def test_jsonl_splits_cover_every_line_once(tmp_path, small_splits):
     f = jsonl(tmp_path / "big.jsonl", DOCS)
     splits = make_splits([f], world_size=4)  # a single file cut into line-aligned byte ranges
     assert len(splits) >= 8 and sum(s.size for s in splits) == f.stat().st_size
-    got = [r for s in splits for r in read_split(s, (-1, 0), "text", 1000)]
+    got = [r for s in splits for r in read_split(s, (START, 0), "text", 1000)]
     assert [json.loads(r[0])["text"] for r in got] == DOCS
-    assert any(s.start and " byte " in where for s in splits for _, where, _ in read_split(s, (-1, 0), "text", 1000))
+    assert any(s.start and " byte " in where for s in splits for _, where, _ in read_split(s, (START, 0), "text", 1000))
 
 
 def test_jsonl_bad_lines_are_skipped_and_counted(tmp_path, caplog):

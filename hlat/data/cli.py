@@ -68,7 +68,7 @@ def _tokenizer(args: argparse.Namespace, files):
 def inspect(files, text_field: str = "text", tokenizer=None, max_doc_bytes: int = 100_000_000) -> dict:
     """Per file: documents, bytes of text, tokens (with a tokenizer) and bad records by reason, with the place
     of the first of each."""
-    from hlat.data.sources import Bad, Split, decode, read_split
+    from hlat.data.sources import START, Bad, Split, decode, read_split
 
     rows = []
     for f in files:
@@ -81,7 +81,7 @@ def inspect(files, text_field: str = "text", tokenizer=None, max_doc_bytes: int 
             batch.clear()
             return n
 
-        for record, where, _ in read_split(split, (-1, 0), text_field, max_doc_bytes):
+        for record, where, _ in read_split(split, (START, 0), text_field, max_doc_bytes):
             doc = decode(record, split.format, text_field)
             if isinstance(doc, Bad):
                 bad[doc.reason] += 1

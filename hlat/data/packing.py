@@ -25,7 +25,7 @@ import torch
 
 from hlat import HlatError
 from hlat.data.config import DataConfig
-from hlat.data.rounds import START, Packing, Position, Round, RoundMaker, SourceSpec, worker_main
+from hlat.data.rounds import ORIGIN, Packing, Position, Round, RoundMaker, SourceSpec, worker_main
 from hlat.data.sources import BadLog, Source, make_splits, resolve_sources, shard
 from hlat.data.tokenizer import Tokenizer
 
@@ -43,7 +43,7 @@ class SourceState:
     """One source's place in its stream and its counters: JSON-able as it is."""
 
     round: int = 0  # the round rows are being cut from
-    start: Position = field(default_factory=lambda: list(START))  # where that round starts
+    start: Position = field(default_factory=lambda: list(ORIGIN))  # where that round starts
     counted: bool = False  # its documents and bad records are in the counters
     used: int = 0  # concat: its tokens already in rows (or carried); best_fit: its rows emitted
     pending: list[int] = field(default_factory=list)  # concat: tokens of earlier rounds not yet in a row

@@ -24,10 +24,10 @@ from itertools import chain
 import numpy as np
 
 from hlat import HlatError
-from hlat.data.sources import Bad, Split, decode, epoch_order, read_split
+from hlat.data.sources import START, Bad, Split, decode, epoch_order, read_split
 
 Position = list[int]  # [epoch, split index in the epoch's order, offset, line]: where a record starts
-START: Position = [0, 0, -1, 0]
+ORIGIN: Position = [0, 0, START, 0]  # the first record of epoch 0
 
 
 @dataclass
@@ -49,21 +49,21 @@ class SourceSpec:
             order = epoch_order(self.splits, self.seed, self.name, epoch, self.shuffle)
             seen = False
             for i in range(index, len(order)):
-                cursor = (offset, line) if i == index else (-1, 0)
+                cursor = (offset, line) if i == index else (START, 0)
                 for record, where, (offset_after, line_after) in read_split(
                     order[i], cursor, self.text_field, self.max_doc_bytes
                 ):
                     seen = True
                     yield record, order[i].format, where, [epoch, i, offset_after, line_after]
-            if not seen and index == 0 and offset < 0:
+            if not seen and index == 0 and offset == START:
                 raise HlatError(f"data source {self.name!r}: no records in its {len(order)} files on this rank")
-            epoch, index, offset, line = epoch + 1, 0, -1, 0
+            epoch, index, offset, line = epoch + 1, 0, START, 0
             yield None
 
     def check(self, rank_note: str = "") -> None:
         """Raise a clear error, before any training, when no document can be read from this source."""
         bad: Counter[str] = Counter()
-        for item in self.records(START):
+        for item in self.records(ORIGIN):
             if item is None:
                 counts = ", ".join(f"{n} {reason}" for reason, n in bad.most_common()) or "no records"
                 raise HlatError(f"data source {self.name!r}: no documents in its {len(self.splits)} files"
@@ -134,7 +134,7 @@ class RoundMaker:
     """Produces the rounds of one source, in increasing order, skipping those asked of other workers."""
 
     def __init__(self, source: int, spec: SourceSpec, packing: Packing, tokenizer, index: int = 0,
-                 position: Position = START):
+                 position: Position = ORIGIN):
         self.source, self.spec, self.packing, self.tokenizer = source, spec, packing, tokenizer
         self.index, self.position = index, list(position)
         self._records = spec.records(self.position)
@@ -145,7 +145,7 @@ class RoundMaker:
         while size < self.packing.round_bytes:
             item = next(self._records)
             if item is None:  # the epoch ended: so does the round, or an empty one starts in the next epoch
-                self.position = [self.position[0] + 1, 0, -1, 0]
+                self.position = [self.position[0] + 1, 0, START, 0]
                 if taken:
                     break
                 start = self.position

@@ -243,7 +243,8 @@ class Bad(NamedTuple):
     detail: str = ""
 
 
-Cursor = tuple[int, int]  # within a split: (offset, line); offset -1 = the split's start, not yet read
+Cursor = tuple[int, int]  # within a split: (offset, line); offset START = not yet read, END = nothing left
+START, END = -1, -2
 
 
 def where(split: Split, offset: int, line: int) -> str:
@@ -314,7 +315,7 @@ def _skip(f: io.BufferedIOBase, n: int) -> None:
 
 def _jsonl_lines(split: Split, f: io.BufferedIOBase, cursor: Cursor, max_bytes: int):
     offset, line = cursor
-    if offset < 0:  # a split's start: its first line is the first that starts at or after `start`
+    if offset == START:  # its first line is the first that starts at or after `split.start`
         offset, line = split.start, int(split.start == 0)
         if offset:
             _skip(f, offset - 1)
@@ -341,9 +342,11 @@ def _parquet_rows(split: Split, f: io.BufferedIOBase, cursor: Cursor, text_field
     pa = sys.modules["pyarrow"]
     pf = pq.ParquetFile(f)
     field = pf.schema_arrow.field(text_field) if text_field in pf.schema_arrow.names else None
-    if field is None or not (pa.types.is_string(field.type) or pa.types.is_large_string(field.type)):
-        why = "no column" if field is None else f"column of type {field.type}, not text,"
-        yield Bad(f"Parquet file with {why} {text_field!r}"), str(split.file), (0, 0)
+    if field is None:
+        yield Bad(f"Parquet file with no column {text_field!r}"), str(split.file), (END, 0)
+        return
+    if not (pa.types.is_string(field.type) or pa.types.is_large_string(field.type)):
+        yield Bad(f"Parquet column {text_field!r} is not text", str(field.type)), str(split.file), (END, 0)
         return
     first = max(cursor[0], 0)
     row = 0
@@ -361,14 +364,15 @@ def _parquet_rows(split: Split, f: io.BufferedIOBase, cursor: Cursor, text_field
 def read_split(split: Split, cursor: Cursor, text_field: str, max_bytes: int):
     """The records of a split from `cursor`: (raw record, where, cursor after it). A raw record is the bytes of
     a text file or JSON line, the str of a Parquet value, or a Bad. An unreadable, truncated or corrupt
-    file ends with a Bad record; reading the same file again meets the same records."""
+    file ends with a Bad record whose cursor is END, so that reading on from any cursor meets the same
+    records as reading through."""
     fmt = split.format
-    if fmt == "text" and cursor[0] > 0:
+    if cursor[0] == END:
         return
     try:
         f = open_file(split.file)
     except OSError as e:
-        yield Bad("unreadable file", e.strerror or str(e)), str(split.file), (1, 0)
+        yield Bad("unreadable file", e.strerror or str(e)), str(split.file), (END, 0)
         return
     at = cursor
     try:
@@ -376,7 +380,7 @@ def read_split(split: Split, cursor: Cursor, text_field: str, max_bytes: int):
             if fmt == "text":
                 too_big = f.seek(0, io.SEEK_END) > max_bytes
                 f.seek(0)
-                yield (Bad(f"document over {max_bytes} bytes") if too_big else f.read()), str(split.file), (1, 0)
+                yield (Bad(f"document over {max_bytes} bytes") if too_big else f.read()), str(split.file), (END, 0)
             elif fmt == "parquet":
                 for record in _parquet_rows(split, f, cursor, text_field):
                     at = record[2]
@@ -388,7 +392,8 @@ def read_split(split: Split, cursor: Cursor, text_field: str, max_bytes: int):
                     at = record[2]
                     yield record
     except _corrupt_errors() as e:
-        yield Bad("truncated or corrupt file", str(e)), where(split, *at) if at[0] >= 0 else str(split.file), at
+        place = where(split, *at) if at[0] >= 0 else str(split.file)
+        yield Bad("truncated or corrupt file", str(e)), place, (END, 0)
 
 
 def decode(record: bytes | str | Bad, fmt: str, text_field: str) -> str | Bad:
@@ -437,7 +442,7 @@ def iter_documents(file: File, text_field: str = "text", max_bytes: int = 100_00
                    bad: BadLog = skipped) -> Iterator[str]:
     """The documents of one file; bad records are skipped and counted in `bad`."""
     split = Split(file, 0)
-    for record, place, _ in read_split(split, (-1, 0), text_field, max_bytes):
+    for record, place, _ in read_split(split, (START, 0), text_field, max_bytes):
         doc = decode(record, split.format, text_field)
         if isinstance(doc, Bad):
             bad.add(doc, place)
