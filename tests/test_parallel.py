@@ -30,6 +30,7 @@ LAYOUTS = {  # name: (processes, [parallel] overrides)
     "tp2_fsdp2": (4, {"tp": 2, "dp_shard": 2, "activation_checkpoint": "selective"}),
     "pp2_tp2": (4, {"pp": 2, "tp": 2, "dp_shard": 1, "activation_checkpoint": "full"}),
     "pp2_fsdp2": (4, {"pp": 2, "dp_shard": 2}),
+    "tp4_kv_replicated": (4, {"tp": 4}),  # 2 kv heads, each computed on the 2 ranks whose queries use it
 }
 
 
@@ -91,15 +92,15 @@ def test_layout_matches_single_process(layout, family, reference, tmp_path):
 ])
 def test_checkpoint_resumes_under_another_layout(saved, resumed, reference, tmp_path):
     config = write_toml(tmp_path / "job.toml", job(tmp_path / "run", "llama", ckpt_every=5))
-    torchrun(*saved, "--train.steps", "5")
-    torchrun(*resumed, "--resume", "auto")
+    torchrun(saved[0], config, saved[1], "--train.steps", "5")
+    torchrun(resumed[0], config, resumed[1], "--resume", "auto")
     assert_close(trajectory(tmp_path / "run"), reference["llama"])
 
 
 @pytest.mark.parametrize("parallel, world, message", [
     ({"tp": 2, "pp": 2, "dp_shard": 1}, 8, "= 4, but the world size is 8"),
     ({"tp": 3}, 3, "parallel.tp: 3 does not divide model.n_heads 4"),
-    ({"tp": 4}, 4, "does not divide model.n_kv_heads 2"),
+
     ({"pp": 8}, 8, "8 pipeline stages but only 4 layers"),
     ({"pp": 2, "pp_schedule": "interleaved_1f1b", "virtual_stages": 4}, 2, "8 pipeline stages but only 4 layers"),
     ({"dp_replicate": 3}, 4, "does not divide the world size 4"),

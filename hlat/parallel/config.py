@@ -60,9 +60,8 @@ class ParallelConfig:
         for field, size in (("n_heads", model.n_heads), ("ffn_dim", model.ffn_dim), ("vocab_size", model.vocab_size)):
             if size % p.tp:
                 raise ConfigError(f"parallel.tp: {p.tp} does not divide model.{field} {size}")
-        if model.kv_heads % p.tp:
-            raise ConfigError(f"parallel.tp: {p.tp} does not divide model.n_kv_heads {model.kv_heads} "
-                              "(replicating kv heads across tensor-parallel ranks is not supported yet)")
+        if model.kv_heads % p.tp and p.tp % model.kv_heads:  # fewer kv heads than ranks: they are replicated
+            raise ConfigError(f"parallel.tp: {p.tp} and model.n_kv_heads {model.kv_heads}: one must divide the other")
         if model.n_layers < p.stages():
             raise ConfigError(f"parallel.pp: {p.stages()} pipeline stages but only {model.n_layers} layers")
         if p.pp > 1 and model.tie_embeddings:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -18,6 +18,25 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+
+
+def replicate_kv_heads(projection: nn.Linear, tp_mesh: DeviceMesh, kv_heads: int, head_dim: int) -> None:
+    """More tensor-parallel ranks than kv heads (HLAT's 70B: 8 kv heads, TP 32): every rank keeps the whole
+    k or v projection and computes all kv heads, then keeps the one its query heads use (rank r of tp serves
+    query heads whose kv head is r // (tp / kv_heads)). Gradients from the ranks sharing a head are summed:
+    the output's gradient is declared Partial, so the replicated weight's gradient is all-reduced."""
+    tp = tp_mesh.size()
+    head = tp_mesh.get_local_rank() // (tp // kv_heads)
+    cols = slice(head * head_dim, (head + 1) * head_dim)
+
+    def replicate(name, module, mesh):
+        for pname, param in list(module.named_parameters(recurse=False)):
+            module.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [Replicate()])))
+
+    def own_head(module, output, mesh):
+        return output.to_local(grad_placements=[Partial()])[..., cols]
+
+    distribute_module(projection, tp_mesh, replicate, output_fn=own_head)
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
@@ -34,15 +53,20 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
 
     for block in model.layers.values():
         plan = {
-            "attention": PrepareModuleInput(input_layouts=(between, None), desired_input_layouts=(Replicate(), None)),
+            "attention": PrepareModuleInput(input_layouts=(between, None, None),  # (x, rope, document mask)
+                                            desired_input_layouts=(Replicate(), None, None)),
             "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=between),
             "feed_forward": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
             "feed_forward.w1": ColwiseParallel(),
             "feed_forward.w2": RowwiseParallel(output_layouts=between),
         }
+        kv_heads = model.cfg.kv_heads
+        if kv_heads % tp_mesh.size() == 0:
+            plan["attention.wk"] = plan["attention.wv"] = ColwiseParallel()
+        else:
+            for projection in (block.attention.wk, block.attention.wv):
+                replicate_kv_heads(projection, tp_mesh, kv_heads, model.cfg.head_dim)
         if hasattr(block.feed_forward, "w3"):  # SwiGLU's second input projection
             plan["feed_forward.w3"] = ColwiseParallel()
         if sequence_parallel:
