@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hlat.config import ConfigError
+from hlat.optim.modes import MODES
 
 
 @dataclass
@@ -37,7 +38,7 @@ class OptimConfig:
 
 @dataclass
 class PrecisionConfig:
-    mode: str = "fp32"  # one of IMPLEMENTED_MODES; the table of all modes is hlat.optim.modes.MODES
+    mode: str = "fp32"  # one of IMPLEMENTED_MODES, the modes of hlat.optim.modes.MODES
 
     def validate(self) -> "PrecisionConfig":
         if self.mode not in IMPLEMENTED_MODES:
@@ -45,4 +46,4 @@ class PrecisionConfig:
         return self
 
 
-IMPLEMENTED_MODES = ("fp32", "bf16_mixed")
+IMPLEMENTED_MODES = tuple(MODES)

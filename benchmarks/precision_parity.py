@@ -1,0 +1,178 @@
+"""Loss parity of the precision modes: fp32, bf16_mixed, bf16_sr (and bf16_kahan) against plain bf16 that rounds
+updates to nearest, trained on the same batches from the same initial weights with hlat's model and data path.
+
+Writes the per-step loss and gradient-norm curves to docs/precision_parity.png and the numbers to
+benchmarks/results/precision_parity.{json,md}.
+
+    .venv/bin/python benchmarks/precision_parity.py [--steps 400] [--dim 128] [--lr 1e-3] [--modes ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from hlat.data.config import DataConfig
+from hlat.data.packing import build_stream
+from hlat.data.sources import default_corpus
+from hlat.data.tokenizer import get_tokenizer
+from hlat.models import build_model, materialize
+from hlat.models.config import model_config
+from hlat.optim import OptimConfig, build_optimizer, lr_at, param_groups
+from hlat.optim.bf16 import BF16AdamW
+from hlat.optim.modes import MODES
+from hlat.optim.precision import autocast, prepare_model
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+PLAIN = "bf16_nearest"  # the baseline, not a training mode: pure bf16 rounding every write to nearest
+LABELS = {"fp32": "fp32", "bf16_mixed": "bf16 mixed (fp32 master)", "bf16_sr": "bf16 + stochastic rounding",
+          "bf16_kahan": "bf16 + Kahan summation", PLAIN: "bf16, round to nearest"}
+BYTES_PER_PARAM = {**{name: mode.bytes_per_param for name, mode in MODES.items()},
+                   PLAIN: MODES["bf16_sr"].bytes_per_param}
+
+
+def build(mode: str, model_cfg, optim_cfg: OptimConfig, seed: int):
+    # identical initial weights in every mode (cast to bf16 after initialisation in the pure-bf16 ones)
+    model = materialize(build_model(model_cfg), "cpu", seed)
+    if mode == PLAIN:
+        model.to(torch.bfloat16)
+        opt = BF16AdamW(param_groups(model, optim_cfg), lr=optim_cfg.lr, betas=(optim_cfg.beta1, optim_cfg.beta2),
+                        eps=optim_cfg.eps, rounding="nearest", seed=seed)
+    else:
+        opt = build_optimizer(prepare_model(model, mode), optim_cfg, mode, seed)
+    return model, opt
+
+
+def train(mode: str, batches: list[dict], model_cfg, optim_cfg: OptimConfig, seed: int) -> dict:
+    """The trainer's step (autocast, fp32 loss, clipping, schedule) in a minimal loop; per-step loss and grad norm."""
+    model, opt = build(mode, model_cfg, optim_cfg, seed)
+    context = autocast("fp32" if mode == PLAIN else mode, "cpu")
+    losses, norms = [], []
+    start = time.perf_counter()
+    for step, batch in enumerate(batches):
+        lr = lr_at(step, optim_cfg.lr, optim_cfg.min_lr, optim_cfg.warmup_steps, len(batches))
+        for group in opt.param_groups:
+            group["lr"] = lr
+        with context:
+            logits = model(batch["inputs"])
+        loss = F.cross_entropy(logits.float().flatten(0, 1), batch["targets"].flatten())
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), optim_cfg.clip_grad_norm, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        norms.append(norm.float().item())
+        if (step + 1) % 50 == 0:
+            print(f"  {mode:>12} step {step + 1:>5}  loss {sum(losses[-50:]) / 50:.4f}", flush=True)
+    return {"loss": losses, "grad_norm": norms, "seconds": time.perf_counter() - start}
+
+
+def smooth(values: list[float], window: int) -> list[float]:
+    """Trailing mean, so every point only uses steps up to it."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v - (values[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def plot(runs: dict, summary: dict, path: Path, window: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    reference = smooth(runs["bf16_mixed"]["loss"], window) if "bf16_mixed" in runs else None
+    for mode, run in runs.items():
+        loss, steps = smooth(run["loss"], window), range(1, len(run["loss"]) + 1)
+        label = f"{LABELS[mode]}: {summary[mode]['final_loss']:.4f}"
+        axes[0].plot(steps, loss, label=label, lw=1.2)
+        axes[1].plot(steps, smooth(run["grad_norm"], window), label=LABELS[mode], lw=1.2)
+        if reference is not None:
+            axes[2].plot(steps, [100 * (a / b - 1) for a, b in zip(loss, reference)], label=LABELS[mode], lw=1.2)
+    axes[0].set(title=f"training loss (mean of the last {window} steps)", xlabel="step")
+    axes[1].set(title=f"gradient norm before clipping (mean of {window})", xlabel="step", yscale="log")
+    axes[2].set(title="loss vs bf16 mixed (%)", xlabel="step")
+    axes[2].axhline(0, color="grey", lw=0.6)
+    axes[0].legend(fontsize=8, title="final loss", title_fontsize=8)
+    axes[2].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--modes", default=f"fp32,bf16_mixed,bf16_sr,{PLAIN}",
+                    help=f"comma-separated: {', '.join(MODES)}, {PLAIN}")
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--min-lr", type=float, default=1e-4)
+    ap.add_argument("--warmup", type=int, default=40)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--final-window", type=int, default=50, help="the final loss is the mean of this many last steps")
+    ap.add_argument("--out", default="precision_parity", help="results name under benchmarks/results")
+    ap.add_argument("--plot", default=str(ROOT / "docs" / "precision_parity.png"))
+    args = ap.parse_args()
+    modes = args.modes.split(",")
+    for mode in modes:
+        if mode not in BYTES_PER_PARAM:
+            ap.error(f"unknown mode {mode!r}")
+
+    model_cfg = model_config("tiny", dim=args.dim, n_layers=args.layers, n_heads=max(1, args.dim // 64),
+                             ffn_dim=args.dim * 8 // 3 // 16 * 16, vocab_size=args.vocab, max_seq_len=args.seq_len)
+    optim_cfg = OptimConfig(lr=args.lr, min_lr=args.min_lr, warmup_steps=args.warmup).validate()
+    data_cfg = DataConfig(tokenizer_sample_bytes=1_000_000, seed=args.seed)
+    files = default_corpus()
+    tokenizer = get_tokenizer(data_cfg, files, args.vocab, ROOT / "runs" / f"{args.out}-tokenizer-{args.vocab}")
+    stream = build_stream(data_cfg, tokenizer, files, args.seq_len, args.batch)
+    batches = [next(stream) for _ in range(args.steps)]  # the same batches for every mode
+    print(f"{model_cfg.num_params():,} parameters, {args.steps} steps of {args.batch}x{args.seq_len} tokens, "
+          f"torch {torch.__version__} on {torch.get_num_threads()} threads", flush=True)
+
+    started = time.perf_counter()
+    runs = {mode: train(mode, batches, model_cfg, optim_cfg, args.seed) for mode in modes}
+    window = args.final_window
+    summary = {mode: {"final_loss": sum(r["loss"][-window:]) / window, "seconds": round(r["seconds"], 1),
+                      "bytes_per_param": BYTES_PER_PARAM[mode]}
+               for mode, r in runs.items()}
+    if "bf16_mixed" in summary:
+        for s in summary.values():
+            s["vs_bf16_mixed_pct"] = 100 * (s["final_loss"] / summary["bf16_mixed"]["final_loss"] - 1)
+    total = time.perf_counter() - started
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    setup = {**{k: v for k, v in vars(args).items() if k not in ("out", "plot")}, "params": model_cfg.num_params(),
+             "machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+             "torch": torch.__version__, "total_seconds": round(total, 1)}
+    (RESULTS / f"{args.out}.json").write_text(json.dumps({"setup": setup, "summary": summary, "runs": runs}) + "\n")
+    rows = ["| mode | final loss | vs bf16_mixed | bytes/param (weights+grads+optimizer) | seconds |",
+            "|---|---|---|---|---|"]
+    for mode, s in summary.items():
+        vs = f"{s['vs_bf16_mixed_pct']:+.2f}%" if "vs_bf16_mixed_pct" in s else "n/a"
+        rows.append(f"| {LABELS[mode]} (`{mode}`) | {s['final_loss']:.4f} | {vs} | {s['bytes_per_param']} | "
+                    f"{s['seconds']:.0f} |")
+    table = "\n".join(rows)
+    (RESULTS / f"{args.out}.md").write_text(f"Setup: `{json.dumps(setup)}`\n\n{table}\n")
+    plot(runs, summary, Path(args.plot), window=max(1, min(window, args.steps // 10)))
+    print(table)
+    print(f"total {total:.0f} s; wrote {RESULTS / args.out}.json, .md and {args.plot}")
+    if not all(math.isfinite(s["final_loss"]) for s in summary.values()):
+        raise SystemExit("a run diverged (non-finite loss)")
+
+
+if __name__ == "__main__":
+    main()

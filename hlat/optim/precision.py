@@ -1,0 +1,28 @@
+"""What each precision mode changes in the trainer: the parameters' dtype and the forward pass's autocast.
+(The optimizer is hlat.optim.build_optimizer.)"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+# Pure-bf16 modes and how BF16AdamW writes their updates back.
+PURE_BF16 = {"bf16_sr": "stochastic", "bf16_kahan": "kahan"}
+
+
+def prepare_model(model: nn.Module, mode: str) -> nn.Module:
+    """Cast the parameters (and floating buffers such as the rope table, which the model casts to the activation
+    dtype anyway) to bf16 for the pure-bf16 modes; leave fp32 and bf16_mixed models in fp32. In place, keeping
+    tied parameters tied; call it after materialising and before any parallel wrapping."""
+    return model.to(torch.bfloat16) if mode in PURE_BF16 else model
+
+
+def autocast(mode: str, device: torch.device | str) -> contextlib.AbstractContextManager:
+    """The forward pass's context: bf16 autocast for bf16_mixed (matmuls in bf16 from fp32 master weights,
+    softmax and reductions kept in fp32 by autocast's op lists); nothing otherwise (pure bf16 computes in bf16
+    because its weights are bf16)."""
+    if mode == "bf16_mixed":
+        return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
