@@ -70,11 +70,11 @@ def reference(tmp_path_factory):
     return runs
 
 
-def assert_close(got, expected, rtol=1e-4):
+def assert_close(got, expected, rtol=1e-4, norm_rtol=None):
     assert len(got) == len(expected)
     for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(got, expected), 1):
         assert abs(loss - ref_loss) <= rtol * abs(ref_loss), (step, loss, ref_loss)
-        assert abs(norm - ref_norm) <= rtol * abs(ref_norm) + 1e-6, (step, norm, ref_norm)
+        assert abs(norm - ref_norm) <= (norm_rtol or rtol) * abs(ref_norm) + 1e-6, (step, norm, ref_norm)
 
 
 @pytest.mark.parametrize("family", list(MODELS))
@@ -84,6 +84,21 @@ def test_layout_matches_single_process(layout, family, reference, tmp_path):
     config = write_toml(tmp_path / "job.toml", job(tmp_path / "run", family))
     torchrun(nproc, config, parallel)
     assert_close(trajectory(tmp_path / "run"), reference[family])
+
+
+@pytest.mark.parametrize("precision, nproc, parallel", [
+    ("bf16_sr", 2, {"dp_replicate": 2, "dp_shard": 1}),
+    ("bf16_mixed", 4, {"pp": 2, "tp": 2, "dp_shard": 1}),
+])
+def test_bf16_modes_under_parallel_layouts(precision, nproc, parallel, tmp_path):
+    """bf16 rounds differently when the work is split, so the trajectories agree closely, not to 1e-4
+    (gradient norms, the most sensitive, to a few percent)."""
+    data = job(tmp_path / "single", "llama")
+    data["precision"] = {"mode": precision}
+    train(build_config(data))
+    data["train"]["run_dir"] = str(tmp_path / "run")
+    torchrun(nproc, write_toml(tmp_path / "job.toml", data), parallel)
+    assert_close(trajectory(tmp_path / "run"), trajectory(tmp_path / "single"), rtol=1e-2, norm_rtol=5e-2)
 
 
 @pytest.mark.parametrize("saved, resumed", [

@@ -36,11 +36,17 @@ def final_weights(run_dir: Path, cfg) -> dict:
     return model.state_dict()
 
 
-def test_resume_is_bit_exact(tmp_path):
-    full = config(tmp_path / "full")
-    train(full)
-    train(config(tmp_path / "split", steps=3))  # stops at step 3 (same schedule: decay_steps is fixed)
-    train(config(tmp_path / "split", resume="auto"))
+@pytest.mark.parametrize("precision", ["fp32", "bf16_mixed", "bf16_sr"])
+def test_resume_is_bit_exact(tmp_path, precision):
+    def run(name, **train_fields):
+        cfg = config(tmp_path / name, **train_fields)
+        cfg.precision.mode = precision
+        train(cfg)
+        return cfg
+
+    full = run("full")
+    run("split", steps=3)  # stops at step 3 (same schedule: decay_steps is fixed)
+    run("split", resume="auto")
     assert losses(tmp_path / "split") == losses(tmp_path / "full")
     assert len(losses(tmp_path / "full")) == 8
     a, b = final_weights(tmp_path / "full", full), final_weights(tmp_path / "split", full)

@@ -21,8 +21,10 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float, pp_group: dist.P
         groups.setdefault(key, []).append(g)
     squares = []
     for group in groups.values():
-        norm = torch.nn.utils.get_total_norm(group, foreach=True)
-        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float() ** 2)
+        # accumulated in fp32 even for bf16 gradients, whose own norm would be off by up to 2**-8
+        norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in group])
+        norm = torch.linalg.vector_norm(norms)
+        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
     device = grads[0].device if grads else torch.device("cpu")
     total = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
     if pp_group is not None:

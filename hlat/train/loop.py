@@ -26,6 +26,8 @@ from hlat.data.sources import default_corpus, resolve_paths
 from hlat.data.tokenizer import get_tokenizer
 from hlat.models import build_model, materialize
 from hlat.optim import build_optimizer, lr_at
+from hlat.optim.precision import autocast as precision_autocast
+from hlat.optim.precision import prepare_model
 from hlat.parallel import Topology, init_topology, parallelize
 from hlat.parallel.grads import clip_grad_norm
 from hlat.parallel.mesh import local_device
@@ -174,10 +176,10 @@ def _train(cfg: Config, topo: Topology, device: torch.device, files: list[Path],
         tokenizer = get_tokenizer(cfg.data, files, cfg.model.vocab_size, run_dir)
 
     torch.manual_seed(tc.seed)
-    model = build_model(cfg.model)
+    model = prepare_model(build_model(cfg.model), cfg.precision.mode)  # still on meta: bf16 before sharding
     stages = parallelize(model, topo, device, tc.seed) if topo.mesh else [(0, materialize(model, device, tc.seed))]
     parts = [module for _, module in stages]
-    optimizers = [build_optimizer(part, cfg.optim) for part in parts]
+    optimizers = [build_optimizer(part, cfg.optim, cfg.precision.mode, tc.seed) for part in parts]
     params = [p for part in parts for p in part.parameters()]
     global_accum = tc.grad_accum()
     accum = global_accum // pcfg.dp
@@ -208,8 +210,7 @@ def _train(cfg: Config, topo: Topology, device: torch.device, files: list[Path],
             load_checkpoint(resolve_checkpoint(tc.init_from), parts)
             console.print(f"initialised weights from {tc.init_from}")
 
-    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if cfg.precision.mode == "bf16_mixed"
-                else contextlib.nullcontext())
+    autocast = precision_autocast(cfg.precision.mode, device)
     loss_context = loss_parallel if pcfg.tp > 1 else contextlib.nullcontext
     tokens_per_step = tc.global_batch * tc.seq_len
     flops_per_token = cfg.model.flops_per_token(tc.seq_len)
