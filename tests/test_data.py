@@ -25,8 +25,8 @@ from hlat.data.config import DataConfig
 from hlat.data.packing import PROBE, build_stream
 from hlat.data.rounds import best_fit
 from hlat.data.sources import (
-    START, Bad, BadLog, Split, default_corpus, iter_documents, make_splits, read_split, resolve_data_files, resolve_paths,
-    resolve_sources, skipped,
+    START, Bad, BadLog, Split, default_corpus, iter_documents, make_splits, read_split, resolve_data_files,
+    resolve_paths, resolve_sources, skipped,
 )
 from hlat.data.tokenizer import train_bpe
 
@@ -449,7 +449,7 @@ def test_a_rank_never_runs_out_and_resume_needs_the_same_ranks(tmp_path):
 def _corpus(tmp_path) -> list[Path]:
     files = [jsonl(tmp_path / f"{i}.jsonl", [f"doc {i}.{j} " + "w" * (j * 5 % 37) for j in range(15)])
              for i in range(3)]
-    return files + [write(tmp_path / "t.txt", "a whole text file " * 5)]
+    return files + [write(tmp_path / "t.txt", "a whole text file, not <|endoftext|> " * 5)]
 
 
 @pytest.mark.parametrize("packing", ["concat", "best_fit"])

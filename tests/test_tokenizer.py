@@ -2,6 +2,7 @@
 
 import base64
 import json
+import pickle
 import sys
 from pathlib import Path
 
@@ -178,3 +179,21 @@ def test_llama_sentencepiece_matches_sentencepiece(tmp_path):
     assert tok.encode_batch(TEXTS) == expected
     assert [tok.decode(ids) for ids in expected] == [ref.decode(ids) for ids in expected]
     assert load_tokenizer(tok.save(tmp_path)).encode_batch(TEXTS) == expected
+
+
+def test_a_pickled_tokenizer_encodes_alike():
+    """Worker processes get the tokenizer pickled: a copy must not start encoding "<|endoftext|>" as EOS."""
+    tok = train_bpe(iter(TRAIN), 300)
+    copy = pickle.loads(pickle.dumps(tok))
+    texts = TEXTS + ["a <|endoftext|> b"]
+    assert copy.encode_batch(texts) == tok.encode_batch(texts) and tok.eos_id not in copy.encode_batch(texts)[-1]
+
+
+@needs_reference
+def test_pickled_reference_tokenizers_encode_alike(tmp_path):
+    texts = TEXTS + ["a <|endoftext|> b </s>"]
+    for tok in (load_tokenizer(REFERENCE / "gpt2"), load_tokenizer(_gpt2_tiktoken_file(tmp_path)),
+                load_tokenizer(REFERENCE / "gpt-neox-20b"), load_tokenizer(REFERENCE / "llama-sp-32k")):
+        copy = pickle.loads(pickle.dumps(tok))
+        assert (copy.kind, copy.eos_id, copy.vocab_size) == (tok.kind, tok.eos_id, tok.vocab_size)
+        assert copy.encode_batch(texts) == tok.encode_batch(texts), tok.kind

@@ -7,10 +7,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
+import pickle
 import time
 from collections import Counter
 from dataclasses import replace
+from pathlib import Path
 
 from hlat import HlatError
 
@@ -28,7 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("inspect", parents=[common], help="documents, tokens and bad records by kind, per file")
     p.add_argument("--max-doc-bytes", type=int, default=100_000_000, help="longer documents are bad records")
     p = sub.add_parser("bench", parents=[common], help="loader tokens/s for several worker counts vs the tokenizer")
-    p.add_argument("--workers", default="1,2", help="worker counts to run, comma-separated (default 1,2)")
+    p.add_argument("--workers", default="1,2", help="worker counts to run, comma-separated; 0 = tokenize in the "
+                                                    "same process (default 1,2)")
     p.add_argument("--mb", type=float, default=8.0, help="megabytes of text to run through (default 8)")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--batch-size", type=int, default=8)
@@ -49,8 +51,8 @@ def run(args: argparse.Namespace) -> int:
             counts = [int(n) for n in args.workers.split(",")]
         except ValueError:
             raise HlatError(f"--workers: expected comma-separated numbers, got {args.workers!r}") from None
-        if not counts or min(counts) < 1:
-            raise HlatError(f"--workers: worker counts must be >= 1, got {args.workers!r}")
+        if not counts or min(counts) < 0:
+            raise HlatError(f"--workers: worker counts must be >= 0, got {args.workers!r}")
         result = bench(files, _tokenizer(args, files), counts, int(args.mb * 1e6), args.seq_len, args.batch_size,
                        args.packing, args.text_field)
         print(json.dumps(result, indent=1) if args.json else _bench_table(result))
@@ -107,7 +109,8 @@ def _inspect_table(result: dict) -> str:
     lines = [f"{'documents':>10} {'characters':>13} {'tokens':>12} {'bad':>6}  file"]
     for r in result["files"] + [dict(result, file="total")]:
         tokens = "-" if r["tokens"] is None else f"{r['tokens']:,}"
-        lines.append(f"{r['documents']:>10,} {r['characters']:>13,} {tokens:>12} {sum(r['bad'].values()):>6,}  {r['file']}")
+        bad = sum(r["bad"].values())
+        lines.append(f"{r['documents']:>10,} {r['characters']:>13,} {tokens:>12} {bad:>6,}  {r['file']}")
     for r in result["files"]:
         lines.extend(f"  {n:,} x {reason}, first at {r['first_bad'][reason]}" for reason, n in r["bad"].items())
     return "\n".join(lines)
@@ -115,11 +118,12 @@ def _inspect_table(result: dict) -> str:
 
 def bench(files, tokenizer, workers: list[int], text_bytes: int, seq_len: int = 2048, batch_size: int = 8,
           packing: str = "concat", text_field: str = "text") -> dict:
-    """Tokens/s of the tokenizer's own batch encoding, in one process and one thread, on the first `text_bytes`
-    of the data in file order; then of the whole loader (reading, tokenizing, packing, batching) on the same
-    text with each number of workers. The loader is timed from its first batch on, after the workers started;
-    its `cpu_efficiency` compares the tokens per CPU-second of all its processes (start-up included) with the
-    tokenizer's: what the loader costs beyond tokenizing, whatever else the machine is doing."""
+    """For each number of workers: tokens/s of the tokenizer's own batch encoding, in one process and one
+    thread, on the first `text_bytes` of the data in file order, and right after it of the whole loader
+    (reading, tokenizing, packing, batching) on the same text, so that both meet the same machine load. The
+    loader is timed from its first batch on, after the workers started; its `cpu_efficiency` compares the
+    tokens per CPU-second of all its processes over that time with the tokenizer's (on Linux; None elsewhere):
+    what the loader costs beyond tokenizing, whatever else the machine is doing."""
     from hlat.data.config import DataConfig
     from hlat.data.packing import build_stream
     from hlat.data.sources import iter_documents
@@ -140,39 +144,43 @@ def bench(files, tokenizer, workers: list[int], text_bytes: int, seq_len: int = 
                 break
     chunks.append(chunk)
     size += chunk_size
-    began, cpu = time.perf_counter(), _cpu_s()
-    tokens = sum(len(ids) + 1 for c in chunks for ids in tokenizer.encode_batch(c))  # + EOS per document
-    own, own_cpu = tokens / (time.perf_counter() - began), tokens / (_cpu_s() - cpu)
     runs = []
     for n in workers:
-        cpu = _cpu_s()
+        fresh = pickle.loads(pickle.dumps(tokenizer))  # as a worker gets it: no words cached from earlier runs
+        began, cpu = time.perf_counter(), time.process_time()
+        tokens = sum(len(ids) + 1 for c in chunks for ids in fresh.encode_batch(c))  # + EOS per document
+        own, own_cpu = tokens / (time.perf_counter() - began), tokens / (time.process_time() - cpu)
         stream = build_stream(replace(cfg, workers=n), tokenizer, files, seq_len, batch_size)
-        first = next(stream)["inputs"].numel()
-        began, emitted = time.perf_counter(), 0
+        next(stream)
+        pids = stream.worker_pids
+        began, cpu, emitted = time.perf_counter(), _cpu_s(pids), 0
         while emitted < tokens:
             emitted += next(stream)["inputs"].numel()
-        rate = emitted / (time.perf_counter() - began)
-        stream.close()  # joins the workers: their CPU time is counted from here on
-        cpu_rate = (first + emitted) / (_cpu_s() - cpu)
-        runs.append({"workers": n, "tokens_per_s": round(rate), "vs_tokenizer": round(rate / own, 3),
-                     "cpu_efficiency": round(cpu_rate / own_cpu, 3)})
+        rate, cpu_s = emitted / (time.perf_counter() - began), _cpu_s(pids) - cpu
+        stream.close()
+        efficiency = round(emitted / cpu_s / own_cpu, 3) if cpu_s > 0 else None
+        runs.append({"workers": n, "tokens_per_s": round(rate), "tokenizer_tokens_per_s": round(own),
+                     "vs_tokenizer": round(rate / own, 3), "cpu_efficiency": efficiency})
     return {"text_bytes": size, "documents": sum(map(len, chunks)), "tokens": tokens, "tokenizer": tokenizer.kind,
             "vocab_size": tokenizer.vocab_size, "packing": packing, "seq_len": seq_len, "batch_size": batch_size,
-            "cpus": os.cpu_count(), "tokenizer_tokens_per_s": round(own), "loader": runs}
+            "cpus": os.cpu_count(), "loader": runs}
 
 
-def _cpu_s() -> float:
-    """CPU seconds of this process and its finished children (the loader's workers, once joined)."""
-    children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return time.process_time() + children.ru_utime + children.ru_stime
+def _cpu_s(pids: list[int]) -> float:
+    """CPU seconds of this process and of the processes `pids`, from /proc (Linux); nan elsewhere."""
+    try:
+        stats = [Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split() for pid in pids]
+    except OSError:
+        return float("nan")
+    return time.process_time() + sum(int(f[11]) + int(f[12]) for f in stats) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
 def _bench_table(result: dict) -> str:
     lines = [f"{result['text_bytes'] / 1e6:.1f} MB, {result['documents']:,} documents, {result['tokens']:,} tokens "
              f"({result['tokenizer']} tokenizer, vocab {result['vocab_size']:,}); {result['cpus']} CPUs",
-             f"tokenizer batch encode, 1 process, 1 thread: {result['tokenizer_tokens_per_s']:>12,} tokens/s"]
+             f"{'workers':>7} {'loader tokens/s':>16} {'tokenizer tokens/s':>19} {'loader/tokenizer':>17} "
+             f"{'per CPU-second':>15}"]
     for r in result["loader"]:
-        lines.append(f"loader, {r['workers']} worker{'s' if r['workers'] > 1 else ' '}:"
-                     f"{r['tokens_per_s']:>30,} tokens/s ({r['vs_tokenizer']:.0%} of the tokenizer; "
-                     f"{r['cpu_efficiency']:.0%} of its tokens per CPU-second)")
+        lines.append(f"{r['workers']:>7} {r['tokens_per_s']:>16,} {r['tokenizer_tokens_per_s']:>19,} "
+                     f"{r['vs_tokenizer']:>17.0%} {r['cpu_efficiency'] or float('nan'):>15.0%}")
     return "\n".join(lines)

@@ -59,6 +59,8 @@ class SourceState:
 class _Inline:
     """Rounds made in the training process (data.workers = 0)."""
 
+    procs: list = []
+
     def __init__(self, specs, packing, tokenizer, starts):
         self.makers = [RoundMaker(s, spec, packing, tokenizer, *starts[s]) for s, spec in enumerate(specs)]
 
@@ -205,7 +207,8 @@ class DataStream:
                 st.pending += self._round(s).tokens[st.used :].tolist()
                 self._next_round(s)
             take = width - len(st.pending)
-            row = np.concatenate([np.asarray(st.pending, dtype=np.int32), self._round(s).tokens[st.used : st.used + take]])
+            fresh = self._round(s).tokens[st.used : st.used + take]
+            row = np.concatenate([np.asarray(st.pending, dtype=np.int32), fresh])
             st.used += take - 1  # the row's last token is also the next row's first
             st.pending = []
             eos = self.packing.eos
@@ -287,6 +290,11 @@ class DataStream:
         return f"the data settings changed since the checkpoint: {'; '.join(changed)}" if changed else ""
 
     # --- metrics and shutdown ------------------------------------------------------------------------------
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of the running tokenizer workers, for monitoring (none before the first batch)."""
+        return [p.pid for p in self._fetcher.procs] if self._fetcher else []
 
     @property
     def epoch(self) -> int:

@@ -60,6 +60,10 @@ class HFTokenizer:
         self.eos_id = eos
         self.vocab_size = max(tok.get_vocab(with_added_tokens=True).values()) + 1
 
+    def __setstate__(self, state: dict) -> None:  # pickling (to a worker process) drops this flag
+        self.__dict__.update(state)
+        self._tok.encode_special_tokens = True
+
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
