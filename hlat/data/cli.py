@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import os
-import pickle
 import time
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -118,8 +119,8 @@ def _inspect_table(result: dict) -> str:
 
 def bench(files, tokenizer, workers: list[int], text_bytes: int, seq_len: int = 2048, batch_size: int = 8,
           packing: str = "concat", text_field: str = "text") -> dict:
-    """For each number of workers: tokens/s of the tokenizer's own batch encoding, in one process and one
-    thread, on the first `text_bytes` of the data in file order, and right after it of the whole loader
+    """For each number of workers: tokens/s of the tokenizer's own batch encoding, in one (fresh) process and
+    one thread, on the first `text_bytes` of the data in file order, and right after it of the whole loader
     (reading, tokenizing, packing, batching) on the same text, so that both meet the same machine load. The
     loader is timed from its first batch on, after the workers started; its `cpu_efficiency` compares the
     tokens per CPU-second of all its processes over that time with the tokenizer's (on Linux; None elsewhere):
@@ -146,10 +147,10 @@ def bench(files, tokenizer, workers: list[int], text_bytes: int, seq_len: int = 
     size += chunk_size
     runs = []
     for n in workers:
-        fresh = pickle.loads(pickle.dumps(tokenizer))  # as a worker gets it: no words cached from earlier runs
-        began, cpu = time.perf_counter(), time.process_time()
-        tokens = sum(len(ids) + 1 for c in chunks for ids in fresh.encode_batch(c))  # + EOS per document
-        own, own_cpu = tokens / (time.perf_counter() - began), tokens / (time.process_time() - cpu)
+        # in a fresh process, as a worker runs it: a clean heap and no words cached from earlier runs
+        with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+            tokens, wall_s, cpu_s = pool.submit(_encode, tokenizer, chunks).result()
+        own, own_cpu = tokens / wall_s, tokens / cpu_s
         stream = build_stream(replace(cfg, workers=n), tokenizer, files, seq_len, batch_size)
         next(stream)
         pids = stream.worker_pids
@@ -164,6 +165,14 @@ def bench(files, tokenizer, workers: list[int], text_bytes: int, seq_len: int = 
     return {"text_bytes": size, "documents": sum(map(len, chunks)), "tokens": tokens, "tokenizer": tokenizer.kind,
             "vocab_size": tokenizer.vocab_size, "packing": packing, "seq_len": seq_len, "batch_size": batch_size,
             "cpus": os.cpu_count(), "loader": runs}
+
+
+def _encode(tokenizer, chunks: list[list[str]]) -> tuple[int, float, float]:
+    """Tokens (+ EOS per document), wall and CPU seconds of the tokenizer's batch encoding, on one thread."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    began, cpu = time.perf_counter(), time.process_time()
+    tokens = sum(len(ids) + 1 for c in chunks for ids in tokenizer.encode_batch(c))
+    return tokens, time.perf_counter() - began, time.process_time() - cpu
 
 
 def _cpu_s(pids: list[int]) -> float:
