@@ -92,6 +92,12 @@ def cmd_launch(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def cmd_data(args: argparse.Namespace, overrides: list[str]) -> int:
+    from hlat.data.cli import run
+
+    return run(args)
+
+
 def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     from hlat.planner.cli import run
 
@@ -136,10 +142,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="file to write (default: print)")
     p.set_defaults(func=cmd_launch, overrides=True)
 
-    p = sub.add_parser("plan", help="choose a parallel layout and predict memory, step time and cost")
-    from hlat.planner.cli import add_arguments
+    p = sub.add_parser("data", help="inspect data files, or benchmark the loader against its tokenizer")
+    from hlat.data.cli import add_arguments as add_data_arguments
 
-    add_arguments(p)
+    add_data_arguments(p)
+    p.set_defaults(func=cmd_data, overrides=False)
+
+    p = sub.add_parser("plan", help="choose a parallel layout and predict memory, step time and cost")
+    from hlat.planner.cli import add_arguments as add_plan_arguments
+
+    add_plan_arguments(p)
     p.set_defaults(func=cmd_plan, overrides=False)
     return parser
 

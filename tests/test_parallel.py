@@ -101,6 +101,17 @@ def test_bf16_modes_under_parallel_layouts(precision, nproc, parallel, tmp_path)
     assert_close(trajectory(tmp_path / "run"), trajectory(tmp_path / "single"), rtol=1e-2, norm_rtol=5e-2)
 
 
+def test_document_masking_under_tensor_parallelism(tmp_path):
+    """Best-fit packing with attention kept inside documents: the tp 2 run follows the single process."""
+    data = job(tmp_path / "single", "llama")
+    data["model"]["doc_mask"] = True
+    data["data"].update(packing="best_fit", workers=0)
+    train(build_config(data))
+    data["train"]["run_dir"] = str(tmp_path / "run")
+    torchrun(2, write_toml(tmp_path / "job.toml", data), {"tp": 2})
+    assert_close(trajectory(tmp_path / "run"), trajectory(tmp_path / "single"))
+
+
 @pytest.mark.parametrize("saved, resumed", [
     ((4, {"tp": 2, "dp_shard": 2}), (4, {"dp_shard": 4})),
     ((4, {"tp": 2, "dp_shard": 2}), (4, {"pp": 2, "dp_shard": 2})),

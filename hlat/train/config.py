@@ -74,7 +74,7 @@ class Config:
 
     def resolved_parallel(self, world_size: int | None = None) -> ParallelConfig:
         """The parallel layout with dp_shard filled in, checked against the model and the batch."""
-        p = self.parallel.validate(self.model, world_size or world_size_from_env())
+        p = self.parallel.validate(self.model, world_size or world_size_from_env(), self.model.doc_mask)
         accum = self.train.grad_accum(p.dp)
         if p.pp > 1 and accum < p.pp:
             raise ConfigError(f"parallel.pp: {accum} micro-batches per step (global_batch / (micro_batch x dp)) "

@@ -22,7 +22,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from hlat import HlatError
 from hlat.data.packing import build_stream
-from hlat.data.sources import default_corpus, resolve_paths
+from hlat.data.sources import resolve_data_files
 from hlat.data.tokenizer import get_tokenizer
 from hlat.models import build_model, materialize
 from hlat.optim import build_optimizer, lr_at
@@ -151,7 +151,7 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
     pcfg = cfg.resolved_parallel()  # every layout error is raised here, before any process group starts
     run_dir = Path(tc.run_dir)
     device = pick_device(tc.device)
-    files = resolve_paths(cfg.data.paths) if cfg.data.paths else default_corpus()
+    files = resolve_data_files(cfg.data)
     resume_from = find_resume_checkpoint(cfg)
 
     topo = init_topology(pcfg, device)
@@ -178,16 +178,24 @@ def _train(cfg: Config, topo: Topology, device: torch.device, files: list[Path],
     torch.manual_seed(tc.seed)
     model = prepare_model(build_model(cfg.model), cfg.precision.mode)  # still on meta: bf16 before sharding
     stages = parallelize(model, topo, device, tc.seed) if topo.mesh else [(0, materialize(model, device, tc.seed))]
-    parts = [module for _, module in stages]
-    optimizers = [build_optimizer(part, cfg.optim, cfg.precision.mode, tc.seed) for part in parts]
-    params = [p for part in parts for p in part.parameters()]
+    optimizers = [build_optimizer(module, cfg.optim, cfg.precision.mode, tc.seed) for _, module in stages]
     global_accum = tc.grad_accum()
-    accum = global_accum // pcfg.dp
-    batches = Batches(build_stream(cfg.data, tokenizer, files, tc.seq_len, tc.micro_batch,
-                                   **({} if pcfg.data_sharding == "replicated"
-                                      else {"rank": topo.dp_rank, "world_size": pcfg.dp})),
-                      topo, global_accum)
-    stream = batches.stream
+    stream = build_stream(cfg.data, tokenizer, files, tc.seq_len, tc.micro_batch, doc_mask=cfg.model.doc_mask,
+                          **({} if pcfg.data_sharding == "replicated"
+                             else {"rank": topo.dp_rank, "world_size": pcfg.dp}))
+    try:
+        return _run(cfg, topo, device, stream, Batches(stream, topo, global_accum), stages, optimizers, resume_from,
+                    run_dir, console)
+    finally:
+        stream.close()  # stops the tokenizer workers
+
+
+def _run(cfg: Config, topo: Topology, device: torch.device, stream, batches: Batches, stages: list,
+         optimizers: list, resume_from: Path | None, run_dir: Path, console: Console) -> Summary:
+    tc, pcfg = cfg.train, topo.cfg
+    parts = [module for _, module in stages]
+    params = [p for part in parts for p in part.parameters()]
+    accum = batches.global_accum // pcfg.dp
     n_stages = pcfg.stages()
     first_stage = any(sid == 0 for sid, _ in stages)
     last_stage = any(sid == n_stages - 1 for sid, _ in stages)
@@ -221,6 +229,7 @@ def _train(cfg: Config, topo: Topology, device: torch.device, files: list[Path],
     run_start = interval_start = time.perf_counter()
     interval_tokens = interval_steps = 0
     interval_loss = torch.zeros((), device=device)
+    interval_wait = stream.wait_time_s
 
     def checkpoint(at: int) -> Path:
         trainer_state = {"step": at, "data": stream.state_dict(), "rng": rng_state()}
@@ -290,6 +299,7 @@ def _train(cfg: Config, topo: Topology, device: torch.device, files: list[Path],
                     "step_time_s": round(step_time, 4),
                     "mfu": round(flops_per_token * tokens_per_s / peak, 5) if peak else None,
                     "peak_memory_gb": round(peak_memory_gb(device), 3),
+                    "data_wait_s": round(stream.wait_time_s - interval_wait, 4),  # the step waiting for data
                 }
                 if topo.is_main:
                     metrics.write(record)
@@ -298,6 +308,7 @@ def _train(cfg: Config, topo: Topology, device: torch.device, files: list[Path],
                               f"lr {lr:.2e}  {tokens_per_s:>9,.0f} tok/s  mfu {record['mfu'] or 0:6.2%}  "
                               f"eta {format_duration(step_time * (tc.steps - step))}", soft_wrap=True, highlight=False)
                 interval_start, interval_tokens, interval_steps = now, 0, 0
+                interval_wait = stream.wait_time_s
                 interval_loss = torch.zeros((), device=device)
             if (tc.ckpt_every and step % tc.ckpt_every == 0) or step == tc.steps or stopping:
                 saved = checkpoint(step)
