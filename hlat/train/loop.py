@@ -200,6 +200,7 @@ def _run(cfg: Config, topo: Topology, device: torch.device, stream, batches: Bat
     first_stage = any(sid == 0 for sid, _ in stages)
     last_stage = any(sid == n_stages - 1 for sid, _ in stages)
     schedule = build_schedule(stages, topo, device, accum, cross_entropy) if pcfg.pp > 1 else None
+    pp_group = topo.group("pp") if pcfg.pp > 1 else None
     metrics = MetricsLog(run_dir)
 
     start = 0
@@ -278,7 +279,6 @@ def _run(cfg: Config, topo: Topology, device: torch.device, stream, batches: Bat
                 for group in optimizer.param_groups:
                     group["lr"] = lr
             loss = global_mean(step_loss(batches.next_step(device)))
-            pp_group = topo.group("pp") if pcfg.pp > 1 else None
             grad_norm = clip_grad_norm(params, cfg.optim.clip_grad_norm, pp_group)
             for optimizer in optimizers:
                 optimizer.step()
@@ -304,9 +304,11 @@ def _run(cfg: Config, topo: Topology, device: torch.device, stream, batches: Bat
                 if topo.is_main:
                     metrics.write(record)
                 losses.append(loss_value)
+                # the first step carries the start-up (data pool, compilation): too early to tell
+                eta = "-" if step == start + 1 else format_duration(step_time * (tc.steps - step))
                 console.print(f"step {step:>6}/{tc.steps}  loss {loss_value:7.4f}  grad_norm {record['grad_norm']:6.3f}  "
                               f"lr {lr:.2e}  {tokens_per_s:>9,.0f} tok/s  mfu {record['mfu'] or 0:6.2%}  "
-                              f"eta {format_duration(step_time * (tc.steps - step))}", soft_wrap=True, highlight=False)
+                              f"eta {eta}", soft_wrap=True, highlight=False)
                 interval_start, interval_tokens, interval_steps = now, 0, 0
                 interval_wait = stream.wait_time_s
                 interval_loss = torch.zeros((), device=device)
