@@ -1,9 +1,9 @@
 """Hardware profiles (`hardware/*.toml`) and the calibration that fits their efficiency factors.
 
 A profile holds public figures (devices, memory, peak FLOP/s, link bandwidths and latencies, prices) and a `[fit]`
-table of factors that turn nominal times into predicted ones. The step-time model is linear in those factors
-(see `hlat.planner.timing`), so fitting them to measured step times is a small non-negative least-squares problem
-on relative errors, solved here exactly without numpy.
+table of factors that turn nominal times into predicted ones. The step-time model is piecewise linear in those
+factors (see `hlat.planner.timing`), so fitting them to measured step times is a short series of small
+non-negative least-squares problems on relative errors, each solved exactly without numpy.
 """
 
 from __future__ import annotations
@@ -30,10 +30,11 @@ class Fit:
     intra_factor: float = 1.0  # intra-node collectives and transfers, measured / nominal time
     inter_factor: float = 1.0  # inter-node collectives and transfers, measured / nominal time
     dp_factor: float = 1.0  # data-parallel gradient reduction: exposed (not overlapped) share / link efficiency
+    attention_factor: float = 0.0  # materialised attention scores: nominal passes over them (0: folded into flops)
     source: str = "defaults, not fitted"
 
 
-FACTORS = ("flops_factor", "layer_overhead_ms", "intra_factor", "inter_factor", "dp_factor")
+FACTORS = ("flops_factor", "layer_overhead_ms", "intra_factor", "inter_factor", "dp_factor", "attention_factor")
 
 
 @dataclass
@@ -147,9 +148,11 @@ FLOORS = {"flops_factor": 1.0, "intra_factor": 1.0, "inter_factor": 1.0}
 
 
 def fit_factors(samples: list[Sample], free: tuple[str, ...], base: Fit, source: str,
-                weights: list[float] | None = None) -> Fit:
+                weights: list[float] | None = None, rounds: int = 30) -> Fit:
     """Fit the `free` factors of `base` to the samples, minimising the (weighted) squared relative error of the
-    step time; the other factors keep their values from `base`."""
+    step time; the other factors keep their values from `base`. The model is linear in the factors wherever each
+    layer stays host- or device-bound, so each round solves the linear problem around the current factors and
+    the next round re-linearises, until the factors no longer move."""
     from hlat.planner.timing import step_time  # timing imports this module for Fit
 
     if not samples:
@@ -157,21 +160,48 @@ def fit_factors(samples: list[Sample], free: tuple[str, ...], base: Fit, source:
     unknown = set(free) - set(FACTORS)
     if unknown:
         raise HlatError(f"calibration: unknown factors {sorted(unknown)} (known: {', '.join(FACTORS)})")
-    floor = replace(base, **{k: FLOORS.get(k, 0.0) for k in free})
-    zero = replace(base, **{k: 0.0 for k in free})
-    rows, targets = [], []
-    for s, w in zip(samples, weights or [1.0] * len(samples)):
-        fixed = step_time(s.workload, s.layout, s.hardware, floor).total
-        # The model is linear in each factor, so its coefficient is the time with that factor at 1, the others 0.
-        base_time = step_time(s.workload, s.layout, s.hardware, zero).total
-        coef = [step_time(s.workload, s.layout, s.hardware, replace(zero, **{k: 1.0})).total - base_time
-                for k in free]
-        scale = w ** 0.5 / s.step_s
-        rows.append([c * scale for c in coef])
-        targets.append((s.step_s - fixed) * scale)
-    excess = nnls(rows, targets)
-    values = {k: round(getattr(floor, k) + x, 4) for k, x in zip(free, excess)}
-    return replace(base, source=source, **values)
+    weights = weights or [1.0] * len(samples)
+
+    def objective(x: dict[str, float]) -> float:
+        current = replace(base, **x)
+        return sum(w * (step_time(s.workload, s.layout, s.hardware, current).total / s.step_s - 1) ** 2
+                   for s, w in zip(samples, weights))
+
+    def descend(x: dict[str, float]) -> tuple[float, dict[str, float]]:
+        best = objective(x)
+        for _ in range(rounds):
+            current = replace(base, **x)
+            rows, targets = [], []
+            for s, w in zip(samples, weights):
+                t0 = step_time(s.workload, s.layout, s.hardware, current).total
+                # Slopes by finite differences: exact within a linear piece.
+                slopes = [(step_time(s.workload, s.layout, s.hardware, replace(current, **{k: x[k] + 1e-3})).total
+                           - t0) / 1e-3 for k in free]
+                scale = w ** 0.5 / s.step_s
+                rows.append([c * scale for c in slopes])
+                # t = t0 + slopes . (x' - x), solved for the excess x' - floor >= 0.
+                rest = t0 - sum(c * (x[k] - FLOORS.get(k, 0.0)) for c, k in zip(slopes, free))
+                targets.append((s.step_s - rest) * scale)
+            step = {k: FLOORS.get(k, 0.0) + e - x[k] for k, e in zip(free, nnls(rows, targets))}
+            for _ in range(20):  # the linear model holds only near x: halve the step until the error falls
+                new = {k: x[k] + step[k] for k in free}
+                error = objective(new)
+                if error < best:
+                    break
+                step = {k: v / 2 for k, v in step.items()}
+            else:
+                break
+            moved = max(abs(v) for v in step.values())
+            x, best = new, error
+            if moved < 1e-6:
+                break
+        return best, x
+
+    # Each start has every factor positive (at a zero overhead no layer is host-bound and its slope would stay 0);
+    # a start far above and one near the floors reach the pieces of either regime.
+    _, x = min((descend({k: FLOORS.get(k, 0.0) + start for k in free}) for start in (1.0, 10.0)),
+               key=lambda result: result[0])
+    return replace(base, source=source, **{k: round(v, 4) for k, v in x.items()})
 
 
 def read_run(run_dir: str | Path, skip: int = 1) -> tuple[dict, float]:

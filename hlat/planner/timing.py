@@ -1,19 +1,26 @@
 """Time per optimizer step on the busiest pipeline stage.
 
 Every term is a nominal time (FLOPs at peak rate, bytes at nominal bandwidth plus ring latencies) times a factor
-of the profile's `[fit]`, so the total is linear in the factors and `hlat.planner.profiles.fit_factors` can fit
-them to measurements:
+of the profile's `[fit]`, so the total is piecewise linear in the factors and `hlat.planner.profiles.fit_factors`
+can fit them to measurements:
 
-    per micro-batch  = FLOPs / peak x flops_factor + layers x layer_overhead       (compute, recomputation included)
-                     + tensor-parallel all-reduces x intra/inter_factor             (4 per layer, 6 with full recompute)
+    per layer        = max(layer_overhead,                                          (host: kernel launches)
+                           FLOPs / peak x flops_factor                              (device: recomputation included)
+                           + attention scores / HBM bandwidth x attention_factor    (materialised attention only)
+                           + tensor-parallel all-reduces x intra/inter_factor)      (4 per layer, 6 with full recompute)
+    per micro-batch  = layers x per layer + output layer
                      + pipeline sends of activations and gradients x intra/inter_factor
     step             = (micro-batches + pipeline bubble) x per micro-batch
                      + data-parallel gradient reduction x dp_factor                 (ZeRO-1: reduce-scatter + all-gather)
                      + optimizer step (memory-bound: state bytes / HBM bandwidth)
 
+The host launches kernels ahead of the device, so its fixed per-layer cost shows only where the device finishes a
+layer sooner (small layers and micro-batches). Without fused attention the scores (micro-batch x heads x seq^2)
+are written and read by a chain of memory-bound kernels (scale, mask, softmax, dropout, and again for the
+recomputation and the backward pass); their cost grows with seq^2 where the matmuls' grows with seq x dim.
+
 FSDP gathers the weights twice and reduce-scatters the gradients for every micro-batch; that traffic hides behind
-the micro-batch's compute and only the excess is charged (the one non-linear term: no measurement used for the
-fits runs FSDP).
+the micro-batch's compute and only the excess is charged (no measurement used for the fits runs FSDP).
 """
 
 from __future__ import annotations
@@ -84,13 +91,20 @@ def step_time(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit | No
     output_layer = 6.0 * model.vocab_size * model.dim
     per_layer = (model.flops_per_token(work.seq_len) - output_layer
                  + recompute_flops_per_token(model, work.seq_len, layout.activation_checkpoint)) / model.n_layers
-    flops = (layers * per_layer + output_layer) * tokens / t
-    compute = flops / (hw.peak_tflops * 1e12) * fit.flops_factor + layers * fit.layer_overhead_ms * 1e-3
+    layer_device = per_layer * tokens / t / (hw.peak_tflops * 1e12) * fit.flops_factor
+    if not hw.flash_attention:  # one nominal pass over the scores; the factor counts the passes
+        scores = layout.micro_batch * model.n_heads / t * work.seq_len ** 2
+        layer_device += scores * cb / (hw.hbm_gbs * 1e9) * fit.attention_factor
 
-    tp = 0.0
+    tp_layer = 0.0
     if t > 1:  # all-reduces (or all-gather + reduce-scatter pairs with SP) of the full activation
         collectives = 6 if layout.activation_checkpoint == "full" else 4
-        tp = layers * collectives * link(collective(hw, tokens * model.dim * cb, t, t, passes=2))
+        tp_layer = collectives * link(collective(hw, tokens * model.dim * cb, t, t, passes=2))
+    tp = layers * tp_layer
+    # Host-bound layers (launch overhead above the device's work) are charged to compute.
+    host_excess = max(0.0, fit.layer_overhead_ms * 1e-3 - layer_device - tp_layer)
+    compute = (layers * (layer_device + host_excess)
+               + output_layer * tokens / t / (hw.peak_tflops * 1e12) * fit.flops_factor)
 
     pp = 0.0
     if p > 1:  # each stage sends its tp shard of the activations forward and of their gradients backward
