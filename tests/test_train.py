@@ -105,3 +105,32 @@ def test_empty_corpus_is_an_error(tmp_path, capsys):
     cfg_file.write_text(config(tmp_path / "run").to_toml())
     assert main(["train", "--config", str(cfg_file), "--data.paths", str(tmp_path / "blank.txt")]) == 2
     assert "no documents" in capsys.readouterr().err
+
+
+def test_sigterm_to_the_whole_job_checkpoints_and_resumes(tmp_path):
+    """A scheduler's SIGTERM reaches every process of the job, tokenizer workers included: the trainer
+    finishes its step, checkpoints, stops its workers and exits 0; --resume auto continues from there.
+    (Workers ignore SIGTERM so that a step still waiting for data when it comes can finish.)"""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    cfg_file = tmp_path / "c.toml"
+    cfg = config(tmp_path / "run", steps=10_000, decay_steps=10_000)
+    cfg.data.workers = 1
+    cfg_file.write_text(cfg.to_toml())
+    job = subprocess.Popen([sys.executable, "-m", "hlat", "train", "--config", str(cfg_file)],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while (not metrics.exists() or len(metrics.read_text().splitlines()) < 3) and time.time() < deadline:
+        time.sleep(0.2)
+    os.killpg(job.pid, signal.SIGTERM)
+    out, _ = job.communicate(timeout=120)
+    assert job.returncode == 0, out
+    assert "stopped by signal" in out
+    (stopped_at, _), = complete_checkpoints(tmp_path / "run")
+    assert stopped_at >= 3 and len(losses(tmp_path / "run")) == stopped_at
+    assert main(["train", "--config", str(cfg_file), "--resume", "auto", "--train.steps", str(stopped_at + 2)]) == 0
+    assert len(losses(tmp_path / "run")) == stopped_at + 2

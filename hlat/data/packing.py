@@ -73,7 +73,7 @@ class _Inline:
 
 def _stop_workers(procs) -> None:
     for p in procs:
-        p.terminate()  # they hold nothing to clean up, and may be busy with rounds nobody will read
+        p.kill()  # they hold nothing to clean up, ignore SIGTERM, and may be busy with rounds nobody will read
     for p in procs:
         p.join(timeout=5)
 

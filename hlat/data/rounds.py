@@ -182,7 +182,10 @@ def worker_main(specs: list[SourceSpec], packing: Packing, tokenizer, starts: li
                 tasks, results) -> None:
     """A tokenizer worker: answers (source, round) requests in order until it is terminated, or its parent is
     gone. An error is sent back (HlatError as itself, anything else with its traceback) and ends the worker."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the trainer, which stops after its step
+    # Ctrl-C, and the SIGTERM a scheduler sends every process of the job, are for the trainer: it finishes its
+    # step (which may need this worker), checkpoints and then stops the workers itself
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker; scale with more workers
     makers = [RoundMaker(s, spec, packing, tokenizer, *starts[s]) for s, spec in enumerate(specs)]
     parent = mp.parent_process()

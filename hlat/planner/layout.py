@@ -79,10 +79,13 @@ class Layout:
         return " ".join(parts)
 
     def config_sections(self, work: Workload) -> dict:
-        """The `[parallel]` and `[train]` config tables the trainer runs as is."""
-        parallel = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp, "pp": self.pp,
-                    "pp_schedule": self.pp_schedule, "microbatches": self.microbatches(work.global_batch),
-                    "sequence_parallel": self.sequence_parallel, "zero1": self.zero1,
+        """The `[parallel]` and `[train]` config tables the trainer runs as is (the trainer derives the pipeline
+        micro-batch count, global_batch / (micro_batch x dp), from them)."""
+        # the trainer's ZeRO-1 shards optimizer states over dp_shard: all data-parallel ranks go there
+        dp_replicate, dp_shard = (1, self.dp_replicate * self.dp_shard) if self.zero1 else (self.dp_replicate,
+                                                                                              self.dp_shard)
+        parallel = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": self.tp, "pp": self.pp,
+                    "pp_schedule": self.pp_schedule, "sequence_parallel": self.sequence_parallel, "zero1": self.zero1,
                     "activation_checkpoint": self.activation_checkpoint}
         if self.pp_schedule == "interleaved_1f1b":
             parallel["virtual_stages"] = self.virtual_stages
