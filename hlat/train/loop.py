@@ -24,7 +24,7 @@ from hlat import HlatError
 from hlat.data.packing import build_stream
 from hlat.data.sources import resolve_data_files
 from hlat.data.tokenizer import get_tokenizer
-from hlat.models import build_model, materialize
+from hlat.models import build_model, count_params, materialize
 from hlat.optim import build_optimizer, lr_at
 from hlat.optim.precision import autocast as precision_autocast
 from hlat.optim.precision import prepare_model
@@ -268,7 +268,7 @@ def _run(cfg: Config, topo: Topology, device: torch.device, stream, batches: Bat
         dist.all_reduce(total)
         return total / (pcfg.dp * pcfg.tp)
 
-    n_params = sum(p.numel() for p in build_model(cfg.model).parameters())
+    n_params = count_params(build_model(cfg.model))
     console.print(f"training {cfg.model.preset or cfg.model.family} ({n_params:,} parameters) on {device}"
                   f"{f' x {dist.get_world_size()} ranks' if dist.is_initialized() else ''}, {tc.steps} steps of "
                   f"{tokens_per_step:,} tokens, run dir {run_dir}", soft_wrap=True, highlight=False)

@@ -55,6 +55,3 @@ class MetricsLog:
     def write(self, record: dict) -> None:
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
-
-    def read(self) -> list[dict]:
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line] if self.path.exists() else []
