@@ -86,7 +86,7 @@ def format_duration(seconds: float) -> str:
 
 class StopRequest:
     """SIGTERM/SIGINT ask the loop to checkpoint and stop after the current step instead of dying mid-step;
-    ranks agree on it each step, so they all save the same step."""
+    ranks agree on it each step (with the loss, see `reduce_step`), so they all save the same step."""
 
     def __init__(self):
         self.requested = False
@@ -102,13 +102,6 @@ class StopRequest:
         finally:
             for s, h in previous.items():
                 signal.signal(s, h)
-
-    def agreed(self, device: torch.device) -> bool:
-        if not dist.is_initialized():
-            return self.requested
-        flag = torch.tensor([float(self.requested)], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -259,14 +252,14 @@ def _run(cfg: Config, topo: Topology, device: torch.device, stream, batches: Bat
             total += plain(loss.detach())
         return total
 
-    def global_mean(local_loss: torch.Tensor) -> torch.Tensor:
-        """The loss over the global batch: the mean over data-parallel ranks of the last stage's losses
-        (tensor-parallel peers hold the same value)."""
+    def reduce_step(local_loss: torch.Tensor, stop_requested: bool) -> tuple[torch.Tensor, bool]:
+        """The loss over the global batch (the mean over data-parallel ranks of the last stage's losses;
+        tensor-parallel peers hold the same value) and whether any rank was asked to stop: one all-reduce."""
         if not dist.is_initialized():
-            return local_loss
-        total = local_loss.clone()
-        dist.all_reduce(total)
-        return total / (pcfg.dp * pcfg.tp)
+            return local_loss, stop_requested
+        packed = torch.stack([local_loss, torch.tensor(float(stop_requested), device=device)])
+        dist.all_reduce(packed)
+        return packed[0] / (pcfg.dp * pcfg.tp), bool(packed[1].item())
 
     n_params = count_params(build_model(cfg.model))
     console.print(f"training {cfg.model.preset or cfg.model.family} ({n_params:,} parameters) on {device}"
@@ -278,7 +271,7 @@ def _run(cfg: Config, topo: Topology, device: torch.device, stream, batches: Bat
             for optimizer in optimizers:
                 for group in optimizer.param_groups:
                     group["lr"] = lr
-            loss = global_mean(step_loss(batches.next_step(device)))
+            loss, stopping = reduce_step(step_loss(batches.next_step(device)), stop.requested)
             grad_norm = clip_grad_norm(params, cfg.optim.clip_grad_norm, pp_group)
             for optimizer in optimizers:
                 optimizer.step()
@@ -287,7 +280,6 @@ def _run(cfg: Config, topo: Topology, device: torch.device, stream, batches: Bat
             interval_tokens += tokens_per_step
             interval_loss += loss
             interval_steps += 1
-            stopping = stop.agreed(device)
             if step % tc.log_every == 0 or step in (start + 1, tc.steps) or stopping:
                 loss_value = (interval_loss / interval_steps).item()  # mean over the steps since the last log
                 now = time.perf_counter()
