@@ -31,10 +31,12 @@ class Fit:
     inter_factor: float = 1.0  # inter-node collectives and transfers, measured / nominal time
     dp_factor: float = 1.0  # data-parallel gradient reduction: exposed (not overlapped) share / link efficiency
     attention_factor: float = 0.0  # materialised attention scores: nominal passes over them (0: folded into flops)
+    p2p_ms: float = 0.0  # fixed cost of each pipeline send or receive (a blocking handshake between stages)
     source: str = "defaults, not fitted"
 
 
-FACTORS = ("flops_factor", "layer_overhead_ms", "intra_factor", "inter_factor", "dp_factor", "attention_factor")
+FACTORS = ("flops_factor", "layer_overhead_ms", "intra_factor", "inter_factor", "dp_factor", "attention_factor",
+           "p2p_ms")
 
 
 @dataclass

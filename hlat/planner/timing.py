@@ -9,8 +9,8 @@ can fit them to measurements:
                            + attention scores / HBM bandwidth x attention_factor    (materialised attention only)
                            + tensor-parallel all-reduces x intra/inter_factor)      (4 per layer, 6 with full recompute)
     per micro-batch  = layers x per layer + output layer
-                     + pipeline sends of activations and gradients x intra/inter_factor
-    step             = (micro-batches + pipeline bubble) x per micro-batch
+                     + pipeline sends of activations and gradients x intra/inter_factor + p2p_ms each
+    step             = micro-batches x per micro-batch + pipeline bubble x per micro-batch of the other stages
                      + data-parallel gradient reduction x dp_factor                 (ZeRO-1: reduce-scatter + all-gather)
                      + optimizer step (memory-bound: state bytes / HBM bandwidth)
 
@@ -97,14 +97,15 @@ def step_time(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit | No
         layer_device += scores * cb / (hw.hbm_gbs * 1e9) * fit.attention_factor
 
     tp_layer = 0.0
-    if t > 1:  # all-reduces (or all-gather + reduce-scatter pairs with SP) of the full activation
+    if t > 1:  # all-reduces (or all-gather + reduce-scatter pairs with SP) of the full activation; a tp group
+        # larger than a node runs them over the network
         collectives = 6 if layout.activation_checkpoint == "full" else 4
-        tp_layer = collectives * link(collective(hw, tokens * model.dim * cb, t, t, passes=2))
+        tp_layer = collectives * link(collective(hw, tokens * model.dim * cb, t, min(t, dpn), passes=2))
     tp = layers * tp_layer
     # Host-bound layers (launch overhead above the device's work) are charged to compute.
     host_excess = max(0.0, fit.layer_overhead_ms * 1e-3 - layer_device - tp_layer)
-    compute = (layers * (layer_device + host_excess)
-               + output_layer * tokens / t / (hw.peak_tflops * 1e12) * fit.flops_factor)
+    output_time = output_layer * tokens / t / (hw.peak_tflops * 1e12) * fit.flops_factor
+    compute = layers * (layer_device + host_excess) + output_time
 
     pp = 0.0
     if p > 1:  # each stage sends its tp shard of the activations forward and of their gradients backward
@@ -113,7 +114,7 @@ def step_time(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit | No
             one = (msg * dpn / (hw.inter_gbps / 8 * 1e9) + hw.inter_latency_us * 1e-6) * fit.inter_factor
         else:
             one = (msg / (hw.intra_gbs * 1e9) + hw.intra_latency_us * 1e-6) * fit.intra_factor
-        pp = 2 * v * one
+        pp = 2 * v * (one + fit.p2p_ms * 1e-3)
 
     params = stage_params(model, layout)
     dp_per_node = max(1, dpn // t)  # ranks are ordered tp, then dp, then pp
@@ -140,6 +141,8 @@ def step_time(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit | No
     owned = params / (layout.dp if layout.zero1 else layout.dp_shard)
     optimizer = owned * (2 * mode.weight_bytes + mode.grad_bytes + 2 * mode.optimizer_bytes) / (hw.hbm_gbs * 1e9)
 
+    # Filling and draining the pipeline runs through the stages before the last, which lack the output layer.
     bubble = (p - 1) / v if p > 1 else 0.0
-    return StepTime(compute=m * compute, tp_comm=m * tp, pp_comm=m * pp, bubble=bubble * (compute + tp + pp),
+    return StepTime(compute=m * compute, tp_comm=m * tp, pp_comm=m * pp,
+                    bubble=bubble * (compute - output_time + tp + pp),
                     dp_comm=dp_comm, optimizer=optimizer)
