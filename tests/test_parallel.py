@@ -171,3 +171,69 @@ def test_selective_checkpointing_recomputes_only_attention():
     attention = next(k for k in counts["none"] if k.startswith("_scaled_dot_product") and "backward" not in k)
     assert counts["selective"][attention] == counts["full"][attention] == 2 * counts["none"][attention]
     assert counts["selective"]["mm"] == counts["none"]["mm"] < counts["full"]["mm"]  # matmuls are kept
+
+
+
+def _grad_sync_worker(rank: int, world: int, store: str, out: str) -> None:
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hlat.models import build_model, materialize
+    from hlat.models.config import model_config
+    from hlat.parallel.data import apply_data_parallel, sync_gradients
+
+    class Reductions(TorchDispatchMode):
+        """The gradient collectives a backward pass issues, by name."""
+
+        def __init__(self):
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "reduce" in func.overloadpacket.__name__:
+                self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    cfg = model_config(**MODELS["llama"])
+    batches = torch.randint(0, cfg.vocab_size, (world, 2, 2, 16), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for name, shape, zero1 in (("ddp", (world, 1), False), ("zero1", (1, world), True), ("fsdp", (1, world), False)):
+        model = build_model(cfg)
+        materialize(model, torch.device("cpu"), seed=0)
+        reference = copy.deepcopy(model)
+        apply_data_parallel(model, init_device_mesh("cpu", shape, mesh_dim_names=("dp_replicate", "dp_shard")),
+                            zero1, pipelined=False)
+        issued = []
+        for i, tokens in enumerate(batches[rank]):  # this rank's two micro-batches
+            sync_gradients(model, sharded=name == "fsdp", last_micro_batch=i == 1)
+            loss = model(tokens).float().logsumexp(-1).mean()
+            with Reductions() as reductions:
+                loss.backward()
+            issued.append(sorted(set(reductions.names)))
+        for tokens in batches.flatten(0, 1):  # every rank's micro-batches, averaged over ranks as FSDP does
+            (reference(tokens).float().logsumexp(-1).mean() / world).backward()
+        error = max((p.grad.full_tensor() - r.grad).abs().max().item() / r.grad.abs().max().item()
+                    for p, r in zip(model.parameters(), reference.parameters()))
+        results[name] = (issued, error)
+    torch.save(results, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_gradients_reduce_once_per_step_under_accumulation(tmp_path):
+    """Replicated and ZeRO-1 layouts issue no gradient collective before the last micro-batch; FSDP
+    reduce-scatters every micro-batch (to hold only its shard) and defers the all-reduce across replicas. Either
+    way the step's gradient is the whole batch's."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_grad_sync_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2)
+    for rank in (0, 1):
+        results = torch.load(tmp_path / f"rank{rank}.pt")
+        assert results["ddp"][0] == [[], ["allreduce_"]]
+        assert results["zero1"][0][0] == [] and "_reduce_scatter_base_" in results["zero1"][0][1]
+        first, last = results["fsdp"][0]
+        assert "_reduce_scatter_base_" in first and "allreduce_" not in first and "allreduce_" in last
+        assert all(error < 1e-5 for _, error in results.values()), results

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 
 def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh, zero1: bool, pipelined: bool) -> None:
@@ -19,3 +19,17 @@ def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh, zero1: bool, pipe
     for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=not keep_gathered)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=not keep_gathered)
+
+
+def sync_gradients(model: nn.Module, sharded: bool, last_micro_batch: bool) -> None:
+    """Under gradient accumulation, reduce across data-parallel ranks once per step rather than once per
+    micro-batch (pipeline schedules do this for their stages themselves). Replicated and ZeRO-1 layouts keep full
+    gradients anyway, so they skip every reduction until the last micro-batch; FSDP (`sharded`) reduce-scatters
+    each micro-batch to hold only its shard of the gradients, and HSDP defers just the all-reduce across
+    replicas."""
+    if not isinstance(model, FSDPModule):
+        return
+    if sharded:
+        model.set_requires_all_reduce(last_micro_batch)
+    else:
+        model.set_requires_gradient_sync(last_micro_batch)

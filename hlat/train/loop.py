@@ -29,6 +29,7 @@ from hlat.optim import build_optimizer, lr_at
 from hlat.optim.precision import autocast as precision_autocast
 from hlat.optim.precision import prepare_model
 from hlat.parallel import Topology, init_topology, parallelize
+from hlat.parallel.data import sync_gradients
 from hlat.parallel.grads import clip_grad_norm
 from hlat.parallel.mesh import local_device
 from hlat.parallel.pipeline import build_schedule
@@ -194,6 +195,7 @@ def _run(cfg: Config, topo: Topology, device: torch.device, stream, batches: Bat
     last_stage = any(sid == n_stages - 1 for sid, _ in stages)
     schedule = build_schedule(stages, topo, device, accum, cross_entropy) if pcfg.pp > 1 else None
     pp_group = topo.group("pp") if pcfg.pp > 1 else None
+    sharded_grads = pcfg.dp_shard > 1 and not pcfg.zero1  # FSDP keeps only its shard of the gradients
     metrics = MetricsLog(run_dir)
 
     start = 0
@@ -242,7 +244,8 @@ def _run(cfg: Config, topo: Topology, device: torch.device, stream, batches: Bat
                 return torch.zeros((), device=device)
             return torch.stack([plain(loss.detach()) for loss in microbatch_losses]).mean()
         total = torch.zeros((), device=device)
-        for batch in micro:
+        for i, batch in enumerate(micro):
+            sync_gradients(parts[0], sharded_grads, last_micro_batch=i == len(micro) - 1)
             targets = batch.pop("targets")
             with loss_context():
                 with autocast:
