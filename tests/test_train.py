@@ -134,3 +134,38 @@ def test_sigterm_to_the_whole_job_checkpoints_and_resumes(tmp_path):
     assert stopped_at >= 3 and len(losses(tmp_path / "run")) == stopped_at
     assert main(["train", "--config", str(cfg_file), "--resume", "auto", "--train.steps", str(stopped_at + 2)]) == 0
     assert len(losses(tmp_path / "run")) == stopped_at + 2
+
+
+def test_single_process_runs_honour_activation_checkpointing_and_compile(tmp_path):
+    """The parallel section's per-model settings apply without torchrun too: full recomputation runs each
+    layer's forward matmuls again in the backward pass, compilation fills its cache, and neither changes the
+    trajectory."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class MatmulCount(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.matmuls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.matmuls += func.overloadpacket.__name__ in ("mm", "addmm", "bmm")
+            return func(*args, **(kwargs or {}))
+
+    def run(name: str, **parallel) -> int:
+        cfg = config(tmp_path / name, steps=2)
+        for key, value in parallel.items():
+            setattr(cfg.parallel, key, value)
+        cfg.data.workers = 0  # tokenise in this process, under the counting mode
+        with MatmulCount() as count:
+            train(cfg)
+        return count.matmuls
+
+    plain, recomputed = run("plain"), run("full", activation_checkpoint="full")
+    assert recomputed > plain
+    assert losses(tmp_path / "full") == pytest.approx(losses(tmp_path / "plain"), rel=1e-6)
+    cache = tmp_path / "compile-cache"
+    cfg = config(tmp_path / "compiled", steps=2)
+    cfg.parallel.compile, cfg.parallel.compile_cache_dir = True, str(cache)
+    train(cfg)
+    assert cache.is_dir() and any(cache.iterdir())
+    assert losses(tmp_path / "compiled") == pytest.approx(losses(tmp_path / "plain"), rel=1e-5)

@@ -22,7 +22,8 @@ __all__ = ["ParallelConfig", "Topology", "init_topology", "parallelize"]
 
 def parallelize(model: nn.Module, topo: Topology, device: torch.device, seed: int) -> list[tuple[int, nn.Module]]:
     """(stage id, module) for the parts of a meta-device `model` this rank runs, parallelised and initialised.
-    Without pipeline parallelism that is [(0, model)]."""
+    Without pipeline parallelism that is [(0, model)]; a single process (no mesh) still gets activation
+    checkpointing and compilation."""
     cfg = topo.cfg
     parts = split_model(model, topo) if cfg.pp > 1 else [(0, model)]
     for _, part in parts:

@@ -24,7 +24,7 @@ from hlat import HlatError
 from hlat.data.packing import build_stream
 from hlat.data.sources import resolve_data_files
 from hlat.data.tokenizer import get_tokenizer
-from hlat.models import build_model, count_params, materialize
+from hlat.models import build_model, count_params
 from hlat.optim import build_optimizer, lr_at
 from hlat.optim.precision import autocast as precision_autocast
 from hlat.optim.precision import prepare_model
@@ -171,7 +171,7 @@ def _train(cfg: Config, topo: Topology, device: torch.device, files: list[Path],
 
     torch.manual_seed(tc.seed)
     model = prepare_model(build_model(cfg.model), cfg.precision.mode)  # still on meta: bf16 before sharding
-    stages = parallelize(model, topo, device, tc.seed) if topo.mesh else [(0, materialize(model, device, tc.seed))]
+    stages = parallelize(model, topo, device, tc.seed)
     optimizers = [build_optimizer(module, cfg.optim, cfg.precision.mode, tc.seed) for _, module in stages]
     global_accum = tc.grad_accum()
     stream = build_stream(cfg.data, tokenizer, files, tc.seq_len, tc.micro_batch, doc_mask=cfg.model.doc_mask,
