@@ -101,6 +101,15 @@ def test_bf16_modes_under_parallel_layouts(precision, nproc, parallel, tmp_path)
     assert_close(trajectory(tmp_path / "run"), trajectory(tmp_path / "single"), rtol=1e-2, norm_rtol=5e-2)
 
 
+def test_compiled_blocks_under_tensor_parallelism(reference, tmp_path):
+    """torch.compile per block with tensor and sequence parallelism: the same trajectory."""
+    config = write_toml(tmp_path / "job.toml", job(tmp_path / "run", "llama"))
+    torchrun(2, config, {"tp": 2, "sequence_parallel": True, "compile": True,
+                         "compile_cache_dir": tmp_path / "compile-cache"})
+    assert any((tmp_path / "compile-cache").iterdir())
+    assert_close(trajectory(tmp_path / "run"), reference["llama"])
+
+
 def test_document_masking_under_tensor_parallelism(tmp_path):
     """Best-fit packing with attention kept inside documents: the tp 2 run follows the single process."""
     data = job(tmp_path / "single", "llama")
@@ -131,6 +140,7 @@ def test_checkpoint_resumes_under_another_layout(saved, resumed, reference, tmp_
     ({"pp": 2, "pp_schedule": "interleaved_1f1b", "virtual_stages": 4}, 2, "8 pipeline stages but only 4 layers"),
     ({"dp_replicate": 3}, 4, "does not divide the world size 4"),
     ({"pp": 4, "dp_replicate": 2, "dp_shard": 1}, 8, "cannot fill 4 pipeline stages"),
+    ({"tp": 2, "compile": True, "activation_checkpoint": "selective"}, 2, "not supported with tp > 1"),
     ({"dp_shard": 2, "zero1": True, "dp_replicate": 2}, 4, None),
 ])
 def test_impossible_layouts_are_refused_up_front(parallel, world, message, tmp_path):

@@ -37,6 +37,10 @@ def parallelize(model: nn.Module, topo: Topology, device: torch.device, seed: in
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", "/tmp/hlat-compile-cache")
             for block in part.layers.values():
                 block.compile()
+            if cfg.tp > 1 and part.tok_embeddings is not None:
+                # The vocabulary-parallel embedding finishes its collective asynchronously; a pending result
+                # must not enter a compiled block (torch 2.13 then hands its backward a plain tensor).
+                part.tok_embeddings.register_forward_hook(lambda module, args, output: output.clone())
         if cfg.dp > 1:
             apply_data_parallel(part, topo.mesh["dp_replicate", "dp_shard"], cfg.zero1, pipelined=cfg.pp > 1)
         materialize(part, device, seed)

@@ -71,4 +71,8 @@ class ParallelConfig:
             raise ConfigError("parallel.pp: document masking is not supported with pipeline parallelism yet")
         if p.zero1 and p.dp_shard == 1:
             raise ConfigError("parallel.zero1: shards optimizer states over dp_shard, which is 1")
+        if p.compile and p.tp > 1 and p.activation_checkpoint != "none":
+            # torch 2.13's compiled autograd cannot save the tensor-parallel mesh inside a checkpointed block
+            raise ConfigError(f"parallel.compile: not supported with tp > 1 and activation_checkpoint = "
+                              f"{p.activation_checkpoint!r} in this torch; turn compile or recomputation off")
         return p
