@@ -51,6 +51,12 @@ def test_model_states_follow_the_published_parameter_count_and_sharding():
     assert zero1.optimizer == pytest.approx(ddp.optimizer / 256) and zero1.weights == ddp.weights
     assert fsdp.weights + fsdp.grads + fsdp.optimizer == pytest.approx((ddp.weights + ddp.grads + ddp.optimizer) / 256)
     assert fsdp.buffers > 0 == ddp.buffers
+    # Under a pipeline the trainer keeps FSDP's parameters gathered and its gradients whole through the step.
+    piped = dict(tp=8, pp=2, sequence_parallel=True)
+    fsdp_pp = memory(work, Layout(dp_shard=128, **piped), TRN1)
+    ddp_pp = memory(work, Layout(dp_replicate=128, **piped), TRN1)
+    assert fsdp_pp.weights + fsdp_pp.grads + fsdp_pp.buffers >= ddp_pp.weights + ddp_pp.grads
+    assert fsdp_pp.optimizer == pytest.approx(ddp_pp.optimizer / 128)
 
 
 def test_activations_match_korthikanti_without_dropout():
@@ -121,6 +127,19 @@ def test_pipeline_bubble_p2p_cost_and_linearity_in_the_factors():
     doubled = replace(fit, **{k: 2 * getattr(fit, k) for k in FACTORS})
     one, two = step_time(work, layout, hw, fit), step_time(work, layout, hw, doubled)
     assert two.total - two.optimizer == pytest.approx(2 * (one.total - one.optimizer))
+
+
+def test_fsdp_under_a_pipeline_communicates_like_zero1():
+    """The trainer keeps FSDP's parameters gathered through a pipelined step and reduces once (torch's
+    pipelining defers the gradient sync), so its traffic is ZeRO-1's: one reduce-scatter and one all-gather."""
+    work = Workload(gpt(layers=8), 2048, 64, "bf16_mixed")
+    hw = replace(TRN1, devices_per_node=8)
+    fsdp = step_time(work, Layout(pp=2, dp_shard=8, micro_batch=1), hw)
+    zero1 = step_time(work, Layout(pp=2, dp_replicate=8, zero1=True, micro_batch=1), hw)
+    unpiped = step_time(work, Layout(dp_shard=16, micro_batch=1), hw)
+    assert fsdp.dp_comm == pytest.approx(zero1.dp_comm) and fsdp.dp_comm > 0
+    assert unpiped.dp_comm != pytest.approx(step_time(work, Layout(dp_replicate=16, zero1=True, micro_batch=1),
+                                                      hw).dp_comm)
 
 
 def test_host_overhead_shows_only_where_layers_are_small_and_scores_cost_seq_squared():

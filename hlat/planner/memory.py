@@ -21,7 +21,7 @@ class Memory:
     grads: float
     optimizer: float
     activations: float
-    buffers: float  # FSDP's unsharded parameters and gradients of the layers in flight
+    buffers: float  # FSDP's unsharded parameters and gradients (of the layers in flight, or all under a pipeline)
     overhead: float
     capacity: float
 
@@ -110,8 +110,12 @@ def memory(work: Workload, layout: Layout, hw: HardwareProfile) -> Memory:
     activations += (act_bytes + 4) * work.seq_len * layout.micro_batch * model.vocab_size / layout.tp
 
     buffers = 0.0
-    if shard > 1:  # the layer being computed and the one prefetched, gathered; one layer's full gradients
-        buffers = (2 * act_bytes + mode.grad_bytes) * layer_params_per_device(model, layout.tp)
+    if shard > 1 and layout.pp > 1:
+        # Under a pipeline schedule the trainer keeps FSDP's parameters gathered (beside their shards) through
+        # the step, and the gradients accumulate unsharded until the last micro-batch.
+        buffers = params * (mode.weight_bytes + mode.grad_bytes * (1 - 1 / shard))
+    elif shard > 1:  # the layer being computed and the one prefetched, gathered; one layer's full gradients
+        buffers = (2 * mode.weight_bytes + mode.grad_bytes) * layer_params_per_device(model, layout.tp)
     return Memory(weights=params * mode.weight_bytes / shard, grads=params * mode.grad_bytes / shard,
                   optimizer=params * mode.optimizer_bytes / opt_shard, activations=activations, buffers=buffers,
                   overhead=hw.overhead_gib * GIB, capacity=hw.memory_gib * GIB)

@@ -20,7 +20,9 @@ are written and read by a chain of memory-bound kernels (scale, mask, softmax, d
 recomputation and the backward pass); their cost grows with seq^2 where the matmuls' grows with seq x dim.
 
 FSDP gathers the weights twice and reduce-scatters the gradients for every micro-batch; that traffic hides behind
-the micro-batch's compute and only the excess is charged (no measurement used for the fits runs FSDP).
+the micro-batch's compute and only the excess is charged (no measurement used for the fits runs FSDP). Under a
+pipeline schedule the trainer keeps FSDP's parameters gathered through the step and reduces the gradients once
+(as torch's pipelining does), which costs what ZeRO-1 costs.
 """
 
 from __future__ import annotations
@@ -119,23 +121,23 @@ def step_time(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit | No
     params = stage_params(model, layout)
     dp_per_node = max(1, dpn // t)  # ranks are ordered tp, then dp, then pp
     dp_comm = 0.0
-    if layout.dp_shard > 1:
-        ds = layout.dp_shard
-        gather = collective(hw, params * cb, ds, dp_per_node, passes=1)
+    ds = layout.dp_shard
+    if ds > 1 and p == 1:  # FSDP: gathered (as stored: fp32 master weights in bf16_mixed) twice per micro-batch
+        gather = collective(hw, params * mode.weight_bytes, ds, dp_per_node, passes=1)
         scatter = collective(hw, params * mode.grad_bytes, ds, dp_per_node, passes=1)
         per_mb = 2 * link(gather) + link(scatter)
         dp_comm = m * max(0.0, per_mb - compute)
-        if layout.dp_replicate > 1:
-            reduce = collective(hw, params / ds * mode.grad_bytes, layout.dp_replicate,
-                                max(1, dp_per_node // ds), passes=2)
-            dp_comm += sum(reduce) * fit.dp_factor
-    elif layout.dp > 1:
-        if layout.zero1:
-            nominal = (sum(collective(hw, params * mode.grad_bytes, layout.dp, dp_per_node, passes=1))
-                       + sum(collective(hw, params * mode.weight_bytes, layout.dp, dp_per_node, passes=1)))
-        else:
-            nominal = sum(collective(hw, params * mode.grad_bytes, layout.dp, dp_per_node, passes=2))
+    elif layout.zero1 or ds > 1:  # gathered once per step and kept (ZeRO-1, and FSDP under a pipeline schedule)
+        group = layout.dp if layout.zero1 else ds
+        nominal = (sum(collective(hw, params * mode.grad_bytes, group, dp_per_node, passes=1))
+                   + sum(collective(hw, params * mode.weight_bytes, group, dp_per_node, passes=1)))
         dp_comm = nominal * fit.dp_factor
+    elif layout.dp > 1:
+        dp_comm = sum(collective(hw, params * mode.grad_bytes, layout.dp, dp_per_node, passes=2)) * fit.dp_factor
+    if ds > 1 and layout.dp_replicate > 1:  # HSDP: the shards' gradients all-reduced across replicas, once
+        reduce = collective(hw, params / ds * mode.grad_bytes, layout.dp_replicate, max(1, dp_per_node // ds),
+                            passes=2)
+        dp_comm += sum(reduce) * fit.dp_factor
 
     # AdamW reads weights, gradients and states and writes weights and states, for the parameters it owns.
     owned = params / (layout.dp if layout.zero1 else layout.dp_shard)
