@@ -110,6 +110,14 @@ def test_compiled_blocks_under_tensor_parallelism(reference, tmp_path):
     assert_close(trajectory(tmp_path / "run"), reference["llama"])
 
 
+def test_hsdp_with_gradient_accumulation(reference, tmp_path):
+    """HSDP (2 replicas of 2 shards) with two micro-batches per rank: reduce-scattered every micro-batch,
+    all-reduced across replicas once, and still the single-process trajectory."""
+    config = write_toml(tmp_path / "job.toml", job(tmp_path / "run", "llama", micro_batch=1))
+    torchrun(4, config, {"dp_replicate": 2, "dp_shard": 2})
+    assert_close(trajectory(tmp_path / "run"), reference["llama"])
+
+
 def test_document_masking_under_tensor_parallelism(tmp_path):
     """Best-fit packing with attention kept inside documents: the tp 2 run follows the single process."""
     data = job(tmp_path / "single", "llama")
