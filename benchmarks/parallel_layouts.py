@@ -18,7 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-RESULTS = Path(__file__).parent / "results"
+from results_io import markdown_table, write_results
+
 LAYOUTS = {  # name: (processes, [parallel] overrides)
     "single": (1, {}),
     "ddp2": (2, {"dp_replicate": 2, "dp_shard": 1}),
@@ -65,16 +66,12 @@ def main() -> None:
                                                       if "error" not in r else f"failed: {r['error']}"), flush=True)
     meta = {"machine": platform.machine(), "cpus": os.cpu_count(), "preset": args.preset, "global_batch": 16,
             "seq_len": 128, "micro_batch": 4, "steps": args.steps, "timed_steps": args.steps - args.warmup}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "parallel_layouts.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    lines = ["| layout | processes | s/step | tokens/s | final loss |", "|---|---|---|---|---|"]
-    lines += [f"| {r['layout']} | {r['processes']} | {r.get('step_time_s', 'failed')} | {r.get('tokens_per_s', '')} | "
-              f"{r.get('final_loss', '')} |" for r in rows]
-    (RESULTS / "parallel_layouts.md").write_text(
-        f"`{args.preset}` model, global batch 16 x 128 tokens, micro-batch 4, on {meta['cpus']} CPU cores with gloo "
-        f"(every process shares them); mean over steps {args.warmup + 1}-{args.steps}.\n\n" + "\n".join(lines) + "\n")
-    print("\n".join(lines))
-
+    table = markdown_table(["layout", "processes", "s/step", "tokens/s", "final loss"],
+                           [[r["layout"], r["processes"], r.get("step_time_s", "failed"), r.get("tokens_per_s", ""),
+                             r.get("final_loss", "")] for r in rows])
+    write_results("parallel_layouts", meta, rows,
+                  f"`{args.preset}` model, global batch 16 x 128 tokens, micro-batch 4, on {meta['cpus']} CPU cores "
+                  f"with gloo (every process shares them); mean over steps {args.warmup + 1}-{args.steps}.", table)
 
 if __name__ == "__main__":
     main()

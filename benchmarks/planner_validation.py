@@ -24,16 +24,11 @@ from hlat.planner.search import evaluate, search
 from hlat.planner.timing import step_time
 from hlat.planner.validation import (VALIDATION_DIR, a100_published, best_layout_ranks, fit_a100, fit_trn1, mape,
                                      relative_errors, split, trainium_samples, vtrain_samples)
+from results_io import markdown_table
 
 
 def pct(x: float) -> str:
     return f"{100 * x:+.1f}%"
-
-
-def table(header: list[str], rows: list[list]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def fit_toml(fit) -> str:
@@ -65,14 +60,14 @@ def report() -> str:
                      f"{100 * mape(held, a100):.1f}%", f"{100 * max(map(abs, he)):.0f}%"])
     held_all = multi_held + single_held
     rows.append(["all held-out rows", "", "", len(held_all), f"{100 * mape(held_all, a100):.1f}%", ""])
-    say(table(["vTrain file", "fit rows", "MAPE (fit)", "held-out rows", "MAPE (held-out)", "worst held-out"], rows))
+    say(markdown_table(["vTrain file", "fit rows", "MAPE (fit)", "held-out rows", "MAPE (held-out)", "worst held-out"], rows))
 
     say("\n### The measured-best layout among the planner's top 3\n")
     say("Within each group (same model, GPU count and batch) the planner ranks the measured layouts by predicted "
         "step time; the rank of the layout measured fastest, and how much longer the planner's first choice "
         "took (measured) than that layout:\n")
     ranks = best_layout_ranks(multi, a100)
-    say(table(["group", "layouts", "rank of the measured best", "first choice's measured time over the best"],
+    say(markdown_table(["group", "layouts", "rank of the measured best", "first choice's measured time over the best"],
               [[g, n, r, f"{100 * regret:.1f}%"] for g, (r, n, regret) in ranks.items()]))
     single_ranks = best_layout_ranks(single, a100).values()
     hits = sum(r <= 3 for r, _, _ in single_ranks)
@@ -98,7 +93,7 @@ def report() -> str:
         err = best.time.total / s.step_s - 1
         errors.append(err)
         rows.append([s.name, f"{s.step_s:.2f}", f"{best.time.total:.2f}", pct(err), best.layout.describe()])
-    say(table(["run", "measured s/step", "predicted", "error", "layout predicted"], rows))
+    say(markdown_table(["run", "measured s/step", "predicted", "error", "layout predicted"], rows))
     say(f"\nMAPE {100 * statistics.mean(map(abs, errors)):.1f}%, worst {100 * max(map(abs, errors)):.0f}%.")
 
     # --- trn1 ----------------------------------------------------------------------------------------------------
@@ -127,7 +122,7 @@ def report() -> str:
         rows.append([s.name, s.layout.describe(), f"{s.workload.global_batch / s.step_s:.1f}",
                      f"{s.workload.global_batch / pred:.1f}", pct(s.step_s / pred - 1), pct(-loo_err / (1 + loo_err)),
                      f"{per_dollar(s.step_s):.2f}M", f"{per_dollar(pred):.2f}M"])
-    say(table(["run", "layout", "measured seq/s", "predicted", "error", "leave-one-out error",
+    say(markdown_table(["run", "layout", "measured seq/s", "predicted", "error", "leave-one-out error",
                "measured tokens/$", "predicted tokens/$"], rows))
     say(f"\nStep-time MAPE {100 * mape(trn, trn1):.1f}% in sample.")
     llama70 = trn[-1]
@@ -148,7 +143,7 @@ def report() -> str:
         best = search(work, hw_trn, nodes, price=hw_trn.price_reserved).plans[0]
         rows.append([nodes, best.layout.describe(), f"{best.tokens_per_dollar / 1e6:.2f}M"])
     say("The planner's own best layout at each size:\n")
-    say(table(["nodes", "best layout", "predicted tokens/$ (reserved)"], rows))
+    say(markdown_table(["nodes", "best layout", "predicted tokens/$ (reserved)"], rows))
 
     # --- the recommendations --------------------------------------------------------------------------------------
     say("\n## Recommendations on 64 trn1.32xlarge (seq 4096, global batch 1024, bf16_mixed)\n")
@@ -165,7 +160,7 @@ def report() -> str:
         rows.append([f"HLAT's ({rank or 'does not fit'})", hlat.describe(), f"{mine.memory.total / GIB:.1f}",
                      f"{mine.time.total:.2f}", f"{mine.tokens_per_s:,.0f}", f"{mine.mfu:.1%}"])
         say(f"**{preset}** ({result.considered:,} layouts, {len(result.plans):,} fit):\n")
-        say(table(["#", "layout", "GiB/device", "s/step", "tokens/s", "MFU"], rows) + "\n")
+        say(markdown_table(["#", "layout", "GiB/device", "s/step", "tokens/s", "MFU"], rows) + "\n")
 
     work = Workload(model_config("llama2-70b"), 4096, 1024, "bf16_mixed")
     for name in ("trn1.32xlarge", "p4d.24xlarge"):

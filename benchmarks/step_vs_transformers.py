@@ -7,10 +7,8 @@ same configuration, on this machine. Interleaves the two implementations so mach
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -19,8 +17,7 @@ import transformers
 from hlat.models import build_model, materialize
 from hlat.models.config import model_config
 from hlat.models.hf import model_config_to_hf_config
-
-RESULTS = Path(__file__).parent / "results"
+from results_io import markdown_table, write_results
 
 
 def hf_model(cfg):
@@ -73,17 +70,13 @@ def main() -> None:
     meta = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__, "batch": args.batch,
             "seq_len": args.seq_len, "measured_steps": args.steps, "statistic": "best step"}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "step_vs_transformers.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    lines = ["| model | params | hlat tok/s | transformers tok/s | hlat / transformers |", "|---|---|---|---|---|"]
-    lines += [f"| {r['model']} | {r['params']:,} | {r['hlat_tokens_per_s']} | {r['transformers_tokens_per_s']} | "
-              f"{r['ratio']} |" for r in rows]
-    (RESULTS / "step_vs_transformers.md").write_text(
-        f"Training step (forward, backward, AdamW), batch {args.batch} x {args.seq_len}, CPU, "
-        f"{meta['threads']} threads, torch {meta['torch']}, transformers {meta['transformers']}; best of "
-        f"{args.steps} steps each, interleaved.\n\n" + "\n".join(lines) + "\n")
-    print("\n".join(lines))
-
+    table = markdown_table(["model", "params", "hlat tok/s", "transformers tok/s", "hlat / transformers"],
+                           [[r["model"], f"{r['params']:,}", r["hlat_tokens_per_s"], r["transformers_tokens_per_s"],
+                             r["ratio"]] for r in rows])
+    write_results("step_vs_transformers", meta, rows,
+                  f"Training step (forward, backward, AdamW), batch {args.batch} x {args.seq_len}, CPU, "
+                  f"{meta['threads']} threads, torch {meta['torch']}, transformers {meta['transformers']}; best of "
+                  f"{args.steps} steps each, interleaved.", table)
 
 if __name__ == "__main__":
     main()
