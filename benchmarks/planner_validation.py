@@ -153,8 +153,8 @@ def report() -> str:
         result = search(work, hw, 64)
         rows = [[i, p.layout.describe(), f"{p.memory.total / GIB:.1f}", f"{p.time.total:.2f}",
                  f"{p.tokens_per_s:,.0f}", f"{p.mfu:.1%}"] for i, p in enumerate(result.plans[:5], 1)]
-        hlat = {"llama2-7b": Layout(tp=8, dp_replicate=256, sequence_parallel=True, zero1=True),
-                "llama2-70b": Layout(tp=32, pp=8, dp_replicate=8, sequence_parallel=True, zero1=True)}[preset]
+        hlat = {"llama2-7b": Layout.of(tp=8, dp_shard=256, zero1=True, activation_checkpoint="selective"),
+                "llama2-70b": Layout.of(tp=32, pp=8, dp_shard=8, zero1=True, activation_checkpoint="selective")}[preset]
         mine = evaluate(work, hlat, hw, 64)
         rank = next((i for i, p in enumerate(result.plans, 1) if p.layout == hlat), None)
         rows.append([f"HLAT's ({rank or 'does not fit'})", hlat.describe(), f"{mine.memory.total / GIB:.1f}",

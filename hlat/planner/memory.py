@@ -95,8 +95,8 @@ def in_flight(layout: Layout, microbatches: int) -> float:
 def memory(work: Workload, layout: Layout, hw: HardwareProfile) -> Memory:
     model, mode = work.model, work.mode
     params = stage_params(model, layout)
-    shard = layout.dp_shard
-    opt_shard = layout.dp if layout.zero1 else shard
+    shard = layout.param_shard
+    opt_shard = layout.dp_shard  # FSDP's and ZeRO-1's
 
     act_bytes = work.compute_bytes
     layers = math.ceil(model.n_layers / layout.pp)

@@ -122,15 +122,14 @@ def step_time(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit | No
     dp_per_node = max(1, dpn // t)  # ranks are ordered tp, then dp, then pp
     dp_comm = 0.0
     ds = layout.dp_shard
-    if ds > 1 and p == 1:  # FSDP: gathered (as stored: fp32 master weights in bf16_mixed) twice per micro-batch
+    if layout.param_shard > 1 and p == 1:  # FSDP: gathered (as stored) twice per micro-batch
         gather = collective(hw, params * mode.weight_bytes, ds, dp_per_node, passes=1)
         scatter = collective(hw, params * mode.grad_bytes, ds, dp_per_node, passes=1)
         per_mb = 2 * link(gather) + link(scatter)
         dp_comm = m * max(0.0, per_mb - compute)
-    elif layout.zero1 or ds > 1:  # gathered once per step and kept (ZeRO-1, and FSDP under a pipeline schedule)
-        group = layout.dp if layout.zero1 else ds
-        nominal = (sum(collective(hw, params * mode.grad_bytes, group, dp_per_node, passes=1))
-                   + sum(collective(hw, params * mode.weight_bytes, group, dp_per_node, passes=1)))
+    elif ds > 1:  # gathered once per step and kept (ZeRO-1, and FSDP under a pipeline schedule)
+        nominal = (sum(collective(hw, params * mode.grad_bytes, ds, dp_per_node, passes=1))
+                   + sum(collective(hw, params * mode.weight_bytes, ds, dp_per_node, passes=1)))
         dp_comm = nominal * fit.dp_factor
     elif layout.dp > 1:
         dp_comm = sum(collective(hw, params * mode.grad_bytes, layout.dp, dp_per_node, passes=2)) * fit.dp_factor
@@ -140,7 +139,7 @@ def step_time(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit | No
         dp_comm += sum(reduce) * fit.dp_factor
 
     # AdamW reads weights, gradients and states and writes weights and states, for the parameters it owns.
-    owned = params / (layout.dp if layout.zero1 else layout.dp_shard)
+    owned = params / layout.dp_shard
     optimizer = owned * (2 * mode.weight_bytes + mode.grad_bytes + 2 * mode.optimizer_bytes) / (hw.hbm_gbs * 1e9)
 
     # Filling and draining the pipeline runs through the stages before the last, which lack the output layer.
