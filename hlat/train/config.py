@@ -81,6 +81,11 @@ class Config:
     def to_toml(self) -> str:
         return to_toml(to_dict(self))
 
+    def run_record(self, layout: ParallelConfig) -> str:
+        """The run directory's config.toml: this config with the layout the run resolved (dp_shard filled in for
+        its world size), so that `hlat plan --calibrate` reads back exactly what ran."""
+        return Config(**{**self.__dict__, "parallel": layout}).to_toml()
+
 
 def build_config(data: dict | None = None, overrides: list[str] | None = None) -> Config:
     """A validated Config from a TOML-shaped dict and `--section.key value` overrides.
