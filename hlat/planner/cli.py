@@ -150,7 +150,7 @@ def _show(args: argparse.Namespace, work: Workload, hw: HardwareProfile, plans: 
     if args.json:
         print(json.dumps({"model": work.model.preset, "hardware": hw.name, "nodes": args.nodes,
                           "seq_len": work.seq_len, "global_batch": work.global_batch, "precision": work.precision,
-                          "fit": hw.fit.source, "note": note, "plans": [_row(p, args.tokens) for p in plans]},
+                          "fit": hw.fit.source, "figures": hw.sources(), "note": note, "plans": [_row(p, args.tokens) for p in plans]},
                          indent=2))
         return
     from rich import box
@@ -164,7 +164,7 @@ def _show(args: argparse.Namespace, work: Workload, hw: HardwareProfile, plans: 
     table = Table(title=f"{work.model.preset or work.model.family} on {args.nodes} x {hw.name} ({devices:,} "
                         f"device{'s' if devices > 1 else ''}): seq {work.seq_len}, batch {work.global_batch} "
                         f"({_si(work.tokens_per_step)} tokens), {work.precision}, {args.price.replace('_', '-')} "
-                        "price", caption=f"{note}. Factors: {hw.fit.source}.", box=box.SIMPLE_HEAD)
+                        "price", caption=f"{note}. Figures: {hw.sources()}.", box=box.SIMPLE_HEAD)
     show_nodes = any(p.nodes != args.nodes for p in plans)
     for col in ("#", "layout", *(["nodes"] if show_nodes else []), "GiB", "s/step", "tok/s", "MFU", "tok/$",
                 f"days/{budget}", f"$/{budget}"):
