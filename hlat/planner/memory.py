@@ -52,22 +52,22 @@ def layer_params_per_device(model: ModelConfig, tp: int) -> float:
 
 def stage_params(model: ModelConfig, layout: Layout) -> float:
     """Parameters on one device of the largest pipeline stage (the embedding on the first stage, the output
-    projection on the last; with one stage both, counted once when tied)."""
+    projection and the final norm on the last; with one stage all of them, the embedding counted once when
+    tied)."""
     layers = math.ceil(model.n_layers / layout.pp)
     embedding = model.embedding_params() if layout.pp == 1 else model.vocab_size * model.dim
-    return layers * layer_params_per_device(model, layout.tp) + embedding / layout.tp
+    final_norm = model.num_params(embedding=False) - model.n_layers * model.layer_params()
+    return layers * layer_params_per_device(model, layout.tp) + embedding / layout.tp + final_norm
 
 
-def layer_activation_bytes(model: ModelConfig, seq_len: int, layout: Layout, recompute: str, act_bytes: int,
-                           flash: bool) -> float:
-    """Bytes one layer keeps for the backward pass of one micro-batch on one device.
-
-    Korthikanti et al.'s accounting, generalised to grouped-query attention and either MLP, without dropout
-    (hlat trains without it), in tensors of s x b x h elements: the 4 outside the tensor-parallel region (norm
-    inputs and outputs) are split only by sequence parallelism; Q, K, V, the attention output and the MLP's
-    intermediates are split by tp; the softmax output (a s / h of them) is kept only without recomputation
-    ('selective' recomputes the attention core) and without fused (flash) attention, which never stores it.
-    With 'full' only the layer's input is kept."""
+def megatron_activation_bytes(model: ModelConfig, seq_len: int, layout: Layout, recompute: str, act_bytes: int,
+                              flash: bool) -> float:
+    """Bytes one layer keeps for backward in Megatron-style stacks (Megatron-LM, NeuronX Distributed): Korthikanti
+    et al.'s accounting, generalised to grouped-query attention and either MLP, without dropout, in tensors of
+    s x b x h elements: the 4 outside the tensor-parallel region (norm inputs and outputs) are split only by
+    sequence parallelism (the projections' inputs are gathered again in backward); Q, K, V, the attention output
+    and the MLP's intermediates are split by tp; the softmax output (a s / h of them) is kept only without
+    recomputation ('selective' recomputes the attention core) and without fused (flash) attention."""
     t = layout.tp
     sbh = seq_len * layout.micro_batch * model.dim * act_bytes
     sp = t if layout.sequence_parallel else 1
@@ -78,6 +78,42 @@ def layer_activation_bytes(model: ModelConfig, seq_len: int, layout: Layout, rec
     inside = (1 + 2 * kv + 1 + mlp) * sbh / t
     scores = model.n_heads * seq_len / model.dim * sbh / t if recompute == "none" and not flash else 0.0
     return 4 * sbh / sp + inside + scores
+
+
+def layer_activation_bytes(model: ModelConfig, seq_len: int, layout: Layout, recompute: str, act_bytes: int,
+                           flash: bool) -> float:
+    """Bytes one layer of hlat's model keeps for the backward pass of one micro-batch on one device, in tensors
+    of s x b x h elements (s: one of them), as `tests/test_activation_memory.py` counts them in the real model.
+
+    - 'none': each norm keeps its input and output (RMSNorm also the normalised input, for its weight's
+      gradient); attention keeps Q, K, V after rotary and its output; the MLP keeps 4 f-wide tensors (SwiGLU) or
+      2 (GeLU). Under sequence parallelism the norms run on a sequence shard and their outputs are kept as the
+      projections' all-gathered inputs, at full size (torch's tensor parallelism keeps them; Megatron gathers
+      them again in backward). Without fused (flash) attention the softmax output (s / h of them) is kept too.
+      This is Korthikanti et al.'s accounting without dropout, for the neox family without sequence parallelism.
+    - 'selective' (hlat keeps the matmul and collective outputs and recomputes the rest): the block's input,
+      the column-parallel outputs (Q, K, V, the MLP's input projections), the row-parallel outputs before their
+      reduction (full size), and the collectives' outputs (all-reduces; or all-gathers and reduce-scatters).
+    - 'full': the block's input only."""
+    t = layout.tp
+    s = seq_len * layout.micro_batch * model.dim * act_bytes
+    sp = t if layout.sequence_parallel else 1
+    if recompute == "full":
+        return s / sp
+    kv = model.kv_heads / model.n_heads
+    f = model.ffn_dim / model.dim
+    llama = model.family == "llama"
+    if recompute == "selective":
+        kept = s / sp + (1 + 2 * kv + (2 if llama else 1) * f) * s / t + 2 * s
+        if t > 1:
+            kept += 2 * s + (2 * s / t if layout.sequence_parallel else 0.0)
+        return kept
+    # a norm's output is kept by the projections after it: under SP all-gathered, at full size, instead
+    norms = 2 * ((2 if llama else 1) + (0 if layout.sequence_parallel else 1)) * s / sp
+    gathered = 2 * s if layout.sequence_parallel else 0.0
+    inside = (2 + 2 * kv + (4 if llama else 2) * f) * s / t
+    scores = model.n_heads * seq_len / model.dim * s / t if not flash else 0.0
+    return norms + gathered + inside + scores
 
 
 def in_flight(layout: Layout, microbatches: int) -> float:
@@ -101,11 +137,12 @@ def memory(work: Workload, layout: Layout, hw: HardwareProfile) -> Memory:
     act_bytes = work.compute_bytes
     layers = math.ceil(model.n_layers / layout.pp)
     m = layout.microbatches(work.global_batch)
-    stored = layer_activation_bytes(model, work.seq_len, layout, layout.activation_checkpoint, act_bytes,
-                                    hw.flash_attention)
+    per_layer = layer_activation_bytes if hw.activations == "hlat" else megatron_activation_bytes
+    stored = per_layer(model, work.seq_len, layout, layout.activation_checkpoint, act_bytes, hw.flash_attention)
     activations = layers * in_flight(layout, m) * stored
     if layout.activation_checkpoint == "full":  # one layer's activations are rebuilt at a time in backward
-        activations += layer_activation_bytes(model, work.seq_len, layout, "selective", act_bytes, hw.flash_attention)
+        rebuilt = "none" if hw.activations == "hlat" else "selective"  # Megatron recomputes without the scores
+        activations += per_layer(model, work.seq_len, layout, rebuilt, act_bytes, hw.flash_attention)
     # Logits of the output layer (compute dtype, then fp32 for the loss), vocabulary-parallel across tp.
     activations += (act_bytes + 4) * work.seq_len * layout.micro_batch * model.vocab_size / layout.tp
 

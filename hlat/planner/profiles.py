@@ -13,6 +13,7 @@ import json
 import statistics
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Literal
 
 from hlat import HlatError
 from hlat.config import ConfigError, load_toml, to_toml, update
@@ -90,6 +91,9 @@ class HardwareProfile:
     price_reserved: float = 0.0
     flash_attention: bool = True  # the attention scores are never stored (fused attention kernels)
     supports_fsdp: bool = True  # whether the search considers FSDP on this hardware's software stack
+    # what a layer keeps for backward: hlat's trainer (torch autograd, as tests/test_activation_memory.py counts
+    # it), or a Megatron-style stack (Megatron-LM, NeuronX Distributed: Korthikanti et al.'s accounting)
+    activations: Literal["hlat", "megatron"] = "hlat"
     fit: Fit = field(default_factory=Fit)
     measured: Measured = field(default_factory=Measured)
 

@@ -38,7 +38,7 @@ def a100_cluster(inter_gbps: float) -> HardwareProfile:
     """The measurement clusters: DGX-A100-like nodes of 8 A100 80GB, with the p4d profile's A100 factors and
     their own network (vTrain: 800 Gbit/s per node; Selene: 8 x 200 Gbit/s HDR InfiniBand)."""
     return replace(load_profile("p4d.24xlarge"), name=f"a100-80gb-{inter_gbps:g}gbps", memory_gib=80.0,
-                   hbm_gbs=2039.0, inter_gbps=inter_gbps, flash_attention=False)
+                   hbm_gbs=2039.0, inter_gbps=inter_gbps, flash_attention=False, activations="megatron")
 
 
 def vtrain_samples(which: str) -> list[Sample]:
