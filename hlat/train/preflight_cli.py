@@ -102,7 +102,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
             profile = measured_profile(report, base_profile(args.hardware, pick_device().type),
                                        int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
             Path(args.out).write_text(profile.to_toml())
-            print(f"wrote {args.out}")
+            print(f"wrote {args.out}", file=sys.stderr if args.json else sys.stdout)
         for line in report.problems:
             print(f"hlat preflight: {line}", file=sys.stderr)
     # rank 0 speaks for the job: torchrun would stop it mid-report if another rank exited non-zero first
