@@ -15,7 +15,7 @@ from hlat.config import ConfigError, load_toml
 from hlat.models.config import model_config
 from hlat.planner.cli import add_arguments, run
 from hlat.planner.layout import Layout, Workload, layout_problem
-from hlat.planner.memory import megatron_activation_bytes, memory, stage_params
+from hlat.planner.memory import layer_activation_bytes, memory, stage_params
 from hlat.planner.profiles import FACTORS, Fit, Sample, fit_factors, load_profile, nnls, profile_names
 from hlat.planner.search import candidates, evaluate, search
 from hlat.planner.timing import collective, step_time
@@ -68,14 +68,15 @@ def test_activations_match_korthikanti_without_dropout():
 
     def act(recompute, sp):
         layout = Layout.of(tp=t, micro_batch=b, sequence_parallel=sp)
-        return megatron_activation_bytes(model, s, layout, recompute, 2, flash=False)
+        return layer_activation_bytes(model, s, layout, recompute, 2, flash=False, stack="megatron")
 
     assert act("none", False) == pytest.approx(sbh * (8 + 24 / t) + 2 * a * s * s * b / t)
     assert act("selective", False) == pytest.approx(sbh * (8 + 24 / t))
     assert act("selective", True) == pytest.approx(sbh * 32 / t)
     assert act("full", True) == pytest.approx(2 * sbh / t)
     assert act("full", False) == pytest.approx(2 * sbh)
-    flash = megatron_activation_bytes(model, s, Layout.of(tp=t, micro_batch=b, sequence_parallel=False), "none", 2, flash=True)
+    flash = layer_activation_bytes(model, s, Layout.of(tp=t, micro_batch=b, sequence_parallel=False), "none", 2, flash=True,
+                                   stack="megatron")
     assert flash == pytest.approx(act("selective", False))  # fused attention never stores the scores
 
 
@@ -84,7 +85,7 @@ def test_pipeline_schedules_hold_the_expected_micro_batches_in_flight():
     hw = replace(TRN1, devices_per_node=8)
     work = Workload(model, 2048, 64, "bf16_mixed")
     base = Layout.of(tp=2, pp=4, activation_checkpoint="selective")  # 8 devices, 64 micro-batches
-    per_layer = megatron_activation_bytes(model, 2048, base, "selective", 2, flash=False)
+    per_layer = layer_activation_bytes(model, 2048, base, "selective", 2, flash=False, stack="megatron")
     logits = (2 + 4) * 2048 * model.vocab_size / 2
 
     def acts(**kw):
