@@ -126,7 +126,7 @@ def report() -> str:
                "measured tokens/$", "predicted tokens/$"], rows))
     say(f"\nStep-time MAPE {100 * mape(trn, trn1):.1f}% in sample.")
     llama70 = trn[-1]
-    pp8 = replace(llama70.layout, pp=8, dp_replicate=4)
+    pp8 = llama70.layout.replaced(pp=8, dp_shard=4)  # ZeRO-1 over the data-parallel ranks
     pp8_seq = llama70.workload.global_batch / step_time(llama70.workload, pp8, hw_trn).total
     say(f"The Neuron docs also give llama2-70b on 32 nodes at TP 32 / PP 8: 14.2-14.4 seq/s (SDK 2.20-2.21), "
         f"against 17.86 at PP 4; predicted {pp8_seq:.1f} seq/s.")
