@@ -11,7 +11,7 @@ PYTHON=${PYTHON:-python}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 mkdir -p benchmarks/results
 "$PYTHON" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name())"
-"$PYTHON" -m hlat preflight --model small --model.tie_embeddings false --train.seq_len 1024 --train.micro_batch 4 \
+"$PYTHON" -m hlat preflight --model small --model.tie_embeddings false --train.seq_len 1024 --micro-batches 1,4 \
     --dtypes fp32,bf16 --json --out benchmarks/results/preflight_gpu.toml > benchmarks/results/preflight_gpu.json
 "$PYTHON" benchmarks/planner_measured.py --gpu
 cat benchmarks/results/planner_measured_gpu.md

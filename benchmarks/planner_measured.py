@@ -57,7 +57,7 @@ def flags(overrides: dict) -> list[str]:
 
 def preflight(args, out: Path, env: dict) -> None:
     done = torchrun(args.nproc, ["preflight", "--model", args.preset, *flags(args.model_overrides),
-                                 "--train.seq_len", str(args.seq_len), "--train.micro_batch", str(args.micro_batch),
+                                 "--train.seq_len", str(args.seq_len), "--micro-batches", args.micro_batches,
                                  "--tp", args.tp, "--dtypes", args.dtypes, "--repeats", str(args.repeats),
                                  "--threshold", "0.05", "--out", str(out)], env)
     if not out.is_file():
@@ -95,11 +95,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="preflight repetitions per measurement")
     args = ap.parse_args()
     if args.gpu:
-        layouts, args.nproc, args.tp, args.dtypes = GPU_RUNS, 1, "1", "fp32,bf16"
+        layouts, args.nproc, args.tp, args.dtypes, args.micro_batches = GPU_RUNS, 1, "1", "fp32,bf16", "1,4"
         args.seq_len, args.global_batch = args.seq_len or 1024, args.global_batch or 16
         args.steps, args.warmup = max(args.steps, 12), max(args.warmup, 4)
     else:
         layouts, args.nproc, args.tp, args.dtypes = CPU_LAYOUTS, 2, "1,2", "fp32"
+        args.micro_batches = str(args.micro_batch)
         args.seq_len, args.global_batch = args.seq_len or 128, args.global_batch or 4
     args.model_overrides = {"model.tie_embeddings": False}  # pipeline stages cannot share the embedding
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}  # one core per process on a CPU host

@@ -43,6 +43,7 @@ class Options:
     seq_len: int
     micro_batch: int
     tps: tuple[int, ...] = (1,)  # tensor-parallel degrees whose matmul shapes are measured
+    other_micro_batches: tuple[int, ...] = ()  # the matmul shapes of these micro-batches are measured too
     dtypes: tuple[str, ...] = ("fp32",)
     sizes: tuple[int, ...] = tuple(2 ** k for k in range(12, 25, 3))  # bytes per device: 4 KiB to 16 MiB
     repeats: int = 5
@@ -100,12 +101,12 @@ def timed(fn, device: torch.device, repeats: int) -> float:
 def measure_compute(o: Options, device: torch.device) -> tuple[list[dict], dict]:
     """Rows of what was timed, and the Measured fields they give."""
     rows, fields_ = [], {}
-    tokens = o.seq_len * o.micro_batch
     m = o.model
     for dtype_name in o.dtypes:
         dtype = torch.float32 if dtype_name == "fp32" else torch.bfloat16
         rates: dict[float, float] = {}
-        for tp in o.tps:
+        for tokens, tp in ((o.seq_len * mb, tp) for mb in sorted({o.micro_batch, *o.other_micro_batches})
+                           for tp in o.tps):
             shapes = {**layer_matmuls(m, tokens, tp), "output": output_matmul(m, tokens, tp)}
             for name, (rows_, inner, cols) in shapes.items():
                 a = torch.randn(rows_, inner, device=device, dtype=dtype)

@@ -15,6 +15,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="preset name instead of the config's model")
     parser.add_argument("--tp", default="", help="tensor-parallel degrees whose matmul shapes to measure, e.g. 1,2 "
                                                  "(default: 1 and the config's tp)")
+    parser.add_argument("--micro-batches", default="", help="micro-batch sizes whose matmul shapes to measure, "
+                                                            "e.g. 1,4 (default: the config's micro_batch)")
     parser.add_argument("--dtypes", default="", help="fp32,bf16 (default: the precision mode's compute dtype)")
     parser.add_argument("--sizes", default="", help="collective sizes in bytes, comma-separated "
                                                     "(default 4 KiB to 16 MiB)")
@@ -68,7 +70,9 @@ def options(args: argparse.Namespace, overrides: list[str]):
         except ValueError:
             raise HlatError(f"--debug-delay: expected RANK:MS, got {args.debug_delay!r}") from None
     extra = {"sizes": _ints(args.sizes, "--sizes")} if args.sizes else {}
-    return Options(model=cfg.model, seq_len=cfg.train.seq_len, micro_batch=cfg.train.micro_batch, tps=tps,
+    micro_batches = _ints(args.micro_batches, "--micro-batches") or (cfg.train.micro_batch,)
+    return Options(model=cfg.model, seq_len=cfg.train.seq_len, micro_batch=max(micro_batches),
+                   other_micro_batches=micro_batches, tps=tps,
                    dtypes=dtypes, repeats=args.repeats, threshold=args.threshold,
                    memory_fraction=args.memory_fraction, delay_rank=delay_rank, delay_ms=delay_ms,
                    perturb_rank=args.debug_perturb, **extra)
