@@ -160,8 +160,9 @@ def step_time(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit | No
         collectives = 6 if layout.activation_checkpoint == "full" else 4
         tp_layer = collectives * link_time(hw, fit, "all_reduce", tokens * model.dim * cb, t, min(t, dpn))
     tp = layers * tp_layer
-    # Host-bound layers (launch overhead above the device's work) are charged to compute.
-    host_excess = max(0.0, fit.layer_overhead_ms * 1e-3 - layer_device - tp_layer)
+    # Host-bound layers (launch overhead above the device's work) are charged to compute; measured operations
+    # were timed from the host, launches included.
+    host_excess = 0.0 if measured else max(0.0, fit.layer_overhead_ms * 1e-3 - layer_device - tp_layer)
     compute = layers * (layer_device + host_excess) + output_time
 
     pp = 0.0
