@@ -86,7 +86,8 @@ def _sync(device: torch.device) -> None:
 
 
 def timed(fn, device: torch.device, repeats: int) -> float:
-    """Median seconds of fn() after one warm-up call."""
+    """Seconds of the fastest of `repeats` calls of fn() after one warm-up call: the least disturbed, on a host
+    whose cores other work shares."""
     fn()
     _sync(device)
     times = []
@@ -95,7 +96,7 @@ def timed(fn, device: torch.device, repeats: int) -> float:
         fn()
         _sync(device)
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return min(times)
 
 
 def measure_compute(o: Options, device: torch.device) -> tuple[list[dict], dict]:
