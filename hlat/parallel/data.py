@@ -31,5 +31,6 @@ def sync_gradients(model: nn.Module, sharded: bool, last_micro_batch: bool) -> N
         return
     if sharded:
         model.set_requires_all_reduce(last_micro_batch)
-    else:
+    else:  # ZeRO-1 keeps the parameters gathered until the last backward: one all-gather per step, not per micro-batch
         model.set_requires_gradient_sync(last_micro_batch)
+        model.set_reshard_after_backward(last_micro_batch)
