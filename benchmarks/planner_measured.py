@@ -2,8 +2,10 @@
 machine: preflight writes a measured hardware profile, the layouts train back to back, and the planner predicts
 each run from its own config.toml (the layout the trainer resolved) with that profile.
 
-The machine may be shared and noisy: preflight runs right before the training runs and again right after, and
-the table gives the prediction from each, so drift between them is visible.
+The machine may be shared and noisy, and its load drifts within minutes: preflight runs before every training
+run and once more after the last, so each run is bracketed by a preflight just before it and one just after.
+The table gives the prediction from each and from their geometric mean (the load during the run lies between
+the two), so drift is visible and no preflight is chosen after the fact.
 
     .venv/bin/python benchmarks/planner_measured.py                      # CPU: six layouts of `small`, 2 processes
     .venv/bin/python benchmarks/planner_measured.py --gpu                # one GPU: a few single-device runs
@@ -13,8 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -108,23 +112,26 @@ def main() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}  # one core per process on a CPU host
     tag = "gpu" if args.gpu else "cpu"
     RESULTS.mkdir(exist_ok=True)
-    profiles = [RESULTS / f"planner_measured_{tag}_profile_before.toml", RESULTS / f"planner_measured_{tag}_profile_after.toml"]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        preflight(args, profiles[0], env)
+        profiles = [Path(tmp) / f"preflight{i}.toml" for i in range(len(layouts) + 1)]
         runs = {}
-        for name, (nproc, overrides) in layouts.items():
+        for (name, (nproc, overrides)), profile in zip(layouts.items(), profiles):
+            preflight(args, profile, env)
             runs[name] = (nproc, train(name, nproc, overrides, args, Path(tmp), env))
             print(f"{name}: {'done' if isinstance(runs[name][1], Path) else runs[name][1]}", flush=True)
-        preflight(args, profiles[1], env)
-        before, after = (load_profile(str(p)) for p in profiles)
-        for name, (nproc, run_dir) in runs.items():
+        preflight(args, profiles[-1], env)
+        for kept, profile in zip(("before", "after"), (profiles[0], profiles[-1])):
+            shutil.copy(profile, RESULTS / f"planner_measured_{tag}_profile_{kept}.toml")
+        for i, (name, (nproc, run_dir)) in enumerate(runs.items()):
             if not isinstance(run_dir, Path):
                 rows.append({"layout": name, "processes": nproc, "error": run_dir})
                 continue
+            before, after = (load_profile(str(p)) for p in profiles[i:i + 2])
             sample = run_sample(str(run_dir), before)
             measured, median, data_wait = measured_step(run_dir, args.warmup)
             predicted = [step_time(sample.workload, sample.layout, hw) for hw in (before, after)]
+            mean = math.sqrt(predicted[0].total * predicted[1].total)
             rows.append({"layout": name, "processes": nproc, "planner_layout": sample.layout.describe(),
                          "measured_s": round(measured, 4), "median_s": round(median, 4),
                          "data_wait_s": round(data_wait, 4),
@@ -132,23 +139,26 @@ def main() -> None:
                          "predicted_after_s": round(predicted[1].total, 4),
                          "error_before": round(predicted[0].total / measured - 1, 4),
                          "error_after": round(predicted[1].total / measured - 1, 4),
+                         "predicted_mean_s": round(mean, 4), "error_mean": round(mean / measured - 1, 4),
                          "breakdown_before": {k: round(v, 4) for k, v in predicted[0].__dict__.items()}})
     meta = {"machine": platform.machine(), "cpus": os.cpu_count(), "preset": args.preset, "seq_len": args.seq_len,
             "global_batch": args.global_batch, "micro_batch": args.micro_batch, "steps": args.steps,
-            "timed_steps": args.steps - args.warmup, "profiles": [p.name for p in profiles],
+            "timed_steps": args.steps - args.warmup,
+            "profiles": [f"planner_measured_{tag}_profile_{kept}.toml" for kept in ("before", "after")],
             "figures": before.sources()}
     table = markdown_table(
         ["layout", "processes", "planner's reading", "measured s/step (fastest)", "median", "waiting for data",
          "predicted (preflight before)", "error",
-         "predicted (preflight after)", "error"],
+         "predicted (preflight after)", "error", "predicted (geometric mean)", "error"],
         [[r["layout"], r["processes"], r.get("planner_layout", "failed: " + r.get("error", "")),
           r.get("measured_s", ""), r.get("median_s", ""), r.get("data_wait_s", ""), r.get("predicted_before_s", ""), f"{r['error_before']:+.1%}" if "error_before" in r
-          else "", r.get("predicted_after_s", ""), f"{r['error_after']:+.1%}" if "error_after" in r else ""]
+          else "", r.get("predicted_after_s", ""), f"{r['error_after']:+.1%}" if "error_after" in r else "",
+          r.get("predicted_mean_s", ""), f"{r['error_mean']:+.1%}" if "error_mean" in r else ""]
          for r in rows])
     write_results(f"planner_measured_{tag}", meta, rows,
                   f"`{args.preset}` (untied embeddings), seq {args.seq_len}, global batch {args.global_batch}, "
                   f"micro-batch {args.micro_batch}; fastest (and median) step of steps {args.warmup + 1}-{args.steps}; "
-                  f"predicted from `hlat preflight` run just before and just after the training runs "
+                  f"predicted from the `hlat preflight` run just before and the one just after each training run "
                   f"({args.nproc} process(es){'' if args.gpu else ', one thread each'}). {before.sources()}.", table)
 
 
