@@ -203,15 +203,15 @@ def _grad_sync_worker(rank: int, world: int, store: str, out: str) -> None:
     from hlat.models.config import model_config
     from hlat.parallel.data import apply_data_parallel, sync_gradients
 
-    class Reductions(TorchDispatchMode):
-        """The gradient collectives a backward pass issues, by name."""
+    class Collectives(TorchDispatchMode):
+        """The collectives a forward or backward pass issues, by name."""
 
         def __init__(self):
             super().__init__()
             self.names: list[str] = []
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if "reduce" in func.overloadpacket.__name__:
+            if "reduce" in func.overloadpacket.__name__ or "gather" in func.overloadpacket.__name__:
                 self.names.append(func.overloadpacket.__name__)
             return func(*args, **(kwargs or {}))
 
@@ -228,10 +228,11 @@ def _grad_sync_worker(rank: int, world: int, store: str, out: str) -> None:
         issued = []
         for i, tokens in enumerate(batches[rank]):  # this rank's two micro-batches
             sync_gradients(model, sharded=name == "fsdp", last_micro_batch=i == 1)
-            loss = model(tokens).float().logsumexp(-1).mean()
-            with Reductions() as reductions:
+            with Collectives() as forward:
+                loss = model(tokens).float().logsumexp(-1).mean()
+            with Collectives() as backward:
                 loss.backward()
-            issued.append(sorted(set(reductions.names)))
+            issued.append((sorted(set(forward.names)), sorted(set(backward.names))))
         for tokens in batches.flatten(0, 1):  # every rank's micro-batches, averaged over ranks as FSDP does
             (reference(tokens).float().logsumexp(-1).mean() / world).backward()
         error = max((p.grad.full_tensor() - r.grad).abs().max().item() / r.grad.abs().max().item()
@@ -242,16 +243,21 @@ def _grad_sync_worker(rank: int, world: int, store: str, out: str) -> None:
 
 
 def test_gradients_reduce_once_per_step_under_accumulation(tmp_path):
-    """Replicated and ZeRO-1 layouts issue no gradient collective before the last micro-batch; FSDP
-    reduce-scatters every micro-batch (to hold only its shard) and defers the all-reduce across replicas. Either
-    way the step's gradient is the whole batch's."""
+    """Replicated and ZeRO-1 layouts issue no gradient collective before the last micro-batch, and ZeRO-1 gathers
+    the parameters once per step; FSDP reduce-scatters every micro-batch (to hold only its shard) and defers the
+    all-reduce across replicas. Either way the step's gradient is the whole batch's."""
     import torch.multiprocessing as mp
 
     mp.spawn(_grad_sync_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2)
     for rank in (0, 1):
         results = torch.load(tmp_path / f"rank{rank}.pt")
-        assert results["ddp"][0] == [[], ["allreduce_"]]
-        assert results["zero1"][0][0] == [] and "_reduce_scatter_base_" in results["zero1"][0][1]
-        first, last = results["fsdp"][0]
+        reductions = {name: [[op for op in ops if "reduce" in op] for _, ops in issued]
+                      for name, (issued, _) in results.items()}
+        assert reductions["ddp"] == [[], ["allreduce_"]]
+        assert reductions["zero1"][0] == [] and "_reduce_scatter_base_" in reductions["zero1"][1]
+        first, last = reductions["fsdp"]
         assert "_reduce_scatter_base_" in first and "allreduce_" not in first and "allreduce_" in last
+        # ZeRO-1 gathers the parameters for the first micro-batch and keeps them until the step's last backward
+        (forward1, backward1), (forward2, _) = results["zero1"][0]
+        assert any("gather" in op for op in forward1) and not any("gather" in op for op in backward1 + forward2)
         assert all(error < 1e-5 for _, error in results.values()), results
