@@ -2,7 +2,8 @@
 
 Order of work (docs/architecture.md): check the config against the world size, resolve data and device ->
 process group and mesh -> tokenizer -> model on meta, split/sharded, materialised and initialised ->
-optimizers -> data stream -> restore a checkpoint if resuming -> steps -> checkpoints.
+optimizers -> data stream -> restore a checkpoint if resuming -> steps -> checkpoints. `train` reads in that
+order; each piece of work is a named helper below it, sharing the run's state through `Run`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from rich.console import Console
+from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -140,7 +142,47 @@ class Batches:
         return "trainer" if self.replicated else f"trainer_rank{self.topo.rank}"
 
 
+@dataclass
+class Run:
+    """What the step, checkpoint and logging helpers need of a run: built once by `train`, read by them all."""
+    cfg: Config
+    topo: Topology
+    device: torch.device
+    run_dir: Path
+    stream: object  # the data stream (hlat.data.packing): batches, a resumable position and the data wait time
+    batches: Batches
+    parts: list[nn.Module]  # the model parts (pipeline stages) this rank holds
+    optimizers: list[torch.optim.Optimizer]
+    schedule: object | None  # the pipeline schedule, if pp > 1
+    pp_group: dist.ProcessGroup | None  # the pipeline group, if pp > 1 (gradient norms sum over stages)
+    first_stage: bool
+    last_stage: bool
+    sharded_grads: bool  # FSDP keeps only its shard of the gradients
+    autocast: object
+    loss_context: object
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return [p for part in self.parts for p in part.parameters()]
+
+    @property
+    def accum(self) -> int:
+        """Micro-batches this rank runs per step."""
+        return self.batches.global_accum // self.topo.cfg.dp
+
+
+@dataclass
+class Interval:
+    """What happened since the last logged step: averaged into the next metrics record."""
+    start: float
+    data_wait: float
+    loss: torch.Tensor
+    tokens: int = 0
+    steps: int = 0
+
+
 def train(cfg: Config, console: Console | None = None) -> Summary:
+    """Train `cfg` to `train.steps` on this process (one rank of a torchrun job, or the only one)."""
     tc = cfg.train
     pcfg = cfg.resolved_parallel()  # every layout error is raised here, before any process group starts
     run_dir = Path(tc.run_dir)
@@ -150,171 +192,197 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
 
     topo = init_topology(pcfg, device)
     console = console if topo.is_main and console is not None else Console(quiet=not topo.is_main)
-    try:
-        return _train(cfg, topo, device, files, resume_from, run_dir, console)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    with contextlib.ExitStack() as cleanup:
+        cleanup.callback(destroy_process_group)
+        tokenizer = prepare_run_dir(cfg, topo, files, run_dir)
+        torch.manual_seed(tc.seed)
+        model = prepare_model(build_model(cfg.model), cfg.precision.mode)  # still on meta: bf16 before sharding
+        stages = parallelize(model, topo, device, tc.seed)
+        optimizers = [build_optimizer(module, cfg.optim, cfg.precision.mode, tc.seed) for _, module in stages]
+        stream = build_stream(cfg.data, tokenizer, files, tc.seq_len, tc.micro_batch, doc_mask=cfg.model.doc_mask,
+                              **({} if pcfg.data_sharding == "replicated"
+                                 else {"rank": topo.dp_rank, "world_size": pcfg.dp}))
+        cleanup.callback(stream.close)  # stops the tokenizer workers
+        run = build_run(cfg, topo, device, run_dir, stream, stages, optimizers)
+        metrics = MetricsLog(run_dir)
+        start = restore(run, resume_from, metrics, console)
+
+        tokens_per_step = tc.global_batch * tc.seq_len
+        decay_steps = cfg.optim.decay_steps or tc.steps
+        losses: list[float] = []
+        step, saved = start, None
+        run_start = time.perf_counter()
+        interval = new_interval(run)
+        announce(run, tokens_per_step, console)
+        with StopRequest().installed() as stop:
+            while step < tc.steps:
+                lr = lr_at(step, cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup_steps, decay_steps)
+                set_lr(run.optimizers, lr)
+                loss, stopping = reduce_step(run, step_loss(run, run.batches.next_step(device)), stop.requested)
+                grad_norm = clip_grad_norm(run.params, cfg.optim.clip_grad_norm, run.pp_group)
+                for optimizer in run.optimizers:
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                step += 1
+                interval.tokens += tokens_per_step
+                interval.loss += loss
+                interval.steps += 1
+                if step % tc.log_every == 0 or step in (start + 1, tc.steps) or stopping:
+                    losses.append(log_step(run, metrics, interval, step, start, lr, grad_norm, console))
+                    interval = new_interval(run)
+                if (tc.ckpt_every and step % tc.ckpt_every == 0) or step == tc.steps or stopping:
+                    saved = save(run, step)
+                if stopping:
+                    console.print(f"stopped by signal at step {step}; checkpoint {saved}; resume with --resume auto")
+                    break
+        elapsed = time.perf_counter() - run_start
+        ran = step - start
+        return Summary(run_dir=str(run_dir), steps=step, tokens_seen=step * tokens_per_step,
+                       tokens_per_s=ran * tokens_per_step / elapsed if elapsed > 0 else 0.0,
+                       first_loss=losses[0] if losses else float("nan"),
+                       last_loss=losses[-1] if losses else float("nan"),
+                       checkpoint=str(saved or resume_from or ""))
 
 
-def _train(cfg: Config, topo: Topology, device: torch.device, files: list[Path], resume_from: Path | None,
-           run_dir: Path, console: Console) -> Summary:
-    tc, pcfg = cfg.train, topo.cfg
+def destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def prepare_run_dir(cfg: Config, topo: Topology, files: list[Path], run_dir: Path):
+    """Rank 0 creates the run directory, writes the config and trains the tokenizer (once, saved in the run);
+    the other ranks then load that tokenizer. Returns the tokenizer."""
     if topo.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(cfg.to_toml())
-        tokenizer = get_tokenizer(cfg.data, files, cfg.model.vocab_size, run_dir)  # trained once, saved in the run
+        tokenizer = get_tokenizer(cfg.data, files, cfg.model.vocab_size, run_dir)
     if dist.is_initialized():
         dist.barrier()
     if not topo.is_main:
         tokenizer = get_tokenizer(cfg.data, files, cfg.model.vocab_size, run_dir)
-
-    torch.manual_seed(tc.seed)
-    model = prepare_model(build_model(cfg.model), cfg.precision.mode)  # still on meta: bf16 before sharding
-    stages = parallelize(model, topo, device, tc.seed)
-    optimizers = [build_optimizer(module, cfg.optim, cfg.precision.mode, tc.seed) for _, module in stages]
-    global_accum = tc.grad_accum()
-    stream = build_stream(cfg.data, tokenizer, files, tc.seq_len, tc.micro_batch, doc_mask=cfg.model.doc_mask,
-                          **({} if pcfg.data_sharding == "replicated"
-                             else {"rank": topo.dp_rank, "world_size": pcfg.dp}))
-    try:
-        return _run(cfg, topo, device, stream, Batches(stream, topo, global_accum), stages, optimizers, resume_from,
-                    run_dir, console)
-    finally:
-        stream.close()  # stops the tokenizer workers
+    return tokenizer
 
 
-def _run(cfg: Config, topo: Topology, device: torch.device, stream, batches: Batches, stages: list,
-         optimizers: list, resume_from: Path | None, run_dir: Path, console: Console) -> Summary:
-    tc, pcfg = cfg.train, topo.cfg
-    parts = [module for _, module in stages]
-    params = [p for part in parts for p in part.parameters()]
-    accum = batches.global_accum // pcfg.dp
+def build_run(cfg: Config, topo: Topology, device: torch.device, run_dir: Path, stream, stages: list,
+              optimizers: list) -> Run:
+    pcfg = topo.cfg
+    batches = Batches(stream, topo, cfg.train.grad_accum())
     n_stages = pcfg.stages()
-    first_stage = any(sid == 0 for sid, _ in stages)
-    last_stage = any(sid == n_stages - 1 for sid, _ in stages)
-    schedule = build_schedule(stages, topo, device, accum, cross_entropy) if pcfg.pp > 1 else None
-    pp_group = topo.group("pp") if pcfg.pp > 1 else None
-    sharded_grads = pcfg.dp_shard > 1 and not pcfg.zero1  # FSDP keeps only its shard of the gradients
-    metrics = MetricsLog(run_dir)
+    schedule = (build_schedule(stages, topo, device, batches.global_accum // pcfg.dp, cross_entropy)
+                if pcfg.pp > 1 else None)
+    return Run(cfg=cfg, topo=topo, device=device, run_dir=run_dir, stream=stream, batches=batches,
+               parts=[module for _, module in stages], optimizers=optimizers, schedule=schedule,
+               pp_group=topo.group("pp") if pcfg.pp > 1 else None,
+               first_stage=any(sid == 0 for sid, _ in stages),
+               last_stage=any(sid == n_stages - 1 for sid, _ in stages),
+               sharded_grads=pcfg.dp_shard > 1 and not pcfg.zero1,
+               autocast=precision_autocast(cfg.precision.mode, device),
+               loss_context=loss_parallel if pcfg.tp > 1 else contextlib.nullcontext)
 
-    start = 0
+
+def restore(run: Run, resume_from: Path | None, metrics: MetricsLog, console: Console) -> int:
+    """Load the checkpoint to resume from (or the initial weights of a fresh run); return the step to start at.
+    Metrics past that step are dropped: those steps are about to be run again."""
     if resume_from is not None:
-        state = load_checkpoint(resume_from, parts, optimizers, batches.trainer_key)
-        start = state["step"]
-        stream.load_state_dict(state["data"])
+        state = load_checkpoint(resume_from, run.parts, run.optimizers, run.batches.trainer_key)
+        run.stream.load_state_dict(state["data"])
         set_rng_state(state["rng"])
-        if topo.is_main:
-            metrics.truncate_after(start)
-        console.print(f"resumed from {resume_from} at step {start}")
-    else:
-        if topo.is_main:
-            metrics.truncate_after(-1)
-        if tc.init_from:
-            load_checkpoint(resolve_checkpoint(tc.init_from), parts)
-            console.print(f"initialised weights from {tc.init_from}")
+        if run.topo.is_main:
+            metrics.truncate_after(state["step"])
+        console.print(f"resumed from {resume_from} at step {state['step']}")
+        return state["step"]
+    if run.topo.is_main:
+        metrics.truncate_after(-1)
+    if run.cfg.train.init_from:
+        load_checkpoint(resolve_checkpoint(run.cfg.train.init_from), run.parts)
+        console.print(f"initialised weights from {run.cfg.train.init_from}")
+    return 0
 
-    autocast = precision_autocast(cfg.precision.mode, device)
-    loss_context = loss_parallel if pcfg.tp > 1 else contextlib.nullcontext
-    tokens_per_step = tc.global_batch * tc.seq_len
-    flops_per_token = cfg.model.flops_per_token(tc.seq_len)
-    peak = peak_flops(device, tc.peak_flops) * (dist.get_world_size() if dist.is_initialized() else 1)
-    decay_steps = cfg.optim.decay_steps or tc.steps
-    losses: list[float] = []
-    step, saved = start, None
-    run_start = interval_start = time.perf_counter()
-    interval_tokens = interval_steps = 0
-    interval_loss = torch.zeros((), device=device)
-    interval_wait = stream.wait_time_s
 
-    def checkpoint(at: int) -> Path:
-        trainer_state = {"step": at, "data": stream.state_dict(), "rng": rng_state()}
-        return save_checkpoint(run_dir, at, parts, optimizers, trainer_state, batches.trainer_key, cfg.to_toml(),
-                               tc.keep_checkpoints, topo.rank)
-
-    def step_loss(micro: list[dict]) -> torch.Tensor:
-        """Forward and backward over this rank's micro-batches; the mean loss of those (0 off the last stage)."""
-        if schedule is not None:
-            inputs = torch.cat([b["inputs"] for b in micro]) if first_stage else None
-            targets = torch.cat([b["targets"] for b in micro]) if last_stage else None
-            microbatch_losses: list[torch.Tensor] = []
-            with autocast, loss_context():
-                schedule.step(*([inputs] if first_stage else []), target=targets, losses=microbatch_losses)
-            if not last_stage:
-                return torch.zeros((), device=device)
-            return torch.stack([plain(loss.detach()) for loss in microbatch_losses]).mean()
-        total = torch.zeros((), device=device)
-        for i, batch in enumerate(micro):
-            sync_gradients(parts[0], sharded_grads, last_micro_batch=i == len(micro) - 1)
-            targets = batch.pop("targets")
-            with loss_context():
-                with autocast:
-                    logits = parts[0](batch.pop("inputs"), **batch)  # extra keys (positions...) go to the model
-                loss = cross_entropy(logits, targets) / accum
-                loss.backward()
-            total += plain(loss.detach())
-        return total
-
-    def reduce_step(local_loss: torch.Tensor, stop_requested: bool) -> tuple[torch.Tensor, bool]:
-        """The loss over the global batch (the mean over data-parallel ranks of the last stage's losses;
-        tensor-parallel peers hold the same value) and whether any rank was asked to stop: one all-reduce."""
-        if not dist.is_initialized():
-            return local_loss, stop_requested
-        packed = torch.stack([local_loss, torch.tensor(float(stop_requested), device=device)])
-        dist.all_reduce(packed)
-        return packed[0] / (pcfg.dp * pcfg.tp), bool(packed[1].item())
-
+def announce(run: Run, tokens_per_step: int, console: Console) -> None:
+    cfg = run.cfg
     n_params = count_params(build_model(cfg.model))
-    console.print(f"training {cfg.model.preset or cfg.model.family} ({n_params:,} parameters) on {device}"
-                  f"{f' x {dist.get_world_size()} ranks' if dist.is_initialized() else ''}, {tc.steps} steps of "
-                  f"{tokens_per_step:,} tokens, run dir {run_dir}", soft_wrap=True, highlight=False)
-    with StopRequest().installed() as stop:
-        while step < tc.steps:
-            lr = lr_at(step, cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup_steps, decay_steps)
-            for optimizer in optimizers:
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-            loss, stopping = reduce_step(step_loss(batches.next_step(device)), stop.requested)
-            grad_norm = clip_grad_norm(params, cfg.optim.clip_grad_norm, pp_group)
-            for optimizer in optimizers:
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            step += 1
-            interval_tokens += tokens_per_step
-            interval_loss += loss
-            interval_steps += 1
-            if step % tc.log_every == 0 or step in (start + 1, tc.steps) or stopping:
-                loss_value = (interval_loss / interval_steps).item()  # mean over the steps since the last log
-                now = time.perf_counter()
-                tokens_per_s = interval_tokens / (now - interval_start)
-                step_time = (now - interval_start) / interval_steps
-                record = {
-                    "step": step, "loss": loss_value, "grad_norm": grad_norm.item(), "lr": lr,
-                    "tokens_seen": step * tokens_per_step, "tokens_per_s": round(tokens_per_s, 1),
-                    "step_time_s": round(step_time, 4),
-                    "mfu": round(flops_per_token * tokens_per_s / peak, 5) if peak else None,
-                    "peak_memory_gb": round(peak_memory_gb(device), 3),
-                    "data_wait_s": round(stream.wait_time_s - interval_wait, 4),  # the step waiting for data
-                }
-                if topo.is_main:
-                    metrics.write(record)
-                losses.append(loss_value)
-                # the first step carries the start-up (data pool, compilation): too early to tell
-                eta = "-" if step == start + 1 else format_duration(step_time * (tc.steps - step))
-                console.print(f"step {step:>6}/{tc.steps}  loss {loss_value:7.4f}  grad_norm {record['grad_norm']:6.3f}  "
-                              f"lr {lr:.2e}  {tokens_per_s:>9,.0f} tok/s  mfu {record['mfu'] or 0:6.2%}  "
-                              f"eta {eta}", soft_wrap=True, highlight=False)
-                interval_start, interval_tokens, interval_steps = now, 0, 0
-                interval_wait = stream.wait_time_s
-                interval_loss = torch.zeros((), device=device)
-            if (tc.ckpt_every and step % tc.ckpt_every == 0) or step == tc.steps or stopping:
-                saved = checkpoint(step)
-            if stopping:
-                console.print(f"stopped by signal at step {step}; checkpoint {saved}; resume with --resume auto")
-                break
-    elapsed = time.perf_counter() - run_start
-    ran = step - start
-    return Summary(run_dir=str(run_dir), steps=step, tokens_seen=step * tokens_per_step,
-                   tokens_per_s=ran * tokens_per_step / elapsed if elapsed > 0 else 0.0,
-                   first_loss=losses[0] if losses else float("nan"), last_loss=losses[-1] if losses else float("nan"),
-                   checkpoint=str(saved or resume_from or ""))
+    console.print(f"training {cfg.model.preset or cfg.model.family} ({n_params:,} parameters) on {run.device}"
+                  f"{f' x {dist.get_world_size()} ranks' if dist.is_initialized() else ''}, {cfg.train.steps} steps "
+                  f"of {tokens_per_step:,} tokens, run dir {run.run_dir}", soft_wrap=True, highlight=False)
+
+
+def set_lr(optimizers: list[torch.optim.Optimizer], lr: float) -> None:
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+
+def step_loss(run: Run, micro: list[dict]) -> torch.Tensor:
+    """Forward and backward over this rank's micro-batches; the mean loss of those (0 off the last stage)."""
+    if run.schedule is not None:
+        inputs = torch.cat([b["inputs"] for b in micro]) if run.first_stage else None
+        targets = torch.cat([b["targets"] for b in micro]) if run.last_stage else None
+        microbatch_losses: list[torch.Tensor] = []
+        with run.autocast, run.loss_context():
+            run.schedule.step(*([inputs] if run.first_stage else []), target=targets, losses=microbatch_losses)
+        if not run.last_stage:
+            return torch.zeros((), device=run.device)
+        return torch.stack([plain(loss.detach()) for loss in microbatch_losses]).mean()
+    total = torch.zeros((), device=run.device)
+    for i, batch in enumerate(micro):
+        sync_gradients(run.parts[0], run.sharded_grads, last_micro_batch=i == len(micro) - 1)
+        targets = batch.pop("targets")
+        with run.loss_context():
+            with run.autocast:
+                logits = run.parts[0](batch.pop("inputs"), **batch)  # extra keys (positions...) go to the model
+            loss = cross_entropy(logits, targets) / run.accum
+            loss.backward()
+        total += plain(loss.detach())
+    return total
+
+
+def reduce_step(run: Run, local_loss: torch.Tensor, stop_requested: bool) -> tuple[torch.Tensor, bool]:
+    """The loss over the global batch (the mean over data-parallel ranks of the last stage's losses;
+    tensor-parallel peers hold the same value) and whether any rank was asked to stop: one all-reduce."""
+    if not dist.is_initialized():
+        return local_loss, stop_requested
+    packed = torch.stack([local_loss, torch.tensor(float(stop_requested), device=run.device)])
+    dist.all_reduce(packed)
+    return packed[0] / (run.topo.cfg.dp * run.topo.cfg.tp), bool(packed[1].item())
+
+
+def new_interval(run: Run) -> Interval:
+    return Interval(start=time.perf_counter(), data_wait=run.stream.wait_time_s,
+                    loss=torch.zeros((), device=run.device))
+
+
+def log_step(run: Run, metrics: MetricsLog, interval: Interval, step: int, start: int, lr: float,
+             grad_norm: torch.Tensor, console: Console) -> float:
+    """Write the metrics record for the steps since the last log and print its line; return its mean loss."""
+    tc, device = run.cfg.train, run.device
+    loss_value = (interval.loss / interval.steps).item()  # mean over the steps since the last log
+    now = time.perf_counter()
+    tokens_per_s = interval.tokens / (now - interval.start)
+    step_time = (now - interval.start) / interval.steps
+    peak = peak_flops(device, tc.peak_flops) * (dist.get_world_size() if dist.is_initialized() else 1)
+    flops_per_token = run.cfg.model.flops_per_token(tc.seq_len)
+    record = {
+        "step": step, "loss": loss_value, "grad_norm": grad_norm.item(), "lr": lr,
+        "tokens_seen": step * tc.global_batch * tc.seq_len, "tokens_per_s": round(tokens_per_s, 1),
+        "step_time_s": round(step_time, 4),
+        "mfu": round(flops_per_token * tokens_per_s / peak, 5) if peak else None,
+        "peak_memory_gb": round(peak_memory_gb(device), 3),
+        "data_wait_s": round(run.stream.wait_time_s - interval.data_wait, 4),  # the step waiting for data
+    }
+    if run.topo.is_main:
+        metrics.write(record)
+    # the first step carries the start-up (data pool, compilation): too early to tell
+    eta = "-" if step == start + 1 else format_duration(step_time * (tc.steps - step))
+    console.print(f"step {step:>6}/{tc.steps}  loss {loss_value:7.4f}  grad_norm {record['grad_norm']:6.3f}  "
+                  f"lr {lr:.2e}  {tokens_per_s:>9,.0f} tok/s  mfu {record['mfu'] or 0:6.2%}  "
+                  f"eta {eta}", soft_wrap=True, highlight=False)
+    return loss_value
+
+
+def save(run: Run, step: int) -> Path:
+    """Checkpoint the model, optimizers and trainer state (step, data position, RNG) at `step`."""
+    tc = run.cfg.train
+    trainer_state = {"step": step, "data": run.stream.state_dict(), "rng": rng_state()}
+    return save_checkpoint(run.run_dir, step, run.parts, run.optimizers, trainer_state, run.batches.trainer_key,
+                           run.cfg.to_toml(), tc.keep_checkpoints, run.topo.rank)
