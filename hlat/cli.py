@@ -21,6 +21,10 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from hlat.train.config import load_config
     from hlat.train.loop import train
 
+    if args.max_restarts:
+        return supervised_train(args, overrides)
+    if args.nproc_per_node != 1:
+        raise HlatError("--nproc-per-node goes with --max-restarts (otherwise launch with torchrun)")
     if args.resume is not None:
         overrides = overrides + ["--train.resume", args.resume]
     cfg = load_config(args.config, overrides)
@@ -32,10 +36,25 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     for name, value in (("run directory", s.run_dir), ("steps", f"{s.steps:,}"),
                         ("tokens seen", f"{s.tokens_seen:,}"), ("tokens/s", f"{s.tokens_per_s:,.0f}"),
                         ("first loss", f"{s.first_loss:.4f}"), ("last loss", f"{s.last_loss:.4f}"),
-                        ("checkpoint", s.checkpoint)):
+                        ("checkpoint", s.checkpoint), ("bad steps skipped", f"{s.bad_steps:,}"),
+                        ("goodput (ETTR)", f"{s.ettr:.1%} of wall time since the run began ({s.run_dir}/goodput.json)")):
         table.add_row(name, value)
     console.print(table)
     return 0
+
+
+def supervised_train(args: argparse.Namespace, overrides: list[str]) -> int:
+    from hlat.train.config import load_config
+    from hlat.train.supervise import supervise
+
+    if args.max_restarts < 0 or args.nproc_per_node < 1:
+        raise HlatError(f"--max-restarts must be >= 0 and --nproc-per-node >= 1, got {args.max_restarts} and "
+                        f"{args.nproc_per_node}")
+    if args.resume not in (None, "auto"):
+        raise HlatError(f"--resume {args.resume}: a supervised job always resumes with --resume auto")
+    cfg = load_config(args.config, overrides)  # a bad config fails here, once, not on every restart
+    train_args = (["--config", args.config] if args.config else []) + overrides
+    return supervise(train_args, Path(cfg.train.run_dir), args.max_restarts, args.nproc_per_node)
 
 
 def cmd_describe(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -112,7 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a model from a config",
                        description="Train from a TOML config; any field can be overridden, e.g. --optim.lr 1e-3.")
     p.add_argument("--config", help="TOML config file (defaults: the built-in tiny model)")
-    p.add_argument("--resume", help="'auto' (latest complete checkpoint of the run dir, if any) or a checkpoint path")
+    p.add_argument("--resume", help="'auto' (newest good checkpoint of the run dir, if any) or a checkpoint path")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="supervise the job: start it again (with --resume auto) after up to N failures")
+    p.add_argument("--nproc-per-node", type=int, default=1, metavar="K",
+                   help="with --max-restarts: run a single-node torchrun job of K processes")
     p.set_defaults(func=cmd_train, overrides=True)
 
     p = sub.add_parser("describe", help="parameter counts, FLOPs and memory of a model, without building it")

@@ -13,11 +13,12 @@ from __future__ import annotations
 import bisect
 import multiprocessing as mp
 import os
-import queue
 import signal
+import threading
 import traceback
 from collections import Counter
 from collections.abc import Iterator
+from multiprocessing.connection import wait
 from dataclasses import dataclass, field
 from itertools import chain
 
@@ -178,6 +179,13 @@ class RoundMaker:
         return Round(self.source, index, start, list(self.position), tokens, len(docs), cut, bad)
 
 
+def _exit_with_parent(parent) -> None:
+    """End this worker as soon as the trainer is gone, however it died (kill -9 included). Checking between
+    tasks is not enough: a worker whose results nobody reads blocks for good in its queue's feeder thread."""
+    wait([parent.sentinel])
+    os._exit(0)
+
+
 def worker_main(specs: list[SourceSpec], packing: Packing, tokenizer, starts: list[tuple[int, Position]],
                 tasks, results) -> None:
     """A tokenizer worker: answers (source, round) requests in order until it is terminated, or its parent is
@@ -187,15 +195,12 @@ def worker_main(specs: list[SourceSpec], packing: Packing, tokenizer, starts: li
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker; scale with more workers
-    makers = [RoundMaker(s, spec, packing, tokenizer, *starts[s]) for s, spec in enumerate(specs)]
     parent = mp.parent_process()
+    if parent is not None:
+        threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
+    makers = [RoundMaker(s, spec, packing, tokenizer, *starts[s]) for s, spec in enumerate(specs)]
     while True:
-        try:
-            source, index = tasks.get(timeout=1.0)
-        except queue.Empty:
-            if parent is not None and not parent.is_alive():
-                return
-            continue
+        source, index = tasks.get()
         try:
             results.put(makers[source].make(index))
         except HlatError as e:

@@ -35,14 +35,15 @@ class Topology:
         return self.mesh.get_group(dim)
 
 
-def init_topology(cfg: ParallelConfig, device: torch.device) -> Topology:
-    """Start the process group when launched by torchrun (gloo on CPU, NCCL on CUDA) and build the mesh."""
+def init_topology(cfg: ParallelConfig, device: torch.device, timeout_s: float = 600.0) -> Topology:
+    """Start the process group when launched by torchrun (gloo on CPU, NCCL on CUDA), a collective failing
+    after `timeout_s`, and build the mesh."""
     if world_size_from_env() == 1:
         return Topology(cfg, None)
     if not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=10))
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
     shape = tuple(getattr(cfg, d) for d in MESH_DIMS)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
     coord = dict(zip(MESH_DIMS, mesh.get_coordinate()))

@@ -22,18 +22,27 @@ class TrainConfig:
     log_every: int = 10
     ckpt_every: int = 0  # 0: save only at the end
     keep_checkpoints: int = 2  # older complete checkpoints are deleted; 0 keeps all
+    async_checkpoint: bool = False  # training stalls only to copy the state to host memory; written meanwhile
     run_dir: str = "runs/default"
     resume: str = ""  # "" starts fresh, "auto" continues from the latest complete checkpoint, or a path
     init_from: str = ""  # start a fresh run from these weights (a checkpoint, e.g. from `hlat import-hf`)
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
     peak_flops: float = 0.0  # per device, for MFU; 0 looks the device up in hlat.train.metrics.PEAK_FLOPS
+    # fault handling (docs/fault-tolerance.md)
+    on_bad_step: str = "skip"  # a non-finite loss or gradient norm (or a spike): skip | rollback | stop
+    max_bad_steps: int = 5  # bad steps in a row after which the run stops (skip, rollback)
+    spike_sigmas: float = 0.0  # > 0: a loss this many running deviations above the running mean is a bad step
+    hang_timeout_s: float = 0.0  # > 0: no step finished for this long ends the process (stacks in the run dir)
+    collective_timeout_s: float = 600.0  # the process group's timeout for one collective
+    debug_nan_step: int = 0  # > 0: poison this step's gradients with NaN once (tests the bad-step policy)
 
     def validate(self, model: ModelConfig) -> "TrainConfig":
         for name in ("steps", "global_batch", "micro_batch", "seq_len", "log_every"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"train.{name}: must be positive, got {getattr(self, name)}")
-        for name in ("ckpt_every", "keep_checkpoints", "peak_flops"):
+        for name in ("ckpt_every", "keep_checkpoints", "peak_flops", "spike_sigmas", "hang_timeout_s",
+                     "debug_nan_step"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name}: must be >= 0, got {getattr(self, name)}")
         if self.global_batch % self.micro_batch:
@@ -41,6 +50,11 @@ class TrainConfig:
                               f"{self.micro_batch}")
         if self.seq_len > model.max_seq_len:
             raise ConfigError(f"train.seq_len: {self.seq_len} exceeds model.max_seq_len {model.max_seq_len}")
+        if self.on_bad_step not in ("skip", "rollback", "stop"):
+            raise ConfigError(f"train.on_bad_step: {self.on_bad_step!r} is not one of 'skip', 'rollback', 'stop'")
+        for name in ("max_bad_steps", "collective_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"train.{name}: must be positive, got {getattr(self, name)}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"train.device: {self.device!r} is not one of 'auto', 'cpu', 'cuda'")
         return self

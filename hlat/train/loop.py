@@ -9,6 +9,7 @@ order; each piece of work is a named helper below it, sharing the run's state th
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import time
 from dataclasses import dataclass
@@ -35,8 +36,19 @@ from hlat.parallel.data import sync_gradients
 from hlat.parallel.grads import clip_grad_norm
 from hlat.parallel.mesh import local_device
 from hlat.parallel.pipeline import build_schedule
-from hlat.train.checkpoint import latest_checkpoint, load_checkpoint, resolve_checkpoint, save_checkpoint
+from hlat.train.checkpoint import (
+    Checkpointer,
+    DamagedCheckpoint,
+    complete_checkpoints,
+    latest_checkpoint,
+    load_checkpoint,
+    quarantine,
+    resolve_checkpoint,
+    verify_checkpoint,
+)
 from hlat.train.config import Config
+from hlat.train.faults import BadSteps, Watchdog, poison_gradients, weights_finite
+from hlat.train.goodput import Goodput
 from hlat.train.metrics import MetricsLog, peak_flops, peak_memory_gb
 
 
@@ -49,6 +61,8 @@ class Summary:
     first_loss: float
     last_loss: float
     checkpoint: str
+    ettr: float = 0.0  # effective training time ratio of the whole run so far (hlat.train.goodput)
+    bad_steps: int = 0  # updates dropped by train.on_bad_step in this process
 
 
 def pick_device(name: str) -> torch.device:
@@ -59,16 +73,35 @@ def pick_device(name: str) -> torch.device:
     return local_device(name)
 
 
-def find_resume_checkpoint(cfg: Config) -> Path | None:
+def find_resume_checkpoint(cfg: Config) -> tuple[Path | None, list[DamagedCheckpoint]]:
+    """The checkpoint to resume from, and the damaged checkpoints passed over to find it.
+
+    `--resume auto` takes the newest checkpoint that verifies against its manifest (none: start fresh if the
+    run has no checkpoint at all); a checkpoint named explicitly is verified and refused if damaged."""
     resume = cfg.train.resume
     if not resume:
         if latest_checkpoint(cfg.train.run_dir):  # never overwrite a run's checkpoints by starting afresh
             raise HlatError(f"train.run_dir: {cfg.train.run_dir} already holds checkpoints; continue it with "
                             "--resume auto or choose another --train.run_dir")
-        return None
-    if resume == "auto":  # continue if there is something to continue from, else start fresh
-        return latest_checkpoint(cfg.train.run_dir)
-    return resolve_checkpoint(resume)
+        return None, []
+    if resume != "auto":
+        path = resolve_checkpoint(resume)
+        try:
+            verify_checkpoint(path)
+        except DamagedCheckpoint as e:
+            raise HlatError(f"{e}; refusing to resume from it (--resume auto falls back to the previous good "
+                            "checkpoint)") from None
+        return path, []
+    passed_over = []
+    for _, path in reversed(complete_checkpoints(cfg.train.run_dir)):
+        try:
+            verify_checkpoint(path)
+            return path, passed_over
+        except DamagedCheckpoint as e:
+            passed_over.append(e)
+    if passed_over:
+        raise HlatError(f"train.run_dir: {cfg.train.run_dir}: every checkpoint is damaged ({passed_over[0]})")
+    return None, []
 
 
 def rng_state() -> dict:
@@ -153,6 +186,7 @@ class Run:
     batches: Batches
     parts: list[nn.Module]  # the model parts (pipeline stages) this rank holds
     optimizers: list[torch.optim.Optimizer]
+    checkpointer: Checkpointer
     schedule: object | None  # the pipeline schedule, if pp > 1
     pp_group: dist.ProcessGroup | None  # the pipeline group, if pp > 1 (gradient norms sum over stages)
     first_stage: bool
@@ -183,18 +217,27 @@ class Interval:
 
 def train(cfg: Config, console: Console | None = None) -> Summary:
     """Train `cfg` to `train.steps` on this process (one rank of a torchrun job, or the only one)."""
+    entered = time.time()
     tc = cfg.train
     pcfg = cfg.resolved_parallel()  # every layout error is raised here, before any process group starts
     run_dir = Path(tc.run_dir)
     device = pick_device(tc.device)
     files = resolve_data_files(cfg.data)
-    resume_from = find_resume_checkpoint(cfg)
+    resume_from, passed_over = find_resume_checkpoint(cfg)
 
-    topo = init_topology(pcfg, device)
+    if device.type == "cuda":
+        enable_flight_recorder(run_dir)
+    topo = init_topology(pcfg, device, tc.collective_timeout_s)
     console = console if topo.is_main and console is not None else Console(quiet=not topo.is_main)
+    for damaged in passed_over:  # set aside, so that rotation counts only good checkpoints
+        console.print(f"{damaged}; falling back to the previous checkpoint", soft_wrap=True, highlight=False,
+                      markup=False)
+        if topo.is_main:
+            quarantine(damaged.path)
     with contextlib.ExitStack() as cleanup:
         cleanup.callback(destroy_process_group)
         tokenizer = prepare_run_dir(cfg, topo, files, run_dir)
+        goodput = Goodput(run_dir, topo.is_main, entered)
         torch.manual_seed(tc.seed)
         model = prepare_model(build_model(cfg.model), cfg.precision.mode)  # still on meta: bf16 before sharding
         stages = parallelize(model, topo, device, tc.seed)
@@ -204,6 +247,7 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
                                  else {"rank": topo.dp_rank, "world_size": pcfg.dp}))
         cleanup.callback(stream.close)  # stops the tokenizer workers
         run = build_run(cfg, topo, device, run_dir, stream, stages, optimizers)
+        cleanup.callback(run.checkpointer.close)
         metrics = MetricsLog(run_dir)
         start = restore(run, resume_from, metrics, console)
 
@@ -214,34 +258,76 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
         run_start = time.perf_counter()
         interval = new_interval(run)
         announce(run, tokens_per_step, console)
-        with StopRequest().installed() as stop:
+        bad = BadSteps(tc.spike_sigmas, tc.max_bad_steps)
+        watchdog = Watchdog(tc.hang_timeout_s, run_dir, topo.rank, dist.get_world_size() if dist.is_initialized() else 1)
+        goodput.start_up_done()
+        with StopRequest().installed() as stop, watchdog:
             while step < tc.steps:
+                step_started, waited = time.perf_counter(), stream.wait_time_s
                 lr = lr_at(step, cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup_steps, decay_steps)
                 set_lr(run.optimizers, lr)
-                loss, stopping = reduce_step(run, step_loss(run, run.batches.next_step(device)), stop.requested)
+                local_loss = step_loss(run, run.batches.next_step(device))
+                if step + 1 == tc.debug_nan_step and not bad.injected:
+                    local_loss = inject_nan(run, local_loss, bad)
+                loss, stopping, save_written = reduce_step(run, local_loss, stop.requested, run.checkpointer.written())
+                if save_written:  # an asynchronous save is on disk on every rank: commit it
+                    saved = run.checkpointer.finish()
+                    goodput.committed()
                 grad_norm = clip_grad_norm(run.params, cfg.optim.clip_grad_norm, run.pp_group)
+                reason = bad.check(loss.item(), grad_norm.item())
                 for optimizer in run.optimizers:
-                    optimizer.step()
+                    if reason is None:
+                        optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
+                goodput.step(step + 1, time.perf_counter() - step_started, stream.wait_time_s - waited,
+                             bad=reason is not None)
+                if reason is not None and (rolled_back_to := handle_bad_step(run, bad, reason, step + 1, metrics,
+                                                                               console)) is not None:
+                    step, interval = rolled_back_to, new_interval(run)
+                    goodput.lose_pending()
+                    watchdog.beat(step)
+                    continue
                 step += 1
                 interval.tokens += tokens_per_step
                 interval.loss += loss
                 interval.steps += 1
                 if step % tc.log_every == 0 or step in (start + 1, tc.steps) or stopping:
-                    losses.append(log_step(run, metrics, interval, step, start, lr, grad_norm, console))
+                    losses.append(log_step(run, metrics, interval, step, start, lr, grad_norm, bad.total, console))
                     interval = new_interval(run)
+                    goodput.save()
                 if (tc.ckpt_every and step % tc.ckpt_every == 0) or step == tc.steps or stopping:
-                    saved = save(run, step)
+                    save_started = time.perf_counter()
+                    saved = save(run, step) or saved
+                    goodput.checkpointed(time.perf_counter() - save_started)
+                    if stopping and (last := run.checkpointer.finish()):
+                        saved = last
+                    if saved and saved.name == f"step_{step:08d}":
+                        goodput.committed()
+                watchdog.beat(step)
                 if stopping:
                     console.print(f"stopped by signal at step {step}; checkpoint {saved}; resume with --resume auto")
                     break
+        if last := run.checkpointer.finish():
+            saved = last
+            goodput.committed()
         elapsed = time.perf_counter() - run_start
         ran = step - start
         return Summary(run_dir=str(run_dir), steps=step, tokens_seen=step * tokens_per_step,
                        tokens_per_s=ran * tokens_per_step / elapsed if elapsed > 0 else 0.0,
                        first_loss=losses[0] if losses else float("nan"),
                        last_loss=losses[-1] if losses else float("nan"),
-                       checkpoint=str(saved or resume_from or ""))
+                       checkpoint=str(saved or resume_from or ""), ettr=goodput.ettr(),
+                       bad_steps=bad.total)
+
+
+def enable_flight_recorder(run_dir: Path) -> None:
+    """NCCL's flight recorder keeps the last collectives of each rank and dumps them when a collective times
+    out, into `<run>/hang/` (a user's own settings win)."""
+    (run_dir / "hang").mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    for name in ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
+        os.environ.setdefault(name, str(run_dir / "hang" / "nccl_trace_rank_"))
 
 
 def destroy_process_group() -> None:
@@ -253,8 +339,11 @@ def prepare_run_dir(cfg: Config, topo: Topology, files: list[Path], run_dir: Pat
     """Rank 0 creates the run directory, writes the config and trains the tokenizer (once, saved in the run);
     the other ranks then load that tokenizer. Returns the tokenizer."""
     if topo.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.toml").write_text(cfg.to_toml())
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.toml").write_text(cfg.to_toml())
+        except OSError as e:
+            raise HlatError(f"train.run_dir: cannot write {e.filename or run_dir}: {e.strerror}") from None
         tokenizer = get_tokenizer(cfg.data, files, cfg.model.vocab_size, run_dir)
     if dist.is_initialized():
         dist.barrier()
@@ -272,6 +361,8 @@ def build_run(cfg: Config, topo: Topology, device: torch.device, run_dir: Path, 
                 if pcfg.pp > 1 else None)
     return Run(cfg=cfg, topo=topo, device=device, run_dir=run_dir, stream=stream, batches=batches,
                parts=[module for _, module in stages], optimizers=optimizers, schedule=schedule,
+               checkpointer=Checkpointer(run_dir, cfg.train.keep_checkpoints, topo.rank, cfg.train.async_checkpoint,
+                                         pinned=device.type == "cuda"),
                pp_group=topo.group("pp") if pcfg.pp > 1 else None,
                first_stage=any(sid == 0 for sid, _ in stages),
                last_stage=any(sid == n_stages - 1 for sid, _ in stages),
@@ -289,7 +380,7 @@ def restore(run: Run, resume_from: Path | None, metrics: MetricsLog, console: Co
         set_rng_state(state["rng"])
         if run.topo.is_main:
             metrics.truncate_after(state["step"])
-        console.print(f"resumed from {resume_from} at step {state['step']}")
+        console.print(f"resumed from {resume_from} at step {state['step']}", soft_wrap=True, highlight=False)
         return state["step"]
     if run.topo.is_main:
         metrics.truncate_after(-1)
@@ -337,14 +428,51 @@ def step_loss(run: Run, micro: list[dict]) -> torch.Tensor:
     return total
 
 
-def reduce_step(run: Run, local_loss: torch.Tensor, stop_requested: bool) -> tuple[torch.Tensor, bool]:
+def reduce_step(run: Run, local_loss: torch.Tensor, stop_requested: bool, save_written: bool
+                ) -> tuple[torch.Tensor, bool, bool]:
     """The loss over the global batch (the mean over data-parallel ranks of the last stage's losses;
-    tensor-parallel peers hold the same value) and whether any rank was asked to stop: one all-reduce."""
+    tensor-parallel peers hold the same value), whether any rank was asked to stop, and whether every rank has
+    written its part of the asynchronous save in flight: one all-reduce."""
     if not dist.is_initialized():
-        return local_loss, stop_requested
-    packed = torch.stack([local_loss, torch.tensor(float(stop_requested), device=run.device)])
+        return local_loss, stop_requested, save_written
+    flags = torch.tensor([float(stop_requested), float(save_written)], device=run.device)
+    packed = torch.cat([local_loss.reshape(1), flags])
     dist.all_reduce(packed)
-    return packed[0] / (run.topo.cfg.dp * run.topo.cfg.tp), bool(packed[1].item())
+    stop, written = packed[1:].tolist()
+    return packed[0] / (run.topo.cfg.dp * run.topo.cfg.tp), stop > 0, written == dist.get_world_size()
+
+
+def inject_nan(run: Run, local_loss: torch.Tensor, bad: BadSteps) -> torch.Tensor:
+    """train.debug_nan_step: this step's gradients and loss become NaN, once per process (a rollback that
+    runs the step number again trains on)."""
+    bad.injected = True
+    poison_gradients(run.params)
+    return local_loss * float("nan")
+
+
+def handle_bad_step(run: Run, bad: BadSteps, reason: str, step: int, metrics: MetricsLog,
+                    console: Console) -> int | None:
+    """Apply train.on_bad_step to a bad step whose update was dropped: None to go on (skip), the step of the
+    checkpoint rolled back to (rollback), or a one-line HlatError (stop, or too many bad steps in a row)."""
+    tc = run.cfg.train
+    run.checkpointer.finish()  # a save in flight holds good weights from before this step
+    last = latest_checkpoint(run.run_dir)
+    if tc.on_bad_step == "stop" or bad.in_a_row >= tc.max_bad_steps:
+        why = ("train.on_bad_step = 'stop'" if tc.on_bad_step == "stop"
+               else f"{bad.in_a_row} bad steps in a row, train.max_bad_steps = {tc.max_bad_steps}")
+        raise HlatError(f"step {step}: {reason}; stopped ({why}); last good checkpoint: {last or 'none'}")
+    if tc.on_bad_step == "skip":
+        console.print(f"step {step}: {reason}: update skipped ({bad.total} skipped so far)", highlight=False)
+        return None
+    if last is None:
+        raise HlatError(f"step {step}: {reason}; no checkpoint to roll back to yet (train.on_bad_step = "
+                        "'rollback'; save one earlier with train.ckpt_every)")
+    at = load_checkpoint(last, run.parts, run.optimizers, run.batches.trainer_key)["step"]
+    if run.topo.is_main:  # the data stream and RNG go on: the batches since the checkpoint are skipped
+        metrics.truncate_after(at)
+    console.print(f"step {step}: {reason}: rolled back to {last} (step {at}); the data since then is skipped",
+                  soft_wrap=True, highlight=False)
+    return at
 
 
 def new_interval(run: Run) -> Interval:
@@ -353,7 +481,7 @@ def new_interval(run: Run) -> Interval:
 
 
 def log_step(run: Run, metrics: MetricsLog, interval: Interval, step: int, start: int, lr: float,
-             grad_norm: torch.Tensor, console: Console) -> float:
+             grad_norm: torch.Tensor, bad_steps: int, console: Console) -> float:
     """Write the metrics record for the steps since the last log and print its line; return its mean loss."""
     tc, device = run.cfg.train, run.device
     loss_value = (interval.loss / interval.steps).item()  # mean over the steps since the last log
@@ -369,6 +497,7 @@ def log_step(run: Run, metrics: MetricsLog, interval: Interval, step: int, start
         "mfu": round(flops_per_token * tokens_per_s / peak, 5) if peak else None,
         "peak_memory_gb": round(peak_memory_gb(device), 3),
         "data_wait_s": round(run.stream.wait_time_s - interval.data_wait, 4),  # the step waiting for data
+        "bad_steps": bad_steps,  # dropped updates so far in this process (train.on_bad_step)
     }
     if run.topo.is_main:
         metrics.write(record)
@@ -380,9 +509,12 @@ def log_step(run: Run, metrics: MetricsLog, interval: Interval, step: int, start
     return loss_value
 
 
-def save(run: Run, step: int) -> Path:
-    """Checkpoint the model, optimizers and trainer state (step, data position, RNG) at `step`."""
-    tc = run.cfg.train
+def save(run: Run, step: int) -> Path | None:
+    """Checkpoint the model, optimizers and trainer state (step, data position, RNG) at `step`; never from
+    non-finite weights (they would replace a good checkpoint). None while an asynchronous save is written."""
+    if not weights_finite(run.params):
+        raise HlatError(f"step {step}: the weights are not finite; not checkpointing them; last good checkpoint: "
+                        f"{latest_checkpoint(run.run_dir) or 'none'}")
     trainer_state = {"step": step, "data": run.stream.state_dict(), "rng": rng_state()}
-    return save_checkpoint(run.run_dir, step, run.parts, run.optimizers, trainer_state, run.batches.trainer_key,
-                           run.cfg.to_toml(), tc.keep_checkpoints, run.topo.rank)
+    return run.checkpointer.save(step, run.parts, run.optimizers, trainer_state, run.batches.trainer_key,
+                                 run.cfg.to_toml())

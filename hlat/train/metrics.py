@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import sys
@@ -53,5 +54,7 @@ class MetricsLog:
         self.path.write_text("".join(line + "\n" for line in kept))
 
     def write(self, record: dict) -> None:
+        """Non-finite values (a skipped step's loss) are written as null: bare NaN is not JSON."""
+        record = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
         with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(json.dumps(record, allow_nan=False) + "\n")
