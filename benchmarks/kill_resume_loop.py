@@ -2,7 +2,8 @@
 bit for bit and leave no process behind (not in CI: about a minute per trial on a busy 2-core machine).
 
 Trials alternate as in the issue: 15 single-process runs (the trainer is killed) and 5 two-rank torchrun
-runs (one rank is killed). Each run is `hlat train --max-restarts 3 [--nproc-per-node 2]`; a trial passes
+runs (one rank is killed); every other trial saves asynchronously (train.async_checkpoint), so some kills
+land in a background write. Each run is `hlat train --max-restarts 3 [--nproc-per-node 2]`; a trial passes
 when every step's loss and gradient norm equal the reference run's, the final weights and optimizer state are
 identical, the restart is recorded, and no process of the job outlives it.
 """
@@ -44,8 +45,8 @@ def victim(supervisor: int, nproc: int) -> int | None:
     return random.choice(workers) if workers else None
 
 
-def trial(root: Path, nproc: int, reference: Path, steps: int, rng: random.Random) -> dict:
-    cfg = config(root / "run", steps=steps, decay_steps=steps, ckpt_every=3)
+def trial(root: Path, nproc: int, reference: Path, steps: int, rng: random.Random, asynchronous: bool) -> dict:
+    cfg = config(root / "run", steps=steps, decay_steps=steps, ckpt_every=3, async_checkpoint=asynchronous)
     cfg.data.workers = 1
     cfg_file = root / "c.toml"
     cfg_file.write_text(cfg.to_toml())
@@ -61,7 +62,8 @@ def trial(root: Path, nproc: int, reference: Path, steps: int, rng: random.Rando
         os.kill(target, signal.SIGKILL)
     _, err = job.communicate(timeout=900)
     time.sleep(2)
-    restarts = (root / "run" / "restarts.jsonl").read_text().splitlines() if (root / "run" / "restarts.jsonl").exists() else []
+    log = root / "run" / "restarts.jsonl"
+    restarts = log.read_text().splitlines() if log.exists() else []
     same_steps = ([(r["loss"], r["grad_norm"]) for r in strict_records(root / "run")]
                   == [(r["loss"], r["grad_norm"]) for r in strict_records(reference)])
     (w, o), (rw, ro) = trained_state(root / "run", cfg), trained_state(reference, cfg)
@@ -69,7 +71,8 @@ def trial(root: Path, nproc: int, reference: Path, steps: int, rng: random.Rando
                   and all(torch.equal(o[i][k], ro[i][k]) for i in ro for k in ro[i]))
     leftovers = [p for p in doomed if alive(p)] + session_processes(job.pid)
     ok = job.returncode == 0 and same_steps and same_state and not leftovers and (len(restarts) == 1 or not target)
-    return {"nproc": nproc, "killed_after_steps": kill_after, "killed": bool(target), "restarts": len(restarts),
+    return {"nproc": nproc, "async_checkpoint": asynchronous, "killed_after_steps": kill_after,
+            "killed": bool(target), "restarts": len(restarts),
             "exit": job.returncode, "same_steps": same_steps, "same_state": same_state,
             "leftover_processes": len(leftovers), "ok": ok, "stderr_tail": "" if ok else err[-500:]}
 
@@ -95,7 +98,7 @@ def main() -> None:
             references[nproc] = ref / "run"
         plan = [1] * args.single + [2] * args.torchrun
         for i, nproc in enumerate(plan):
-            row = trial(Path(tmp) / f"trial{i}", nproc, references[nproc], args.steps, rng)
+            row = trial(Path(tmp) / f"trial{i}", nproc, references[nproc], args.steps, rng, i % 2 == 1)
             rows.append(row)
             print(json.dumps(row), flush=True)
     passed = sum(r["ok"] for r in rows)

@@ -37,7 +37,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
                         ("tokens seen", f"{s.tokens_seen:,}"), ("tokens/s", f"{s.tokens_per_s:,.0f}"),
                         ("first loss", f"{s.first_loss:.4f}"), ("last loss", f"{s.last_loss:.4f}"),
                         ("checkpoint", s.checkpoint), ("bad steps skipped", f"{s.bad_steps:,}"),
-                        ("goodput (ETTR)", f"{s.ettr:.1%} of wall time since the run began ({s.run_dir}/goodput.json)")):
+                        ("goodput (ETTR)", f"{s.ettr:.1%} of the wall time since the run began (goodput.json)")):
         table.add_row(name, value)
     console.print(table)
     return 0

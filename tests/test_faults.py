@@ -288,3 +288,27 @@ def test_hang_watchdog_names_the_stopped_rank(tmp_path):
     assert "rank 0 on" in first and "no step finished for 4 s" in first and "ranks not responding: 1" in first
     assert "torch/distributed" in report and "train/loop.py" in report  # rank 0 waits in a collective
     assert first in out
+
+
+def test_long_documents_are_tokenized_in_pieces_to_the_same_tokens(tmp_path, monkeypatch):
+    """A document longer than MAX_PIECE_CHARS is tokenized piece by piece (cut before a space) into the same
+    tokens and the same packed rows as at once (the memory this saves: benchmarks/long_document_memory.py)."""
+    import numpy as np
+
+    from hlat.data import rounds
+    from hlat.data.sources import resolve_data_files
+    from hlat.data.tokenizer import get_tokenizer
+
+    cfg = config(tmp_path / "run")
+    tok = get_tokenizer(cfg.data, resolve_data_files(cfg.data), 512, tmp_path)
+    text = Path(json.__file__).read_text() * 3
+    monkeypatch.setattr(rounds, "MAX_PIECE_CHARS", 200)
+    assert "".join(rounds.text_pieces(text)) == text
+    assert max(map(len, rounds.text_pieces(text))) <= 200
+    (whole,), (pieces,) = tok.encode_batch([text]), rounds.encode_bounded(tok, [text])
+    assert isinstance(pieces, np.ndarray) and pieces.tolist() == whole
+    short = ["a short document", "another one"]
+    assert rounds.encode_bounded(tok, short) == tok.encode_batch(short)
+    a, _ = rounds.best_fit([whole, *tok.encode_batch(short)], tok.eos_id, 33)
+    b, _ = rounds.best_fit(rounds.encode_bounded(tok, [text, *short]), tok.eos_id, 33)
+    assert np.array_equal(a, b)

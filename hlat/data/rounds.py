@@ -102,13 +102,49 @@ def concat(ids: list[list[int]], eos: int) -> np.ndarray:
     return np.insert(flat, np.cumsum(lengths), eos)
 
 
+MAX_PIECE_CHARS = 1 << 20  # longer documents are tokenized in pieces of at most this many characters
+
+
+def text_pieces(text: str) -> Iterator[str]:
+    """`text` in pieces of at most MAX_PIECE_CHARS, each cut just before a single space between two words
+    where there is one: the pre-tokenizers split there anyway and the space stays with the word after it, so
+    the tokens are those of the whole text (a cut inside a run of whitespace would change them)."""
+    start = 0
+    while start < len(text):
+        end = min(start + MAX_PIECE_CHARS, len(text))
+        if end < len(text):
+            low = start + MAX_PIECE_CHARS // 2
+            space = text.rfind(" ", low, end)
+            while space > low and (text[space - 1].isspace() or text[space + 1].isspace()):
+                space = text.rfind(" ", low, space)
+            end = space if space > low else end
+        yield text[start:end]
+        start = end
+
+
+def encode_bounded(tokenizer, docs: list[str]) -> list:
+    """Token ids of each document; one longer than MAX_PIECE_CHARS is tokenized piece by piece into an int32
+    array, so the tokenizer's working memory (and Python's lists of ids) stay bounded whatever its length."""
+    ids, short = [], []
+    for doc in docs:
+        if len(doc) <= MAX_PIECE_CHARS:
+            short.append(doc)
+            continue
+        ids.extend(tokenizer.encode_batch(short) if short else [])
+        short = []
+        ids.append(np.concatenate([np.asarray(tokenizer.encode_batch([piece])[0], dtype=np.int32)
+                                   for piece in text_pieces(doc)]))
+    return ids + (tokenizer.encode_batch(short) if short else [])
+
+
 def best_fit(ids: list[list[int]], eos: int, capacity: int) -> tuple[np.ndarray, int]:
     """Best-fit decreasing: documents (with EOS) longest first, each into the row with the least room that
     still holds it, else a new row. Only documents longer than a row are cut, into row-sized pieces.
     Returns rows [n, capacity] padded with -1 and the number of documents cut."""
     pieces, cut = [], 0
     for doc in ids:
-        doc = [*doc, eos]
+        # a long document is cut into views of one array rather than a Python list of its tokens
+        doc = np.append(np.asarray(doc, dtype=np.int32), eos) if len(doc) >= capacity else [*doc, eos]
         cut += len(doc) > capacity
         pieces.extend(doc[i : i + capacity] for i in range(0, len(doc), capacity))
     pieces.sort(key=len, reverse=True)  # stable: equal lengths keep document order
@@ -170,7 +206,7 @@ class RoundMaker:
                 bad.append((doc, where))
             else:
                 docs.append(doc)
-        ids = self.tokenizer.encode_batch(docs) if docs else []
+        ids = encode_bounded(self.tokenizer, docs)
         p = self.packing
         if p.mode == "best_fit":
             tokens, cut = best_fit(ids, p.eos, p.seq_len + 1)

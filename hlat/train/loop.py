@@ -259,7 +259,8 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
         interval = new_interval(run)
         announce(run, tokens_per_step, console)
         bad = BadSteps(tc.spike_sigmas, tc.max_bad_steps)
-        watchdog = Watchdog(tc.hang_timeout_s, run_dir, topo.rank, dist.get_world_size() if dist.is_initialized() else 1)
+        watchdog = Watchdog(tc.hang_timeout_s, run_dir, topo.rank,
+                            dist.get_world_size() if dist.is_initialized() else 1)
         goodput.start_up_done()
         with StopRequest().installed() as stop, watchdog:
             while step < tc.steps:
@@ -271,8 +272,7 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
                     local_loss = inject_nan(run, local_loss, bad)
                 loss, stopping, save_written = reduce_step(run, local_loss, stop.requested, run.checkpointer.written())
                 if save_written:  # an asynchronous save is on disk on every rank: commit it
-                    saved = run.checkpointer.finish()
-                    goodput.committed()
+                    saved = commit(run, goodput)
                 grad_norm = clip_grad_norm(run.params, cfg.optim.clip_grad_norm, run.pp_group)
                 reason = bad.check(loss.item(), grad_norm.item())
                 for optimizer in run.optimizers:
@@ -296,20 +296,12 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
                     interval = new_interval(run)
                     goodput.save()
                 if (tc.ckpt_every and step % tc.ckpt_every == 0) or step == tc.steps or stopping:
-                    save_started = time.perf_counter()
-                    saved = save(run, step) or saved
-                    goodput.checkpointed(time.perf_counter() - save_started)
-                    if stopping and (last := run.checkpointer.finish()):
-                        saved = last
-                    if saved and saved.name == f"step_{step:08d}":
-                        goodput.committed()
+                    saved = checkpoint(run, step, goodput, commit_now=stopping) or saved
                 watchdog.beat(step)
                 if stopping:
                     console.print(f"stopped by signal at step {step}; checkpoint {saved}; resume with --resume auto")
                     break
-        if last := run.checkpointer.finish():
-            saved = last
-            goodput.committed()
+        saved = commit(run, goodput) or saved
         elapsed = time.perf_counter() - run_start
         ran = step - start
         return Summary(run_dir=str(run_dir), steps=step, tokens_seen=step * tokens_per_step,
@@ -507,6 +499,27 @@ def log_step(run: Run, metrics: MetricsLog, interval: Interval, step: int, start
                   f"lr {lr:.2e}  {tokens_per_s:>9,.0f} tok/s  mfu {record['mfu'] or 0:6.2%}  "
                   f"eta {eta}", soft_wrap=True, highlight=False)
     return loss_value
+
+
+def checkpoint(run: Run, step: int, goodput: Goodput, commit_now: bool) -> Path | None:
+    """Save at `step`: training stalls for the whole write, or (asynchronous) for the copy to host memory;
+    `commit_now` waits for an asynchronous write too. Returns the checkpoint once committed, else None."""
+    started = time.perf_counter()
+    saved = save(run, step)
+    goodput.checkpointed(time.perf_counter() - started)
+    if saved is None and commit_now:
+        return commit(run, goodput)
+    if saved is not None:
+        goodput.committed()
+    return saved
+
+
+def commit(run: Run, goodput: Goodput) -> Path | None:
+    """Commit the asynchronous save in flight, if any (a collective: every rank at the same step)."""
+    saved = run.checkpointer.finish()
+    if saved is not None:
+        goodput.committed()
+    return saved
 
 
 def save(run: Run, step: int) -> Path | None:
