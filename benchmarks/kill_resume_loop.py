@@ -48,6 +48,7 @@ def victim(supervisor: int, nproc: int) -> int | None:
 def trial(root: Path, nproc: int, reference: Path, steps: int, rng: random.Random, asynchronous: bool) -> dict:
     cfg = config(root / "run", steps=steps, decay_steps=steps, ckpt_every=3, async_checkpoint=asynchronous)
     cfg.data.workers = 1
+    root.mkdir(parents=True)
     cfg_file = root / "c.toml"
     cfg_file.write_text(cfg.to_toml())
     job = hlat_train(cfg_file, nproc, "--max-restarts", "3")
