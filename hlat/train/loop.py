@@ -333,7 +333,7 @@ def prepare_run_dir(cfg: Config, topo: Topology, files: list[Path], run_dir: Pat
     if topo.is_main:
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.toml").write_text(cfg.to_toml())
+            (run_dir / "config.toml").write_text(cfg.run_record(topo.cfg))
         except OSError as e:
             raise HlatError(f"train.run_dir: cannot write {e.filename or run_dir}: {e.strerror}") from None
         tokenizer = get_tokenizer(cfg.data, files, cfg.model.vocab_size, run_dir)
