@@ -226,6 +226,9 @@ class Checkpointer:
                                                    use_async_staging=False, use_non_blocking_copy=pinned)
                                     ) if asynchronous else None
         self.in_flight: _InFlight | None = None
+        # the background write runs collectives of its own: on a group of its own, never interleaved with the
+        # training loop's collectives on the default group
+        self.group = dist.new_group(backend="gloo") if asynchronous and dist.is_initialized() else None
 
     def save(self, step: int, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
              trainer_state: dict, trainer_key: str, config_toml: str) -> Path | None:
@@ -242,7 +245,8 @@ class Checkpointer:
         self.finish()
         with _writing(final, self.rank):
             _begin(_partial(final), self.rank)
-            future = dcp.async_save(state, checkpoint_id=_partial(final), async_stager=self.stager)
+            future = dcp.async_save(state, checkpoint_id=_partial(final), async_stager=self.stager,
+                                    process_group=self.group)
         flight = self.in_flight = _InFlight(final, config_toml)
         future.add_done_callback(lambda f: self._written(f, flight))
         return None
