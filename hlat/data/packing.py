@@ -347,10 +347,12 @@ def build_stream(
     rank: int = 0,
     world_size: int = 1,
     doc_mask: bool = False,
+    holdout: float = 0.0,
 ) -> DataStream:
     """The configured stream for data-parallel `rank` of `world_size`: `files` are the one source of data.paths
-    (or the default corpus); named data.sources resolve their own. Checks, before any training, that every
-    source has a readable document on this rank."""
+    (or the default corpus); named data.sources resolve their own; documents held out for validation (a
+    `holdout` fraction, by hash) are skipped. Checks, before any training, that every source has a readable
+    document on this rank."""
     if not 0 <= rank < world_size:
         raise HlatError(f"data: rank {rank} is outside world_size {world_size}")
     sources = resolve_sources(cfg) if cfg.sources else [Source("default", 1.0, list(files))]
@@ -362,7 +364,9 @@ def build_stream(
                                                "files": hashlib.sha256(listing.encode()).hexdigest()[:16]}
         mine = shard(splits, rank, world_size, f"data source {source.name!r}")
         specs.append(SourceSpec(source.name, source.weight, mine, cfg.text_field, cfg.max_doc_bytes, cfg.seed,
-                                cfg.shuffle_files))
+                                cfg.shuffle_files, holdout))
+    if holdout:  # absent when 0, so checkpoints from before eval.holdout existed still resume
+        fingerprint["holdout"] = holdout
     fingerprint.update(tokenizer=tokenizer_digest(tokenizer), seq_len=seq_len, batch_size=batch_size,
                        **{k: getattr(cfg, k) for k in ("packing", "round_bytes", "text_field", "max_doc_bytes",
                                                        "seed", "shuffle_files", "shuffle_rows")})

@@ -24,7 +24,7 @@ from itertools import chain
 import numpy as np
 
 from hlat import HlatError
-from hlat.data.sources import START, Bad, Split, decode, epoch_order, read_split
+from hlat.data.sources import START, Bad, Split, decode, epoch_order, held_out, read_split
 
 Position = list[int]  # [epoch, split index in the epoch's order, offset, line]: where a record starts
 ORIGIN: Position = [0, 0, START, 0]  # the first record of epoch 0
@@ -41,6 +41,7 @@ class SourceSpec:
     max_doc_bytes: int = 100_000_000
     seed: int = 0
     shuffle: bool = True
+    holdout: float = 0.0  # documents set aside for validation (eval.holdout) are skipped
 
     def records(self, position: Position) -> Iterator[tuple[bytes | str | Bad, str, str, Position] | None]:
         """(raw record, format, where, position after it) from `position` on; None marks each epoch's end."""
@@ -167,7 +168,7 @@ class RoundMaker:
             doc = decode(record, fmt, self.spec.text_field)
             if isinstance(doc, Bad):
                 bad.append((doc, where))
-            else:
+            elif not (self.spec.holdout and held_out(doc, self.spec.holdout)):
                 docs.append(doc)
         ids = self.tokenizer.encode_batch(docs) if docs else []
         p = self.packing

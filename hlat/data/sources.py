@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import gzip
+import hashlib
 import heapq
 import importlib
 import io
@@ -448,6 +449,13 @@ def iter_documents(file: File, text_field: str = "text", max_bytes: int = 100_00
             bad.add(doc, place)
         else:
             yield doc
+
+
+def held_out(doc: str, fraction: float) -> bool:
+    """Whether a document belongs to the validation split (eval.holdout): decided by a hash of its text alone,
+    so the split is the same on every rank, in every run and whatever the file order."""
+    digest = hashlib.blake2b(doc.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(digest, "big") < fraction * 2**64
 
 
 def epoch_order(splits: list[Split], seed: int, name: str, epoch: int, shuffle: bool) -> list[Split]:
