@@ -219,7 +219,7 @@ def _run(cfg: Config, topo: Topology, device: torch.device, stream, batches: Bat
     schedule = build_schedule(stages, topo, device, accum, cross_entropy) if pcfg.pp > 1 else None
     pp_group = topo.group("pp") if pcfg.pp > 1 else None
     sharded_grads = pcfg.dp_shard > 1 and not pcfg.zero1  # FSDP keeps only its shard of the gradients
-    metrics = MetricsLog(run_dir, tensorboard=topo.is_main)
+    metrics = MetricsLog(run_dir)
 
     start = 0
     if resume_from is not None:
@@ -241,9 +241,9 @@ def _run(cfg: Config, topo: Topology, device: torch.device, stream, batches: Bat
     loss_context = loss_parallel if pcfg.tp > 1 else contextlib.nullcontext
     tokens_per_step = tc.global_batch * tc.seq_len
     flops_per_token = cfg.model.flops_per_token(tc.seq_len)
-    peak = peak_flops(device, tc.peak_flops) * (dist.get_world_size() if dist.is_initialized() else 1)
-    decay_steps = cfg.optim.decay_steps or tc.steps
     world = dist.get_world_size() if dist.is_initialized() else 1
+    peak = peak_flops(device, tc.peak_flops) * world
+    decay_steps = cfg.optim.decay_steps or tc.steps
     cost = resolve_cost(cfg.cost, world)
     if cost:
         console.print(f"cost: ${cost.usd_per_device_hour:.4g} per device-hour x {world} devices ({cost.source})",

@@ -123,10 +123,9 @@ class MetricsLog:
     """Appends one JSON object per logged step to metrics.jsonl (kept across resumes) and, on the main rank,
     the same scalars to TensorBoard event files in the run directory."""
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True):
+    def __init__(self, run_dir: str | Path):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
-        self.tensorboard = tensorboard
         self._writer = None
 
     def records(self) -> list[dict]:
@@ -135,26 +134,29 @@ class MetricsLog:
         return [json.loads(line) for line in self.path.read_text().splitlines() if line]
 
     def truncate_after(self, step: int) -> None:
-        """On resume, drop records past the checkpoint's step: those steps are about to be run again. TensorBoard
-        is told to drop its events past that step too (purge_step)."""
-        if self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-            self.path.write_text("".join(line + "\n" for line in kept))
-        if self.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._writer = SummaryWriter(log_dir=str(self.run_dir), purge_step=step + 1 if step >= 0 else None)
+        """On resume, drop records past the checkpoint's step: those steps are about to be run again."""
+        if not self.path.exists():
+            return
+        kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        self.path.write_text("".join(line + "\n" for line in kept))
 
     def write(self, record: dict) -> None:
         record = {k: json_safe(v) for k, v in record.items()}
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
-        if self._writer is not None:
-            step, wall = record["step"], record.get("time")
-            for key, value in record.items():
-                if key not in ("step", "time") and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._writer.add_scalar(TENSORBOARD_TAGS.get(key, f"other/{key}"), value, step, walltime=wall)
-            self._writer.flush()
+        self._tensorboard(record)
+
+    def _tensorboard(self, record: dict) -> None:
+        step, wall = record["step"], record.get("time")
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # TensorBoard hides the events an earlier segment of the run wrote from this step on (a resume)
+            self._writer = SummaryWriter(log_dir=str(self.run_dir), purge_step=step)
+        for key, value in record.items():
+            if key not in ("step", "time") and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self._writer.add_scalar(TENSORBOARD_TAGS.get(key, f"other/{key}"), value, step, walltime=wall)
+        self._writer.flush()
 
     def close(self) -> None:
         if self._writer is not None:
