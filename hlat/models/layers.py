@@ -144,7 +144,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None,
                 cache: LayerCache | None = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, mask, cache)
+        # the cache goes by keyword: tensor parallelism's input plan covers the positional arguments only
+        h = x + self.attention(self.attention_norm(x), rope, mask, cache=cache)
         return h + self.feed_forward(self.ffn_norm(x if self.parallel_residual else h))
 
 
@@ -182,7 +183,7 @@ class Transformer(nn.Module):
         rope = self.rope if positions is None else self.rope[positions]
         for name, layer in self.layers.items():
             if layer is not None:
-                h = layer(h, rope, mask) if cache is None else layer(h, rope, mask, cache.layer(int(name)))
+                h = layer(h, rope, mask) if cache is None else layer(h, rope, mask, cache=cache.layer(int(name)))
         if cache is not None:
             cache.advance(tokens.shape[1])
         if self.norm is not None:
