@@ -89,10 +89,36 @@ class Round:
     index: int
     start: Position
     end: Position  # where the next round starts
+    eos: int
     tokens: np.ndarray  # concat: the documents' tokens, each followed by EOS; best_fit: rows [n, seq_len + 1], -1 pads
     docs: int = 0
     split_docs: int = 0  # best_fit: documents longer than a row, cut into pieces
     bad: list[tuple[Bad, str]] = field(default_factory=list)
+
+    def info(self) -> "RoundInfo":
+        """What the other ranks need of this round to cut rows and count: its place, size and counters."""
+        if self.tokens.ndim == 2:  # best_fit rows: the padding of each
+            marks = (self.tokens[:, 1:] < 0).sum(1).astype(np.int32)
+        else:
+            marks = np.flatnonzero(self.tokens == self.eos).astype(np.int32)
+        return RoundInfo(self.source, self.index, self.start, self.end, self.tokens.size, marks, self.docs,
+                         self.split_docs, self.bad)
+
+
+@dataclass
+class RoundInfo:
+    """A round without its tokens. `size` is its length in the source's token stream (best_fit: rows x
+    (seq_len + 1)); `marks` are, for concat, where in it the EOS tokens are, for best_fit the padding of each row."""
+
+    source: int
+    index: int
+    start: Position
+    end: Position
+    size: int
+    marks: np.ndarray
+    docs: int
+    split_docs: int
+    bad: list[tuple[Bad, str]]
 
 
 def concat(ids: list[list[int]], eos: int) -> np.ndarray:
@@ -175,7 +201,7 @@ class RoundMaker:
             tokens, cut = best_fit(ids, p.eos, p.seq_len + 1)
         else:
             tokens, cut = concat(ids, p.eos), 0
-        return Round(self.source, index, start, list(self.position), tokens, len(docs), cut, bad)
+        return Round(self.source, index, start, list(self.position), p.eos, tokens, len(docs), cut, bad)
 
 
 def worker_main(specs: list[SourceSpec], packing: Packing, tokenizer, starts: list[tuple[int, Position]],

@@ -216,7 +216,7 @@ def make_splits(files: list[File], world_size: int) -> list[Split]:
     return splits
 
 
-def shard(splits: list[Split], rank: int, world_size: int, what: str) -> list[Split]:
+def share_of(splits: list[Split], rank: int, world_size: int, what: str) -> list[Split]:
     """The splits of `rank`: largest first to the least loaded rank, so ranks get disjoint shares of nearly
     equal bytes; in file order."""
     if len(splits) < world_size:
