@@ -29,17 +29,14 @@ from hlat import HlatError
 from hlat.data.config import DataConfig
 from hlat.data.exchange import Segment, all_gather, exchange_rows
 from hlat.data.rounds import ORIGIN, Packing, Position, Round, RoundInfo, RoundMaker, SourceSpec, worker_main
-from hlat.data.sources import BadLog, Source, make_splits, resolve_sources, share_of
-from hlat.data.tokenizer import Tokenizer
+from hlat.data.sources import BadLog, Source, file_format, make_splits, resolve_sources, share_of, token_meta
+from hlat.data.tokenizer import Tokenizer, tokenizer_digest
 
 log = logging.getLogger(__name__)
 
 IGNORE = -100  # target of a padding position: F.cross_entropy's default ignore_index
 PREFETCH = 2  # rounds requested ahead per source and worker
 STATE_VERSION = 3
-# Encoded to tell tokenizers apart in the fingerprint: mixed scripts, digits, whitespace, code.
-PROBE = "Hello, wörld! 123 4567\n\tdef f(x): return x**2  # 日本語 Ελληνικά 🙂 <|endoftext|>"
-
 
 @dataclass
 class SourceState:
@@ -422,10 +419,14 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def tokenizer_digest(tokenizer: Tokenizer) -> str:
-    (ids,) = tokenizer.encode_batch([PROBE])
-    key = json.dumps([tokenizer.kind, tokenizer.vocab_size, tokenizer.eos_id, ids])
-    return hashlib.sha256(key.encode()).hexdigest()[:16]
+def check_token_files(tokenizer: Tokenizer, digest: str, files: list[Path | str]) -> None:
+    """Pre-tokenized files must have been made by the run's tokenizer (`digest`): their ids mean nothing to
+    another."""
+    for f in files:
+        if file_format(str(f)) == "tokens" and (meta := token_meta(f))["tokenizer"] != digest:
+            raise HlatError(f"token file {f}: written by another tokenizer ({meta['tokenizer_kind']}, vocabulary "
+                            f"{meta['vocab_size']:,}) than this run's ({tokenizer.kind}, vocabulary "
+                            f"{tokenizer.vocab_size:,}); set data.tokenizer to the one it was written with")
 
 
 def build_stream(cfg: DataConfig, tokenizer: Tokenizer, files: list[Path | str], seq_len: int, batch_size: int,
@@ -450,6 +451,7 @@ def build_stream(cfg: DataConfig, tokenizer: Tokenizer, files: list[Path | str],
     fingerprint.update(tokenizer=tokenizer_digest(tokenizer), seq_len=seq_len,
                        **{k: getattr(cfg, k) for k in ("packing", "round_bytes", "text_field", "max_doc_bytes",
                                                        "seed", "shuffle_files", "shuffle_rows")})
+    check_token_files(tokenizer, fingerprint["tokenizer"], [f for source in sources for f in source.files])
     for spec in specs:
         spec.check(f" on data-parallel rank {rank}" if world_size > 1 else "")
     return DataStream(cfg, tokenizer, specs, seq_len, batch_size, fingerprint, doc_mask, ranks, shard)

@@ -24,7 +24,7 @@ from itertools import chain
 import numpy as np
 
 from hlat import HlatError
-from hlat.data.sources import START, Bad, Split, decode, epoch_order, read_split
+from hlat.data.sources import START, Bad, Split, decode, epoch_order, read_split, record_size
 
 Position = list[int]  # [epoch, split index in the epoch's order, offset, line]: where a record starts
 ORIGIN: Position = [0, 0, START, 0]  # the first record of epoch 0
@@ -156,6 +156,13 @@ def best_fit(ids: list[list[int]], eos: int, capacity: int) -> tuple[np.ndarray,
     return out, cut
 
 
+def encode(tokenizer, docs: list) -> list:
+    """Token ids of each document: texts encoded in one batch, pre-tokenized documents as they are."""
+    texts = [doc for doc in docs if isinstance(doc, str)]
+    encoded = iter(tokenizer.encode_batch(texts) if texts else [])
+    return [next(encoded) if isinstance(doc, str) else doc for doc in docs]
+
+
 class RoundMaker:
     """Produces the rounds of one source, in increasing order, skipping those asked of other workers."""
 
@@ -178,7 +185,7 @@ class RoundMaker:
                 continue
             record, fmt, where, self.position = item
             taken.append((record, fmt, where))
-            size += 1 if isinstance(record, Bad) else len(record)
+            size += record_size(record)
         self.index += 1
         return start, taken
 
@@ -195,7 +202,7 @@ class RoundMaker:
                 bad.append((doc, where))
             else:
                 docs.append(doc)
-        ids = self.tokenizer.encode_batch(docs) if docs else []
+        ids = encode(self.tokenizer, docs)
         p = self.packing
         if p.mode == "best_fit":
             tokens, cut = best_fit(ids, p.eos, p.seq_len + 1)
