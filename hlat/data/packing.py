@@ -36,6 +36,9 @@ log = logging.getLogger(__name__)
 
 IGNORE = -100  # target of a padding position: F.cross_entropy's default ignore_index
 PREFETCH = 2  # rounds requested ahead per source and worker
+# Rounds are learnt in blocks of min(ranks, BLOCK): one all-gather per block, but every rank with a round in
+# the block must have made it, so at the start a bigger block would make ranks read further into the data.
+BLOCK = 64
 STATE_VERSION = 3
 
 @dataclass
@@ -200,15 +203,17 @@ class DataStream:
     # --- rounds ----------------------------------------------------------------------------------------------
 
     def _learn(self, s: int, k: int) -> RoundInfo:
-        """Round k of source s: the ranks make one round each of k's block of `world` rounds and tell each other."""
+        """Round k of source s: the ranks that make the rounds of k's block make them, and all tell each other."""
         if (s, k) not in self._infos:
             if self._fetcher is None:
                 starts = [(st.round, st.start) for st in self.state]
                 self._first = [st.round for st in self.state]  # the first rounds the fetcher can make
                 args = (self.specs, self.packing, self.tokenizer, starts, self.rank, self.world)
                 self._fetcher = _Workers(self.cfg.workers, *args) if self.cfg.workers else _Inline(*args)
-            mine = k - k % self.world + self.rank
-            made = self._fetcher.get(s, mine) if mine >= self._first[s] else None
+            size = min(self.world, BLOCK)
+            first = k - k % size
+            mine = first + (self.rank - first) % self.world  # this rank's round in the block, if it has one
+            made = self._fetcher.get(s, mine) if self._first[s] <= mine < first + size else None
             if made is not None:
                 self._tokens[s, mine] = made.tokens.reshape(-1)
                 self.tokenized += int((made.tokens >= 0).sum())

@@ -1,11 +1,12 @@
 """Rounds: documents read, tokenized and packed together, the unit of work of a tokenizer worker (torch-free,
 so worker processes start without importing torch).
 
-A source's records on one rank form an endless sequence, epoch after epoch. That sequence is cut into rounds
-of about `round_bytes` of raw records (never across an epoch boundary), by sizes alone, so every process cuts
-it identically and knows where round k starts without parsing or tokenizing rounds before it. A round's
-output depends only on its records; hence the token stream does not depend on the number of workers, and a
-position in it is (round, where the round starts, how much of it was used).
+A source's records form an endless sequence, epoch after epoch. That sequence is cut into rounds of about
+`round_bytes` of raw records (never across an epoch boundary), by sizes alone, so every process cuts it
+identically and knows where round k starts without parsing or tokenizing rounds before it. A round's output
+depends only on its records; hence the token stream does not depend on which rank or worker makes a round, nor
+on how many there are, and a position in it is (round, where the round starts, how far into its tokens).
+A round's `info()` is what other processes need to place its rows without its tokens.
 """
 
 from __future__ import annotations
