@@ -69,5 +69,8 @@ def test_tokenize_writes_a_token_file_the_loader_reads(data, tmp_path, capsys):
     assert result["documents"] == len(ends) == 21 and ends[-1] == len(ids) == sum(map(len, expected))
     assert [ids[a:b].tolist() for a, b in zip([0, *ends[:-1]], ends)] == expected
     assert sum(result["bad"].values()) == 3 and not list(out.parent.glob("*.partial"))
+    assert run(parse(["inspect", f"{out}.tokens.bin", "--tokenizer", str(tok_path), "--json"])) == 0
+    inspected = json.loads(capsys.readouterr().out)  # the token file read back: its documents and tokens
+    assert (inspected["documents"], inspected["tokens"], inspected["characters"]) == (21, result["tokens"], 0)
     with pytest.raises(HlatError, match="--tokenizer is required"):
         run(parse(["tokenize", str(d), "--out", str(out)]))

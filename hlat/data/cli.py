@@ -82,16 +82,17 @@ def _tokenizer(args: argparse.Namespace, files):
 def inspect(files, text_field: str = "text", tokenizer=None, max_doc_bytes: int = 100_000_000) -> dict:
     """Per file: documents, bytes of text, tokens (with a tokenizer) and bad records by reason, with the place
     of the first of each."""
+    from hlat.data.rounds import encode as encode_documents
     from hlat.data.sources import START, Bad, Split, decode, read_split
 
     rows = []
     for f in files:
         split = Split(f, 0)
         docs, chars, tokens, bad, first = 0, 0, 0, Counter(), {}
-        batch: list[str] = []
+        batch: list = []
 
         def encode() -> int:
-            n = sum(map(len, tokenizer.encode_batch(batch))) if tokenizer and batch else 0
+            n = sum(map(len, encode_documents(tokenizer, batch))) if tokenizer and batch else 0
             batch.clear()
             return n
 
@@ -102,7 +103,7 @@ def inspect(files, text_field: str = "text", tokenizer=None, max_doc_bytes: int 
                 first.setdefault(doc.reason, where)
                 continue
             docs += 1
-            chars += len(doc)
+            chars += len(doc) if isinstance(doc, str) else 0  # a pre-tokenized document has no characters
             batch.append(doc)
             if len(batch) == 256:
                 tokens += encode()
