@@ -1,5 +1,6 @@
 """The training process's side of the data path: rounds (from worker processes, or made in place) cut into rows,
-sources mixed by weight, rows mixed in a pool, batches of tensors; and the exactly resumable state of it all.
+sources mixed by weight, rows shuffled in windows, each step's rows exchanged among the ranks, batches of
+tensors; and the exactly resumable state of it all (`DataStream` states the contract).
 
 A row holds seq_len + 1 tokens: inputs are its first seq_len, targets its last seq_len. `concat` rows are cut
 from a source's token stream with one shared token (the last target of a row is the first input of the
