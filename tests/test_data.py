@@ -209,8 +209,10 @@ def test_every_format_reads_and_resumes_from_any_record(tmp_path):
     cut.write_bytes(gzip.compress(lines(DOCS))[:-30])
     no_column = tmp_path / "body.parquet"
     pq.write_table(pa.table({"body": ["x"]}), no_column)
+    cut_arrow = tmp_path / "cut.arrow"
+    cut_arrow.write_bytes((tmp_path / "stream" / "d.arrow").read_bytes()[:-100])
     tokens = tokenize([record_files[0]], CharTokenizer(), tmp_path / "d")["file"]
-    bad = (cut, no_column, tmp_path / "missing.jsonl")
+    bad = (cut, cut_arrow, no_column, tmp_path / "missing.jsonl")
     for f in [*record_files, text, *bad, Path(tokens)]:
         records = list(read_split(Split(f, 0), (START, 0), "text", 1000))
         assert isinstance(records[-1][0], Bad) == (f in bad), f
