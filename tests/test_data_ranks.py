@@ -77,3 +77,30 @@ def test_ranks_share_the_work_and_train_on_the_single_process_rows(tmp_path):
         # last block of 4 rounds), each a share, none more than about twice its 1/4
         shares = [g[packing]["tokenized"] for g in got]
         assert sum(shares) >= tokenized[packing] and all(0 < n < sum(shares) / 2 for n in shares), shares
+
+
+def test_files_sharding_gives_each_data_parallel_rank_its_own_files(tmp_path):
+    """parallel.data_sharding = "files", as the trainer opens it: each data-parallel rank reads only its share of
+    the files, takes its micro-batches of each step from its own stream, and keeps its own data state."""
+    from hlat.parallel.config import ParallelConfig
+    from hlat.parallel.mesh import Topology
+    from hlat.train.config import build_config
+    from hlat.train.loop import Batches, open_stream
+
+    files = [jsonl(tmp_path / f"{letter}.jsonl", [letter * 30] * 4) for letter in "abcd"]
+    cfg = build_config({"data": {"workers": 0, "shuffle_rows": 0},
+                        "train": {"global_batch": 4, "micro_batch": 1, "seq_len": 8}})
+    letters, keys = [], []
+    for rank in (0, 1):
+        topo = Topology(ParallelConfig(dp_shard=2, data_sharding="files"), None, rank=rank, dp_rank=rank)
+        batches = Batches(open_stream(cfg, topo, CharTokenizer(), files), topo, cfg.train.grad_accum())
+        seen = set()
+        for _ in range(8):  # a few epochs of its share
+            micro = batches.next_step(torch.device("cpu"))
+            assert len(micro) == 2  # 4 micro-batches a step, 2 per data-parallel rank
+            seen |= {chr(t - 1) for b in micro for t in b["inputs"].flatten().tolist() if t}
+        letters.append(seen)
+        keys.append(batches.trainer_key)
+        assert batches.stream.state_dict()["shard"] == [rank, 2]
+    assert len(letters[0]) == len(letters[1]) == 2 and not letters[0] & letters[1]
+    assert keys == ["trainer_rank0", "trainer_rank1"]
