@@ -192,7 +192,7 @@ class DataStream:
     def _reset(self) -> None:
         self.close()
         self.state = [SourceState() for _ in self.specs]
-        self.bad = [BadLog(spec.name) for spec in self.specs]
+        self.bad = [BadLog(spec.name, warn=self.rank == 0) for spec in self.specs]  # all ranks count the same
         self.emitted = 0  # rows of the global sequence taken (by all ranks together)
         self._snapshot = copy.deepcopy(self.state)  # the state where the current window starts
         self._window: tuple[int, list] | None = None  # (index, its rows' segments in shuffled order)

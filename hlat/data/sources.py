@@ -513,16 +513,18 @@ def decode(record: bytes | str | np.ndarray | Bad, fmt: str, text_field: str) ->
 
 
 class BadLog:
-    """Counts bad records by reason and logs a warning naming the place at the 1st, 10th, 100th... of each."""
+    """Counts bad records by reason and logs a warning naming the place at the 1st, 10th, 100th... of each
+    (unless `warn` is off: where another process warns of the same records)."""
 
-    def __init__(self, name: str = ""):
+    def __init__(self, name: str = "", warn: bool = True):
         self.counts: Counter[str] = Counter()
         self.prefix = f"data source {name!r}: " if name else ""
+        self.warn = warn
 
     def add(self, bad: Bad, place: str) -> None:
         self.counts[bad.reason] += 1
         n = self.counts[bad.reason]
-        if str(n).rstrip("0") == "1":
+        if self.warn and str(n).rstrip("0") == "1":
             detail = f" ({bad.detail})" if bad.detail else ""
             log.warning("%sskipped a bad record (%s%s) at %s; %d skipped for this reason so far",
                         self.prefix, bad.reason, detail, place, n)
