@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict, fields, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from hlat import HlatError
-from hlat.config import load_toml, to_toml
+from hlat.config import ConfigError, load_toml, to_toml, update
 from hlat.models.config import model_config
 from hlat.optim.modes import MODES
-from hlat.planner.layout import Layout, Workload
+from hlat.parallel.config import ParallelConfig
+from hlat.planner.layout import Layout, Workload, layout_problem
 from hlat.planner.memory import GIB
 from hlat.planner.profiles import HardwareProfile, Sample, fit_factors, load_profile, profile_names, read_run
 from hlat.planner.search import OBJECTIVES, RECOMPUTE, TOLERANCE, Plan, evaluate, search
@@ -115,10 +116,12 @@ def _given_layout(args: argparse.Namespace, hw: HardwareProfile) -> Layout:
         raise HlatError(f"tp {tp} x pp {pp} x dp_shard {shard} does not divide the {devices} devices")
     v = args.virtual_stages or 1
     schedule = args.schedule or ("interleaved_1f1b" if v > 1 else "1f1b")
-    return Layout(tp=tp, pp=pp, dp_replicate=devices // (tp * pp * shard), dp_shard=shard,
-                  micro_batch=args.microbatch or 1, pp_schedule=schedule, virtual_stages=v,
-                  sequence_parallel=tp > 1 and not args.no_sp, zero1=args.zero1,
-                  activation_checkpoint=args.recompute or "selective")
+    dp = devices // (tp * pp)
+    if args.zero1 and not args.dp_shard:  # ZeRO-1 shards over dp_shard: all of data parallelism by default
+        shard = dp
+    return Layout.of(tp=tp, pp=pp, dp_replicate=dp // shard, dp_shard=shard, micro_batch=args.microbatch or 1,
+                     pp_schedule=schedule, virtual_stages=v, sequence_parallel=not args.no_sp, zero1=args.zero1,
+                     activation_checkpoint=args.recompute or "selective")
 
 
 def _row(plan: Plan, tokens: float) -> dict:
@@ -143,11 +146,11 @@ def _show(args: argparse.Namespace, work: Workload, hw: HardwareProfile, plans: 
         header = (f"# hlat plan: {work.model.preset or work.model.family} on {best.nodes} x {hw.name}: "
                   f"{best.layout.describe()}, predicted {best.time.total:.3g} s/step, "
                   f"{best.tokens_per_s:,.0f} tokens/s, {best.memory.total / GIB:.1f} GiB/device\n")
-        Path(emit).write_text(header + to_toml(best.layout.config_sections(work)))
+        Path(emit).write_text(header + to_toml(best.layout.run_config(work)))
     if args.json:
         print(json.dumps({"model": work.model.preset, "hardware": hw.name, "nodes": args.nodes,
                           "seq_len": work.seq_len, "global_batch": work.global_batch, "precision": work.precision,
-                          "fit": hw.fit.source, "note": note, "plans": [_row(p, args.tokens) for p in plans]},
+                          "fit": hw.fit.source, "figures": hw.sources(), "note": note, "plans": [_row(p, args.tokens) for p in plans]},
                          indent=2))
         return
     from rich import box
@@ -161,7 +164,7 @@ def _show(args: argparse.Namespace, work: Workload, hw: HardwareProfile, plans: 
     table = Table(title=f"{work.model.preset or work.model.family} on {args.nodes} x {hw.name} ({devices:,} "
                         f"device{'s' if devices > 1 else ''}): seq {work.seq_len}, batch {work.global_batch} "
                         f"({_si(work.tokens_per_step)} tokens), {work.precision}, {args.price.replace('_', '-')} "
-                        "price", caption=f"{note}. Factors: {hw.fit.source}.", box=box.SIMPLE_HEAD)
+                        "price", caption=f"{note}. Figures: {hw.sources()}.", box=box.SIMPLE_HEAD)
     show_nodes = any(p.nodes != args.nodes for p in plans)
     for col in ("#", "layout", *(["nodes"] if show_nodes else []), "GiB", "s/step", "tok/s", "MFU", "tok/$",
                 f"days/{budget}", f"$/{budget}"):
@@ -187,31 +190,30 @@ def _si(x: float) -> str:
     return f"{x / 1e6:.3g}M" if x >= 1e6 else f"{x / 1e3:.3g}k" if x >= 1e3 else f"{x:.3g}"
 
 
-def _run_layout(parallel: dict, devices: int) -> Layout:
-    """The layout of a run's `[parallel]` table (none: one process, no recomputation)."""
-    known = {f.name for f in fields(Layout)}
-    values = {k: v for k, v in parallel.items() if k in known}
-    values.setdefault("activation_checkpoint", "none")
-    layout = Layout(**values)
-    if layout.dp_shard == -1:  # fills what the other degrees leave
-        layout = replace(layout, dp_shard=devices // (layout.tp * layout.pp * layout.dp_replicate))
-    if "dp_replicate" not in parallel:
-        layout = replace(layout, dp_replicate=max(1, devices // (layout.tp * layout.pp * layout.dp_shard)))
-    return layout
+def run_sample(run_dir: str, hw: HardwareProfile) -> Sample:
+    """What an hlat run did, read back exactly: its model, precision, batch and resolved layout (the trainer
+    writes config.toml with dp_shard resolved for its world size) and its median step time."""
+    config, step_s = read_run(run_dir)
+    try:
+        table = dict(config.get("model", {}))
+        model = model_config(table.pop("preset", ""), **table)
+        parallel = update(ParallelConfig(), config.get("parallel", {}), "parallel.")
+        train = config["train"]
+        work = Workload(model, train["seq_len"], train["global_batch"], config["precision"]["mode"])
+    except (ConfigError, KeyError, TypeError) as e:
+        raise HlatError(f"--calibrate {run_dir}: config.toml: {e}") from None
+    if parallel.dp_shard == -1:
+        raise HlatError(f"--calibrate {run_dir}: config.toml has parallel.dp_shard = -1 (written by an older hlat): "
+                        "the run's world size is unknown")
+    layout = Layout(parallel, train["micro_batch"])
+    problem = layout_problem(work, layout, layout.devices)
+    if problem:
+        raise HlatError(f"--calibrate {run_dir}: {problem}")
+    return Sample(str(run_dir), work, layout, hw, step_s)
 
 
 def _calibrate(args: argparse.Namespace, hw: HardwareProfile) -> int:
-    devices = args.nodes * hw.devices_per_node
-    samples = []
-    for run_dir in args.calibrate:
-        config, step_s = read_run(run_dir)
-        table = dict(config.get("model", {}))
-        model = model_config(table.pop("preset", ""), **table)
-        train = config.get("train", {})
-        precision = config.get("precision", {}).get("mode", "fp32")
-        work = Workload(model, train["seq_len"], train["global_batch"], precision)
-        layout = replace(_run_layout(config.get("parallel", {}), devices), micro_batch=train["micro_batch"])
-        samples.append(Sample(str(run_dir), work, layout, hw, step_s))
+    samples = [run_sample(run_dir, hw) for run_dir in args.calibrate]
     free = ("flops_factor", "layer_overhead_ms")[:len(samples)]
     fit = fit_factors(samples, free, hw.fit, f"calibrated on {len(samples)} hlat run(s): {', '.join(args.calibrate)}")
     fitted = replace(hw, fit=fit)
