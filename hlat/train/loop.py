@@ -167,7 +167,7 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
 
 def _train(cfg: Config, topo: Topology, device: torch.device, files: list[Path], resume_from: Path | None,
            run_dir: Path, console: Console) -> Summary:
-    tc = cfg.train
+    tc, pcfg = cfg.train, topo.cfg
     if topo.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(cfg.run_record(pcfg))
