@@ -55,7 +55,7 @@ def validation_batches(docs: Iterable[str], tokenizer: Tokenizer, seq_len: int, 
     rows: list[list[int]] = []
     stream: list[int] = []
     for doc in docs:
-        (ids,) = tokenizer.encode_batch([doc])
+        ids = tokenizer.encode_batch([doc])[0] if isinstance(doc, str) else doc.tolist()  # token files: ids
         stream += [*ids, tokenizer.eos_id]
         while len(stream) >= width and len(rows) < wanted:
             rows.append(stream[:width])

@@ -21,7 +21,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from hlat import HlatError
-from hlat.data.packing import build_stream
+from hlat.data.exchange import side_group
+from hlat.data.packing import DataStream, Ranks, build_stream
 from hlat.data.sources import resolve_data_files
 from hlat.data.tokenizer import get_tokenizer
 from hlat.models import build_model, count_params
@@ -115,30 +116,45 @@ def plain(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-class Batches:
-    """This rank's micro-batches for each step.
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch tensor on `device`; from pinned host memory off the CPU, so the copy does not wait for the
+    device's queued work (a copy from pageable memory would)."""
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
 
-    `replicated` data sharding: every rank reads the whole stream and takes micro-batches dp_rank,
-    dp_rank + dp, ... of each step's global batch, so every layout trains on exactly the batches a single
-    process would and the data position is the same on all ranks (a checkpoint resumes under any layout).
-    `files`: each data-parallel rank reads its own files, for clusters where reading everything everywhere
-    would cost too much; the data positions are per rank and a resume needs the same data-parallel size."""
+
+class Batches:
+    """This rank's micro-batches for each step, which its stream gives it (docs/data.md).
+
+    `global` data sharding: every rank's stream is a part of the one global stream, so that each rank trains on
+    micro-batches dp_rank, dp_rank + dp, ... of each step's global batch (those a single process would run) and
+    the data state is the same on all ranks: one copy in the checkpoint, which resumes under any layout.
+    `files`: each data-parallel rank reads its own files, for storage that cannot serve every rank all the data;
+    the data states are per rank and a resume needs the same data-parallel size."""
 
     def __init__(self, stream, topo: Topology, global_accum: int):
         self.stream, self.topo, self.global_accum = stream, topo, global_accum
-        self.replicated = topo.cfg.data_sharding == "replicated"
+        self.shared = topo.cfg.data_sharding == "global"
 
     def next_step(self, device: torch.device) -> list[dict]:
-        dp, rank = self.topo.cfg.dp, self.topo.dp_rank
-        if self.replicated:
-            micro = [next(self.stream) for _ in range(self.global_accum)][rank::dp]
-        else:
-            micro = [next(self.stream) for _ in range(self.global_accum // dp)]
-        return [{k: t.to(device, non_blocking=True) for k, t in batch.items()} for batch in micro]
+        micro = [next(self.stream) for _ in range(self.global_accum // self.topo.cfg.dp)]
+        return [{k: to_device(t, device) for k, t in batch.items()} for batch in micro]
 
     @property
     def trainer_key(self) -> str:
-        return "trainer" if self.replicated else f"trainer_rank{self.topo.rank}"
+        return "trainer" if self.shared else f"trainer_rank{self.topo.rank}"
+
+
+def open_stream(cfg: Config, topo: Topology, tokenizer, files: list[Path]) -> DataStream:
+    """This rank's data stream: its part of the global stream, shared with all ranks over a CPU side group, or
+    (data_sharding = "files") a stream of its data-parallel rank's own files."""
+    tc, pcfg = cfg.train, topo.cfg
+    args = (cfg.data, tokenizer, files, tc.seq_len, tc.micro_batch)
+    # documents held out for validation (a hash split, when no eval.paths are given) are skipped in training
+    common = dict(doc_mask=cfg.model.doc_mask, holdout=0.0 if cfg.eval.paths else cfg.eval.holdout)
+    if pcfg.data_sharding == "files":
+        return build_stream(*args, shard=(topo.dp_rank, pcfg.dp), **common)
+    ranks = Ranks(side_group(), topo.dp_rank, pcfg.dp, tc.grad_accum())
+    return build_stream(*args, ranks=ranks, **common)
 
 
 def train(cfg: Config, console: Console | None = None) -> Summary:
@@ -175,10 +191,7 @@ def _train(cfg: Config, topo: Topology, device: torch.device, files: list[Path],
     stages = parallelize(model, topo, device, tc.seed)
     optimizers = [build_optimizer(module, cfg.optim, cfg.precision.mode, tc.seed) for _, module in stages]
     global_accum = tc.grad_accum()
-    stream = build_stream(cfg.data, tokenizer, files, tc.seq_len, tc.micro_batch, doc_mask=cfg.model.doc_mask,
-                          holdout=0.0 if cfg.eval.paths else cfg.eval.holdout,
-                          **({} if pcfg.data_sharding == "replicated"
-                             else {"rank": topo.dp_rank, "world_size": pcfg.dp}))
+    stream = open_stream(cfg, topo, tokenizer, files)
     val_batches = (validation_batches(validation_documents(cfg), tokenizer, tc.seq_len, tc.micro_batch,
                                       cfg.eval.batches, cfg.model.doc_mask) if cfg.eval.every else [])
     try:
