@@ -24,7 +24,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from hlat import HlatError
-from hlat.data.packing import build_stream
+from hlat.data.exchange import side_group
+from hlat.data.packing import DataStream, Ranks, build_stream
 from hlat.data.sources import resolve_data_files
 from hlat.data.tokenizer import get_tokenizer
 from hlat.models import build_model, count_params
@@ -49,7 +50,8 @@ from hlat.train.checkpoint import (
 from hlat.train.config import Config
 from hlat.train.faults import BadSteps, Watchdog, poison_gradients, weights_finite
 from hlat.train.goodput import Goodput
-from hlat.train.metrics import MetricsLog, peak_flops, peak_memory_gb
+from hlat.train.inference import Evaluation, evaluate, validation_batches, validation_documents
+from hlat.train.metrics import Cost, Interval, MetricsLog, peak_flops, peak_memory_gb, projected_seconds, resolve_cost
 
 
 @dataclass
@@ -149,30 +151,45 @@ def plain(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-class Batches:
-    """This rank's micro-batches for each step.
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch tensor on `device`; from pinned host memory off the CPU, so the copy does not wait for the
+    device's queued work (a copy from pageable memory would)."""
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
 
-    `replicated` data sharding: every rank reads the whole stream and takes micro-batches dp_rank,
-    dp_rank + dp, ... of each step's global batch, so every layout trains on exactly the batches a single
-    process would and the data position is the same on all ranks (a checkpoint resumes under any layout).
-    `files`: each data-parallel rank reads its own files, for clusters where reading everything everywhere
-    would cost too much; the data positions are per rank and a resume needs the same data-parallel size."""
+
+class Batches:
+    """This rank's micro-batches for each step, which its stream gives it (docs/data.md).
+
+    `global` data sharding: every rank's stream is a part of the one global stream, so that each rank trains on
+    micro-batches dp_rank, dp_rank + dp, ... of each step's global batch (those a single process would run) and
+    the data state is the same on all ranks: one copy in the checkpoint, which resumes under any layout.
+    `files`: each data-parallel rank reads its own files, for storage that cannot serve every rank all the data;
+    the data states are per rank and a resume needs the same data-parallel size."""
 
     def __init__(self, stream, topo: Topology, global_accum: int):
         self.stream, self.topo, self.global_accum = stream, topo, global_accum
-        self.replicated = topo.cfg.data_sharding == "replicated"
+        self.shared = topo.cfg.data_sharding == "global"
 
     def next_step(self, device: torch.device) -> list[dict]:
-        dp, rank = self.topo.cfg.dp, self.topo.dp_rank
-        if self.replicated:
-            micro = [next(self.stream) for _ in range(self.global_accum)][rank::dp]
-        else:
-            micro = [next(self.stream) for _ in range(self.global_accum // dp)]
-        return [{k: t.to(device, non_blocking=True) for k, t in batch.items()} for batch in micro]
+        micro = [next(self.stream) for _ in range(self.global_accum // self.topo.cfg.dp)]
+        return [{k: to_device(t, device) for k, t in batch.items()} for batch in micro]
 
     @property
     def trainer_key(self) -> str:
-        return "trainer" if self.replicated else f"trainer_rank{self.topo.rank}"
+        return "trainer" if self.shared else f"trainer_rank{self.topo.rank}"
+
+
+def open_stream(cfg: Config, topo: Topology, tokenizer, files: list[Path]) -> DataStream:
+    """This rank's data stream: its part of the global stream, shared with all ranks over a CPU side group, or
+    (data_sharding = "files") a stream of its data-parallel rank's own files."""
+    tc, pcfg = cfg.train, topo.cfg
+    args = (cfg.data, tokenizer, files, tc.seq_len, tc.micro_batch)
+    # documents held out for validation (a hash split, when no eval.paths are given) are skipped in training
+    common = dict(doc_mask=cfg.model.doc_mask, holdout=0.0 if cfg.eval.paths else cfg.eval.holdout)
+    if pcfg.data_sharding == "files":
+        return build_stream(*args, shard=(topo.dp_rank, pcfg.dp), **common)
+    ranks = Ranks(side_group(), topo.dp_rank, pcfg.dp, tc.grad_accum())
+    return build_stream(*args, ranks=ranks, **common)
 
 
 @dataclass
@@ -205,16 +222,6 @@ class Run:
         return self.batches.global_accum // self.topo.cfg.dp
 
 
-@dataclass
-class Interval:
-    """What happened since the last logged step: averaged into the next metrics record."""
-    start: float
-    data_wait: float
-    loss: torch.Tensor
-    tokens: int = 0
-    steps: int = 0
-
-
 def train(cfg: Config, console: Console | None = None) -> Summary:
     """Train `cfg` to `train.steps` on this process (one rank of a torchrun job, or the only one)."""
     entered = time.time()
@@ -242,21 +249,28 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
         model = prepare_model(build_model(cfg.model), cfg.precision.mode)  # still on meta: bf16 before sharding
         stages = parallelize(model, topo, device, tc.seed)
         optimizers = [build_optimizer(module, cfg.optim, cfg.precision.mode, tc.seed) for _, module in stages]
-        stream = build_stream(cfg.data, tokenizer, files, tc.seq_len, tc.micro_batch, doc_mask=cfg.model.doc_mask,
-                              **({} if pcfg.data_sharding == "replicated"
-                                 else {"rank": topo.dp_rank, "world_size": pcfg.dp}))
+        stream = open_stream(cfg, topo, tokenizer, files)
         cleanup.callback(stream.close)  # stops the tokenizer workers
+        val_batches = (validation_batches(validation_documents(cfg), tokenizer, tc.seq_len, tc.micro_batch,
+                                          cfg.eval.batches, cfg.model.doc_mask) if cfg.eval.every else [])
         run = build_run(cfg, topo, device, run_dir, stream, stages, optimizers)
         cleanup.callback(run.checkpointer.close)
         metrics = MetricsLog(run_dir)
+        cleanup.callback(metrics.close)
         start = restore(run, resume_from, metrics, console)
 
         tokens_per_step = tc.global_batch * tc.seq_len
         decay_steps = cfg.optim.decay_steps or tc.steps
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        cost = resolve_cost(cfg.cost, world)
+        if cost:
+            console.print(f"cost: ${cost.usd_per_device_hour:.4g} per device-hour x {world} devices ({cost.source})",
+                          highlight=False)
+        elapsed_before = previous_elapsed(metrics) if resume_from is not None else 0.0
         losses: list[float] = []
         step, saved = start, None
         run_start = time.perf_counter()
-        interval = new_interval(run)
+        interval = Interval(device, stream.wait_time_s)
         announce(run, tokens_per_step, console)
         bad = BadSteps(tc.spike_sigmas, tc.max_bad_steps)
         watchdog = Watchdog(tc.hang_timeout_s, run_dir, topo.rank,
@@ -283,17 +297,18 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
                              bad=reason is not None)
                 if reason is not None and (rolled_back_to := handle_bad_step(run, bad, reason, step + 1, metrics,
                                                                                console)) is not None:
-                    step, interval = rolled_back_to, new_interval(run)
+                    step = rolled_back_to
+                    interval.reset(stream.wait_time_s)
                     goodput.lose_pending()
                     watchdog.beat(step)
                     continue
                 step += 1
-                interval.tokens += tokens_per_step
-                interval.loss += loss
-                interval.steps += 1
-                if step % tc.log_every == 0 or step in (start + 1, tc.steps) or stopping:
-                    losses.append(log_step(run, metrics, interval, step, start, lr, grad_norm, bad.total, console))
-                    interval = new_interval(run)
+                interval.add(loss, grad_norm)
+                validate = bool(cfg.eval.every) and (step % cfg.eval.every == 0 or step == tc.steps)
+                if step % tc.log_every == 0 or step in (start + 1, tc.steps) or stopping or validate:
+                    elapsed = elapsed_before + time.perf_counter() - run_start
+                    losses.append(log_step(run, metrics, interval, step, start, lr, bad.total, elapsed, cost,
+                                           val_batches if validate else None, console))
                     goodput.save()
                 if (tc.ckpt_every and step % tc.ckpt_every == 0) or step == tc.steps or stopping:
                     saved = checkpoint(run, step, goodput, commit_now=stopping) or saved
@@ -467,38 +482,43 @@ def handle_bad_step(run: Run, bad: BadSteps, reason: str, step: int, metrics: Me
     return at
 
 
-def new_interval(run: Run) -> Interval:
-    return Interval(start=time.perf_counter(), data_wait=run.stream.wait_time_s,
-                    loss=torch.zeros((), device=run.device))
-
-
-def log_step(run: Run, metrics: MetricsLog, interval: Interval, step: int, start: int, lr: float,
-             grad_norm: torch.Tensor, bad_steps: int, console: Console) -> float:
-    """Write the metrics record for the steps since the last log and print its line; return its mean loss."""
+def log_step(run: Run, metrics: MetricsLog, interval: Interval, step: int, start: int, lr: float, bad_steps: int,
+             elapsed_s: float, cost: Cost | None, val_batches: list[dict] | None, console: Console) -> float:
+    """Write the metrics record for the steps since the last log (with the validation loss when `val_batches`
+    are given) and print its line; return its mean loss."""
     tc, device = run.cfg.train, run.device
-    loss_value = (interval.loss / interval.steps).item()  # mean over the steps since the last log
-    now = time.perf_counter()
-    tokens_per_s = interval.tokens / (now - interval.start)
-    step_time = (now - interval.start) / interval.steps
+    tokens_per_step = tc.global_batch * tc.seq_len
+    stats = interval.close(run.stream.wait_time_s)  # means over the steps since the last log
+    tokens_per_s = stats["steps"] * tokens_per_step / stats["seconds"]
+    step_time = stats["seconds"] / stats["steps"]
     peak = peak_flops(device, tc.peak_flops) * (dist.get_world_size() if dist.is_initialized() else 1)
     flops_per_token = run.cfg.model.flops_per_token(tc.seq_len)
     record = {
-        "step": step, "loss": loss_value, "grad_norm": grad_norm.item(), "lr": lr,
-        "tokens_seen": step * tc.global_batch * tc.seq_len, "tokens_per_s": round(tokens_per_s, 1),
+        "step": step, "time": round(time.time(), 3), "loss": stats["loss"],
+        "grad_norm": stats["grad_norm"], "grad_norm_mean": stats["grad_norm_mean"],
+        "grad_norm_max": stats["grad_norm_max"], "lr": lr,
+        "tokens_seen": step * tokens_per_step, "tokens_per_s": round(tokens_per_s, 1),
         "step_time_s": round(step_time, 4),
         "mfu": round(flops_per_token * tokens_per_s / peak, 5) if peak else None,
         "peak_memory_gb": round(peak_memory_gb(device), 3),
-        "data_wait_s": round(run.stream.wait_time_s - interval.data_wait, 4),  # the step waiting for data
+        "data_wait_s": round(stats["data_wait_s"], 4),  # the steps waiting for data
         "bad_steps": bad_steps,  # dropped updates so far in this process (train.on_bad_step)
+        **progress_figures(elapsed_s, step_time, step, tc.steps, step * tokens_per_step, cost),
     }
+    if val_batches is not None:
+        record.update(validation_figures(evaluate(run.parts[0], val_batches, device, run.autocast,
+                                                  run.loss_context)))
+        interval.reset(run.stream.wait_time_s)  # the evaluation's time is not a training step's
     if run.topo.is_main:
         metrics.write(record)
     # the first step carries the start-up (data pool, compilation): too early to tell
     eta = "-" if step == start + 1 else format_duration(step_time * (tc.steps - step))
-    console.print(f"step {step:>6}/{tc.steps}  loss {loss_value:7.4f}  grad_norm {record['grad_norm']:6.3f}  "
+    spent = f"  ${record['cost_usd']:,.2f}" if cost else ""
+    val = f"  val_loss {record['val_loss']:7.4f}" if val_batches is not None else ""
+    console.print(f"step {step:>6}/{tc.steps}  loss {stats['loss']:7.4f}  grad_norm {stats['grad_norm']:6.3f}  "
                   f"lr {lr:.2e}  {tokens_per_s:>9,.0f} tok/s  mfu {record['mfu'] or 0:6.2%}  "
-                  f"eta {eta}", soft_wrap=True, highlight=False)
-    return loss_value
+                  f"eta {eta}{spent}{val}", soft_wrap=True, highlight=False)
+    return stats["loss"]
 
 
 def checkpoint(run: Run, step: int, goodput: Goodput, commit_now: bool) -> Path | None:
@@ -531,3 +551,21 @@ def save(run: Run, step: int) -> Path | None:
     trainer_state = {"step": step, "data": run.stream.state_dict(), "rng": rng_state()}
     return run.checkpointer.save(step, run.parts, run.optimizers, trainer_state, run.batches.trainer_key,
                                  run.cfg.to_toml())
+
+
+def previous_elapsed(metrics: MetricsLog) -> float:
+    """Training wall time of the run's earlier segments (before a resume), from its last kept record."""
+    records = metrics.records()
+    return float(records[-1].get("elapsed_s") or 0.0) if records else 0.0
+
+
+def progress_figures(elapsed_s: float, step_time_s: float, step: int, total_steps: int, tokens_seen: int,
+                     cost: Cost | None) -> dict:
+    """Wall time so far and projected for the whole run, and with a price, what both cost."""
+    projected = projected_seconds(elapsed_s, step_time_s, step, total_steps)
+    figures = {"elapsed_s": round(elapsed_s, 3), "projected_time_s": round(projected, 3)}
+    return {**figures, **(cost.figures(elapsed_s, tokens_seen, projected) if cost else {})}
+
+
+def validation_figures(result: Evaluation) -> dict:
+    return {"val_loss": result.loss, "val_perplexity": result.perplexity, "val_tokens": result.tokens}
