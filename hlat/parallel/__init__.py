@@ -1,29 +1,43 @@
 """Parallelism applied from outside the model, one function per concern, in torchtitan's order: pipeline
 split, tensor parallelism, activation checkpointing, compilation, data parallelism; then the (still meta)
-parts are allocated and initialised, identically to a single process."""
+parts are allocated and initialised, identically to a single process.
+
+Torch is imported on first use, so `hlat.parallel.config` stays torch-free for `hlat describe` and the planner."""
 
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
-
-from hlat.models import materialize
-from hlat.parallel.checkpointing import apply_activation_checkpointing
 from hlat.parallel.config import ParallelConfig
-from hlat.parallel.data import apply_data_parallel
-from hlat.parallel.mesh import Topology, init_topology
-from hlat.parallel.pipeline import split_model
-from hlat.parallel.tensor import apply_tensor_parallel
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from hlat.parallel.mesh import Topology
 
 __all__ = ["ParallelConfig", "Topology", "init_topology", "parallelize"]
+
+
+def __getattr__(name: str):
+    if name in ("Topology", "init_topology"):
+        from hlat.parallel import mesh
+
+        return getattr(mesh, name)
+    raise AttributeError(f"module 'hlat.parallel' has no attribute {name!r}")
 
 
 def parallelize(model: nn.Module, topo: Topology, device: torch.device, seed: int) -> list[tuple[int, nn.Module]]:
     """(stage id, module) for the parts of a meta-device `model` this rank runs, parallelised and initialised.
     Without pipeline parallelism that is [(0, model)]; a single process (no mesh) still gets activation
     checkpointing and compilation."""
+    from hlat.models import materialize
+    from hlat.parallel.checkpointing import apply_activation_checkpointing
+    from hlat.parallel.data import apply_data_parallel
+    from hlat.parallel.pipeline import split_model
+    from hlat.parallel.tensor import apply_tensor_parallel
+
     cfg = topo.cfg
     parts = split_model(model, topo) if cfg.pp > 1 else [(0, model)]
     for _, part in parts:

@@ -11,6 +11,7 @@ from hlat.data.config import DataConfig
 from hlat.models.config import ModelConfig, preset_config
 from hlat.optim.config import OptimConfig, PrecisionConfig
 from hlat.parallel.config import ParallelConfig, world_size_from_env
+from hlat.resources import config_path
 
 
 @dataclass
@@ -108,4 +109,4 @@ def build_config(data: dict | None = None, overrides: list[str] | None = None) -
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
-    return build_config(load_toml(path) if path else {}, overrides)
+    return build_config(load_toml(config_path(path)) if path else {}, overrides)
