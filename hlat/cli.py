@@ -81,9 +81,10 @@ def cmd_export_hf(args: argparse.Namespace, overrides: list[str]) -> int:
 def cmd_launch(args: argparse.Namespace, overrides: list[str]) -> int:
     from hlat.train.launch import render
 
-    if args.nodes < 1 or args.nproc_per_node < 1:
-        raise HlatError(f"--nodes and --nproc-per-node must be >= 1, got {args.nodes} and {args.nproc_per_node}")
-    text = render(args.config, args.nodes, args.nproc_per_node, args.target, overrides, args.image, not args.cpu)
+    cluster = [*(["--cluster.nodes", str(args.nodes)] if args.nodes is not None else []),
+               *(["--cluster.nproc_per_node", str(args.nproc_per_node)] if args.nproc_per_node is not None else []),
+               *(["--cluster.accelerator", "cpu"] if args.cpu else [])]
+    text = render(args.config, args.target, cluster + overrides, args.image)
     if args.out:
         Path(args.out).write_text(text)
         print(f"wrote {args.out}")
@@ -132,13 +133,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_export_hf, overrides=False)
 
     p = sub.add_parser("launch", help="render a multi-node SLURM script or Kubernetes PyTorchJob for a config",
-                       description="Render a multi-node job; config overrides (--section.key value) are passed on.")
-    p.add_argument("--config", required=True)
-    p.add_argument("--nodes", type=int, required=True)
-    p.add_argument("--nproc-per-node", type=int, default=8, help="processes (devices) per node (default 8)")
+                       description="Render a multi-node job for the config's [cluster] table (time limit, stop "
+                                   "signal, restarts, volumes: see hlat/train/config.py ClusterConfig); config "
+                                   "overrides (--section.key value) are passed on.")
+    p.add_argument("--config", required=True, help="TOML config file or recipe name")
+    p.add_argument("--nodes", type=int, help="number of nodes (default: cluster.nodes)")
+    p.add_argument("--nproc-per-node", type=int, help="processes (devices) per node (default: cluster.nproc_per_node)")
     p.add_argument("--target", choices=["slurm", "k8s"], required=True)
     p.add_argument("--image", default="hlat:latest", help="container image for k8s")
-    p.add_argument("--cpu", action="store_true", help="CPU nodes: request no GPUs")
+    p.add_argument("--cpu", action="store_true", help="CPU nodes: request no devices (cluster.accelerator = cpu)")
     p.add_argument("--out", help="file to write (default: print)")
     p.set_defaults(func=cmd_launch, overrides=True)
 

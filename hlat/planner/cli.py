@@ -4,27 +4,31 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict, fields, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from hlat import HlatError
-from hlat.config import load_toml, to_toml
-from hlat.models.config import model_config
+from hlat.config import load_toml, to_toml, update
+from hlat.models.config import PRESETS, model_config
 from hlat.optim.modes import MODES
+from hlat.parallel.config import ParallelConfig
 from hlat.planner.layout import Layout, Workload
 from hlat.planner.memory import GIB
 from hlat.planner.profiles import HardwareProfile, Sample, fit_factors, load_profile, profile_names, read_run
 from hlat.planner.search import OBJECTIVES, RECOMPUTE, TOLERANCE, Plan, evaluate, search
+from hlat.resources import config_path, recipe_names
 
 HLAT_TOKENS = 1.8e12  # HLAT's training budget
 LAYOUT_FLAGS = ("tp", "pp", "dp_shard", "microbatch", "schedule", "virtual_stages", "recompute", "zero1", "no_sp")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="preset name (e.g. llama2-7b) or a TOML config with a [model] table "
-                                        "(its [train] seq_len/global_batch and [precision] mode are defaults)")
+    parser.add_argument("--model", help="preset name (e.g. llama2-7b), or a recipe (e.g. hlat-7b) or TOML config: its "
+                                        "[train] seq_len/global_batch, [precision] mode and [cluster] are defaults, "
+                                        "and its [parallel] layout is priced as it stands (unless --search)")
     parser.add_argument("--hardware", help=f"profile name ({', '.join(profile_names())}) or a profile TOML path")
-    parser.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
+    parser.add_argument("--nodes", type=int, help="number of nodes (default: the config's [cluster] nodes, or 1)")
+    parser.add_argument("--search", action="store_true", help="rank layouts even when the config states one")
     parser.add_argument("--global-batch", type=int, help="sequences per optimizer step (default 1024)")
     parser.add_argument("--seq-len", type=int, help="sequence length (default: the model's max_seq_len)")
     parser.add_argument("--precision", choices=sorted(MODES), help="training precision mode (default bf16_mixed)")
@@ -54,18 +58,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    job = _job_config(args.model) if args.model and not args.calibrate else {}
+    cluster = job.get("cluster", {})
+    args.hardware = args.hardware or cluster.get("hardware")
     if not args.hardware:
         raise HlatError("hlat plan: --hardware is required")
     hw = load_profile(args.hardware)
+    args.nodes = cluster.get("nodes", 1) if args.nodes is None else args.nodes
     if args.nodes < 1:
         raise HlatError(f"--nodes: must be >= 1, got {args.nodes}")
     if args.calibrate:
         return _calibrate(args, hw)
-    work = _workload(args)
+    work = _workload(args, job)
     price = hw.price(args.price)
-    if any(getattr(args, f) not in (None, False) for f in LAYOUT_FLAGS):
-        plan = evaluate(work, _given_layout(args, hw), hw, args.nodes, price)
-        _show(args, work, hw, [plan], f"layout given, {plan.layout.describe()}",
+    given = any(getattr(args, f) not in (None, False) for f in LAYOUT_FLAGS)
+    if given or ("parallel" in job and not args.search):
+        layout = (_given_layout(args, hw) if given else
+                  _trainer_layout(job["parallel"], job.get("train", {}).get("micro_batch", 1),
+                                  args.nodes * hw.devices_per_node))
+        plan = evaluate(work, layout, hw, args.nodes, price)
+        _show(args, work, hw, [plan], f"layout {'given' if given else 'of ' + args.model}, {plan.layout.describe()}",
               args.emit if plan.memory.fits else None)
         if not plan.memory.fits:
             print(f"does not fit: {plan.memory.shortfall()}")
@@ -84,18 +96,25 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _workload(args: argparse.Namespace) -> Workload:
+def _job_config(model: str) -> dict:
+    """The TOML tables of a recipe or config file; {} for a preset name."""
+    if model in PRESETS:
+        return {}
+    if not model.endswith(".toml") and model not in recipe_names() and not Path(model).is_file():
+        model_config(model)  # names neither a preset nor a recipe: the unknown-preset error lists the presets
+    data = load_toml(config_path(model))
+    if not isinstance(data.get("model"), dict):
+        raise HlatError(f"--model {model}: no [model] table")
+    return data
+
+
+def _workload(args: argparse.Namespace, job: dict) -> Workload:
     if not args.model:
-        raise HlatError("hlat plan: --model is required (a preset name or a TOML config)")
-    train, precision = {}, "bf16_mixed"
-    if args.model.endswith(".toml"):
-        data = load_toml(args.model)
-        if not isinstance(data.get("model"), dict):
-            raise HlatError(f"--model {args.model}: no [model] table")
-        table = dict(data["model"])
+        raise HlatError("hlat plan: --model is required (a preset name, a recipe or a TOML config)")
+    train, precision = job.get("train", {}), job.get("precision", {}).get("mode", "bf16_mixed")
+    if job:
+        table = dict(job["model"])
         model = model_config(table.pop("preset", ""), **table)
-        train = data.get("train", {})
-        precision = data.get("precision", {}).get("mode", precision)
     else:
         model = model_config(args.model)
     seq_len = args.seq_len or train.get("seq_len") or model.max_seq_len
@@ -187,17 +206,15 @@ def _si(x: float) -> str:
     return f"{x / 1e6:.3g}M" if x >= 1e6 else f"{x / 1e3:.3g}k" if x >= 1e3 else f"{x:.3g}"
 
 
-def _run_layout(parallel: dict, devices: int) -> Layout:
-    """The layout of a run's `[parallel]` table (none: one process, no recomputation)."""
-    known = {f.name for f in fields(Layout)}
-    values = {k: v for k, v in parallel.items() if k in known}
-    values.setdefault("activation_checkpoint", "none")
-    layout = Layout(**values)
-    if layout.dp_shard == -1:  # fills what the other degrees leave
-        layout = replace(layout, dp_shard=devices // (layout.tp * layout.pp * layout.dp_replicate))
-    if "dp_replicate" not in parallel:
-        layout = replace(layout, dp_replicate=max(1, devices // (layout.tp * layout.pp * layout.dp_shard)))
-    return layout
+def _trainer_layout(parallel: dict, micro_batch: int, devices: int) -> Layout:
+    """The planner's layout of the trainer's `[parallel]` table (absent keys: the trainer's defaults) on `devices`."""
+    p = update(ParallelConfig(), parallel, "parallel.").resolved(devices)
+    # the trainer's ZeRO-1 shards over dp_shard; the planner's spans every data-parallel rank with dp_shard 1
+    dp_replicate, dp_shard = (p.dp, 1) if p.zero1 else (p.dp_replicate, p.dp_shard)
+    return Layout(tp=p.tp, pp=p.pp, dp_replicate=dp_replicate, dp_shard=dp_shard, micro_batch=micro_batch,
+                  pp_schedule=p.pp_schedule, virtual_stages=p.virtual_stages if p.pp_schedule == "interleaved_1f1b"
+                  else 1, sequence_parallel=p.sequence_parallel and p.tp > 1, zero1=p.zero1,
+                  activation_checkpoint=p.activation_checkpoint)
 
 
 def _calibrate(args: argparse.Namespace, hw: HardwareProfile) -> int:
@@ -210,7 +227,7 @@ def _calibrate(args: argparse.Namespace, hw: HardwareProfile) -> int:
         train = config.get("train", {})
         precision = config.get("precision", {}).get("mode", "fp32")
         work = Workload(model, train["seq_len"], train["global_batch"], precision)
-        layout = replace(_run_layout(config.get("parallel", {}), devices), micro_batch=train["micro_batch"])
+        layout = _trainer_layout(config.get("parallel", {}), train["micro_batch"], devices)
         samples.append(Sample(str(run_dir), work, layout, hw, step_s))
     free = ("flops_factor", "layer_overhead_ms")[:len(samples)]
     fit = fit_factors(samples, free, hw.fit, f"calibrated on {len(samples)} hlat run(s): {', '.join(args.calibrate)}")

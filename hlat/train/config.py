@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from hlat.config import ConfigError, load_toml, parse_overrides, set_path, to_dict, to_toml, update
 from hlat.data.config import DataConfig
@@ -55,6 +56,39 @@ class TrainConfig:
 
 
 @dataclass
+class ClusterConfig:
+    """Where the job runs, as a recipe states it: `hlat launch` renders job files for it and `hlat plan` prices
+    it; the trainer itself takes its world size from torchrun."""
+
+    hardware: str = ""  # a hardware profile (hardware/*.toml, `hlat plan --hardware`); "" = not stated
+    nodes: int = 1
+    nproc_per_node: int = 8  # processes per node, one per device (GPU, or NeuronCore)
+    accelerator: Literal["gpu", "neuron", "cpu"] = "gpu"  # the devices job files request for each node
+    devices_per_node: int = 0  # devices to request per node; 0 = nproc_per_node (trn1.32xlarge: 16 chips)
+    time_limit: str = ""  # SLURM --time, e.g. "7-00:00:00"; "" = the partition's limit
+    # seconds between the stop signal and the kill (SLURM: before the time limit; Kubernetes: the termination
+    # grace period): the current step and a shutdown checkpoint must fit in it
+    stop_grace_s: int = 900
+    max_restarts: int = 3  # torchrun restarts all workers this many times after a failure (resuming each time)
+    run_volume: str = "hlat-runs"  # Kubernetes: ReadWriteMany PersistentVolumeClaim that holds the run directories
+    shm_gib: int = 64  # Kubernetes: memory-backed /dev/shm per pod (data workers, collectives)
+    preflight: bool = False  # run `hlat preflight` on every node before training starts
+
+    def validate(self) -> "ClusterConfig":
+        for name in ("nodes", "nproc_per_node", "stop_grace_s", "shm_gib"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"cluster.{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("devices_per_node", "max_restarts"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"cluster.{name}: must be >= 0, got {getattr(self, name)}")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.nproc_per_node
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -62,6 +96,7 @@ class Config:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def validate(self) -> "Config":
         """Check every section; the parallel layout is checked by `resolved_parallel` once the world size is
@@ -71,6 +106,7 @@ class Config:
         self.optim.validate()
         self.precision.validate()
         self.train.validate(self.model)
+        self.cluster.validate()
         return self
 
     def resolved_parallel(self, world_size: int | None = None) -> ParallelConfig:
