@@ -24,6 +24,9 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.resume is not None:
         overrides = overrides + ["--train.resume", args.resume]
     cfg = load_config(args.config, overrides)
+    if args.print_config:
+        print(cfg.to_toml(), end="")
+        return 0
     console = Console()
     s = train(cfg, console)
     if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 speaks for the job
@@ -61,6 +64,19 @@ def cmd_describe(args: argparse.Namespace, overrides: list[str]) -> int:
         table.add_row(f"{mode.name}: weights / grads / optimizer ({mode.bytes_per_param} B/param)",
                       f"{gb(mode.weight_bytes)} / {gb(mode.grad_bytes)} / {gb(mode.optimizer_bytes)}")
     Console().print(table)
+    return 0
+
+
+def cmd_config(args: argparse.Namespace, overrides: list[str]) -> int:
+    from hlat.config import describe_fields
+    from hlat.train.config import Config
+
+    rows = [r for r in describe_fields(Config()) if not args.section or r[0].startswith(f"{args.section}.")]
+    if not rows:
+        raise HlatError(f"config fields: no section {args.section!r} (sections: {', '.join(Config.__annotations__)})")
+    width = [max(len(r[i]) for r in rows) for i in range(3)]
+    for name, tp, default, comment in rows:
+        print(f"{name:<{width[0]}}  {tp:<{width[1]}}  {default:<{width[2]}}  {comment}".rstrip())
     return 0
 
 
@@ -112,13 +128,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train a model from a config",
                        description="Train from a TOML config; any field can be overridden, e.g. --optim.lr 1e-3.")
-    p.add_argument("--config", help="TOML config file (defaults: the built-in tiny model)")
+    p.add_argument("--config", action="append", help="TOML config file or recipe name (default: the built-in "
+                                                      "defaults); repeat it to lay later files over earlier ones")
     p.add_argument("--resume", help="'auto' (latest complete checkpoint of the run dir, if any) or a checkpoint path")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config, every field, and exit")
     p.set_defaults(func=cmd_train, overrides=True)
+
+    p = sub.add_parser("config", help="list config sections, fields, types and defaults")
+    p.add_argument("what", choices=["fields"])
+    p.add_argument("section", nargs="?", help="only this section, e.g. train")
+    p.set_defaults(func=cmd_config, overrides=False)
 
     p = sub.add_parser("describe", help="parameter counts, FLOPs and memory of a model, without building it")
     p.add_argument("--model", help="preset name, e.g. llama2-70b")
-    p.add_argument("--config", help="TOML config with a [model] table")
+    p.add_argument("--config", action="append", help="TOML config or recipe name (repeatable, merged in order)")
     p.add_argument("--seq-len", type=int, help="sequence length for FLOPs per token (default: train.seq_len)")
     p.set_defaults(func=cmd_describe, overrides=True)
 
@@ -136,7 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Render a multi-node job for the config's [cluster] table (time limit, stop "
                                    "signal, restarts, volumes: see hlat/train/config.py ClusterConfig); config "
                                    "overrides (--section.key value) are passed on.")
-    p.add_argument("--config", required=True, help="TOML config file or recipe name")
+    p.add_argument("--config", action="append", required=True,
+                   help="TOML config file or recipe name (repeatable, merged in order)")
     p.add_argument("--nodes", type=int, help="number of nodes (default: cluster.nodes)")
     p.add_argument("--nproc-per-node", type=int, help="processes (devices) per node (default: cluster.nproc_per_node)")
     p.add_argument("--target", choices=["slurm", "k8s"], required=True)

@@ -1,5 +1,6 @@
 """Config loading and validation: every mistake is one line naming the field, before any work starts."""
 
+import dataclasses
 import json
 
 import pytest
@@ -7,7 +8,7 @@ import pytest
 from hlat.cli import main
 from hlat.config import ConfigError
 from hlat.optim import lr_at
-from hlat.train.config import build_config, load_config
+from hlat.train.config import Config, build_config, load_config
 
 
 def test_preset_then_overrides():
@@ -113,3 +114,48 @@ def test_describe_70b_without_allocating(capsys):
     assert main(["describe", "--model", "llama2-70b"]) == 0
     out = capsys.readouterr().out
     assert "68,976,648,192" in out and "bf16_sr" in out
+
+
+def test_configs_merge_in_order(tmp_path, capsys):
+    """A recipe, then the tables `hlat plan --emit` writes, then overrides: later files set only what they name."""
+    emitted = tmp_path / "plan.toml"
+    assert main(["plan", "--model", "llama2-7b", "--hardware", "p5.48xlarge", "--nodes", "2", "--precision",
+                 "bf16_mixed", "--emit", str(emitted)]) == 0
+    capsys.readouterr()
+    cfg = load_config(["hlat-7b", str(emitted)], ["--train.steps", "5"])
+    base = load_config("hlat-7b")
+    assert cfg.precision.mode == "bf16_mixed" != base.precision.mode  # [precision] comes with the plan
+    assert cfg.parallel.dp_replicate != -1  # [parallel] from the plan
+    assert cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp_replicate * abs(cfg.parallel.dp_shard) <= 16
+    assert (cfg.optim, cfg.data, cfg.train.seq_len) == (base.optim, base.data, base.train.seq_len)  # the recipe's
+    assert (cfg.train.steps, cfg.model) == (5, base.model)
+    # the same in the other order: the recipe's layout wins
+    assert load_config([str(emitted), "hlat-7b"]).parallel == base.parallel
+
+
+def test_print_config_shows_every_field_and_reloads(tmp_path, capsys):
+    first, second = tmp_path / "a.toml", tmp_path / "b.toml"
+    first.write_text('[model]\npreset = "tiny"\nn_layers = 3\n[optim]\nlr = 1e-3\n')
+    second.write_text('[optim]\nwarmup_steps = 7\n[train]\nsteps = 9\n')
+    assert main(["train", "--config", str(first), "--config", str(second), "--optim.min_lr", "1e-5",
+                 "--print-config"]) == 0
+    printed = capsys.readouterr().out
+    out = tmp_path / "resolved.toml"
+    out.write_text(printed)
+    cfg = load_config(str(out))
+    assert (cfg.model.n_layers, cfg.optim.lr, cfg.optim.warmup_steps, cfg.optim.min_lr, cfg.train.steps) == (
+        3, 1e-3, 7, 1e-5, 9)
+    assert cfg == load_config([str(first), str(second)], ["--optim.min_lr", "1e-5"])
+    assert not (tmp_path / "runs").exists() and "clip_grad_norm = 1.0" in printed  # every field, nothing run
+
+
+def test_config_fields_lists_types_defaults_and_comments(capsys):
+    assert main(["config", "fields"]) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    cfg = Config()
+    assert len(rows) == sum(len(dataclasses.fields(getattr(cfg, f.name))) for f in dataclasses.fields(cfg))
+    assert rows["train.steps"].split()[1:3] == ["int", "300"] and "optimizer steps" in rows["train.steps"]
+    assert "'fp32'" not in rows["precision.mode"] and '"fp32"' in rows["precision.mode"]
+    assert "'concat' | 'best_fit'" in rows["data.packing"]
+    assert main(["config", "fields", "cluster"]) == 0
+    assert all(line.startswith("cluster.") for line in capsys.readouterr().out.splitlines())

@@ -162,7 +162,8 @@ def _show(args: argparse.Namespace, work: Workload, hw: HardwareProfile, plans: 
         header = (f"# hlat plan: {work.model.preset or work.model.family} on {best.nodes} x {hw.name}: "
                   f"{best.layout.describe()}, predicted {best.time.total:.3g} s/step, "
                   f"{best.tokens_per_s:,.0f} tokens/s, {best.memory.total / GIB:.1f} GiB/device\n")
-        Path(emit).write_text(header + to_toml(best.layout.config_sections(work)))
+        sections = {"precision": {"mode": work.precision}, **best.layout.config_sections(work)}
+        Path(emit).write_text(header + to_toml(sections))
     if args.json:
         print(json.dumps({"model": work.model.preset, "hardware": hw.name, "nodes": args.nodes,
                           "seq_len": work.seq_len, "global_batch": work.global_batch, "precision": work.precision,

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from hlat.config import ConfigError, load_toml, parse_overrides, set_path, to_dict, to_toml, update
+from hlat.config import ConfigError, load_toml, merge_tables, parse_overrides, set_path, to_dict, to_toml, update
 from hlat.data.config import DataConfig
 from hlat.models.config import ModelConfig, preset_config
 from hlat.optim.config import OptimConfig, PrecisionConfig
@@ -144,5 +144,10 @@ def build_config(data: dict | None = None, overrides: list[str] | None = None) -
     return cfg.validate()
 
 
-def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
-    return build_config(load_toml(config_path(path)) if path else {}, overrides)
+def load_config(paths: str | Path | list[str | Path] | None, overrides: list[str] | None = None) -> Config:
+    """A validated Config from config files (or recipe names) merged in order, then `--section.key value`
+    overrides: a later file sets only the keys it names (e.g. a recipe, then the [parallel] of `hlat plan --emit`)."""
+    data: dict = {}
+    for path in [paths] if isinstance(paths, (str, Path)) else paths or []:
+        data = merge_tables(data, load_toml(config_path(path)))
+    return build_config(data, overrides)

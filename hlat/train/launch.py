@@ -25,8 +25,8 @@ K8S_CONFIG = "/etc/hlat/config.toml"
 DEVICE_RESOURCE = {"gpu": "nvidia.com/gpu", "neuron": "aws.amazon.com/neuron"}
 
 
-def _job_name(config: str) -> str:
-    stem = re.sub(r"[^a-z0-9-]+", "-", PurePosixPath(config).name.removesuffix(".toml").lower()).strip("-")
+def _job_name(configs: list[str]) -> str:
+    stem = re.sub(r"[^a-z0-9-]+", "-", PurePosixPath(configs[0]).name.removesuffix(".toml").lower()).strip("-")
     return stem if stem.startswith("hlat") else f"hlat-{stem}"
 
 
@@ -40,12 +40,13 @@ def _torchrun(c: ClusterConfig, rendezvous: list[str]) -> list[str]:
             f"--max-restarts={c.max_restarts}", "--rdzv-backend=c10d", *rendezvous]
 
 
-def render_slurm(config: str, cfg: Config, overrides: list[str]) -> str:
-    c, name = cfg.cluster, _job_name(config)
-    train = ["-m", "hlat", "train", "--config", config, *overrides, "--resume", "auto"]
+def render_slurm(configs: list[str], cfg: Config, overrides: list[str]) -> str:
+    c, name = cfg.cluster, _job_name(configs)
+    config_args = [arg for path in configs for arg in ("--config", path)]
+    train = ["-m", "hlat", "train", *config_args, *overrides, "--resume", "auto"]
     torchrun = _torchrun(c, ['--rdzv-id="$SLURM_JOB_ID"', f'--rdzv-endpoint="$head_node:{RDZV_PORT}"'])
     gpus = [f"#SBATCH --gpus-per-node={c.devices_per_node or c.nproc_per_node}"] if c.accelerator == "gpu" else []
-    preflight = ["python", "-m", "hlat", "preflight", "--config", config, *overrides]
+    preflight = ["python", "-m", "hlat", "preflight", *config_args, *overrides]
     lines = [
         "#!/bin/bash",
         f"#SBATCH --job-name={name}",
@@ -78,10 +79,10 @@ def render_slurm(config: str, cfg: Config, overrides: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_k8s(config: str, cfg: Config, image: str) -> str:
+def render_k8s(configs: list[str], cfg: Config, image: str) -> str:
     """A ConfigMap with the resolved config and a Kubeflow PyTorchJob that runs it (the operator sets PET_NNODES,
     PET_NODE_RANK, PET_MASTER_ADDR/PORT); run directories live on the `cluster.run_volume` claim."""
-    c, name = cfg.cluster, _job_name(config)
+    c, name = cfg.cluster, _job_name(configs)
     run_dir = PurePosixPath(K8S_WORKDIR, cfg.train.run_dir)  # an absolute run_dir stays as it is
     if not run_dir.is_relative_to(K8S_RUNS):
         raise ConfigError(f"train.run_dir: {cfg.train.run_dir} is outside the volume mounted at {K8S_RUNS}: a restarted pod "
@@ -125,10 +126,11 @@ def render_k8s(config: str, cfg: Config, image: str) -> str:
     return json.dumps({"apiVersion": "v1", "kind": "List", "items": [config_map, job]}, indent=2) + "\n"
 
 
-def render(config: str, target: str, overrides: list[str], image: str) -> str:
-    """The job file for `target`, after checking the config and its layout on the `[cluster]` it states."""
-    cfg = load_config(config, overrides)
+def render(configs: list[str], target: str, overrides: list[str], image: str) -> str:
+    """The job file for `target`, after checking the configs (merged in order) and the layout on the `[cluster]`
+    they state."""
+    cfg = load_config(configs, overrides)
     cfg.resolved_parallel(cfg.cluster.world_size)
     if target == "slurm":
-        return render_slurm(config, cfg, overrides)
-    return render_k8s(config, cfg, image)
+        return render_slurm(configs, cfg, overrides)
+    return render_k8s(configs, cfg, image)
