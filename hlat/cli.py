@@ -90,7 +90,8 @@ def cmd_import_hf(args: argparse.Namespace, overrides: list[str]) -> int:
 def cmd_export_hf(args: argparse.Namespace, overrides: list[str]) -> int:
     from hlat.train.interop import export_hf
 
-    print(f"wrote {export_hf(args.ckpt_dir, args.out)}")
+    out, tokenizer_note = export_hf(args.ckpt_dir, args.out)
+    print(f"wrote {out} ({tokenizer_note})")
     return 0
 
 
@@ -152,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export-hf", help="convert an hlat checkpoint (or run dir) into a transformers directory")
     p.add_argument("ckpt_dir")
-    p.add_argument("--out", required=True, help="directory for config.json and model.safetensors")
+    p.add_argument("--out", required=True, help="directory for config.json, generation_config.json, "
+                                                "model.safetensors and the tokenizer files")
     p.set_defaults(func=cmd_export_hf, overrides=False)
 
     p = sub.add_parser("launch", help="render a multi-node SLURM script or Kubernetes PyTorchJob for a config",
