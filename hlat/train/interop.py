@@ -62,8 +62,10 @@ def _write_tokenizer_files(tokenizer: Tokenizer | None, out: Path, max_len: int)
     tokenizer.save(out)
     eos = tokenizers.Tokenizer.from_file(str(out / "tokenizer.json")).id_to_token(tokenizer.eos_id)
     special = {"bos_token": eos, "eos_token": eos}
+    # model_input_names: transformers 4 would otherwise add token_type_ids, which generate() refuses
     config = {"tokenizer_class": "PreTrainedTokenizerFast", **special, "model_max_length": max_len,
-              "add_bos_token": False, "clean_up_tokenization_spaces": False}
+              "add_bos_token": False, "clean_up_tokenization_spaces": False,
+              "model_input_names": ["input_ids", "attention_mask"]}
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
     return f"tokenizer.json with bos = eos = {eos!r} (id {tokenizer.eos_id})"
