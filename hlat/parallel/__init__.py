@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
+from hlat import HlatError
 from hlat.parallel.config import ParallelConfig
 
 if TYPE_CHECKING:
@@ -50,7 +51,10 @@ def parallelize(model: nn.Module, topo: Topology, device: torch.device, seed: in
                 os.environ["TORCHINDUCTOR_CACHE_DIR"] = cfg.compile_cache_dir
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", "/tmp/hlat-compile-cache")
             for block in part.layers.values():
-                block.compile()
+                try:
+                    block.compile(backend=cfg.compile_backend)
+                except Exception as e:  # torch checks the backend name here and says what it knows
+                    raise HlatError(f"parallel.compile_backend: {str(e).splitlines()[0]}") from None
             if cfg.tp > 1 and part.tok_embeddings is not None:
                 # The vocabulary-parallel embedding finishes its collective asynchronously; a pending result
                 # must not enter a compiled block (torch 2.13 then hands its backward a plain tensor).

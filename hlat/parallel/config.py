@@ -28,6 +28,7 @@ class ParallelConfig:
     activation_checkpoint: Literal["none", "selective", "full"] = "none"  # selective recomputes attention
     data_sharding: Literal["replicated", "files"] = "replicated"  # see hlat/train/loop.py: local_batches
     compile: bool = False  # torch.compile each block
+    compile_backend: str = "inductor"  # torch.compile backend (a device's plugin may register its own)
     compile_cache_dir: str = ""  # "" = the node's local disk (/tmp/hlat-compile-cache), not a shared FS
 
     def stages(self) -> int:
@@ -75,6 +76,8 @@ class ParallelConfig:
                               "model.tie_embeddings = false")
         if p.pp > 1 and doc_mask:
             raise ConfigError("parallel.pp: document masking is not supported with pipeline parallelism yet")
+        if p.compile and not p.compile_backend:
+            raise ConfigError("parallel.compile_backend: empty; 'inductor' is torch's default")
         if p.zero1 and p.dp_shard == 1:
             raise ConfigError("parallel.zero1: shards optimizer states over dp_shard, which is 1")
         if p.compile and p.tp > 1 and p.activation_checkpoint != "none":

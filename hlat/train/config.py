@@ -3,6 +3,7 @@ validated before any work starts."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -28,7 +29,7 @@ class TrainConfig:
     resume: str = ""  # "" starts fresh, "auto" continues from the latest complete checkpoint, or a path
     init_from: str = ""  # start a fresh run from these weights (a checkpoint, e.g. from `hlat import-hf`)
     seed: int = 0
-    device: str = "auto"  # auto | cpu | cuda
+    device: str = "auto"  # auto (the available accelerator, else cpu) | cpu | an accelerator type: cuda, xpu, neuron...
     peak_flops: float = 0.0  # per device, for MFU; 0 looks the device up in hlat.train.metrics.PEAK_FLOPS
 
     def validate(self, model: ModelConfig) -> "TrainConfig":
@@ -43,8 +44,8 @@ class TrainConfig:
                               f"{self.micro_batch}")
         if self.seq_len > model.max_seq_len:
             raise ConfigError(f"train.seq_len: {self.seq_len} exceeds model.max_seq_len {model.max_seq_len}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ConfigError(f"train.device: {self.device!r} is not one of 'auto', 'cpu', 'cuda'")
+        if not re.fullmatch(r"[a-z][a-z0-9_]*", self.device):
+            raise ConfigError(f"train.device: {self.device!r} is not 'auto', 'cpu' or a device type such as 'cuda'")
         return self
 
     def grad_accum(self, dp: int = 1) -> int:
