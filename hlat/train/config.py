@@ -28,6 +28,9 @@ class TrainConfig:
     run_dir: str = "runs/default"
     resume: str = ""  # "" starts fresh, "auto" continues from the latest complete checkpoint, or a path
     init_from: str = ""  # start a fresh run from these weights (a checkpoint, e.g. from `hlat import-hf`)
+    # a resume that changes the learning-rate schedule (e.g. more train.steps with optim.decay_steps = 0) is
+    # refused unless this is set
+    allow_schedule_change: bool = False
     seed: int = 0
     device: str = "auto"  # auto (the available accelerator, else cpu) | cpu | an accelerator type: cuda, xpu, neuron...
     peak_flops: float = 0.0  # per device, for MFU; 0 looks the device up in hlat.train.metrics.PEAK_FLOPS
