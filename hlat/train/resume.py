@@ -3,6 +3,7 @@ and resuming), and what a resumed run changes against the config its checkpoint 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch.distributed.checkpoint as dcp
@@ -10,8 +11,9 @@ from torch import nn
 
 from hlat import HlatError
 from hlat.config import to_dict
+from hlat.models import build_model
 from hlat.optim.schedule import lr_at
-from hlat.train.checkpoint import CONFIG_FILE
+from hlat.train.checkpoint import CONFIG_FILE, resolve_checkpoint
 from hlat.train.config import Config, load_config
 
 # What a resume may change without a word: where and how it runs, not what it computes.
@@ -61,11 +63,23 @@ def schedule_changes(saved: Config, current: Config, step: int) -> bool:
     return any(schedule(saved, s) != schedule(current, s) for s in range(step, last + 1))
 
 
-def check_resume(path: Path, step: int, cfg: Config) -> list[str]:
-    """What resuming checkpoint `path` (at `step`) with `cfg` changes; refused in one line when the learning-rate
-    schedule changes and `train.allow_schedule_change` is off."""
+def check_start(cfg: Config, resume_from: Path | None) -> list[str]:
+    """Before any process group: the weights the run starts from fit its model, and a resume's changes to the
+    config (returned, for the log) are allowed."""
+    if resume_from is not None:
+        check_model_shapes(resume_from, build_model(cfg.model))
+        return check_resume(resume_from, cfg)
+    if cfg.train.init_from:
+        check_model_shapes(resolve_checkpoint(cfg.train.init_from), build_model(cfg.model))
+    return []
+
+
+def check_resume(path: Path, cfg: Config) -> list[str]:
+    """What resuming checkpoint `path` with `cfg` changes; refused in one line when the learning rate of a step
+    still to run changes and `train.allow_schedule_change` is off."""
     if not (path / CONFIG_FILE).is_file():
         return []
+    step = int(path.name.removeprefix("step_")) if re.fullmatch(r"step_\d+", path.name) else 0
     saved = load_config(path / CONFIG_FILE)
     changes = config_changes(saved, cfg)
     if changes and schedule_changes(saved, cfg, step) and not cfg.train.allow_schedule_change:
