@@ -19,7 +19,7 @@ def test_slurm_script_stops_before_the_time_limit_and_requeues(capsys):
     for line in ("#SBATCH --nodes=4", "#SBATCH --time=2-00:00:00", "#SBATCH --requeue", "trap stop_and_requeue USR1",
                  'kill -TERM "$train_pid"', 'scontrol requeue "$SLURM_JOB_ID"', "export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=1200"):
         assert line in script, line
-    assert any(line.startswith("#SBATCH --signal=B:USR1@1200") for line in lines)
+    assert "#SBATCH --signal=B:USR1@1200" in lines
     assert not any("--gpus-per-node" in line for line in lines)  # trn1: Neuron devices, not GPUs
     torchrun = next(line for line in lines if line.startswith("srun torchrun"))
     for flag in ("--nnodes=4", "--nproc-per-node=32", "--max-restarts=3", "--rdzv-backend=c10d",

@@ -55,7 +55,7 @@ def render_slurm(configs: list[str], cfg: Config, overrides: list[str]) -> str:
         *gpus,
         "#SBATCH --exclusive",
         *([f"#SBATCH --time={c.time_limit}"] if c.time_limit else []),
-        f"#SBATCH --signal=B:USR1@{c.stop_grace_s}  # to this script, {c.stop_grace_s} s before the time limit",
+        f"#SBATCH --signal=B:USR1@{c.stop_grace_s}",  # to this script, stop_grace_s before the time limit
         "#SBATCH --requeue",
         "#SBATCH --open-mode=append",
         f"#SBATCH --output={name}-%j.out",
