@@ -62,3 +62,31 @@ def test_resume_refuses_a_schedule_change_without_the_flag(checkpoint):
     assert "--train.allow_schedule_change true" in str(err.value)
     assert check_resume(checkpoint, config(train={"steps": 12, "allow_schedule_change": True})) == [
         "train.steps: 8 -> 12"]
+
+
+def test_trainer_refuses_before_starting(tmp_path, capsys):
+    """Through `hlat train`: a resume with more steps (cosine horizon = train.steps) is refused, then allowed
+    with the flag, saying what changed; init_from of another shape stops in one line."""
+    import json
+    from pathlib import Path
+
+    from hlat.cli import main
+
+    run = tmp_path / "run"
+    args = ["train", "--model.preset", "tiny", "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4",
+            "--model.ffn_dim", "128", "--model.vocab_size", "384", "--data.paths",
+            str(Path(json.__file__).parent / "*.py"), "--data.workers", "0", "--train.global_batch", "2",
+            "--train.micro_batch", "2", "--train.seq_len", "32", "--optim.warmup_steps", "1",
+            "--train.run_dir", str(run)]
+    assert main([*args, "--train.steps", "2"]) == 0
+    capsys.readouterr()
+    assert main([*args, "--train.steps", "4", "--resume", "auto"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "changes the learning-rate schedule from step 2 on (train.steps: 2 -> 4)" in err
+    assert main([*args, "--train.steps", "3", "--resume", "auto", "--train.allow_schedule_change", "true"]) == 0
+    assert "train.steps: 2 -> 3" in capsys.readouterr().out
+    other = [a if a != "64" else "32" for a in args]  # model.dim 32
+    assert main([*other, "--train.steps", "1", "--train.run_dir", str(tmp_path / "b"), "--train.init_from",
+                 str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "tensor 'tok_embeddings.weight' has shape [384, 64] in the checkpoint" in err

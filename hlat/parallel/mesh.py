@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from hlat.parallel.config import ParallelConfig, world_size_from_env
-from hlat.parallel.device import backend_for, local_device  # noqa: F401 (local_device: the loop's import)
+from hlat.parallel.device import backend_for
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 

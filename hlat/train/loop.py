@@ -30,12 +30,13 @@ from hlat.optim.precision import autocast as precision_autocast
 from hlat.optim.precision import prepare_model
 from hlat.parallel import Topology, init_topology, parallelize
 from hlat.parallel.data import sync_gradients
+from hlat.parallel.device import pick_device
 from hlat.parallel.grads import clip_grad_norm
-from hlat.parallel.mesh import local_device
 from hlat.parallel.pipeline import build_schedule
 from hlat.train.checkpoint import latest_checkpoint, load_checkpoint, resolve_checkpoint, save_checkpoint
 from hlat.train.config import Config
 from hlat.train.metrics import MetricsLog, peak_flops, peak_memory_gb
+from hlat.train.resume import check_start
 
 
 @dataclass
@@ -47,14 +48,6 @@ class Summary:
     first_loss: float
     last_loss: float
     checkpoint: str
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "cuda" and not torch.cuda.is_available():
-        raise HlatError("train.device: 'cuda' was asked for but no CUDA device is available")
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return local_device(name)
 
 
 def find_resume_checkpoint(cfg: Config) -> Path | None:
@@ -147,9 +140,12 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
     device = pick_device(tc.device)
     files = resolve_data_files(cfg.data)
     resume_from = find_resume_checkpoint(cfg)
+    resume_changes = check_start(cfg, resume_from)  # shapes fit, schedule changes allowed: one-line errors
 
     topo = init_topology(pcfg, device)
     console = console if topo.is_main and console is not None else Console(quiet=not topo.is_main)
+    for change in resume_changes:
+        console.print(f"resuming with a changed config: {change}", highlight=False)
     try:
         return _train(cfg, topo, device, files, resume_from, run_dir, console)
     finally:
