@@ -126,7 +126,7 @@ def report() -> str:
                "measured tokens/$", "predicted tokens/$"], rows))
     say(f"\nStep-time MAPE {100 * mape(trn, trn1):.1f}% in sample.")
     llama70 = trn[-1]
-    pp8 = replace(llama70.layout, pp=8, dp_replicate=4)
+    pp8 = llama70.layout.replaced(pp=8, dp_shard=4)  # ZeRO-1 over the data-parallel ranks
     pp8_seq = llama70.workload.global_batch / step_time(llama70.workload, pp8, hw_trn).total
     say(f"The Neuron docs also give llama2-70b on 32 nodes at TP 32 / PP 8: 14.2-14.4 seq/s (SDK 2.20-2.21), "
         f"against 17.86 at PP 4; predicted {pp8_seq:.1f} seq/s.")
@@ -153,8 +153,8 @@ def report() -> str:
         result = search(work, hw, 64)
         rows = [[i, p.layout.describe(), f"{p.memory.total / GIB:.1f}", f"{p.time.total:.2f}",
                  f"{p.tokens_per_s:,.0f}", f"{p.mfu:.1%}"] for i, p in enumerate(result.plans[:5], 1)]
-        hlat = {"llama2-7b": Layout(tp=8, dp_replicate=256, sequence_parallel=True, zero1=True),
-                "llama2-70b": Layout(tp=32, pp=8, dp_replicate=8, sequence_parallel=True, zero1=True)}[preset]
+        hlat = {"llama2-7b": Layout.of(tp=8, dp_shard=256, zero1=True, activation_checkpoint="selective"),
+                "llama2-70b": Layout.of(tp=32, pp=8, dp_shard=8, zero1=True, activation_checkpoint="selective")}[preset]
         mine = evaluate(work, hlat, hw, 64)
         rank = next((i for i, p in enumerate(result.plans, 1) if p.layout == hlat), None)
         rows.append([f"HLAT's ({rank or 'does not fit'})", hlat.describe(), f"{mine.memory.total / GIB:.1f}",

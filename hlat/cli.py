@@ -116,6 +116,12 @@ def cmd_data(args: argparse.Namespace, overrides: list[str]) -> int:
     return run(args)
 
 
+def cmd_preflight(args: argparse.Namespace, overrides: list[str]) -> int:
+    from hlat.train.preflight_cli import run
+
+    return run(args, overrides)
+
+
 def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     from hlat.planner.cli import run
 
@@ -176,6 +182,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_data_arguments(p)
     p.set_defaults(func=cmd_data, overrides=False)
+
+    p = sub.add_parser("preflight", help="burn-in: measure compute, links and numerics on every rank; write a "
+                                         "measured hardware profile for the planner",
+                       description="Run alone or under torchrun (every rank). Config overrides (--section.key value) "
+                                   "are accepted.")
+    from hlat.train.preflight_cli import add_arguments as add_preflight_arguments
+
+    add_preflight_arguments(p)
+    p.set_defaults(func=cmd_preflight, overrides=True)
 
     p = sub.add_parser("plan", help="choose a parallel layout and predict memory, step time and cost")
     from hlat.planner.cli import add_arguments as add_plan_arguments

@@ -129,8 +129,10 @@ def test_configs_merge_in_order(tmp_path, capsys):
     assert cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp_replicate * abs(cfg.parallel.dp_shard) <= 16
     assert (cfg.optim, cfg.data, cfg.train.seq_len) == (base.optim, base.data, base.train.seq_len)  # the recipe's
     assert (cfg.train.steps, cfg.model) == (5, base.model)
-    # the same in the other order: the recipe's layout wins
-    assert load_config([str(emitted), "hlat-7b"]).parallel == base.parallel
+    # the other order: the fields the recipe names win
+    p = load_config([str(emitted), "hlat-7b"]).parallel
+    assert (p.tp, p.pp, p.dp_replicate, p.dp_shard, p.zero1, p.activation_checkpoint) == (8, 1, -1, 1, False,
+                                                                                          "selective")
 
 
 def test_print_config_shows_every_field_and_reloads(tmp_path, capsys):

@@ -42,10 +42,10 @@ def plan_args(*argv: str) -> argparse.Namespace:
 def test_model_states_follow_the_published_parameter_count_and_sharding():
     work = Workload(model_config("llama2-7b"), 4096, 1024, "bf16_mixed")
     published = 6_738_415_616  # LLaMA-2 7B
-    assert stage_params(work.model, Layout(tp=8)) == pytest.approx(published / 8, rel=1e-5)
-    ddp = memory(work, Layout(tp=8, dp_replicate=256, sequence_parallel=True), TRN1)
-    zero1 = memory(work, Layout(tp=8, dp_replicate=256, sequence_parallel=True, zero1=True), TRN1)
-    fsdp = memory(work, Layout(tp=8, dp_shard=256, sequence_parallel=True), TRN1)
+    assert stage_params(work.model, Layout.of(tp=8)) == pytest.approx(published / 8, rel=1e-5)
+    ddp = memory(work, Layout.of(tp=8, dp_replicate=256, sequence_parallel=True), TRN1)
+    zero1 = memory(work, Layout.of(tp=8, dp_shard=256, sequence_parallel=True, zero1=True), TRN1)
+    fsdp = memory(work, Layout.of(tp=8, dp_shard=256, sequence_parallel=True), TRN1)
     assert ddp.weights == pytest.approx(published / 8 * 4, rel=1e-5)  # fp32 master weights
     assert ddp.optimizer == pytest.approx(published / 8 * 8, rel=1e-5)  # AdamW moments
     assert zero1.optimizer == pytest.approx(ddp.optimizer / 256) and zero1.weights == ddp.weights
@@ -53,8 +53,8 @@ def test_model_states_follow_the_published_parameter_count_and_sharding():
     assert fsdp.buffers > 0 == ddp.buffers
     # Under a pipeline the trainer keeps FSDP's parameters gathered and its gradients whole through the step.
     piped = dict(tp=8, pp=2, sequence_parallel=True)
-    fsdp_pp = memory(work, Layout(dp_shard=128, **piped), TRN1)
-    ddp_pp = memory(work, Layout(dp_replicate=128, **piped), TRN1)
+    fsdp_pp = memory(work, Layout.of(dp_shard=128, **piped), TRN1)
+    ddp_pp = memory(work, Layout.of(dp_replicate=128, **piped), TRN1)
     assert fsdp_pp.weights + fsdp_pp.grads + fsdp_pp.buffers >= ddp_pp.weights + ddp_pp.grads
     assert fsdp_pp.optimizer == pytest.approx(ddp_pp.optimizer / 128)
 
@@ -67,15 +67,16 @@ def test_activations_match_korthikanti_without_dropout():
     sbh = s * b * h
 
     def act(recompute, sp):
-        layout = Layout(tp=t, micro_batch=b, sequence_parallel=sp)
-        return layer_activation_bytes(model, s, layout, recompute, 2, flash=False)
+        layout = Layout.of(tp=t, micro_batch=b, sequence_parallel=sp)
+        return layer_activation_bytes(model, s, layout, recompute, 2, flash=False, stack="megatron")
 
     assert act("none", False) == pytest.approx(sbh * (8 + 24 / t) + 2 * a * s * s * b / t)
     assert act("selective", False) == pytest.approx(sbh * (8 + 24 / t))
     assert act("selective", True) == pytest.approx(sbh * 32 / t)
     assert act("full", True) == pytest.approx(2 * sbh / t)
     assert act("full", False) == pytest.approx(2 * sbh)
-    flash = layer_activation_bytes(model, s, Layout(tp=t, micro_batch=b), "none", 2, flash=True)
+    flash = layer_activation_bytes(model, s, Layout.of(tp=t, micro_batch=b, sequence_parallel=False), "none", 2, flash=True,
+                                   stack="megatron")
     assert flash == pytest.approx(act("selective", False))  # fused attention never stores the scores
 
 
@@ -83,12 +84,12 @@ def test_pipeline_schedules_hold_the_expected_micro_batches_in_flight():
     model = gpt(layers=32)
     hw = replace(TRN1, devices_per_node=8)
     work = Workload(model, 2048, 64, "bf16_mixed")
-    base = Layout(tp=2, pp=4, sequence_parallel=True)  # 8 devices, 64 micro-batches
-    per_layer = layer_activation_bytes(model, 2048, base, "selective", 2, flash=False)
+    base = Layout.of(tp=2, pp=4, activation_checkpoint="selective")  # 8 devices, 64 micro-batches
+    per_layer = layer_activation_bytes(model, 2048, base, "selective", 2, flash=False, stack="megatron")
     logits = (2 + 4) * 2048 * model.vocab_size / 2
 
     def acts(**kw):
-        return memory(work, replace(base, **kw), hw).activations - logits
+        return memory(work, base.replaced(**kw), hw).activations - logits
 
     assert acts(pp_schedule="1f1b") == pytest.approx(32 * per_layer)  # p stages' worth: the whole model once
     assert acts(pp_schedule="gpipe") == pytest.approx(8 * 64 * per_layer)  # every micro-batch
@@ -102,7 +103,7 @@ def test_compute_matches_megatrons_flop_count_with_full_recomputation():
     model = gpt(dim=4096, layers=32, heads=32, seq=2048)
     hw = replace(TRN1, devices_per_node=1, peak_tflops=100.0)
     work = Workload(model, 2048, 8, "bf16_mixed")
-    layout = Layout(micro_batch=2, activation_checkpoint="full")
+    layout = Layout.of(micro_batch=2, activation_checkpoint="full")
     t = step_time(work, layout, hw, ONLY_FLOPS)
     B, s, L, h, V = 8, 2048, 32, 4096, 51200
     megatron = 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
@@ -115,14 +116,14 @@ def test_pipeline_bubble_p2p_cost_and_linearity_in_the_factors():
     # The last stage's output layer: 6 V h FLOPs per token for the 64 x 2048 tokens; filling and draining the
     # pipeline runs through the other stages, which lack it.
     output = 6 * model.vocab_size * model.dim * 64 * 2048 / (hw.peak_tflops * 1e12)
-    for layout, bubble in ((Layout(pp=8, micro_batch=1), 7 / 64),
-                           (Layout(pp=8, micro_batch=1, pp_schedule="interleaved_1f1b", virtual_stages=2), 7 / 128)):
+    for layout, bubble in ((Layout.of(pp=8, micro_batch=1), 7 / 64),
+                           (Layout.of(pp=8, micro_batch=1, pp_schedule="interleaved_1f1b", virtual_stages=2), 7 / 128)):
         t = step_time(work, layout, hw, ONLY_FLOPS)
         assert t.bubble / (t.compute - output) == pytest.approx(bubble)
         # each micro-batch's activations go forward and their gradients back, v times per pipeline rank
         handshakes = step_time(work, layout, hw, replace(ONLY_FLOPS, p2p_ms=1.0)).pp_comm
         assert handshakes == pytest.approx(64 * 2 * layout.virtual_stages * 1e-3)
-    layout = Layout(tp=2, pp=2, dp_replicate=2, micro_batch=2, zero1=True, sequence_parallel=True)
+    layout = Layout.of(tp=2, pp=2, dp_shard=2, micro_batch=2, zero1=True, sequence_parallel=True)
     fit = hw.fit
     doubled = replace(fit, **{k: 2 * getattr(fit, k) for k in FACTORS})
     one, two = step_time(work, layout, hw, fit), step_time(work, layout, hw, doubled)
@@ -134,18 +135,18 @@ def test_fsdp_under_a_pipeline_communicates_like_zero1():
     pipelining defers the gradient sync), so its traffic is ZeRO-1's: one reduce-scatter and one all-gather."""
     work = Workload(gpt(layers=8), 2048, 64, "bf16_mixed")
     hw = replace(TRN1, devices_per_node=8)
-    fsdp = step_time(work, Layout(pp=2, dp_shard=8, micro_batch=1), hw)
-    zero1 = step_time(work, Layout(pp=2, dp_replicate=8, zero1=True, micro_batch=1), hw)
-    unpiped = step_time(work, Layout(dp_shard=16, micro_batch=1), hw)
+    fsdp = step_time(work, Layout.of(pp=2, dp_shard=8, micro_batch=1), hw)
+    zero1 = step_time(work, Layout.of(pp=2, dp_shard=8, zero1=True, micro_batch=1), hw)
+    unpiped = step_time(work, Layout.of(dp_shard=16, micro_batch=1), hw)
     assert fsdp.dp_comm == pytest.approx(zero1.dp_comm) and fsdp.dp_comm > 0
-    assert unpiped.dp_comm != pytest.approx(step_time(work, Layout(dp_replicate=16, zero1=True, micro_batch=1),
+    assert unpiped.dp_comm != pytest.approx(step_time(work, Layout.of(dp_shard=16, zero1=True, micro_batch=1),
                                                       hw).dp_comm)
 
 
 def test_host_overhead_shows_only_where_layers_are_small_and_scores_cost_seq_squared():
     model, hw = gpt(layers=8), replace(TRN1, devices_per_node=1, peak_tflops=100.0, hbm_gbs=1000.0)
     work = Workload(model, 2048, 8, "bf16_mixed")
-    layout = Layout(micro_batch=1, activation_checkpoint="full")
+    layout = Layout.of(micro_batch=1, activation_checkpoint="full")
     device = step_time(work, layout, hw, ONLY_FLOPS)
     per_layer = (device.compute - 6 * model.vocab_size * model.dim * 2048 * 8 / 100e12) / (8 * 8)
     host = replace(ONLY_FLOPS, layer_overhead_ms=2e3 * per_layer)  # twice the device's time per layer
@@ -167,7 +168,7 @@ def test_fit_recovers_known_factors_across_host_and_device_bound_runs():
     for dim, seq in ((1024, 1024), (2048, 1024), (4096, 2048)):
         work = Workload(gpt(dim=dim, layers=8, heads=16, seq=seq), seq, 16, "bf16_mixed")
         for tp, pp, mb in ((1, 1, 1), (2, 1, 2), (4, 1, 1), (8, 1, 4), (2, 1, 4), (2, 2, 1), (1, 4, 2)):
-            layout = Layout(tp=tp, pp=pp, dp_replicate=8 // (tp * pp), micro_batch=mb, activation_checkpoint="full")
+            layout = Layout.of(tp=tp, pp=pp, dp_replicate=8 // (tp * pp), micro_batch=mb, activation_checkpoint="full")
             samples.append(Sample("", work, layout, hw, step_time(work, layout, hw, truth).total))
     fitted = fit_factors(samples, FACTORS, Fit(), "test")
     # All runs sit in one node: nothing crosses nodes, so inter_factor is not identified.
@@ -191,7 +192,7 @@ def test_tensor_parallelism_beyond_a_node_runs_over_the_network():
     work = Workload(model, 2048, 16, "bf16_mixed")
     slow_network = replace(hw.fit, inter_factor=2 * hw.fit.inter_factor)
     for tp, crosses in ((8, False), (16, True)):
-        layout = Layout(tp=tp, dp_replicate=16 // tp, micro_batch=1)
+        layout = Layout.of(tp=tp, dp_replicate=16 // tp, micro_batch=1)
         base, slow = step_time(work, layout, hw).tp_comm, step_time(work, layout, hw, slow_network).tp_comm
         assert base > 0 and (slow > 1.2 * base if crosses else slow == base)
 
@@ -210,7 +211,7 @@ def test_llama2_70b_on_64_trn1_nodes_is_a_large_tp_deep_pp_zero1_layout():
     result = search(work, TRN1, 64)
     best = result.plans[0].layout
     assert best.tp >= 16 and best.pp >= 4 and best.zero1
-    hlat = evaluate(work, Layout(tp=32, pp=8, dp_replicate=8, sequence_parallel=True, zero1=True), TRN1, 64)
+    hlat = evaluate(work, Layout.of(tp=32, pp=8, dp_shard=8, zero1=True, activation_checkpoint="selective"), TRN1, 64)
     assert hlat.memory.fits and hlat.time.total > result.plans[0].time.total
     with pytest.raises(HlatError, match="no layout"):
         run(plan_args("--model", "llama2-70b", "--hardware", "trn1.32xlarge", "--nodes", "1", "--seq-len", "4096"))
@@ -242,7 +243,7 @@ def test_neox_20b_tokens_per_dollar_is_flat_across_4_to_64_nodes():
     work = Workload(model_config("neox-20b"), 2048, 16384, "bf16_sr")
     per_dollar = []
     for nodes in (4, 8, 16, 32, 64):
-        layout = Layout(tp=8, pp=4, dp_replicate=nodes, sequence_parallel=True, activation_checkpoint="full")
+        layout = Layout.of(tp=8, pp=4, dp_replicate=nodes, sequence_parallel=True, activation_checkpoint="full")
         per_dollar.append(evaluate(work, layout, TRN1, nodes, TRN1.price_reserved).tokens_per_dollar)
     assert max(per_dollar) / min(per_dollar) < 1.10
     assert all(abs(x / 3.26e6 - 1) < 0.10 for x in per_dollar)
@@ -292,7 +293,7 @@ def test_cli_given_layout_and_table(capsys, tmp_path):
     (["--model", "llama2-7b", "--hardware", "h100"], "unknown profile 'h100'"),
     (["--model", "gpt5", "--hardware", "cpu"], "unknown preset 'gpt5'"),
     (["--model", "llama2-7b", "--hardware", "trn1.32xlarge", "--tp", "3"], "does not divide"),
-    (["--model", "llama2-7b", "--hardware", "trn1.32xlarge", "--tp", "64", "--nodes", "2"], "tp 64 does not divide"),
+    (["--model", "llama2-7b", "--hardware", "trn1.32xlarge", "--tp", "64", "--nodes", "2"], "parallel.tp: 64 does not divide"),
     (["--model", "llama2-7b"], "--hardware is required"),
 ])
 def test_cli_rejects_bad_input_in_one_line(argv, message):
@@ -328,11 +329,11 @@ def test_calibrate_recovers_the_factor_of_a_run(tmp_path, capsys):
     cpu = load_profile("cpu")
     work = Workload(model_config("tiny"), 256, 8, "fp32")
     truth = replace(cpu.fit, flops_factor=3.5)
-    step = step_time(work, Layout(micro_batch=8, activation_checkpoint="none"), cpu, truth).total
+    step = step_time(work, Layout.of(micro_batch=8, activation_checkpoint="none"), cpu, truth).total
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "config.toml").write_text('[model]\npreset = "tiny"\n[train]\nseq_len = 256\nglobal_batch = 8\n'
-                                         'micro_batch = 8\n[precision]\nmode = "fp32"\n')
+                                         'micro_batch = 8\n[precision]\nmode = "fp32"\n[parallel]\ndp_shard = 1\n')
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "step_time_s": step * (9 if i == 1 else 1)})
                                                    + "\n" for i in range(1, 6)))
     out = tmp_path / "calibrated.toml"

@@ -62,7 +62,8 @@ class ParallelConfig:
         return self.dp_replicate * self.dp_shard
 
     def validate(self, model: ModelConfig, world_size: int, doc_mask: bool = False) -> "ParallelConfig":
-        """Everything that can be checked before any process group exists; returns the resolved config."""
+        """Everything about the model and the world size that can be checked before any process group exists;
+        returns the resolved config. `check_layout` adds the batch."""
         p = self.resolved(world_size)
         for field, size in (("n_heads", model.n_heads), ("ffn_dim", model.ffn_dim), ("vocab_size", model.vocab_size)):
             if size % p.tp:
@@ -85,3 +86,23 @@ class ParallelConfig:
             raise ConfigError(f"parallel.compile: not supported with tp > 1 and activation_checkpoint = "
                               f"{p.activation_checkpoint!r} in this torch; turn compile or recomputation off")
         return p
+
+
+def check_layout(parallel: ParallelConfig, model: ModelConfig, world_size: int, global_batch: int, micro_batch: int,
+                 seq_len: int, doc_mask: bool = False) -> ParallelConfig:
+    """The one check of a layout, for the trainer (before any process group starts) and for the planner (for
+    every candidate): raises ConfigError naming the field, or returns the resolved config."""
+    p = parallel.validate(model, world_size, doc_mask)
+    if global_batch % (micro_batch * p.dp):
+        raise ConfigError(f"train.global_batch: {global_batch} is not divisible by micro_batch {micro_batch} x "
+                          f"data-parallel size {p.dp}")
+    accum = global_batch // (micro_batch * p.dp)
+    if p.sequence_parallel and p.tp > 1 and seq_len % p.tp:
+        raise ConfigError(f"parallel.sequence_parallel: tp {p.tp} does not divide train.seq_len {seq_len}")
+    if p.pp > 1 and accum < p.pp:
+        raise ConfigError(f"parallel.pp: {accum} micro-batches per step (global_batch / (micro_batch x dp)) "
+                          f"cannot fill {p.pp} pipeline stages; use a smaller train.micro_batch")
+    if p.pp_schedule == "interleaved_1f1b" and p.pp > 1 and accum % p.pp:
+        raise ConfigError(f"parallel.pp_schedule: interleaved_1f1b needs the {accum} micro-batches per step "
+                          f"to be a multiple of pp {p.pp}")
+    return p

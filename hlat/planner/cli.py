@@ -8,11 +8,11 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from hlat import HlatError
-from hlat.config import load_toml, to_toml, update
+from hlat.config import ConfigError, load_toml, to_toml, update
 from hlat.models.config import PRESETS, model_config
 from hlat.optim.modes import MODES
 from hlat.parallel.config import ParallelConfig
-from hlat.planner.layout import Layout, Workload
+from hlat.planner.layout import Layout, Workload, layout_problem
 from hlat.planner.memory import GIB
 from hlat.planner.profiles import HardwareProfile, Sample, fit_factors, load_profile, profile_names, read_run
 from hlat.planner.search import OBJECTIVES, RECOMPUTE, TOLERANCE, Plan, evaluate, search
@@ -73,9 +73,7 @@ def run(args: argparse.Namespace) -> int:
     price = hw.price(args.price)
     given = any(getattr(args, f) not in (None, False) for f in LAYOUT_FLAGS)
     if given or ("parallel" in job and not args.search):
-        layout = (_given_layout(args, hw) if given else
-                  _trainer_layout(job["parallel"], job.get("train", {}).get("micro_batch", 1),
-                                  args.nodes * hw.devices_per_node))
+        layout = _given_layout(args, hw) if given else _config_layout(job, args.nodes * hw.devices_per_node)
         plan = evaluate(work, layout, hw, args.nodes, price)
         _show(args, work, hw, [plan], f"layout {'given' if given else 'of ' + args.model}, {plan.layout.describe()}",
               args.emit if plan.memory.fits else None)
@@ -108,6 +106,15 @@ def _job_config(model: str) -> dict:
     return data
 
 
+def _config_layout(job: dict, devices: int) -> Layout:
+    """The config's own `[parallel]` layout (absent keys: the trainer's defaults) resolved on `devices`."""
+    try:
+        parallel = update(ParallelConfig(), job["parallel"], "parallel.").resolved(devices)
+    except ConfigError as e:
+        raise HlatError(f"--model: {e}") from None
+    return Layout(parallel, job.get("train", {}).get("micro_batch", 1))
+
+
 def _workload(args: argparse.Namespace, job: dict) -> Workload:
     if not args.model:
         raise HlatError("hlat plan: --model is required (a preset name, a recipe or a TOML config)")
@@ -134,10 +141,12 @@ def _given_layout(args: argparse.Namespace, hw: HardwareProfile) -> Layout:
         raise HlatError(f"tp {tp} x pp {pp} x dp_shard {shard} does not divide the {devices} devices")
     v = args.virtual_stages or 1
     schedule = args.schedule or ("interleaved_1f1b" if v > 1 else "1f1b")
-    return Layout(tp=tp, pp=pp, dp_replicate=devices // (tp * pp * shard), dp_shard=shard,
-                  micro_batch=args.microbatch or 1, pp_schedule=schedule, virtual_stages=v,
-                  sequence_parallel=tp > 1 and not args.no_sp, zero1=args.zero1,
-                  activation_checkpoint=args.recompute or "selective")
+    dp = devices // (tp * pp)
+    if args.zero1 and not args.dp_shard:  # ZeRO-1 shards over dp_shard: all of data parallelism by default
+        shard = dp
+    return Layout.of(tp=tp, pp=pp, dp_replicate=dp // shard, dp_shard=shard, micro_batch=args.microbatch or 1,
+                     pp_schedule=schedule, virtual_stages=v, sequence_parallel=not args.no_sp, zero1=args.zero1,
+                     activation_checkpoint=args.recompute or "selective")
 
 
 def _row(plan: Plan, tokens: float) -> dict:
@@ -162,12 +171,11 @@ def _show(args: argparse.Namespace, work: Workload, hw: HardwareProfile, plans: 
         header = (f"# hlat plan: {work.model.preset or work.model.family} on {best.nodes} x {hw.name}: "
                   f"{best.layout.describe()}, predicted {best.time.total:.3g} s/step, "
                   f"{best.tokens_per_s:,.0f} tokens/s, {best.memory.total / GIB:.1f} GiB/device\n")
-        sections = {"precision": {"mode": work.precision}, **best.layout.config_sections(work)}
-        Path(emit).write_text(header + to_toml(sections))
+        Path(emit).write_text(header + to_toml(best.layout.run_config(work)))
     if args.json:
         print(json.dumps({"model": work.model.preset, "hardware": hw.name, "nodes": args.nodes,
                           "seq_len": work.seq_len, "global_batch": work.global_batch, "precision": work.precision,
-                          "fit": hw.fit.source, "note": note, "plans": [_row(p, args.tokens) for p in plans]},
+                          "fit": hw.fit.source, "figures": hw.sources(), "note": note, "plans": [_row(p, args.tokens) for p in plans]},
                          indent=2))
         return
     from rich import box
@@ -181,7 +189,7 @@ def _show(args: argparse.Namespace, work: Workload, hw: HardwareProfile, plans: 
     table = Table(title=f"{work.model.preset or work.model.family} on {args.nodes} x {hw.name} ({devices:,} "
                         f"device{'s' if devices > 1 else ''}): seq {work.seq_len}, batch {work.global_batch} "
                         f"({_si(work.tokens_per_step)} tokens), {work.precision}, {args.price.replace('_', '-')} "
-                        "price", caption=f"{note}. Factors: {hw.fit.source}.", box=box.SIMPLE_HEAD)
+                        "price", caption=f"{note}. Figures: {hw.sources()}.", box=box.SIMPLE_HEAD)
     show_nodes = any(p.nodes != args.nodes for p in plans)
     for col in ("#", "layout", *(["nodes"] if show_nodes else []), "GiB", "s/step", "tok/s", "MFU", "tok/$",
                 f"days/{budget}", f"$/{budget}"):
@@ -207,29 +215,30 @@ def _si(x: float) -> str:
     return f"{x / 1e6:.3g}M" if x >= 1e6 else f"{x / 1e3:.3g}k" if x >= 1e3 else f"{x:.3g}"
 
 
-def _trainer_layout(parallel: dict, micro_batch: int, devices: int) -> Layout:
-    """The planner's layout of the trainer's `[parallel]` table (absent keys: the trainer's defaults) on `devices`."""
-    p = update(ParallelConfig(), parallel, "parallel.").resolved(devices)
-    # the trainer's ZeRO-1 shards over dp_shard; the planner's spans every data-parallel rank with dp_shard 1
-    dp_replicate, dp_shard = (p.dp, 1) if p.zero1 else (p.dp_replicate, p.dp_shard)
-    return Layout(tp=p.tp, pp=p.pp, dp_replicate=dp_replicate, dp_shard=dp_shard, micro_batch=micro_batch,
-                  pp_schedule=p.pp_schedule, virtual_stages=p.virtual_stages if p.pp_schedule == "interleaved_1f1b"
-                  else 1, sequence_parallel=p.sequence_parallel and p.tp > 1, zero1=p.zero1,
-                  activation_checkpoint=p.activation_checkpoint)
+def run_sample(run_dir: str, hw: HardwareProfile) -> Sample:
+    """What an hlat run did, read back exactly: its model, precision, batch and resolved layout (the trainer
+    writes config.toml with dp_shard resolved for its world size) and its median step time."""
+    config, step_s = read_run(run_dir)
+    try:
+        table = dict(config.get("model", {}))
+        model = model_config(table.pop("preset", ""), **table)
+        parallel = update(ParallelConfig(), config.get("parallel", {}), "parallel.")
+        train = config["train"]
+        work = Workload(model, train["seq_len"], train["global_batch"], config["precision"]["mode"])
+    except (ConfigError, KeyError, TypeError) as e:
+        raise HlatError(f"--calibrate {run_dir}: config.toml: {e}") from None
+    if parallel.dp_shard == -1:
+        raise HlatError(f"--calibrate {run_dir}: config.toml has parallel.dp_shard = -1 (written by an older hlat): "
+                        "the run's world size is unknown")
+    layout = Layout(parallel, train["micro_batch"])
+    problem = layout_problem(work, layout, layout.devices)
+    if problem:
+        raise HlatError(f"--calibrate {run_dir}: {problem}")
+    return Sample(str(run_dir), work, layout, hw, step_s)
 
 
 def _calibrate(args: argparse.Namespace, hw: HardwareProfile) -> int:
-    devices = args.nodes * hw.devices_per_node
-    samples = []
-    for run_dir in args.calibrate:
-        config, step_s = read_run(run_dir)
-        table = dict(config.get("model", {}))
-        model = model_config(table.pop("preset", ""), **table)
-        train = config.get("train", {})
-        precision = config.get("precision", {}).get("mode", "fp32")
-        work = Workload(model, train["seq_len"], train["global_batch"], precision)
-        layout = _trainer_layout(config.get("parallel", {}), train["micro_batch"], devices)
-        samples.append(Sample(str(run_dir), work, layout, hw, step_s))
+    samples = [run_sample(run_dir, hw) for run_dir in args.calibrate]
     free = ("flops_factor", "layer_overhead_ms")[:len(samples)]
     fit = fit_factors(samples, free, hw.fit, f"calibrated on {len(samples)} hlat run(s): {', '.join(args.calibrate)}")
     fitted = replace(hw, fit=fit)

@@ -1,15 +1,14 @@
-"""What the planner reasons about: the workload (model, sequence, batch, precision) and a parallel layout."""
+"""What the planner reasons about: the workload (model, sequence, batch, precision) and a parallel layout, which
+is the trainer's own `ParallelConfig` (resolved) plus the micro-batch of `[train]`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import asdict, astuple, dataclass, fields, replace
 
+from hlat.config import ConfigError
 from hlat.models.config import ModelConfig
 from hlat.optim.modes import MODES
-
-Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
-Recompute = Literal["none", "selective", "full"]
+from hlat.parallel.config import ParallelConfig, check_layout
 
 
 @dataclass(frozen=True)
@@ -25,7 +24,7 @@ class Workload:
 
     @property
     def compute_bytes(self) -> int:
-        """Bytes per element of activations and of gathered or communicated weights."""
+        """Bytes per element of activations and of communicated activations and gradients."""
         return 4 if self.precision == "fp32" else 2
 
     @property
@@ -33,28 +32,90 @@ class Workload:
         return self.seq_len * self.global_batch
 
 
-@dataclass(frozen=True)
-class Layout:
-    """A parallel layout, named as in the trainer's `[parallel]` config (plus `[train] micro_batch`)."""
+PARALLEL_FIELDS = tuple(f.name for f in fields(ParallelConfig))
 
-    tp: int = 1
-    pp: int = 1
-    dp_replicate: int = 1
-    dp_shard: int = 1  # > 1: parameters, gradients and optimizer states sharded (FSDP; HSDP with dp_replicate)
+
+@dataclass(frozen=True, eq=False)
+class Layout:
+    """A layout as the trainer runs it: a resolved `ParallelConfig` (no dp_shard = -1) and `[train] micro_batch`.
+    The properties read it the way the trainer does (interleaving only under interleaved_1f1b, sequence
+    parallelism only with tp > 1, ZeRO-1 sharding optimizer states over dp_shard)."""
+
+    parallel: ParallelConfig
     micro_batch: int = 1
-    pp_schedule: Schedule = "1f1b"
-    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved_1f1b only)
-    sequence_parallel: bool = False
-    zero1: bool = False  # optimizer states sharded across data-parallel ranks, parameters replicated
-    activation_checkpoint: Recompute = "selective"
+
+    @classmethod
+    def of(cls, micro_batch: int = 1, **parallel) -> "Layout":
+        """A layout from `[parallel]` fields; unlike the trainer's config, dp_shard defaults to 1 (the planner
+        states every degree) and interleaving needs virtual_stages."""
+        parallel.setdefault("dp_shard", 1)
+        if parallel.get("virtual_stages", 1) > 1:
+            parallel.setdefault("pp_schedule", "interleaved_1f1b")
+        parallel.setdefault("virtual_stages", 1)
+        return cls(ParallelConfig(**parallel), micro_batch)
+
+    def replaced(self, micro_batch: int | None = None, **parallel) -> "Layout":
+        """A copy with some `[parallel]` fields (or the micro-batch) changed."""
+        return Layout(replace(self.parallel, **parallel), micro_batch or self.micro_batch)
+
+    def _key(self) -> tuple:
+        return (astuple(self.parallel), self.micro_batch)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Layout) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    @property
+    def tp(self) -> int:
+        return self.parallel.tp
+
+    @property
+    def pp(self) -> int:
+        return self.parallel.pp
+
+    @property
+    def dp_replicate(self) -> int:
+        return self.parallel.dp_replicate
+
+    @property
+    def dp_shard(self) -> int:
+        return self.parallel.dp_shard
 
     @property
     def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
+        return self.parallel.dp
 
     @property
     def devices(self) -> int:
         return self.tp * self.pp * self.dp
+
+    @property
+    def pp_schedule(self) -> str:
+        return self.parallel.pp_schedule
+
+    @property
+    def virtual_stages(self) -> int:
+        """Model chunks per pipeline rank: 1 unless the schedule interleaves."""
+        return self.parallel.stages() // self.pp
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.parallel.sequence_parallel and self.tp > 1
+
+    @property
+    def zero1(self) -> bool:
+        return self.parallel.zero1
+
+    @property
+    def activation_checkpoint(self) -> str:
+        return self.parallel.activation_checkpoint
+
+    @property
+    def param_shard(self) -> int:
+        """How many ways the stored parameters and gradients are sharded (FSDP's dp_shard; 1 under ZeRO-1)."""
+        return 1 if self.zero1 else self.dp_shard
 
     def microbatches(self, global_batch: int) -> int:
         """Micro-batches each pipeline (data-parallel replica) runs per optimizer step."""
@@ -62,9 +123,11 @@ class Layout:
 
     @property
     def sharding(self) -> str:
+        if self.zero1:
+            return "zero1"
         if self.dp_shard > 1:
             return "fsdp" if self.dp_replicate == 1 else "hsdp"
-        return "zero1" if self.zero1 else "ddp"
+        return "ddp"
 
     def describe(self) -> str:
         """Compact: 'TP8 PP4 DP64 mb1 1F1B vpp2 SP ZeRO-1 AC:sel'."""
@@ -79,42 +142,24 @@ class Layout:
         return " ".join(parts)
 
     def config_sections(self, work: Workload) -> dict:
-        """The `[parallel]` and `[train]` config tables the trainer runs as is (the trainer derives the pipeline
-        micro-batch count, global_batch / (micro_batch x dp), from them)."""
-        # the trainer's ZeRO-1 shards optimizer states over dp_shard: all data-parallel ranks go there
-        dp_replicate, dp_shard = (1, self.dp_replicate * self.dp_shard) if self.zero1 else (self.dp_replicate,
-                                                                                              self.dp_shard)
-        parallel = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": self.tp, "pp": self.pp,
-                    "pp_schedule": self.pp_schedule, "sequence_parallel": self.sequence_parallel, "zero1": self.zero1,
-                    "activation_checkpoint": self.activation_checkpoint}
-        if self.pp_schedule == "interleaved_1f1b":
-            parallel["virtual_stages"] = self.virtual_stages
+        """The `[parallel]` and `[train]` config tables the trainer runs as they are: every layout field."""
+        parallel = {k: getattr(self.parallel, k) for k in PARALLEL_FIELDS}
         train = {"seq_len": work.seq_len, "global_batch": work.global_batch, "micro_batch": self.micro_batch}
         return {"parallel": parallel, "train": train}
 
+    def run_config(self, work: Workload) -> dict:
+        """A complete config `hlat train` runs: the model, the precision mode and this layout."""
+        return {"model": asdict(work.model), "precision": {"mode": work.precision}, **self.config_sections(work)}
+
 
 def layout_problem(work: Workload, layout: Layout, devices: int) -> str | None:
-    """Why `layout` cannot run `work` on `devices` devices, or None when it can."""
-    m, t = work.model, layout.tp
-    if min(t, layout.pp, layout.dp_replicate, layout.dp_shard, layout.micro_batch, layout.virtual_stages) < 1:
-        return "degrees and micro-batch must be >= 1"
-    if layout.devices != devices:
-        return f"tp x pp x dp = {layout.devices}, not the {devices} devices"
-    if m.n_heads % t or (m.kv_heads % t and t % m.kv_heads):
-        return f"tp {t} does not divide {m.n_heads} heads / {m.kv_heads} kv heads"
-    if m.ffn_dim % t or m.vocab_size % t:
-        return f"tp {t} does not divide ffn {m.ffn_dim} or vocab {m.vocab_size}"
-    if layout.sequence_parallel and (t == 1 or work.seq_len % t):
-        return "sequence parallelism needs tp > 1 dividing the sequence length"
-    chunks = layout.pp * layout.virtual_stages
-    if m.n_layers % chunks:
-        return f"{m.n_layers} layers do not split into {chunks} pipeline chunks"
-    if work.global_batch % (layout.dp * layout.micro_batch):
-        return f"global batch {work.global_batch} is not divisible by dp {layout.dp} x micro-batch {layout.micro_batch}"
-    if layout.zero1 and layout.dp_shard > 1:
-        return "zero1 and dp_shard > 1 both shard the optimizer: choose one"
-    if (layout.pp_schedule == "interleaved_1f1b") != (layout.virtual_stages > 1):
-        return "interleaved_1f1b needs virtual_stages > 1, and only it"
-    if layout.virtual_stages > 1 and layout.microbatches(work.global_batch) % layout.pp:
-        return "interleaved_1f1b needs the micro-batch count to be a multiple of pp"
+    """Why `layout` cannot run `work` on `devices` devices (the trainer's own check), or None when it can."""
+    if layout.dp_shard < 1:
+        return "dp_shard must be resolved (>= 1)"
+    if layout.micro_batch < 1:
+        return "micro-batch must be >= 1"
+    try:
+        check_layout(layout.parallel, work.model, devices, work.global_batch, layout.micro_batch, work.seq_len)
+    except ConfigError as e:
+        return str(e)
     return None

@@ -52,32 +52,55 @@ def layer_params_per_device(model: ModelConfig, tp: int) -> float:
 
 def stage_params(model: ModelConfig, layout: Layout) -> float:
     """Parameters on one device of the largest pipeline stage (the embedding on the first stage, the output
-    projection on the last; with one stage both, counted once when tied)."""
+    projection and the final norm on the last; with one stage all of them, the embedding counted once when
+    tied)."""
     layers = math.ceil(model.n_layers / layout.pp)
     embedding = model.embedding_params() if layout.pp == 1 else model.vocab_size * model.dim
-    return layers * layer_params_per_device(model, layout.tp) + embedding / layout.tp
+    final_norm = model.num_params(embedding=False) - model.n_layers * model.layer_params()
+    return layers * layer_params_per_device(model, layout.tp) + embedding / layout.tp + final_norm
 
 
 def layer_activation_bytes(model: ModelConfig, seq_len: int, layout: Layout, recompute: str, act_bytes: int,
-                           flash: bool) -> float:
-    """Bytes one layer keeps for the backward pass of one micro-batch on one device.
+                           flash: bool, stack: str = "hlat") -> float:
+    """Bytes one layer keeps for the backward pass of one micro-batch on one device, in tensors of s x b x h
+    elements (s: one of them). Without fused (flash) attention the softmax output (s / h of them, split by tp)
+    is kept too when nothing is recomputed. 'full' recomputation keeps the block's input only.
 
-    Korthikanti et al.'s accounting, generalised to grouped-query attention and either MLP, without dropout
-    (hlat trains without it), in tensors of s x b x h elements: the 4 outside the tensor-parallel region (norm
-    inputs and outputs) are split only by sequence parallelism; Q, K, V, the attention output and the MLP's
-    intermediates are split by tp; the softmax output (a s / h of them) is kept only without recomputation
-    ('selective' recomputes the attention core) and without fused (flash) attention, which never stores it.
-    With 'full' only the layer's input is kept."""
+    `stack` "hlat": what hlat's model keeps, as `tests/test_activation_memory.py` counts it in the real model.
+    - 'none': each norm keeps its input and output (RMSNorm also the normalised input, for its weight's
+      gradient); attention keeps Q, K, V after rotary and its output; the MLP keeps 4 f-wide tensors (SwiGLU) or
+      2 (GeLU). Under sequence parallelism the norms run on a sequence shard and their outputs are kept as the
+      projections' all-gathered inputs, at full size (torch's tensor parallelism keeps them; Megatron gathers
+      them again in backward). For the neox family without sequence parallelism this is Korthikanti et al.'s.
+    - 'selective' (hlat keeps the matmul and collective outputs and recomputes the rest): the block's input,
+      the column-parallel outputs (Q, K, V, the MLP's input projections), the row-parallel outputs before their
+      reduction (full size), and the collectives' outputs (all-reduces; or all-gathers and reduce-scatters).
+
+    `stack` "megatron" (Megatron-LM, NeuronX Distributed): Korthikanti et al. 2022, generalised to grouped-query
+    attention and either MLP, without dropout: 4 outside the tensor-parallel region (norm inputs and outputs),
+    split only by sequence parallelism; Q, K, V, the attention output and the MLP's intermediates split by tp;
+    'selective' recomputes only the attention core."""
     t = layout.tp
-    sbh = seq_len * layout.micro_batch * model.dim * act_bytes
+    s = seq_len * layout.micro_batch * model.dim * act_bytes
     sp = t if layout.sequence_parallel else 1
     if recompute == "full":
-        return sbh / sp
+        return s / sp
     kv = model.kv_heads / model.n_heads
-    mlp = (4 if model.family == "llama" else 2) * model.ffn_dim / model.dim  # SwiGLU keeps 4 f-wide tensors
-    inside = (1 + 2 * kv + 1 + mlp) * sbh / t
-    scores = model.n_heads * seq_len / model.dim * sbh / t if recompute == "none" and not flash else 0.0
-    return 4 * sbh / sp + inside + scores
+    f = model.ffn_dim / model.dim
+    llama = model.family == "llama"
+    scores = model.n_heads * seq_len / model.dim * s / t if recompute == "none" and not flash else 0.0
+    inside = (2 + 2 * kv + (4 if llama else 2) * f) * s / t
+    if stack == "megatron":
+        return 4 * s / sp + inside + scores
+    if recompute == "selective":
+        kept = s / sp + (1 + 2 * kv + (2 if llama else 1) * f) * s / t + 2 * s
+        if t > 1:
+            kept += 2 * s + (2 * s / t if layout.sequence_parallel else 0.0)
+        return kept
+    # a norm's output is kept by the projections after it: under SP all-gathered, at full size, instead
+    norms = 2 * ((2 if llama else 1) + (0 if layout.sequence_parallel else 1)) * s / sp
+    gathered = 2 * s if layout.sequence_parallel else 0.0
+    return norms + gathered + inside + scores
 
 
 def in_flight(layout: Layout, microbatches: int) -> float:
@@ -95,17 +118,19 @@ def in_flight(layout: Layout, microbatches: int) -> float:
 def memory(work: Workload, layout: Layout, hw: HardwareProfile) -> Memory:
     model, mode = work.model, work.mode
     params = stage_params(model, layout)
-    shard = layout.dp_shard
-    opt_shard = layout.dp if layout.zero1 else shard
+    shard = layout.param_shard
+    opt_shard = layout.dp_shard  # FSDP's and ZeRO-1's
 
     act_bytes = work.compute_bytes
     layers = math.ceil(model.n_layers / layout.pp)
     m = layout.microbatches(work.global_batch)
     stored = layer_activation_bytes(model, work.seq_len, layout, layout.activation_checkpoint, act_bytes,
-                                    hw.flash_attention)
+                                    hw.flash_attention, hw.activations)
     activations = layers * in_flight(layout, m) * stored
     if layout.activation_checkpoint == "full":  # one layer's activations are rebuilt at a time in backward
-        activations += layer_activation_bytes(model, work.seq_len, layout, "selective", act_bytes, hw.flash_attention)
+        rebuilt = "none" if hw.activations == "hlat" else "selective"  # Megatron recomputes without the scores
+        activations += layer_activation_bytes(model, work.seq_len, layout, rebuilt, act_bytes, hw.flash_attention,
+                                              hw.activations)
     # Logits of the output layer (compute dtype, then fp32 for the loss), vocabulary-parallel across tp.
     activations += (act_bytes + 4) * work.seq_len * layout.micro_batch * model.vocab_size / layout.tp
 

@@ -13,6 +13,7 @@ import json
 import statistics
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Literal
 
 from hlat import HlatError
 from hlat.config import ConfigError, load_toml, to_toml, update
@@ -38,6 +39,40 @@ FACTORS = ("flops_factor", "layer_overhead_ms", "intra_factor", "inter_factor", 
 
 
 @dataclass
+class Measured:
+    """What `hlat preflight` measured on the hardware (empty: nothing; the fitted factors price everything).
+
+    Tables are [size, rate] rows sorted by size: matmuls by FLOPs per call (TFLOP/s achieved), attention by
+    sequence length (TFLOP/s of the nominal FLOPs of `hlat.planner.costs.attention_flops`), collectives by bytes
+    per device (bus bandwidth in GB/s, as nccl-tests report it; send_recv: bytes over seconds). Memory-bound
+    operations are GB/s of the nominal bytes of `hlat.planner.costs`."""
+
+    source: str = ""
+    matmul_bf16: list[list[float]] = field(default_factory=list)
+    matmul_fp32: list[list[float]] = field(default_factory=list)
+    attention_bf16: list[list[float]] = field(default_factory=list)
+    attention_fp32: list[list[float]] = field(default_factory=list)
+    norm_gbs: float = 0.0
+    activation_gbs: float = 0.0
+    rotary_gbs: float = 0.0
+    residual_gbs: float = 0.0
+    loss_gbs: float = 0.0
+    optimizer_gbs: float = 0.0
+    all_reduce: list[list[float]] = field(default_factory=list)
+    all_gather: list[list[float]] = field(default_factory=list)
+    reduce_scatter: list[list[float]] = field(default_factory=list)
+    send_recv: list[list[float]] = field(default_factory=list)
+    overlap: float = -1.0  # share of a collective that hides behind concurrent compute (-1: not measured)
+
+    def figures(self) -> dict[str, bool]:
+        """Which figures were measured, by name."""
+        return {"matmul": bool(self.matmul_bf16 or self.matmul_fp32),
+                "attention": bool(self.attention_bf16 or self.attention_fp32),
+                "memory-bound": self.norm_gbs > 0, "optimizer": self.optimizer_gbs > 0,
+                "collectives": bool(self.all_reduce), "send/recv": bool(self.send_recv), "overlap": self.overlap >= 0}
+
+
+@dataclass
 class HardwareProfile:
     name: str = ""
     description: str = ""
@@ -54,7 +89,21 @@ class HardwareProfile:
     price_reserved: float = 0.0
     flash_attention: bool = True  # the attention scores are never stored (fused attention kernels)
     supports_fsdp: bool = True  # whether the search considers FSDP on this hardware's software stack
+    # what a layer keeps for backward: hlat's trainer (torch autograd, as tests/test_activation_memory.py counts
+    # it), or a Megatron-style stack (Megatron-LM, NeuronX Distributed: Korthikanti et al.'s accounting)
+    activations: Literal["hlat", "megatron"] = "hlat"
     fit: Fit = field(default_factory=Fit)
+    measured: Measured = field(default_factory=Measured)
+
+    def sources(self) -> str:
+        """Which figures of the step-time model are measured and which fall back to the fitted factors."""
+        figures = self.measured.figures()
+        measured = [k for k, v in figures.items() if v]
+        if not measured:
+            return f"all figures fitted ({self.fit.source})"
+        fitted = [k for k, v in figures.items() if not v]
+        return (f"measured: {', '.join(measured)} ({self.measured.source})"
+                + (f"; fitted: {', '.join(fitted)} ({self.fit.source})" if fitted else ""))
 
     def validate(self) -> "HardwareProfile":
         for name in ("devices_per_node", "memory_gib", "peak_tflops", "hbm_gbs", "intra_gbs", "inter_gbps"):

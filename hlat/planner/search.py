@@ -83,7 +83,7 @@ def candidates(work: Workload, hw: HardwareProfile, nodes: int) -> Iterator[Layo
             dp = devices // (tp * pp)
             if model.n_layers % pp or work.global_batch % dp:
                 continue
-            shardings = [(1, False)] + ([(1, True)] if dp > 1 else [])
+            shardings = [(1, False)] + ([(dp, True)] if dp > 1 else [])  # (dp_shard, zero1)
             if dp > 1 and hw.supports_fsdp:
                 shardings.append((dp, False))
             for mb in _divisors(work.global_batch // dp):
@@ -96,9 +96,11 @@ def candidates(work: Workload, hw: HardwareProfile, nodes: int) -> Iterator[Layo
                                   if model.n_layers % (pp * v) == 0 and m % pp == 0]
                 for (schedule, v), (shard, zero1), recompute in (
                         (s, z, r) for s in schedules for z in shardings for r in RECOMPUTE):
-                    yield Layout(tp=tp, pp=pp, dp_replicate=dp // shard, dp_shard=shard, micro_batch=mb,
-                                 pp_schedule=schedule, virtual_stages=v, sequence_parallel=tp > 1, zero1=zero1,
-                                 activation_checkpoint=recompute)
+                    layout = Layout.of(tp=tp, pp=pp, dp_replicate=dp // shard, dp_shard=shard, micro_batch=mb,
+                                       pp_schedule=schedule, virtual_stages=v, sequence_parallel=tp > 1,
+                                       zero1=zero1, activation_checkpoint=recompute)
+                    if layout_problem(work, layout, devices) is None:  # the trainer's own check
+                        yield layout
 
 
 @dataclass
@@ -133,8 +135,6 @@ def search(work: Workload, hw: HardwareProfile, nodes: int, objective: str = "to
     fitting, nearest, considered = [], None, 0
     for n in node_counts:
         for layout in candidates(work, hw, n):
-            if layout_problem(work, layout, n * hw.devices_per_node):
-                continue
             considered += 1
             mem = memory(work, layout, hw)
             if not mem.fits:

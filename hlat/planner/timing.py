@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from hlat.models.config import ModelConfig
 from hlat.planner.layout import Layout, Workload
 from hlat.planner.memory import stage_params
+from hlat.planner.costs import (attention_flops, interpolate, layer_matmuls, loss_bytes, matmul_flops, memory_op_bytes,
+                                 optimizer_bytes, output_matmul)
 from hlat.planner.profiles import Fit, HardwareProfile
 
 
@@ -77,6 +79,57 @@ def collective(hw: HardwareProfile, nbytes: float, group: int, per_node: int, pa
     return intra, inter
 
 
+def _rate(table: list[list[float]], size: float, unit: float) -> float:
+    return interpolate(table, size) * unit
+
+
+def measured_layer(work: Workload, layout: Layout, hw: HardwareProfile) -> tuple[float, float] | None:
+    """Seconds of one layer and of the output layer (with the loss) for one micro-batch, composed from the
+    profile's measurements: matmuls at their shapes' measured rates (forward, then twice that for backward, and
+    the forward again under full recomputation), attention at the sequence length's rate, memory-bound bytes at
+    measured bandwidths. None when the profile has no matmul measurements for the precision's compute dtype."""
+    me, model, t = hw.measured, work.model, layout.tp
+    fp32 = work.precision == "fp32"
+    matmul, attention = (me.matmul_fp32, me.attention_fp32) if fp32 else (me.matmul_bf16, me.attention_bf16)
+    if not matmul:
+        return None
+    tokens = work.seq_len * layout.micro_batch
+    recompute = layout.activation_checkpoint
+    passes = 4 if recompute == "full" else 3
+    forward = sum(matmul_flops(s) / _rate(matmul, matmul_flops(s), 1e12)
+                  for s in layer_matmuls(model, tokens, t).values())
+    attn_flops = attention_flops(model, layout.micro_batch, work.seq_len, t)
+    if attention:
+        core = attn_flops / _rate(attention, work.seq_len, 1e12)
+    else:
+        core = attn_flops / (hw.peak_tflops * 1e12) * hw.fit.flops_factor
+    core *= 4 / 3 if recompute != "none" else 1  # the forward again (selective recomputes just this)
+    memory_bound = 0.0
+    for op, nbytes in memory_op_bytes(model, tokens, t, layout.sequence_parallel, work.compute_bytes).items():
+        gbs = getattr(me, f"{op}_gbs") or hw.hbm_gbs
+        memory_bound += nbytes / (gbs * 1e9)
+    memory_bound *= 1.4 if recompute == "full" else 1  # forward passes (2 of every 5 bytes) again
+    out_shape = output_matmul(model, tokens, t)
+    output = 3 * matmul_flops(out_shape) / _rate(matmul, matmul_flops(out_shape), 1e12)
+    output += loss_bytes(model, tokens, t) / ((me.loss_gbs or hw.hbm_gbs) * 1e9)
+    return forward * passes + core + memory_bound, output
+
+
+def link_time(hw: HardwareProfile, fit: Fit, op: str, nbytes: float, group: int, per_node: int) -> float:
+    """Seconds of a collective (`op`: all_reduce, all_gather or reduce_scatter) over `group` devices: within a node
+    at the bus bandwidth preflight measured at that size where there is one, else nominal x intra_factor; across
+    nodes nominal x inter_factor."""
+    passes = 2 if op == "all_reduce" else 1
+    intra, inter = collective(hw, nbytes, group, per_node, passes)
+    table = getattr(hw.measured, op)
+    g = min(per_node, group)
+    if table and g > 1:
+        intra = passes * (g - 1) / g * nbytes / _rate(table, nbytes, 1e9)
+    else:
+        intra *= fit.intra_factor
+    return intra + inter * fit.inter_factor
+
+
 def step_time(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit | None = None) -> StepTime:
     fit = fit or hw.fit
     model, mode, cb = work.model, work.mode, work.compute_bytes
@@ -84,29 +137,32 @@ def step_time(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit | No
     m = layout.microbatches(work.global_batch)
     layers = math.ceil(model.n_layers / p)
     tokens = work.seq_len * layout.micro_batch
-
-    def link(intra_inter: tuple[float, float]) -> float:
-        return intra_inter[0] * fit.intra_factor + intra_inter[1] * fit.inter_factor
+    me = hw.measured
 
     # The busiest stage: its layers, and the output layer, which sits on the last stage (6 V h of the model's
     # FLOPs per token; the embedding lookup on the first costs no FLOPs).
     output_layer = 6.0 * model.vocab_size * model.dim
-    per_layer = (model.flops_per_token(work.seq_len) - output_layer
-                 + recompute_flops_per_token(model, work.seq_len, layout.activation_checkpoint)) / model.n_layers
-    layer_device = per_layer * tokens / t / (hw.peak_tflops * 1e12) * fit.flops_factor
-    if not hw.flash_attention:  # one nominal pass over the scores; the factor counts the passes
-        scores = layout.micro_batch * model.n_heads / t * work.seq_len ** 2
-        layer_device += scores * cb / (hw.hbm_gbs * 1e9) * fit.attention_factor
+    measured = measured_layer(work, layout, hw)
+    if measured:
+        layer_device, output_time = measured
+    else:
+        per_layer = (model.flops_per_token(work.seq_len) - output_layer
+                     + recompute_flops_per_token(model, work.seq_len, layout.activation_checkpoint)) / model.n_layers
+        layer_device = per_layer * tokens / t / (hw.peak_tflops * 1e12) * fit.flops_factor
+        if not hw.flash_attention:  # one nominal pass over the scores; the factor counts the passes
+            scores = layout.micro_batch * model.n_heads / t * work.seq_len ** 2
+            layer_device += scores * cb / (hw.hbm_gbs * 1e9) * fit.attention_factor
+        output_time = output_layer * tokens / t / (hw.peak_tflops * 1e12) * fit.flops_factor
 
     tp_layer = 0.0
     if t > 1:  # all-reduces (or all-gather + reduce-scatter pairs with SP) of the full activation; a tp group
         # larger than a node runs them over the network
         collectives = 6 if layout.activation_checkpoint == "full" else 4
-        tp_layer = collectives * link(collective(hw, tokens * model.dim * cb, t, min(t, dpn), passes=2))
+        tp_layer = collectives * link_time(hw, fit, "all_reduce", tokens * model.dim * cb, t, min(t, dpn))
     tp = layers * tp_layer
-    # Host-bound layers (launch overhead above the device's work) are charged to compute.
-    host_excess = max(0.0, fit.layer_overhead_ms * 1e-3 - layer_device - tp_layer)
-    output_time = output_layer * tokens / t / (hw.peak_tflops * 1e12) * fit.flops_factor
+    # Host-bound layers (launch overhead above the device's work) are charged to compute; measured operations
+    # were timed from the host, launches included.
+    host_excess = 0.0 if measured else max(0.0, fit.layer_overhead_ms * 1e-3 - layer_device - tp_layer)
     compute = layers * (layer_device + host_excess) + output_time
 
     pp = 0.0
@@ -114,37 +170,61 @@ def step_time(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit | No
         msg = tokens * model.dim * cb / t
         if t * layout.dp >= dpn:  # a stage fills whole nodes: every device of a node sends across at once
             one = (msg * dpn / (hw.inter_gbps / 8 * 1e9) + hw.inter_latency_us * 1e-6) * fit.inter_factor
+        elif me.send_recv:
+            one = msg / _rate(me.send_recv, msg, 1e9)
         else:
             one = (msg / (hw.intra_gbs * 1e9) + hw.intra_latency_us * 1e-6) * fit.intra_factor
         pp = 2 * v * (one + fit.p2p_ms * 1e-3)
 
-    params = stage_params(model, layout)
-    dp_per_node = max(1, dpn // t)  # ranks are ordered tp, then dp, then pp
-    dp_comm = 0.0
-    ds = layout.dp_shard
-    if ds > 1 and p == 1:  # FSDP: gathered (as stored: fp32 master weights in bf16_mixed) twice per micro-batch
-        gather = collective(hw, params * mode.weight_bytes, ds, dp_per_node, passes=1)
-        scatter = collective(hw, params * mode.grad_bytes, ds, dp_per_node, passes=1)
-        per_mb = 2 * link(gather) + link(scatter)
-        dp_comm = m * max(0.0, per_mb - compute)
-    elif layout.zero1 or ds > 1:  # gathered once per step and kept (ZeRO-1, and FSDP under a pipeline schedule)
-        group = layout.dp if layout.zero1 else ds
-        nominal = (sum(collective(hw, params * mode.grad_bytes, group, dp_per_node, passes=1))
-                   + sum(collective(hw, params * mode.weight_bytes, group, dp_per_node, passes=1)))
-        dp_comm = nominal * fit.dp_factor
-    elif layout.dp > 1:
-        dp_comm = sum(collective(hw, params * mode.grad_bytes, layout.dp, dp_per_node, passes=2)) * fit.dp_factor
-    if ds > 1 and layout.dp_replicate > 1:  # HSDP: the shards' gradients all-reduced across replicas, once
-        reduce = collective(hw, params / ds * mode.grad_bytes, layout.dp_replicate, max(1, dp_per_node // ds),
-                            passes=2)
-        dp_comm += sum(reduce) * fit.dp_factor
+    dp_comm = data_parallel_time(work, layout, hw, fit, compute, m)
 
     # AdamW reads weights, gradients and states and writes weights and states, for the parameters it owns.
-    owned = params / (layout.dp if layout.zero1 else layout.dp_shard)
-    optimizer = owned * (2 * mode.weight_bytes + mode.grad_bytes + 2 * mode.optimizer_bytes) / (hw.hbm_gbs * 1e9)
+    owned = stage_params(model, layout) / layout.dp_shard
+    optimizer = optimizer_bytes(owned, mode.weight_bytes, mode.grad_bytes, mode.optimizer_bytes) / (
+        (me.optimizer_gbs or hw.hbm_gbs) * 1e9)
 
     # Filling and draining the pipeline runs through the stages before the last, which lack the output layer.
     bubble = (p - 1) / v if p > 1 else 0.0
     return StepTime(compute=m * compute, tp_comm=m * tp, pp_comm=m * pp,
                     bubble=bubble * (compute - output_time + tp + pp),
                     dp_comm=dp_comm, optimizer=optimizer)
+
+
+def data_parallel_time(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit, compute: float,
+                       m: int) -> float:
+    """Exposed data-parallel communication per step. The trainer overlaps it with computation: FSDP prefetches
+    the next layer's gather and reduce-scatters during backward, every micro-batch; replicated and ZeRO-1 layouts
+    reduce during the last micro-batch's backward (and ZeRO-1 gathers during the first forward). With a measured
+    overlap (the share of a collective preflight saw hide behind concurrent compute) that share of the traffic,
+    up to the compute it can hide behind, is free; without it FSDP hides fully and the rest is priced by the
+    fitted dp_factor."""
+    model, mode, dpn = work.model, work.mode, hw.devices_per_node
+    params = stage_params(model, layout)
+    dp_per_node = max(1, dpn // layout.tp)  # ranks are ordered tp, then dp, then pp
+    ds, measured = layout.dp_shard, bool(hw.measured.all_reduce) and hw.measured.overlap >= 0
+    overlap = hw.measured.overlap
+
+    def exposed(traffic: float, hideable: float) -> float:
+        return traffic - overlap * min(traffic, hideable)
+
+    def raw(op: str, nbytes: float, group: int, per_node: int) -> float:
+        if measured:
+            return link_time(hw, fit, op, nbytes, group, per_node)
+        passes = 2 if op == "all_reduce" else 1
+        return sum(collective(hw, nbytes, group, per_node, passes)) * fit.dp_factor
+
+    time = 0.0
+    if layout.param_shard > 1 and layout.pp == 1:  # FSDP: gathered (as stored) twice per micro-batch
+        per_mb = (2 * link_time(hw, fit, "all_gather", params * mode.weight_bytes, ds, dp_per_node)
+                  + link_time(hw, fit, "reduce_scatter", params * mode.grad_bytes, ds, dp_per_node))
+        time = m * (exposed(per_mb, compute) if measured else max(0.0, per_mb - compute))
+    elif ds > 1:  # gathered once per step and kept (ZeRO-1, and FSDP under a pipeline schedule)
+        traffic = (raw("reduce_scatter", params * mode.grad_bytes, ds, dp_per_node)
+                   + raw("all_gather", params * mode.weight_bytes, ds, dp_per_node))
+        time = exposed(traffic, compute) if measured else traffic
+    elif layout.dp > 1:
+        traffic = raw("all_reduce", params * mode.grad_bytes, layout.dp, dp_per_node)
+        time = exposed(traffic, 2 / 3 * compute) if measured else traffic  # the last micro-batch's backward
+    if ds > 1 and layout.dp_replicate > 1:  # HSDP: the shards' gradients all-reduced across replicas, once
+        time += raw("all_reduce", params / ds * mode.grad_bytes, layout.dp_replicate, max(1, dp_per_node // ds))
+    return time

@@ -12,7 +12,7 @@ from hlat.config import ConfigError, load_toml, merge_tables, parse_overrides, s
 from hlat.data.config import DataConfig
 from hlat.models.config import ModelConfig, preset_config
 from hlat.optim.config import OptimConfig, PrecisionConfig
-from hlat.parallel.config import ParallelConfig, world_size_from_env
+from hlat.parallel.config import ParallelConfig, check_layout, world_size_from_env
 from hlat.resources import config_path
 
 
@@ -115,18 +115,17 @@ class Config:
 
     def resolved_parallel(self, world_size: int | None = None) -> ParallelConfig:
         """The parallel layout with dp_shard filled in, checked against the model and the batch."""
-        p = self.parallel.validate(self.model, world_size or world_size_from_env(), self.model.doc_mask)
-        accum = self.train.grad_accum(p.dp)
-        if p.pp > 1 and accum < p.pp:
-            raise ConfigError(f"parallel.pp: {accum} micro-batches per step (global_batch / (micro_batch x dp)) "
-                              f"cannot fill {p.pp} pipeline stages; use a smaller train.micro_batch")
-        if p.pp_schedule == "interleaved_1f1b" and p.pp > 1 and accum % p.pp:
-            raise ConfigError(f"parallel.pp_schedule: interleaved_1f1b needs the {accum} micro-batches per step "
-                              f"to be a multiple of pp {p.pp}")
-        return p
+        tc = self.train
+        return check_layout(self.parallel, self.model, world_size or world_size_from_env(), tc.global_batch,
+                            tc.micro_batch, tc.seq_len, self.model.doc_mask)
 
     def to_toml(self) -> str:
         return to_toml(to_dict(self))
+
+    def run_record(self, layout: ParallelConfig) -> str:
+        """The run directory's config.toml: this config with the layout the run resolved (dp_shard filled in for
+        its world size), so that `hlat plan --calibrate` reads back exactly what ran."""
+        return Config(**{**self.__dict__, "parallel": layout}).to_toml()
 
 
 def build_config(data: dict | None = None, overrides: list[str] | None = None) -> Config:

@@ -158,7 +158,7 @@ def _train(cfg: Config, topo: Topology, device: torch.device, files: list[Path],
     tc, pcfg = cfg.train, topo.cfg
     if topo.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.toml").write_text(cfg.to_toml())
+        (run_dir / "config.toml").write_text(cfg.run_record(pcfg))
         tokenizer = get_tokenizer(cfg.data, files, cfg.model.vocab_size, run_dir)  # trained once, saved in the run
     if dist.is_initialized():
         dist.barrier()

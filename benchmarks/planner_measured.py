@@ -1,0 +1,156 @@
+"""Predicted against measured step time of hlat's own runs on this machine, from `hlat preflight` run on this
+machine: preflight writes a measured hardware profile, the layouts train back to back, and the planner predicts
+each run from its own config.toml (the layout the trainer resolved) with that profile.
+
+The machine may be shared and noisy: preflight runs right before the training runs and again right after, and
+the table gives the prediction from each, so drift between them is visible.
+
+    .venv/bin/python benchmarks/planner_measured.py                      # CPU: six layouts of `small`, 2 processes
+    .venv/bin/python benchmarks/planner_measured.py --gpu                # one GPU: a few single-device runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from results_io import RESULTS, markdown_table, write_results
+
+from hlat.planner.cli import run_sample
+from hlat.planner.profiles import load_profile
+from hlat.planner.timing import step_time
+
+CPU_LAYOUTS = {  # name: (processes, overrides)
+    "single": (1, {}),
+    "ddp2": (2, {"parallel.dp_replicate": 2, "parallel.dp_shard": 1}),
+    "fsdp2": (2, {"parallel.dp_shard": 2}),
+    "zero1_2": (2, {"parallel.dp_shard": 2, "parallel.zero1": True}),
+    "tp2": (2, {"parallel.tp": 2}),
+    "pp2": (2, {"parallel.pp": 2}),
+}
+GPU_RUNS = {  # one device: micro-batch, recomputation and precision vary what the planner must compose
+    "mb1_fp32": (1, {"train.micro_batch": 1, "precision.mode": "fp32"}),
+    "mb4_fp32": (1, {"train.micro_batch": 4, "precision.mode": "fp32"}),
+    "mb4_bf16": (1, {"train.micro_batch": 4, "precision.mode": "bf16_mixed"}),
+    "mb4_bf16_full_ac": (1, {"train.micro_batch": 4, "precision.mode": "bf16_mixed",
+                             "parallel.activation_checkpoint": "full"}),
+}
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def torchrun(nproc: int, args: list[str], env: dict) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "hlat",
+           *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+
+
+def flags(overrides: dict) -> list[str]:
+    return [a for k, v in overrides.items() for a in (f"--{k}", str(v).lower() if isinstance(v, bool) else str(v))]
+
+
+def preflight(args, out: Path, env: dict) -> None:
+    done = torchrun(args.nproc, ["preflight", "--model", args.preset, *flags(args.model_overrides),
+                                 "--train.seq_len", str(args.seq_len), "--micro-batches", args.micro_batches,
+                                 "--tp", args.tp, "--dtypes", args.dtypes, "--repeats", str(args.repeats),
+                                 "--threshold", "0.05", "--out", str(out)], env)
+    if not out.is_file():
+        sys.exit(f"preflight failed:\n{done.stderr[-3000:]}")
+
+
+def train(name: str, nproc: int, overrides: dict, args, workdir: Path, env: dict) -> Path | str:
+    run_dir = workdir / name
+    base = {"model.preset": args.preset, **args.model_overrides, "train.run_dir": run_dir,
+            "train.steps": args.steps, "train.log_every": 1, "train.global_batch": args.global_batch,
+            "train.micro_batch": args.micro_batch, "train.seq_len": args.seq_len, "train.ckpt_every": 0,
+            "data.paths": os.path.join(os.path.dirname(json.__file__), "*.py"), **overrides}
+    done = torchrun(nproc, ["train", "--config", "configs/tiny.toml", *flags(base)], env)
+    if done.returncode:
+        return done.stderr.strip().splitlines()[-1][:200]
+    return run_dir
+
+
+def measured_step(run_dir: Path, warmup: int) -> tuple[float, float, float]:
+    """Fastest and median step time, and the fastest step's time waiting for data (which the planner does not
+    model). Preflight reports the fastest of its repeats too: on a shared host the least disturbed figures are
+    the comparable ones."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][warmup:]
+    fastest = min(records, key=lambda r: r["step_time_s"])
+    return fastest["step_time_s"], statistics.median(r["step_time_s"] for r in records), fastest["data_wait_s"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gpu", action="store_true", help="one GPU: the single-device runs of GPU_RUNS")
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2, help="first steps left out of the timing")
+    ap.add_argument("--seq-len", type=int)
+    ap.add_argument("--global-batch", type=int)
+    ap.add_argument("--micro-batch", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3, help="preflight repetitions per measurement")
+    args = ap.parse_args()
+    if args.gpu:
+        layouts, args.nproc, args.tp, args.dtypes, args.micro_batches = GPU_RUNS, 1, "1", "fp32,bf16", "1,4"
+        args.seq_len, args.global_batch = args.seq_len or 1024, args.global_batch or 16
+        args.steps, args.warmup = max(args.steps, 12), max(args.warmup, 4)
+    else:
+        layouts, args.nproc, args.tp, args.dtypes = CPU_LAYOUTS, 2, "1,2", "fp32"
+        args.micro_batches = str(args.micro_batch)
+        args.seq_len, args.global_batch = args.seq_len or 128, args.global_batch or 4
+    args.model_overrides = {"model.tie_embeddings": False}  # pipeline stages cannot share the embedding
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}  # one core per process on a CPU host
+    tag = "gpu" if args.gpu else "cpu"
+    RESULTS.mkdir(exist_ok=True)
+    profiles = [RESULTS / f"planner_measured_{tag}_profile_before.toml", RESULTS / f"planner_measured_{tag}_profile_after.toml"]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        preflight(args, profiles[0], env)
+        runs = {}
+        for name, (nproc, overrides) in layouts.items():
+            runs[name] = (nproc, train(name, nproc, overrides, args, Path(tmp), env))
+            print(f"{name}: {'done' if isinstance(runs[name][1], Path) else runs[name][1]}", flush=True)
+        preflight(args, profiles[1], env)
+        before, after = (load_profile(str(p)) for p in profiles)
+        for name, (nproc, run_dir) in runs.items():
+            if not isinstance(run_dir, Path):
+                rows.append({"layout": name, "processes": nproc, "error": run_dir})
+                continue
+            sample = run_sample(str(run_dir), before)
+            measured, median, data_wait = measured_step(run_dir, args.warmup)
+            predicted = [step_time(sample.workload, sample.layout, hw) for hw in (before, after)]
+            rows.append({"layout": name, "processes": nproc, "planner_layout": sample.layout.describe(),
+                         "measured_s": round(measured, 4), "median_s": round(median, 4),
+                         "data_wait_s": round(data_wait, 4),
+                         "predicted_before_s": round(predicted[0].total, 4),
+                         "predicted_after_s": round(predicted[1].total, 4),
+                         "error_before": round(predicted[0].total / measured - 1, 4),
+                         "error_after": round(predicted[1].total / measured - 1, 4),
+                         "breakdown_before": {k: round(v, 4) for k, v in predicted[0].__dict__.items()}})
+    meta = {"machine": platform.machine(), "cpus": os.cpu_count(), "preset": args.preset, "seq_len": args.seq_len,
+            "global_batch": args.global_batch, "micro_batch": args.micro_batch, "steps": args.steps,
+            "timed_steps": args.steps - args.warmup, "profiles": [p.name for p in profiles],
+            "figures": before.sources()}
+    table = markdown_table(
+        ["layout", "processes", "planner's reading", "measured s/step (fastest)", "median", "waiting for data",
+         "predicted (preflight before)", "error",
+         "predicted (preflight after)", "error"],
+        [[r["layout"], r["processes"], r.get("planner_layout", "failed: " + r.get("error", "")),
+          r.get("measured_s", ""), r.get("median_s", ""), r.get("data_wait_s", ""), r.get("predicted_before_s", ""), f"{r['error_before']:+.1%}" if "error_before" in r
+          else "", r.get("predicted_after_s", ""), f"{r['error_after']:+.1%}" if "error_after" in r else ""]
+         for r in rows])
+    write_results(f"planner_measured_{tag}", meta, rows,
+                  f"`{args.preset}` (untied embeddings), seq {args.seq_len}, global batch {args.global_batch}, "
+                  f"micro-batch {args.micro_batch}; fastest (and median) step of steps {args.warmup + 1}-{args.steps}; "
+                  f"predicted from `hlat preflight` run just before and just after the training runs "
+                  f"({args.nproc} process(es), one thread each on a CPU host). {before.sources()}.", table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""The work of one transformer layer, as `hlat preflight` measures it and the step-time model prices it: the
+layer's matmul shapes, its attention, and the nominal bytes of its memory-bound operations (forward and backward).
+
+One definition serves both sides: preflight times an operation at the model's own shapes and stores a rate
+(TFLOP/s, or GB/s of these nominal bytes); the planner divides the same nominal quantities by the stored rate,
+so a shape preflight measured is priced at exactly its measured time, and other shapes scale from the nearest."""
+
+from __future__ import annotations
+
+import bisect
+import math
+
+from hlat.models.config import ModelConfig
+
+MEMORY_OPS = ("norm", "activation", "rotary", "residual", "loss", "optimizer")
+
+
+def layer_matmuls(model: ModelConfig, tokens: int, tp: int) -> dict[str, tuple[int, int, int]]:
+    """Forward matmuls of one layer on one tensor-parallel rank, as (rows, inner, columns)."""
+    d, hd, f = model.dim, model.head_dim, model.ffn_dim
+    heads, kv = model.n_heads // tp, max(1, model.kv_heads // tp)
+    shapes = {"q": (tokens, d, heads * hd), "kv": (tokens, d, 2 * kv * hd), "attn_out": (tokens, heads * hd, d),
+              "mlp_in": (tokens, d, (2 if model.family == "llama" else 1) * f // tp), "mlp_out": (tokens, f // tp, d)}
+    return shapes
+
+
+def output_matmul(model: ModelConfig, tokens: int, tp: int) -> tuple[int, int, int]:
+    return tokens, model.dim, model.vocab_size // tp
+
+
+def matmul_flops(shape: tuple[int, int, int]) -> float:
+    m, k, n = shape
+    return 2.0 * m * k * n
+
+
+def attention_flops(model: ModelConfig, micro_batch: int, seq_len: int, tp: int) -> float:
+    """Nominal forward + backward FLOPs of one layer's attention core (QK^T and AV, causal mask ignored, as in
+    `ModelConfig.flops_per_token`)."""
+    return 12.0 * micro_batch * seq_len * seq_len * model.dim / tp
+
+
+def memory_op_bytes(model: ModelConfig, tokens: int, tp: int, sp: bool, act_bytes: int) -> dict[str, float]:
+    """Nominal bytes moved, forward + backward, by one layer's memory-bound operations on one rank: elements read
+    and written, counted once each (norm: 2 + 3 passes over its input; SwiGLU's silu(a) * b: 3 + 5 over an
+    f-wide tensor, GeLU 2 + 3; rotary on q and k: 2 + 2; two residual adds: 3 + 3 each)."""
+    d, f = model.dim, model.ffn_dim // tp
+    outside = tokens * d / (tp if sp else 1)  # norms and residuals run on a sequence shard under SP
+    rotated = tokens * (model.n_heads + model.kv_heads) * model.head_dim / tp
+    act_passes = 8 if model.family == "llama" else 5
+    return {"norm": 2 * 5 * outside * act_bytes, "activation": act_passes * tokens * f * act_bytes,
+            "rotary": 4 * rotated * act_bytes, "residual": 2 * 6 * outside * act_bytes}
+
+
+def loss_bytes(model: ModelConfig, tokens: int, tp: int) -> float:
+    """Cross-entropy over the logits, forward + backward, in fp32: read and written twice each."""
+    return 4.0 * tokens * model.vocab_size / tp * 4
+
+
+def optimizer_bytes(params: float, weight_bytes: int, grad_bytes: int, optimizer_bytes: int) -> float:
+    """AdamW reads weights, gradients and states and writes weights and states."""
+    return params * (2 * weight_bytes + grad_bytes + 2 * optimizer_bytes)
+
+
+def interpolate(table: list[list[float]], x: float) -> float:
+    """The y of sorted [x, y] rows at x, linear in log x between rows and flat beyond the ends."""
+    xs = [row[0] for row in table]
+    i = bisect.bisect_left(xs, x)
+    if i == 0:
+        return table[0][1]
+    if i == len(table):
+        return table[-1][1]
+    (x0, y0), (x1, y1) = table[i - 1][:2], table[i][:2]
+    w = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+    return y0 + w * (y1 - y0)

@@ -1,0 +1,392 @@
+"""`hlat preflight`: burn-in health checks whose measurements are also what the planner needs to know about the
+hardware. One process, or every rank under torchrun (gloo on CPU, NCCL on CUDA):
+
+- compute: matmuls at the shapes the model runs (per tensor-parallel degree), causal attention (SDPA) at the
+  sequence length, and the memory-bound operations (norm, activation, rotary, residual, loss, optimizer) as GB/s;
+- communication: all-reduce, all-gather and reduce-scatter bus bandwidth over a sweep of sizes (as nccl-tests
+  report it), send/recv between every pair of neighbouring ranks, and how much of a collective hides behind
+  concurrent compute;
+- health: bit-identical results on every rank for the same inputs, memory allocatable up to a fraction, and a
+  straggler score per rank (its time over the median).
+
+Shapes and nominal byte counts come from `hlat.planner.costs`, so the profile written with `--out` prices exactly
+what was measured. Two debug knobs make the health checks testable: one delays a rank's collectives, one perturbs
+a rank's numerics."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import time
+from dataclasses import asdict, dataclass, field, replace
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from hlat import HlatError
+from hlat.models.config import ModelConfig
+from hlat.models.layers import apply_rope, rope_table
+from hlat.parallel.device import backend_for, pick_device
+from hlat.planner.costs import (attention_flops, layer_matmuls, loss_bytes, matmul_flops, memory_op_bytes,
+                                optimizer_bytes, output_matmul)
+from hlat.planner.profiles import HardwareProfile, Measured
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+@dataclass
+class Options:
+    model: ModelConfig
+    seq_len: int
+    micro_batch: int
+    tps: tuple[int, ...] = (1,)  # tensor-parallel degrees whose matmul shapes are measured
+    other_micro_batches: tuple[int, ...] = ()  # the matmul shapes of these micro-batches are measured too
+    dtypes: tuple[str, ...] = ("fp32",)
+    sizes: tuple[int, ...] = tuple(2 ** k for k in range(12, 25, 3))  # bytes per device: 4 KiB to 16 MiB
+    repeats: int = 5
+    threshold: float = 0.8  # a device or link below this share of the median (or of the profile) fails
+    memory_fraction: float = 0.9
+    delay_rank: int = -1  # debug: this rank sleeps delay_ms before every collective
+    delay_ms: float = 0.0
+    perturb_rank: int = -1  # debug: this rank's numerics check sees different inputs
+
+
+@dataclass
+class Report:
+    ranks: int
+    hosts: list[str]
+    device: str
+    compute: list[dict] = field(default_factory=list)  # rank 0's measurements
+    collectives: list[dict] = field(default_factory=list)
+    links: list[dict] = field(default_factory=list)
+    overlap: float = -1.0
+    memory: dict = field(default_factory=dict)
+    stragglers: list[dict] = field(default_factory=list)  # per rank: local time, score
+    mismatched: list[int] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    measured: Measured = field(default_factory=Measured)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+def timed(fn, device: torch.device, repeats: int) -> float:
+    """Seconds of the fastest of `repeats` calls of fn() after one warm-up call: the least disturbed, on a host
+    whose cores other work shares."""
+    fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def measure_compute(o: Options, device: torch.device) -> tuple[list[dict], dict]:
+    """Rows of what was timed, and the Measured fields they give."""
+    rows, fields_ = [], {}
+    m = o.model
+    for dtype_name in o.dtypes:
+        dtype = torch.float32 if dtype_name == "fp32" else torch.bfloat16
+        rates: dict[float, float] = {}
+        for tokens, tp in ((o.seq_len * mb, tp) for mb in sorted({o.micro_batch, *o.other_micro_batches})
+                           for tp in o.tps):
+            shapes = {**layer_matmuls(m, tokens, tp), "output": output_matmul(m, tokens, tp)}
+            for name, (rows_, inner, cols) in shapes.items():
+                a = torch.randn(rows_, inner, device=device, dtype=dtype)
+                b = torch.randn(inner, cols, device=device, dtype=dtype)
+                seconds = timed(lambda: a @ b, device, o.repeats)
+                flops = matmul_flops((rows_, inner, cols))
+                rates[flops] = flops / seconds / 1e12
+                rows.append({"what": f"matmul {name} tp{tp} {dtype_name}", "shape": f"{rows_}x{inner}x{cols}",
+                             "seconds": seconds, "rate": f"{rates[flops]:.3g} TFLOP/s"})
+        fields_[f"matmul_{dtype_name}"] = sorted([k, v] for k, v in rates.items())
+        heads = m.n_heads
+        q = torch.randn(o.micro_batch, heads, o.seq_len, m.head_dim, device=device, dtype=dtype, requires_grad=True)
+        kv = torch.randn(o.micro_batch, heads, o.seq_len, m.head_dim, device=device, dtype=dtype, requires_grad=True)
+
+        def attention():
+            out = F.scaled_dot_product_attention(q, kv, kv, is_causal=True)
+            out.backward(torch.ones_like(out))
+
+        seconds = timed(attention, device, o.repeats)
+        rate = attention_flops(m, o.micro_batch, o.seq_len, 1) / seconds / 1e12
+        fields_[f"attention_{dtype_name}"] = [[o.seq_len, rate]]
+        rows.append({"what": f"attention (SDPA causal, fwd+bwd) {dtype_name}",
+                     "shape": f"{o.micro_batch}x{heads}x{o.seq_len}x{m.head_dim}", "seconds": seconds,
+                     "rate": f"{rate:.3g} TFLOP/s"})
+    rows_, bandwidths = measure_memory_bound(o, device)
+    return rows + rows_, {**fields_, **bandwidths}
+
+
+def measure_memory_bound(o: Options, device: torch.device) -> tuple[list[dict], dict]:
+    """GB/s of each memory-bound operation, fwd + bwd, at one layer's shapes (in the compute dtype of the first
+    --dtype), against the nominal bytes of `hlat.planner.costs`."""
+    m, tokens = o.model, o.seq_len * o.micro_batch
+    dtype = torch.float32 if o.dtypes[0] == "fp32" else torch.bfloat16
+    cb = 4 if dtype == torch.float32 else 2
+    nominal = memory_op_bytes(m, tokens, 1, False, cb)
+    x = torch.randn(o.micro_batch, o.seq_len, m.dim, device=device, dtype=dtype, requires_grad=True)
+    gate = torch.randn(o.micro_batch, o.seq_len, m.ffn_dim, device=device, dtype=dtype, requires_grad=True)
+    up = torch.randn_like(gate, requires_grad=True)
+    qk = torch.randn(o.micro_batch, o.seq_len, m.n_heads + m.kv_heads, m.head_dim, device=device, dtype=dtype,
+                     requires_grad=True)
+    rope = rope_table(m, device)[: o.seq_len]
+    weight = torch.ones(m.dim, device=device, dtype=dtype)
+
+    def backward(y):
+        y.backward(torch.ones_like(y))
+
+    def activation():
+        return F.silu(gate) * up if m.family == "llama" else F.gelu(gate)
+
+    ops = {"norm": lambda: [backward(F.rms_norm(x, (m.dim,), weight)) for _ in range(2)],
+           "activation": lambda: backward(activation()),
+           "rotary": lambda: backward(apply_rope(qk, rope)),
+           "residual": lambda: [backward(x + x) for _ in range(2)]}
+    rows, out = [], {}
+    for op, fn in ops.items():
+        seconds = timed(fn, device, o.repeats)
+        out[f"{op}_gbs"] = nominal[op] / seconds / 1e9
+        rows.append({"what": f"{op} (fwd+bwd)", "shape": f"{tokens} tokens", "seconds": seconds,
+                     "rate": f"{out[f'{op}_gbs']:.3g} GB/s"})
+    logits = torch.randn(tokens, m.vocab_size, device=device, requires_grad=True)
+    targets = torch.randint(m.vocab_size, (tokens,), device=device)
+    seconds = timed(lambda: F.cross_entropy(logits, targets).backward(), device, o.repeats)
+    out["loss_gbs"] = loss_bytes(m, tokens, 1) / seconds / 1e9
+    rows.append({"what": "loss (cross-entropy, fwd+bwd)", "shape": f"{tokens}x{m.vocab_size}", "seconds": seconds,
+                 "rate": f"{out['loss_gbs']:.3g} GB/s"})
+    n = m.layer_params()
+    param = torch.nn.Parameter(torch.randn(n, device=device))
+    param.grad = torch.randn_like(param)
+    opt = torch.optim.AdamW([param], lr=1e-4, foreach=True)
+    seconds = timed(opt.step, device, o.repeats)
+    out["optimizer_gbs"] = optimizer_bytes(n, 4, 4, 8) / seconds / 1e9
+    rows.append({"what": "optimizer (AdamW, fp32)", "shape": f"{n} params", "seconds": seconds,
+                 "rate": f"{out['optimizer_gbs']:.3g} GB/s"})
+    return rows, out
+
+
+def numerics_digest(o: Options, device: torch.device, rank: int) -> float:
+    """A matmul of seeded inputs, summed in float64: the same on every healthy rank of one hardware type."""
+    g = torch.Generator(device="cpu").manual_seed(1234)
+    a = torch.randn(256, 256, generator=g).to(device)
+    if rank == o.perturb_rank:
+        a[0, 0] += 1e-3
+    return float((a @ a.T).double().sum().item())
+
+
+def _delay(o: Options, rank: int) -> None:
+    if rank == o.delay_rank and o.delay_ms > 0:
+        time.sleep(o.delay_ms / 1e3)
+
+
+def measure_collectives(o: Options, device: torch.device, rank: int, world: int) -> tuple[list[dict], float]:
+    """Bus bandwidth of each collective at each size (nccl-tests' busbw: algbw x 2(n-1)/n for all-reduce,
+    x (n-1)/n for all-gather and reduce-scatter), and the seconds this rank spent before entering them (its
+    delays: where a straggler shows)."""
+    rows, local = [], 0.0
+    for op in COLLECTIVES:
+        for size in o.sizes:
+            numel = max(world, size // 4 // world * world)
+            buf = torch.ones(numel, device=device)
+            shard = torch.empty(numel // world, device=device)
+            times = []
+            for i in range(o.repeats + 1):
+                dist.barrier()
+                start = time.perf_counter()
+                _delay(o, rank)
+                local += time.perf_counter() - start
+                if op == "all_reduce":
+                    dist.all_reduce(buf)
+                elif op == "all_gather":
+                    dist.all_gather_single(buf, shard)
+                else:
+                    dist.reduce_scatter_single(shard, buf)
+                _sync(device)
+                if i:
+                    times.append(time.perf_counter() - start)
+            seconds = statistics.median(times)
+            factor = 2 * (world - 1) / world if op == "all_reduce" else (world - 1) / world
+            nbytes = numel * 4
+            rows.append({"op": op, "bytes": nbytes, "seconds": seconds, "algbw_gbs": nbytes / seconds / 1e9,
+                         "busbw_gbs": nbytes / seconds / 1e9 * factor})
+    return rows, local
+
+
+def measure_links(o: Options, device: torch.device, rank: int, world: int, hosts: list[str]) -> list[dict]:
+    """Send/recv between each rank and the next (ring order), one pair at a time, at the largest size."""
+    numel = o.sizes[-1] // 4
+    buf = torch.ones(numel, device=device)
+    rows = []
+    for src in range(world):
+        dst = (src + 1) % world
+        times = []
+        for i in range(o.repeats + 1):
+            dist.barrier()
+            start = time.perf_counter()
+            if rank == src:
+                _delay(o, rank)
+                dist.send(buf, dst)
+                dist.recv(buf[:1], dst)  # the receiver's acknowledgement: the transfer has landed
+            elif rank == dst:
+                _delay(o, rank)
+                dist.recv(buf, src)
+                dist.send(buf[:1], src)
+            _sync(device)
+            if i:
+                times.append(time.perf_counter() - start)
+        seconds = statistics.median(times)
+        rows.append({"src": src, "dst": dst, "hosts": f"{hosts[src]} -> {hosts[dst]}", "bytes": numel * 4,
+                     "seconds": seconds, "gbs": numel * 4 / seconds / 1e9})
+    # only the pair's two ranks timed the transfer: take the sender's figure
+    times = [None] * world
+    dist.all_gather_object(times, [r["seconds"] for r in rows])
+    for r in rows:
+        r["seconds"] = times[r["src"]][r["src"]]
+        r["gbs"] = r["bytes"] / r["seconds"] / 1e9
+    return rows
+
+
+def measure_overlap(o: Options, device: torch.device) -> float:
+    """Share of an all-reduce hidden behind a concurrent matmul: (t_matmul + t_allreduce - t_both) over the
+    shorter of the two, clamped to [0, 1]."""
+    n = 512
+    a = torch.randn(n, n, device=device)
+    buf = torch.ones(o.sizes[-1] // 4, device=device)
+
+    def matmul():
+        for _ in range(4):
+            a @ a
+
+    def reduce():
+        dist.all_reduce(buf)
+
+    def both():
+        work = dist.all_reduce(buf, async_op=True)
+        matmul()
+        work.wait()
+
+    t_mm, t_ar = timed(matmul, device, o.repeats), timed(reduce, device, o.repeats)
+    t_both = timed(both, device, o.repeats)
+    return min(1.0, max(0.0, (t_mm + t_ar - t_both) / min(t_mm, t_ar)))
+
+
+def check_memory(o: Options, device: torch.device) -> dict:
+    """Allocate memory_fraction of the device's free memory, in 1 GiB pieces (accelerators only)."""
+    if device.type == "cpu":
+        return {"checked": False, "note": "host memory: not checked"}
+    free, total = torch.accelerator.get_memory_info(device) if hasattr(torch.accelerator, "get_memory_info") \
+        else torch.cuda.mem_get_info(device)
+    want, pieces = int(free * o.memory_fraction), []
+    try:
+        while sum(p.numel() for p in pieces) < want:
+            pieces.append(torch.empty(min(2 ** 30, want - sum(p.numel() for p in pieces)), dtype=torch.uint8,
+                                      device=device))
+        return {"checked": True, "allocated_gib": want / 2 ** 30, "total_gib": total / 2 ** 30}
+    except torch.OutOfMemoryError:
+        got = sum(p.numel() for p in pieces)
+        return {"checked": True, "failed": True, "allocated_gib": got / 2 ** 30, "wanted_gib": want / 2 ** 30}
+    finally:
+        del pieces
+
+
+def run_preflight(o: Options) -> Report:
+    device = pick_device("auto")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    started_here = world > 1 and not dist.is_initialized()
+    if started_here:
+        dist.init_process_group(backend_for(device), timeout=timedelta(minutes=5),
+                                device_id=None if device.type == "cpu" else device)
+    rank = dist.get_rank() if world > 1 else 0
+    try:
+        return _run(o, device, rank, world)
+    finally:
+        if started_here:
+            dist.destroy_process_group()
+
+
+def _gather(value, world: int) -> list:
+    if world == 1:
+        return [value]
+    out = [None] * world
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _run(o: Options, device: torch.device, rank: int, world: int) -> Report:
+    hosts = _gather(socket.gethostname(), world)
+    report = Report(ranks=world, hosts=hosts, device=str(device))
+    start = time.perf_counter()
+    compute, fields_ = measure_compute(o, device)
+    local = time.perf_counter() - start
+    measured = Measured(**fields_)
+    if world > 1:
+        collectives, waited = measure_collectives(o, device, rank, world)
+        local += waited
+        report.collectives = collectives
+        report.links = measure_links(o, device, rank, world, hosts)
+        report.overlap = measure_overlap(o, device)
+        for op in COLLECTIVES:
+            setattr(measured, op, [[r["bytes"], r["busbw_gbs"]] for r in collectives if r["op"] == op])
+        measured.send_recv = [[statistics.median(r["bytes"] for r in report.links),
+                               statistics.median(r["gbs"] for r in report.links)]]
+        measured.overlap = round(_gather(report.overlap, world)[0], 3)
+    report.compute = compute
+    report.memory = check_memory(o, device)
+
+    digests = _gather(numerics_digest(o, device, rank), world)
+    majority = statistics.mode(digests)
+    report.mismatched = [r for r, d in enumerate(digests) if d != majority]
+    locals_ = _gather(local, world)
+    median = statistics.median(locals_)
+    report.stragglers = [{"rank": r, "host": hosts[r], "seconds": s, "score": s / median} for r, s in enumerate(locals_)]
+    report.problems = problems(report, o)
+    measured.source = (f"hlat preflight, {world} rank(s) on {', '.join(sorted(set(hosts)))} ({device.type}), "
+                       f"{o.model.preset or o.model.family} seq {o.seq_len} micro-batch {o.micro_batch}")
+    report.measured = _rounded(measured)
+    return report
+
+
+def _rounded(measured: Measured) -> Measured:
+    """Four significant digits: more than any measurement here resolves, and a readable profile."""
+    def r(x):
+        return [r(v) for v in x] if isinstance(x, list) else float(f"{x:.4g}") if isinstance(x, float) else x
+
+    return Measured(**{k: r(v) for k, v in asdict(measured).items()})
+
+
+def problems(report: Report, o: Options) -> list[str]:
+    """One line per device or link below the threshold, naming rank and host."""
+    out = [f"rank {r} ({report.hosts[r]}): numerics differ from the other ranks for the same inputs"
+           for r in report.mismatched]
+    out += [f"rank {s['rank']} ({s['host']}): straggler, {s['score']:.2f}x the median rank's time"
+            for s in report.stragglers if s["score"] > 1 / o.threshold]
+    if report.links:
+        median = statistics.median(r["gbs"] for r in report.links)
+        out += [f"link rank {r['src']} -> rank {r['dst']} ({r['hosts']}): {r['gbs']:.3g} GB/s, "
+                f"{r['gbs'] / median:.0%} of the median link" for r in report.links if r["gbs"] < o.threshold * median]
+    if report.memory.get("failed"):
+        out.append(f"rank 0 ({report.hosts[0]}): could allocate only {report.memory['allocated_gib']:.1f} of "
+                   f"{report.memory['wanted_gib']:.1f} GiB")
+    return out
+
+
+def measured_profile(report: Report, base: HardwareProfile, local_ranks: int) -> HardwareProfile:
+    """`base` (public figures) with the measurements, for `hlat plan --hardware measured.toml`. On a CPU host
+    each process is a device: a node holds the ranks preflight ran there."""
+    per_node = local_ranks if report.device.startswith("cpu") else base.devices_per_node
+    return replace(base, name=f"{base.name}-measured", measured=report.measured, devices_per_node=per_node,
+                   description=f"{base.description}; measured by hlat preflight")
+
+
+def report_json(report: Report) -> str:
+    return json.dumps(asdict(report), indent=2, default=str)

@@ -1,0 +1,147 @@
+"""`hlat preflight`'s command line (torch is imported only when it runs)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from hlat import HlatError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", action="append", help="TOML config or recipe name (repeatable, merged in order): "
+                                                           "its model, seq_len, micro_batch, precision and tp are measured")
+    parser.add_argument("--model", help="preset name instead of the config's model")
+    parser.add_argument("--tp", default="", help="tensor-parallel degrees whose matmul shapes to measure, e.g. 1,2 "
+                                                 "(default: 1 and the config's tp)")
+    parser.add_argument("--micro-batches", default="", help="micro-batch sizes whose matmul shapes to measure, "
+                                                            "e.g. 1,4 (default: the config's micro_batch)")
+    parser.add_argument("--dtypes", default="", help="fp32,bf16 (default: the precision mode's compute dtype)")
+    parser.add_argument("--sizes", default="", help="collective sizes in bytes, comma-separated "
+                                                    "(default 4 KiB to 16 MiB)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed repetitions per measurement (median)")
+    parser.add_argument("--threshold", type=float, default=0.8,
+                        help="a rank or link below this share of the median fails (default 0.8)")
+    parser.add_argument("--memory-fraction", type=float, default=0.9, help="of free device memory to allocate")
+    parser.add_argument("--hardware", help="profile whose public figures --out starts from (default: cpu, or the "
+                                           "closest known accelerator)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--out", help="write a hardware profile with the measurements, for hlat plan --hardware")
+    parser.add_argument("--debug-delay", default="", metavar="RANK:MS", help=argparse.SUPPRESS)
+    parser.add_argument("--debug-perturb", type=int, default=-1, metavar="RANK", help=argparse.SUPPRESS)
+
+
+def _ints(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v)
+    except ValueError:
+        raise HlatError(f"{flag}: expected comma-separated integers, got {text!r}") from None
+    if any(v < 1 for v in values):
+        raise HlatError(f"{flag}: values must be >= 1, got {text!r}")
+    return values
+
+
+def options(args: argparse.Namespace, overrides: list[str]):
+    from hlat.train.config import load_config
+    from hlat.train.preflight import Options
+
+    if args.model:
+        overrides = ["--model.preset", args.model] + overrides
+    cfg = load_config(args.config, overrides)
+    if not 0 < args.threshold <= 1 or not 0 < args.memory_fraction <= 1:
+        raise HlatError(f"--threshold and --memory-fraction must be in (0, 1], got {args.threshold} and "
+                        f"{args.memory_fraction}")
+    if args.repeats < 1:
+        raise HlatError(f"--repeats: must be >= 1, got {args.repeats}")
+    dtypes = tuple(d for d in args.dtypes.split(",") if d) or (
+        ("fp32",) if cfg.precision.mode == "fp32" else ("bf16",))
+    if set(dtypes) - {"fp32", "bf16"}:
+        raise HlatError(f"--dtypes: expected fp32 and/or bf16, got {args.dtypes!r}")
+    tps = _ints(args.tp, "--tp") or tuple(sorted({1, cfg.parallel.tp}))
+    for tp in tps:
+        if cfg.model.n_heads % tp or cfg.model.ffn_dim % tp or cfg.model.vocab_size % tp:
+            raise HlatError(f"--tp: {tp} does not divide the model's heads, ffn_dim or vocab_size")
+    delay_rank, delay_ms = -1, 0.0
+    if args.debug_delay:
+        try:
+            rank, ms = args.debug_delay.split(":")
+            delay_rank, delay_ms = int(rank), float(ms)
+        except ValueError:
+            raise HlatError(f"--debug-delay: expected RANK:MS, got {args.debug_delay!r}") from None
+    extra = {"sizes": _ints(args.sizes, "--sizes")} if args.sizes else {}
+    micro_batches = _ints(args.micro_batches, "--micro-batches") or (cfg.train.micro_batch,)
+    return Options(model=cfg.model, seq_len=cfg.train.seq_len, micro_batch=max(micro_batches),
+                   other_micro_batches=micro_batches, tps=tps,
+                   dtypes=dtypes, repeats=args.repeats, threshold=args.threshold,
+                   memory_fraction=args.memory_fraction, delay_rank=delay_rank, delay_ms=delay_ms,
+                   perturb_rank=args.debug_perturb, **extra)
+
+
+def base_profile(name: str | None, device_type: str):
+    from hlat.planner.profiles import load_profile
+
+    if name:
+        return load_profile(name)
+    if device_type == "cuda":
+        import torch
+
+        gpu = torch.cuda.get_device_name()
+        return load_profile("p5e.48xlarge" if "H200" in gpu else "p5.48xlarge" if "H100" in gpu else "p4d.24xlarge")
+    return load_profile("cpu")
+
+
+def run(args: argparse.Namespace, overrides: list[str]) -> int:
+    from hlat.parallel.device import pick_device
+    from hlat.train.preflight import measured_profile, report_json, run_preflight
+
+    o = options(args, overrides)
+    report = run_preflight(o)
+    main = os.environ.get("RANK", "0") == "0"
+    if main:
+        if args.json:
+            print(report_json(report))
+        else:
+            show(report)
+        if args.out:
+            profile = measured_profile(report, base_profile(args.hardware, pick_device("auto").type),
+                                       int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+            Path(args.out).write_text(profile.to_toml())
+            print(f"wrote {args.out}", file=sys.stderr if args.json else sys.stdout)
+        for line in report.problems:
+            print(f"hlat preflight: {line}", file=sys.stderr)
+    # rank 0 speaks for the job: torchrun would stop it mid-report if another rank exited non-zero first
+    return 1 if report.problems and main else 0
+
+
+def show(report) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.width = max(console.width, 120)
+    table = Table(title=f"hlat preflight: {report.ranks} rank(s), {report.device}")
+    for col in ("measurement", "shape", "ms", "rate"):
+        table.add_column(col, justify="left" if col in ("measurement", "shape") else "right")
+    for r in report.compute:
+        table.add_row(r["what"], r["shape"], f"{r['seconds'] * 1e3:.3g}", r["rate"])
+    console.print(table)
+    if report.collectives:
+        table = Table(title="collectives (bus bandwidth as nccl-tests reports it)")
+        for col in ("op", "bytes", "ms", "algbw GB/s", "busbw GB/s"):
+            table.add_column(col, justify="right")
+        for r in report.collectives:
+            table.add_row(r["op"], f"{r['bytes']:,}", f"{r['seconds'] * 1e3:.3g}", f"{r['algbw_gbs']:.3g}",
+                          f"{r['busbw_gbs']:.3g}")
+        console.print(table)
+        table = Table(title=f"links (send/recv); overlap of an all-reduce with compute: {report.overlap:.0%}")
+        for col in ("pair", "hosts", "bytes", "GB/s"):
+            table.add_column(col, justify="right")
+        for r in report.links:
+            table.add_row(f"{r['src']} -> {r['dst']}", r["hosts"], f"{r['bytes']:,}", f"{r['gbs']:.3g}")
+        console.print(table)
+    console.print("stragglers (local time over the median rank): " + ", ".join(
+        f"rank {s['rank']} {s['score']:.2f}" for s in report.stragglers))
+    console.print(f"numerics: {'identical on every rank' if not report.mismatched else 'differ on ranks ' + str(report.mismatched)}; "
+                  f"memory: {report.memory}")

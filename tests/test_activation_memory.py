@@ -1,0 +1,158 @@
+"""The planner's activation bytes per layer against what hlat's model really keeps for backward: every tensor the
+autograd graph saves (saved-tensor hooks) plus what activation checkpointing holds itself (its inputs, and under
+selective recomputation the cached matmul and collective outputs), per block, deduplicated by storage. For no,
+selective and full recomputation; in one process, and under torchrun with tensor parallelism 2 with and without
+sequence parallelism. Parameter, gradient and optimizer bytes are checked exactly against the real model's
+parameters for every precision mode and sharding."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hlat.models import build_model, materialize
+from hlat.models.config import model_config
+from hlat.optim.modes import MODES
+from hlat.parallel.checkpointing import apply_activation_checkpointing
+from hlat.planner.layout import Layout, Workload
+from hlat.planner.memory import layer_activation_bytes, memory, stage_params
+from hlat.planner.profiles import load_profile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL = dict(n_layers=3, dim=128, n_heads=4, ffn_dim=352, vocab_size=512, max_seq_len=256)
+SEQ, MB = 256, 2  # large enough that checkpointing's saved RNG state (5 KB per block on CPU) is noise
+MODES_ = ("none", "selective", "full")
+
+
+def _storage(t: torch.Tensor) -> tuple[int, int]:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        t = t.to_local()
+    s = t.untyped_storage()
+    return s.data_ptr(), s.nbytes()
+
+
+def _live_tensors() -> dict[int, int]:
+    """Storages of the plain tensors Python holds (checkpointing keeps its caches in Python objects)."""
+    out = {}
+    for obj in gc.get_objects():
+        if type(obj) is torch.Tensor:
+            ptr, nbytes = _storage(obj)
+            out[ptr] = nbytes
+    return out
+
+
+def block_bytes(model: torch.nn.Module, tokens: torch.Tensor, name: str) -> int:
+    """Bytes block `name` keeps for backward after the model's forward pass: the tensors saved while it ran
+    (saved-tensor hooks) and the tensors created while it ran that are still alive (checkpointing's caches),
+    without the parameters, the buffers and the block's output (the next block's input)."""
+    block = model.layers[name]
+    state: dict = {"running": False, "saved": {}}
+
+    def pack(t):
+        if state["running"]:
+            ptr, nbytes = _storage(t)
+            state["saved"][ptr] = nbytes
+        return t
+
+    def enter(module, args):
+        gc.collect()
+        state["before"], state["running"] = _live_tensors(), True
+
+    def leave(module, args, output):
+        gc.collect()
+        state["running"] = False
+        state["held"] = {p: n for p, n in _live_tensors().items() if p not in state["before"]}
+        state["output"] = _storage(output)[0]
+
+    handles = [block.register_forward_pre_hook(enter), block.register_forward_hook(leave)]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = model(tokens)
+    for h in handles:
+        h.remove()
+    kept = {**state["saved"], **state["held"]}
+    for t in [*model.parameters(), *model.buffers()]:
+        kept.pop(_storage(t)[0], None)
+    kept.pop(state["output"], None)
+    del logits
+    return sum(kept.values())
+
+
+def measure(tp_mesh=None, sequence_parallel: bool = False) -> dict[str, float]:
+    """Bytes the middle block keeps, for each recomputation mode (fp32 activations)."""
+    from hlat.parallel.tensor import apply_tensor_parallel
+
+    cfg = model_config("tiny", **MODEL)
+    tokens = torch.randint(0, cfg.vocab_size, (MB, SEQ), generator=torch.Generator().manual_seed(0))
+    result = {}
+    for mode in MODES_:
+        model = build_model(cfg)
+        if tp_mesh is not None:
+            apply_tensor_parallel(model, tp_mesh, sequence_parallel)
+        apply_activation_checkpointing(model, mode)
+        materialize(model, torch.device("cpu"), 0)
+        result[mode] = block_bytes(model, tokens, "1")
+    return result
+
+
+def planned(tp: int, sequence_parallel: bool) -> dict[str, float]:
+    cfg = model_config("tiny", **MODEL)
+    layout = Layout.of(tp=tp, micro_batch=MB, sequence_parallel=sequence_parallel)
+    return {mode: layer_activation_bytes(cfg, SEQ, layout, mode, 4, flash=True) for mode in MODES_}
+
+
+def _check(measured: dict, plan: dict) -> None:
+    for mode in MODES_:
+        assert plan[mode] == pytest.approx(measured[mode], rel=0.10), (mode, measured, plan)
+
+
+def test_activation_bytes_match_the_saved_tensors_in_one_process():
+    torch.manual_seed(0)
+    _check(measure(), planned(1, False))
+
+
+def test_activation_bytes_match_under_tensor_and_sequence_parallelism(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
+           str(tmp_path / "measured.json")]
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1",
+                                                                   "PYTHONPATH": ROOT}, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    measured = json.loads((tmp_path / "measured.json").read_text())
+    for sp in (False, True):
+        _check(measured[str(sp)], planned(2, sp))
+
+
+@pytest.mark.parametrize("precision", sorted(MODES))
+def test_model_state_bytes_are_exact_for_every_precision_and_sharding(precision):
+    cfg = model_config("tiny", **MODEL)
+    params = sum(p.numel() for p in build_model(cfg).parameters())
+    work, hw = Workload(cfg, SEQ, 8, precision), load_profile("cpu")
+    mode = MODES[precision]
+    assert stage_params(cfg, Layout.of()) == params
+    for layout, shard, opt_shard in ((Layout.of(dp_replicate=4), 1, 1), (Layout.of(dp_shard=4), 4, 4),
+                                     (Layout.of(dp_shard=4, zero1=True), 1, 4),
+                                     (Layout.of(dp_replicate=2, dp_shard=2), 2, 2)):
+        m = memory(work, layout, hw)
+        assert (m.weights, m.grads, m.optimizer) == (params * mode.weight_bytes / shard,
+                                                     params * mode.grad_bytes / shard,
+                                                     params * mode.optimizer_bytes / opt_shard)
+
+
+if __name__ == "__main__":  # under torchrun: tensor parallelism 2, with and without sequence parallelism
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    out = {str(sp): measure(mesh, sp) for sp in (False, True)}
+    if dist.get_rank() == 0:
+        with open(sys.argv[1], "w") as f:
+            json.dump(out, f)
+    dist.destroy_process_group()

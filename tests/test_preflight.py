@@ -1,0 +1,62 @@
+"""`hlat preflight` under torchrun with 4 CPU ranks (gloo): the measured profile drives the planner; a rank whose
+collectives are delayed is named as a straggler, one whose numerics differ is named. Small sizes, two repeats."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hlat.planner.profiles import load_profile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def preflight(tmp_path, *extra: str, nproc: int = 4) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "hlat",
+           "preflight", "--model", "tiny", "--train.seq_len", "32", "--train.micro_batch", "1", "--repeats", "2",
+           "--sizes", "4096,65536", "--dtypes", "fp32", *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+
+
+def test_preflight_writes_a_profile_the_planner_uses(tmp_path):
+    # a threshold of 5% fails only a rank 20x slower than the median: load on a shared machine does not
+    done = preflight(tmp_path, "--threshold", "0.05", "--json", "--out", str(tmp_path / "measured.toml"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout[done.stdout.index("{"):done.stdout.rindex("}") + 1])
+    assert report["ranks"] == 4 and len(report["links"]) == 4 and not report["mismatched"]
+    assert {r["op"] for r in report["collectives"]} == {"all_reduce", "all_gather", "reduce_scatter"}
+    profile = load_profile(str(tmp_path / "measured.toml"))
+    assert profile.devices_per_node == 4 and profile.measured.matmul_fp32 and profile.measured.all_reduce
+    assert "measured: matmul, attention" in profile.sources()
+    from hlat.cli import main
+
+    assert main(["plan", "--model", "tiny", "--hardware", str(tmp_path / "measured.toml"), "--seq-len", "32",
+                 "--global-batch", "8", "--precision", "fp32", "--json"]) == 0
+
+
+def test_a_delayed_rank_and_a_rank_whose_numerics_differ_are_named(tmp_path):
+    """One run with both faults (each torchrun start costs seconds): rank 2 sleeps 40 ms before each of its
+    collectives, rank 3 sees different inputs in the numerics check."""
+    done = preflight(tmp_path, "--debug-delay", "2:40", "--debug-perturb", "3")
+    assert done.returncode != 0
+    problems = [line for line in done.stderr.splitlines() if line.startswith("hlat preflight: ")]
+    assert any("rank 2 (" in line and "straggler" in line for line in problems), problems
+    assert [line for line in problems if "numerics differ" in line] == [
+        next(line for line in problems if line.startswith("hlat preflight: rank 3 (") and "numerics" in line)]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tp", "3"], "--tp: 3 does not divide"),
+    (["--dtypes", "fp16"], "--dtypes"),
+    (["--threshold", "2"], "--threshold"),
+])
+def test_bad_options_are_one_line_errors(argv, message, capsys):
+    from hlat.cli import main
+
+    assert main(["preflight", "--model", "tiny", *argv]) == 2
+    assert message in capsys.readouterr().err
