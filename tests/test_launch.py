@@ -36,8 +36,10 @@ def test_slurm_on_gpus_with_preflight(capsys):
                     "--nodes", "32", "--cluster.preflight", "true")
     assert "#SBATCH --gpus-per-node=8" in script and "#SBATCH --time" not in script
     preflight = next(line for line in script.splitlines() if "hlat preflight" in line)
-    assert preflight.startswith("srun --ntasks-per-node=1 python -m hlat preflight --config configs/hlat-7b.toml")
-    assert script.index(preflight) < script.index("srun torchrun")
+    assert preflight.startswith("srun torchrun --nnodes=32 --nproc-per-node=8 --max-restarts=0 --rdzv-backend=c10d "
+                                '--rdzv-id="$SLURM_JOB_ID-preflight" --rdzv-endpoint="$head_node:29500" -m hlat '
+                                "preflight --config configs/hlat-7b.toml")
+    assert preflight.endswith(" || exit 1") and script.index(preflight) < script.index("--max-restarts=3")
 
 
 def test_kubernetes_job_keeps_runs_on_a_volume(capsys):
@@ -72,7 +74,11 @@ def test_kubernetes_preflight_keeps_torchrun_as_pid_1(capsys):
     (container,) = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"]
     assert "Worker" not in job["spec"]["pytorchReplicaSpecs"] and container["resources"] == {}
     shell, flag, script = container["command"]
-    assert (shell, flag) == ("bash", "-c") and script.startswith("python -m hlat preflight --config /etc/hlat/config.toml && exec torchrun ")
+    preflight, train = script.split(" && exec ")
+    assert (shell, flag) == ("bash", "-c") and preflight.startswith("torchrun --nnodes=1 ")
+    assert "--rdzv-id=hlat-7b-preflight" in preflight and "$(PET_MASTER_ADDR)" in preflight
+    assert preflight.endswith("-m hlat preflight --config /etc/hlat/config.toml")
+    assert train.startswith("torchrun ") and train.endswith("-m hlat train --config /etc/hlat/config.toml --resume auto")
 
 
 def test_torchrun_waits_for_the_shutdown_checkpoint(monkeypatch):

@@ -35,18 +35,20 @@ def _env(c: ClusterConfig) -> dict[str, str]:
     return {"OMP_NUM_THREADS": "1", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(c.stop_grace_s)}
 
 
-def _torchrun(c: ClusterConfig, rendezvous: list[str]) -> list[str]:
-    return ["torchrun", f"--nnodes={c.nodes}", f"--nproc-per-node={c.nproc_per_node}",
-            f"--max-restarts={c.max_restarts}", "--rdzv-backend=c10d", *rendezvous]
+def _torchrun(c: ClusterConfig, rdzv_id: str, endpoint: str, restarts: int) -> list[str]:
+    return ["torchrun", f"--nnodes={c.nodes}", f"--nproc-per-node={c.nproc_per_node}", f"--max-restarts={restarts}",
+            "--rdzv-backend=c10d", f"--rdzv-id={rdzv_id}", f"--rdzv-endpoint={endpoint}"]
 
 
 def render_slurm(configs: list[str], cfg: Config, overrides: list[str]) -> str:
     c, name = cfg.cluster, _job_name(configs)
     config_args = [arg for path in configs for arg in ("--config", path)]
     train = ["-m", "hlat", "train", *config_args, *overrides, "--resume", "auto"]
-    torchrun = _torchrun(c, ['--rdzv-id="$SLURM_JOB_ID"', f'--rdzv-endpoint="$head_node:{RDZV_PORT}"'])
+    endpoint = f'"$head_node:{RDZV_PORT}"'
+    torchrun = _torchrun(c, '"$SLURM_JOB_ID"', endpoint, c.max_restarts)
+    # every rank of the job, as training will run: devices, links, numerics and stragglers across nodes
+    preflight = _torchrun(c, '"$SLURM_JOB_ID-preflight"', endpoint, 0)
     gpus = [f"#SBATCH --gpus-per-node={c.devices_per_node or c.nproc_per_node}"] if c.accelerator == "gpu" else []
-    preflight = ["python", "-m", "hlat", "preflight", *config_args, *overrides]
     lines = [
         "#!/bin/bash",
         f"#SBATCH --job-name={name}",
@@ -71,7 +73,8 @@ def render_slurm(configs: list[str], cfg: Config, overrides: list[str]) -> str:
         "    exit 0",
         "}",
         "trap stop_and_requeue USR1",
-        *(["srun --ntasks-per-node=1 " + shlex.join(preflight) + " || exit 1"] if c.preflight else []),
+        *([f"srun {' '.join(preflight)} {shlex.join(['-m', 'hlat', 'preflight', *config_args, *overrides])} || exit 1"]
+          if c.preflight else []),
         "srun " + " ".join(torchrun) + " " + shlex.join(train) + " &",
         "train_pid=$!",
         'wait "$train_pid"',
@@ -87,11 +90,12 @@ def render_k8s(configs: list[str], cfg: Config, image: str) -> str:
     if not run_dir.is_relative_to(K8S_RUNS):
         raise ConfigError(f"train.run_dir: {cfg.train.run_dir} is outside the volume mounted at {K8S_RUNS}: a restarted pod "
                           f"would not find its checkpoints; use a relative path such as runs/{name}")
-    torchrun = _torchrun(c, [f"--rdzv-id={name}", "--rdzv-endpoint=$(PET_MASTER_ADDR):$(PET_MASTER_PORT)"])
-    train = ["-m", "hlat", "train", "--config", K8S_CONFIG, "--resume", "auto"]
-    command = [*torchrun, *train]
-    if c.preflight:  # exec: torchrun stays PID 1 and receives the pod's SIGTERM
-        preflight = ["python", "-m", "hlat", "preflight", "--config", K8S_CONFIG]
+    endpoint = "$(PET_MASTER_ADDR):$(PET_MASTER_PORT)"
+    command = [*_torchrun(c, name, endpoint, c.max_restarts), "-m", "hlat", "train", "--config", K8S_CONFIG,
+               "--resume", "auto"]
+    if c.preflight:  # exec: the training torchrun stays PID 1 and receives the pod's SIGTERM
+        preflight = [*_torchrun(c, f"{name}-preflight", endpoint, 0), "-m", "hlat", "preflight", "--config", K8S_CONFIG]
+        # Kubernetes substitutes $(PET_...) inside this string too, before bash runs it
         command = ["bash", "-c", f"{shlex.join(preflight)} && exec {shlex.join(command)}"]
     devices = c.devices_per_node or c.nproc_per_node
     resources = {"limits": {DEVICE_RESOURCE[c.accelerator]: devices}} if c.accelerator in DEVICE_RESOURCE else {}
