@@ -11,8 +11,7 @@ from hlat import HlatError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", action="append", help="TOML config or recipe name (repeatable, merged in order): "
-                                                           "its model, seq_len, micro_batch, precision and tp are measured")
+    parser.add_argument("--config", help="TOML config: its model, seq_len, micro_batch, precision and tp are measured")
     parser.add_argument("--model", help="preset name instead of the config's model")
     parser.add_argument("--tp", default="", help="tensor-parallel degrees whose matmul shapes to measure, e.g. 1,2 "
                                                  "(default: 1 and the config's tp)")
@@ -93,8 +92,7 @@ def base_profile(name: str | None, device_type: str):
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
-    from hlat.parallel.device import pick_device
-    from hlat.train.preflight import measured_profile, report_json, run_preflight
+    from hlat.train.preflight import measured_profile, pick_device, report_json, run_preflight
 
     o = options(args, overrides)
     report = run_preflight(o)
@@ -105,7 +103,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         else:
             show(report)
         if args.out:
-            profile = measured_profile(report, base_profile(args.hardware, pick_device("auto").type),
+            profile = measured_profile(report, base_profile(args.hardware, pick_device().type),
                                        int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
             Path(args.out).write_text(profile.to_toml())
             print(f"wrote {args.out}", file=sys.stderr if args.json else sys.stdout)
