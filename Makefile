@@ -9,11 +9,16 @@ TORCH ?= 2.13.0
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet torch==$(TORCH) -e ".[test,bench]"
+	$(PY) -m pip install --quiet torch==$(TORCH) -e ".[test]"
 	touch $@
 
+RUN := runs/tiny-$(shell date +%Y%m%d-%H%M%S)
+
+# Train, then show what the model writes after "def " (greedy sampling would repeat itself; this samples).
 train: $(VENV)/.installed
-	$(VENV)/bin/hlat train --config configs/tiny.toml --train.run_dir runs/tiny-$$(date +%Y%m%d-%H%M%S) $(ARGS)
+	$(VENV)/bin/hlat train --config configs/tiny.toml --train.run_dir $(RUN) $(ARGS)
+	@echo "--- a sample from $(RUN):"
+	@$(VENV)/bin/hlat generate $(RUN) --prompt "def " --max-new-tokens 48 --temperature 0.7
 
 test: $(VENV)/.installed
 	$(PY) -m pytest $(ARGS)

@@ -149,7 +149,7 @@ def main() -> None:
                   f"`{args.preset}` (untied embeddings), seq {args.seq_len}, global batch {args.global_batch}, "
                   f"micro-batch {args.micro_batch}; fastest (and median) step of steps {args.warmup + 1}-{args.steps}; "
                   f"predicted from `hlat preflight` run just before and just after the training runs "
-                  f"({args.nproc} process(es), one thread each on a CPU host). {before.sources()}.", table)
+                  f"({args.nproc} process(es){'' if args.gpu else ', one thread each'}). {before.sources()}.", table)
 
 
 if __name__ == "__main__":

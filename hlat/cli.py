@@ -1,4 +1,4 @@
-"""The `hlat` command: train, describe, plan, import-hf, export-hf.
+"""The `hlat` command: train, eval, generate, compare, describe, plan, import-hf, export-hf, launch, data.
 
 Heavy imports (torch) happen inside the subcommands, so `hlat describe` and `hlat plan` start instantly.
 User mistakes raise HlatError, printed here as one line with a non-zero exit and no traceback.
@@ -95,6 +95,60 @@ def cmd_export_hf(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def _device(name: str):
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise HlatError("--device cuda: no CUDA device is available")
+    return torch.device(name)
+
+
+def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
+    import json
+
+    from hlat.train.inference import evaluate, load_trained, validation_batches, validation_documents
+
+    for name in ("max_batches", "batch_size", "seq_len"):
+        if (getattr(args, name) or 0) < 0:
+            raise HlatError(f"--{name.replace('_', '-')}: must be >= 0, got {getattr(args, name)}")
+    device = _device(args.device)
+    cfg, model, tokenizer = load_trained(args.checkpoint, device, args.dtype, args.tokenizer)
+    if not args.data and not cfg.eval.paths and not cfg.eval.holdout:
+        raise HlatError("--data: give the files to evaluate on (the run has no [eval] paths or holdout)")
+    seq_len = args.seq_len or cfg.train.seq_len
+    if seq_len > cfg.model.max_seq_len:
+        raise HlatError(f"--seq-len: {seq_len} exceeds the model's max_seq_len {cfg.model.max_seq_len}")
+    batch_size = args.batch_size or cfg.train.micro_batch
+    batches = validation_batches(validation_documents(cfg, args.data), tokenizer, seq_len, batch_size,
+                                 args.max_batches or 2**62, cfg.model.doc_mask)
+    result = evaluate(model, batches, device)
+    figures = {"loss": result.loss, "perplexity": result.perplexity, "tokens": result.tokens}
+    print(json.dumps(figures) if args.json else
+          f"loss {result.loss:.4f}  perplexity {result.perplexity:.2f}  tokens {result.tokens:,}")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace, overrides: list[str]) -> int:
+    from hlat.train.inference import load_trained, sample_text
+
+    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.max_new_tokens < 1:
+        raise HlatError("--temperature must be >= 0, --top-p in (0, 1] and --max-new-tokens >= 1")
+    _, model, tokenizer = load_trained(args.checkpoint, _device(args.device), args.dtype, args.tokenizer)
+    for i in range(args.samples):
+        text = sample_text(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_p,
+                           args.seed + i)
+        print(args.prompt + text)
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace, overrides: list[str]) -> int:
+    from hlat.train.compare import run as compare_run
+
+    return compare_run(args)
+
+
 def cmd_launch(args: argparse.Namespace, overrides: list[str]) -> int:
     from hlat.train.launch import render
 
@@ -163,6 +217,33 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "model.safetensors and the tokenizer files")
     p.set_defaults(func=cmd_export_hf, overrides=False)
 
+    p = sub.add_parser("eval", help="validation loss and perplexity of a checkpoint on held-out text")
+    p.add_argument("checkpoint", help="checkpoint directory, or a run directory (its latest checkpoint)")
+    p.add_argument("--data", nargs="+", help="files, directories or globs (default: the run's [eval] data)")
+    p.add_argument("--max-batches", type=int, default=0, help="evaluate at most this many batches (0: all the data)")
+    p.add_argument("--batch-size", type=int, help="sequences per batch (default: train.micro_batch)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: train.seq_len)")
+    _add_model_arguments(p)
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    p.set_defaults(func=cmd_eval, overrides=False)
+
+    p = sub.add_parser("generate", help="continue a prompt with a trained model (KV cache)")
+    p.add_argument("checkpoint", help="checkpoint directory, or a run directory (its latest checkpoint)")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy (default 0.8)")
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (default 0.95)")
+    p.add_argument("--samples", type=int, default=1, help="how many continuations to print")
+    p.add_argument("--seed", type=int, default=0)
+    _add_model_arguments(p)
+    p.set_defaults(func=cmd_generate, overrides=False)
+
+    p = sub.add_parser("compare", help="overlay the loss and gradient-norm curves of runs; their deviations")
+    from hlat.train.compare import add_arguments as add_compare_arguments
+
+    add_compare_arguments(p)
+    p.set_defaults(func=cmd_compare, overrides=False)
+
     p = sub.add_parser("launch", help="render a multi-node SLURM script or Kubernetes PyTorchJob for a config",
                        description="Render a multi-node job for the config's [cluster] table (time limit, stop "
                                    "signal, restarts, volumes: see hlat/train/config.py ClusterConfig); config "
@@ -198,6 +279,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_arguments(p)
     p.set_defaults(func=cmd_plan, overrides=False)
     return parser
+
+
+def _add_model_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokenizer", help="tokenizer file or directory (default: the one saved in the run)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float64"), default="float32")
 
 
 def main(argv: list[str] | None = None) -> int:

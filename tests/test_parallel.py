@@ -150,6 +150,17 @@ def test_checkpoint_resumes_under_another_layout(saved, resumed, reference, tmp_
     assert_close(trajectory(tmp_path / "run"), reference["llama"])
 
 
+def test_resume_at_another_data_parallel_size(reference, tmp_path):
+    """The global data stream resumes at any data-parallel size and with any number of tokenizer workers:
+    dp 2 (2 workers per rank) -> dp 4 (tokenizing in the training process) -> dp 2 (1 worker) follows the
+    uninterrupted single-process run (tp 2 x dp 2 -> dp 4 is above)."""
+    config = write_toml(tmp_path / "job.toml", job(tmp_path / "run", "llama"))
+    torchrun(2, config, {"dp_shard": 2}, "--train.steps", "3", "--data.workers", "2")
+    torchrun(4, config, {"dp_shard": 4}, "--train.steps", "6", "--data.workers", "0", "--resume", "auto")
+    torchrun(2, config, {"dp_replicate": 2, "dp_shard": 1}, "--resume", "auto")
+    assert_close(trajectory(tmp_path / "run"), reference["llama"])
+
+
 @pytest.mark.parametrize("parallel, world, message", [
     ({"tp": 2, "pp": 2, "dp_shard": 1}, 8, "= 4, but the world size is 8"),
     ({"tp": 3}, 3, "parallel.tp: 3 does not divide model.n_heads 4"),

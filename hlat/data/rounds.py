@@ -1,11 +1,12 @@
 """Rounds: documents read, tokenized and packed together, the unit of work of a tokenizer worker (torch-free,
 so worker processes start without importing torch).
 
-A source's records on one rank form an endless sequence, epoch after epoch. That sequence is cut into rounds
-of about `round_bytes` of raw records (never across an epoch boundary), by sizes alone, so every process cuts
-it identically and knows where round k starts without parsing or tokenizing rounds before it. A round's
-output depends only on its records; hence the token stream does not depend on the number of workers, and a
-position in it is (round, where the round starts, how much of it was used).
+A source's records form an endless sequence, epoch after epoch. That sequence is cut into rounds of about
+`round_bytes` of raw records (never across an epoch boundary), by sizes alone, so every process cuts it
+identically and knows where round k starts without parsing or tokenizing rounds before it. A round's output
+depends only on its records; hence the token stream does not depend on which rank or worker makes a round, nor
+on how many there are, and a position in it is (round, where the round starts, how far into its tokens).
+A round's `info()` is what other processes need to place its rows without its tokens.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from itertools import chain
 import numpy as np
 
 from hlat import HlatError
-from hlat.data.sources import START, Bad, Split, decode, epoch_order, read_split
+from hlat.data.sources import START, Bad, Split, decode, epoch_order, held_out, read_split, record_size
 
 Position = list[int]  # [epoch, split index in the epoch's order, offset, line]: where a record starts
 ORIGIN: Position = [0, 0, START, 0]  # the first record of epoch 0
@@ -41,6 +42,7 @@ class SourceSpec:
     max_doc_bytes: int = 100_000_000
     seed: int = 0
     shuffle: bool = True
+    holdout: float = 0.0  # documents set aside for validation (eval.holdout) are skipped
 
     def records(self, position: Position) -> Iterator[tuple[bytes | str | Bad, str, str, Position] | None]:
         """(raw record, format, where, position after it) from `position` on; None marks each epoch's end."""
@@ -89,10 +91,36 @@ class Round:
     index: int
     start: Position
     end: Position  # where the next round starts
+    eos: int
     tokens: np.ndarray  # concat: the documents' tokens, each followed by EOS; best_fit: rows [n, seq_len + 1], -1 pads
     docs: int = 0
     split_docs: int = 0  # best_fit: documents longer than a row, cut into pieces
     bad: list[tuple[Bad, str]] = field(default_factory=list)
+
+    def info(self) -> "RoundInfo":
+        """What the other ranks need of this round to cut rows and count: its place, size and counters."""
+        if self.tokens.ndim == 2:  # best_fit rows: the padding of each
+            marks = (self.tokens[:, 1:] < 0).sum(1).astype(np.int32)
+        else:
+            marks = np.flatnonzero(self.tokens == self.eos).astype(np.int32)
+        return RoundInfo(self.source, self.index, self.start, self.end, self.tokens.size, marks, self.docs,
+                         self.split_docs, self.bad)
+
+
+@dataclass
+class RoundInfo:
+    """A round without its tokens. `size` is its length in the source's token stream (best_fit: rows x
+    (seq_len + 1)); `marks` are, for concat, where in it the EOS tokens are, for best_fit the padding of each row."""
+
+    source: int
+    index: int
+    start: Position
+    end: Position
+    size: int
+    marks: np.ndarray
+    docs: int
+    split_docs: int
+    bad: list[tuple[Bad, str]]
 
 
 def concat(ids: list[list[int]], eos: int) -> np.ndarray:
@@ -130,6 +158,13 @@ def best_fit(ids: list[list[int]], eos: int, capacity: int) -> tuple[np.ndarray,
     return out, cut
 
 
+def encode(tokenizer, docs: list) -> list:
+    """Token ids of each document: texts encoded in one batch, pre-tokenized documents as they are."""
+    texts = [doc for doc in docs if isinstance(doc, str)]
+    encoded = iter(tokenizer.encode_batch(texts) if texts else [])
+    return [next(encoded) if isinstance(doc, str) else doc for doc in docs]
+
+
 class RoundMaker:
     """Produces the rounds of one source, in increasing order, skipping those asked of other workers."""
 
@@ -152,7 +187,7 @@ class RoundMaker:
                 continue
             record, fmt, where, self.position = item
             taken.append((record, fmt, where))
-            size += 1 if isinstance(record, Bad) else len(record)
+            size += record_size(record)
         self.index += 1
         return start, taken
 
@@ -167,15 +202,15 @@ class RoundMaker:
             doc = decode(record, fmt, self.spec.text_field)
             if isinstance(doc, Bad):
                 bad.append((doc, where))
-            else:
+            elif not (self.spec.holdout and held_out(doc, self.spec.holdout)):
                 docs.append(doc)
-        ids = self.tokenizer.encode_batch(docs) if docs else []
+        ids = encode(self.tokenizer, docs)
         p = self.packing
         if p.mode == "best_fit":
             tokens, cut = best_fit(ids, p.eos, p.seq_len + 1)
         else:
             tokens, cut = concat(ids, p.eos), 0
-        return Round(self.source, index, start, list(self.position), tokens, len(docs), cut, bad)
+        return Round(self.source, index, start, list(self.position), p.eos, tokens, len(docs), cut, bad)
 
 
 def worker_main(specs: list[SourceSpec], packing: Packing, tokenizer, starts: list[tuple[int, Position]],

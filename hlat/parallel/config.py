@@ -26,7 +26,7 @@ class ParallelConfig:
     sequence_parallel: bool = True
     zero1: bool = False  # shard optimizer states (and gradients) over dp_shard, gather parameters once a step
     activation_checkpoint: Literal["none", "selective", "full"] = "none"  # selective recomputes attention
-    data_sharding: Literal["replicated", "files"] = "replicated"  # see hlat/train/loop.py: local_batches
+    data_sharding: Literal["global", "files"] = "global"  # see docs/data.md
     compile: bool = False  # torch.compile each block
     compile_backend: str = "inductor"  # torch.compile backend (a device's plugin may register its own)
     compile_cache_dir: str = ""  # "" = the node's local disk (/tmp/hlat-compile-cache), not a shared FS

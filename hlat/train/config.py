@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from hlat import HlatError
 from hlat.config import ConfigError, load_toml, merge_tables, parse_overrides, set_path, to_dict, to_toml, update
 from hlat.data.config import DataConfig
 from hlat.models.config import ModelConfig, preset_config
@@ -93,6 +94,59 @@ class ClusterConfig:
 
 
 @dataclass
+class CostConfig:
+    """What the run costs as it runs: a price per device-hour, or a hardware profile's node price."""
+
+    hardware: str = ""  # a hardware profile name (e.g. p5.48xlarge) or TOML file; "" = none
+    pricing: Literal["on_demand", "reserved"] = "on_demand"  # which of the profile's prices
+    price_per_device_hour: float = 0.0  # USD; overrides the profile's price; 0 = take it from the profile
+
+    def validate(self) -> "CostConfig":
+        if self.price_per_device_hour < 0:
+            raise ConfigError(f"cost.price_per_device_hour: must be >= 0, got {self.price_per_device_hour}")
+        if self.hardware and not self.price_per_device_hour:
+            from hlat.planner.profiles import load_profile
+
+            try:
+                profile = load_profile(self.hardware)
+            except HlatError as e:
+                raise ConfigError(f"cost.hardware: {e}") from None
+            if not profile.price(self.pricing):
+                raise ConfigError(f"cost.hardware: profile {profile.name!r} has no {self.pricing} price; set "
+                                  "cost.price_per_device_hour")
+        return self
+
+
+@dataclass
+class EvalConfig:
+    """Validation loss during training (and the data `hlat eval` reads by default)."""
+
+    # held-out files, directories or globs (as data.paths); empty = the documents of the training data that
+    # `holdout` sets aside
+    paths: list[str] = field(default_factory=list)
+    # fraction of the training documents set aside by a hash of their text (the training stream skips them,
+    # validation reads only them); used when eval.paths is empty
+    holdout: float = 0.0
+    every: int = 0  # optimizer steps between evaluations (also at the last step); 0 = no validation
+    batches: int = 8  # micro-batches (train.micro_batch x train.seq_len tokens) per evaluation, at most
+
+    def validate(self) -> "EvalConfig":
+        if not 0.0 <= self.holdout <= 0.5:
+            raise ConfigError(f"eval.holdout: must be in [0, 0.5], got {self.holdout}")
+        for name in ("every", "batches"):
+            if getattr(self, name) < 0 or (name == "batches" and self.batches == 0):
+                raise ConfigError(f"eval.{name}: must be {'>= 0' if name == 'every' else 'positive'}, got "
+                                  f"{getattr(self, name)}")
+        if self.every and not self.paths and not self.holdout:
+            raise ConfigError("eval.every: validation needs held-out data: set eval.paths, or eval.holdout to the "
+                              "fraction of training documents to set aside (e.g. 0.01)")
+        if self.paths and self.holdout:
+            raise ConfigError("eval.holdout: set eval.paths (held-out files) or eval.holdout (a split of the "
+                              "training data), not both")
+        return self
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -100,6 +154,8 @@ class Config:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    cost: CostConfig = field(default_factory=CostConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def validate(self) -> "Config":
@@ -110,14 +166,20 @@ class Config:
         self.optim.validate()
         self.precision.validate()
         self.train.validate(self.model)
+        self.eval.validate()
+        self.cost.validate()
         self.cluster.validate()
         return self
 
     def resolved_parallel(self, world_size: int | None = None) -> ParallelConfig:
         """The parallel layout with dp_shard filled in, checked against the model and the batch."""
         tc = self.train
-        return check_layout(self.parallel, self.model, world_size or world_size_from_env(), tc.global_batch,
-                            tc.micro_batch, tc.seq_len, self.model.doc_mask)
+        p = check_layout(self.parallel, self.model, world_size or world_size_from_env(), tc.global_batch,
+                         tc.micro_batch, tc.seq_len, self.model.doc_mask)
+        if self.eval.every and p.pp > 1:
+            raise ConfigError("eval.every: validation during training is not supported with pipeline parallelism "
+                              "(parallel.pp > 1); evaluate checkpoints with `hlat eval` instead")
+        return p
 
     def to_toml(self) -> str:
         return to_toml(to_dict(self))

@@ -21,7 +21,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from hlat import HlatError
-from hlat.data.packing import build_stream
+from hlat.data.exchange import side_group
+from hlat.data.packing import DataStream, Ranks, build_stream
 from hlat.data.sources import resolve_data_files
 from hlat.data.tokenizer import get_tokenizer
 from hlat.models import build_model, count_params
@@ -35,7 +36,8 @@ from hlat.parallel.grads import clip_grad_norm
 from hlat.parallel.pipeline import build_schedule
 from hlat.train.checkpoint import latest_checkpoint, load_checkpoint, resolve_checkpoint, save_checkpoint
 from hlat.train.config import Config
-from hlat.train.metrics import MetricsLog, peak_flops, peak_memory_gb
+from hlat.train.inference import Evaluation, evaluate, validation_batches, validation_documents
+from hlat.train.metrics import Cost, Interval, MetricsLog, peak_flops, peak_memory_gb, projected_seconds, resolve_cost
 from hlat.train.resume import check_start
 
 
@@ -107,30 +109,45 @@ def plain(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-class Batches:
-    """This rank's micro-batches for each step.
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch tensor on `device`; from pinned host memory off the CPU, so the copy does not wait for the
+    device's queued work (a copy from pageable memory would)."""
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
 
-    `replicated` data sharding: every rank reads the whole stream and takes micro-batches dp_rank,
-    dp_rank + dp, ... of each step's global batch, so every layout trains on exactly the batches a single
-    process would and the data position is the same on all ranks (a checkpoint resumes under any layout).
-    `files`: each data-parallel rank reads its own files, for clusters where reading everything everywhere
-    would cost too much; the data positions are per rank and a resume needs the same data-parallel size."""
+
+class Batches:
+    """This rank's micro-batches for each step, which its stream gives it (docs/data.md).
+
+    `global` data sharding: every rank's stream is a part of the one global stream, so that each rank trains on
+    micro-batches dp_rank, dp_rank + dp, ... of each step's global batch (those a single process would run) and
+    the data state is the same on all ranks: one copy in the checkpoint, which resumes under any layout.
+    `files`: each data-parallel rank reads its own files, for storage that cannot serve every rank all the data;
+    the data states are per rank and a resume needs the same data-parallel size."""
 
     def __init__(self, stream, topo: Topology, global_accum: int):
         self.stream, self.topo, self.global_accum = stream, topo, global_accum
-        self.replicated = topo.cfg.data_sharding == "replicated"
+        self.shared = topo.cfg.data_sharding == "global"
 
     def next_step(self, device: torch.device) -> list[dict]:
-        dp, rank = self.topo.cfg.dp, self.topo.dp_rank
-        if self.replicated:
-            micro = [next(self.stream) for _ in range(self.global_accum)][rank::dp]
-        else:
-            micro = [next(self.stream) for _ in range(self.global_accum // dp)]
-        return [{k: t.to(device, non_blocking=True) for k, t in batch.items()} for batch in micro]
+        micro = [next(self.stream) for _ in range(self.global_accum // self.topo.cfg.dp)]
+        return [{k: to_device(t, device) for k, t in batch.items()} for batch in micro]
 
     @property
     def trainer_key(self) -> str:
-        return "trainer" if self.replicated else f"trainer_rank{self.topo.rank}"
+        return "trainer" if self.shared else f"trainer_rank{self.topo.rank}"
+
+
+def open_stream(cfg: Config, topo: Topology, tokenizer, files: list[Path]) -> DataStream:
+    """This rank's data stream: its part of the global stream, shared with all ranks over a CPU side group, or
+    (data_sharding = "files") a stream of its data-parallel rank's own files."""
+    tc, pcfg = cfg.train, topo.cfg
+    args = (cfg.data, tokenizer, files, tc.seq_len, tc.micro_batch)
+    # documents held out for validation (a hash split, when no eval.paths are given) are skipped in training
+    common = dict(doc_mask=cfg.model.doc_mask, holdout=0.0 if cfg.eval.paths else cfg.eval.holdout)
+    if pcfg.data_sharding == "files":
+        return build_stream(*args, shard=(topo.dp_rank, pcfg.dp), **common)
+    ranks = Ranks(side_group(), topo.dp_rank, pcfg.dp, tc.grad_accum())
+    return build_stream(*args, ranks=ranks, **common)
 
 
 def train(cfg: Config, console: Console | None = None) -> Summary:
@@ -170,18 +187,37 @@ def _train(cfg: Config, topo: Topology, device: torch.device, files: list[Path],
     stages = parallelize(model, topo, device, tc.seed)
     optimizers = [build_optimizer(module, cfg.optim, cfg.precision.mode, tc.seed) for _, module in stages]
     global_accum = tc.grad_accum()
-    stream = build_stream(cfg.data, tokenizer, files, tc.seq_len, tc.micro_batch, doc_mask=cfg.model.doc_mask,
-                          **({} if pcfg.data_sharding == "replicated"
-                             else {"rank": topo.dp_rank, "world_size": pcfg.dp}))
+    stream = open_stream(cfg, topo, tokenizer, files)
+    val_batches = (validation_batches(validation_documents(cfg), tokenizer, tc.seq_len, tc.micro_batch,
+                                      cfg.eval.batches, cfg.model.doc_mask) if cfg.eval.every else [])
     try:
         return _run(cfg, topo, device, stream, Batches(stream, topo, global_accum), stages, optimizers, resume_from,
-                    run_dir, console)
+                    run_dir, console, val_batches)
     finally:
         stream.close()  # stops the tokenizer workers
 
 
+def previous_elapsed(metrics: MetricsLog) -> float:
+    """Training wall time of the run's earlier segments (before a resume), from its last kept record."""
+    records = metrics.records()
+    return float(records[-1].get("elapsed_s") or 0.0) if records else 0.0
+
+
+def progress_figures(elapsed_s: float, step_time_s: float, step: int, total_steps: int, tokens_seen: int,
+                     cost: Cost | None) -> dict:
+    """Wall time so far and projected for the whole run, and with a price, what both cost."""
+    projected = projected_seconds(elapsed_s, step_time_s, step, total_steps)
+    figures = {"elapsed_s": round(elapsed_s, 3), "projected_time_s": round(projected, 3)}
+    return {**figures, **(cost.figures(elapsed_s, tokens_seen, projected) if cost else {})}
+
+
+def validation_figures(result: Evaluation) -> dict:
+    return {"val_loss": result.loss, "val_perplexity": result.perplexity, "val_tokens": result.tokens}
+
+
 def _run(cfg: Config, topo: Topology, device: torch.device, stream, batches: Batches, stages: list,
-         optimizers: list, resume_from: Path | None, run_dir: Path, console: Console) -> Summary:
+         optimizers: list, resume_from: Path | None, run_dir: Path, console: Console,
+         val_batches: list[dict]) -> Summary:
     tc, pcfg = cfg.train, topo.cfg
     parts = [module for _, module in stages]
     params = [p for part in parts for p in part.parameters()]
@@ -214,14 +250,18 @@ def _run(cfg: Config, topo: Topology, device: torch.device, stream, batches: Bat
     loss_context = loss_parallel if pcfg.tp > 1 else contextlib.nullcontext
     tokens_per_step = tc.global_batch * tc.seq_len
     flops_per_token = cfg.model.flops_per_token(tc.seq_len)
-    peak = peak_flops(device, tc.peak_flops) * (dist.get_world_size() if dist.is_initialized() else 1)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    peak = peak_flops(device, tc.peak_flops) * world
     decay_steps = cfg.optim.decay_steps or tc.steps
+    cost = resolve_cost(cfg.cost, world)
+    if cost:
+        console.print(f"cost: ${cost.usd_per_device_hour:.4g} per device-hour x {world} devices ({cost.source})",
+                      highlight=False)
+    elapsed_before = previous_elapsed(metrics) if resume_from is not None else 0.0
     losses: list[float] = []
     step, saved = start, None
-    run_start = interval_start = time.perf_counter()
-    interval_tokens = interval_steps = 0
-    interval_loss = torch.zeros((), device=device)
-    interval_wait = stream.wait_time_s
+    run_start = time.perf_counter()
+    interval = Interval(device, stream.wait_time_s)
 
     def checkpoint(at: int) -> Path:
         trainer_state = {"step": at, "data": stream.state_dict(), "rng": rng_state()}
@@ -276,38 +316,43 @@ def _run(cfg: Config, topo: Topology, device: torch.device, stream, batches: Bat
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             step += 1
-            interval_tokens += tokens_per_step
-            interval_loss += loss
-            interval_steps += 1
-            if step % tc.log_every == 0 or step in (start + 1, tc.steps) or stopping:
-                loss_value = (interval_loss / interval_steps).item()  # mean over the steps since the last log
-                now = time.perf_counter()
-                tokens_per_s = interval_tokens / (now - interval_start)
-                step_time = (now - interval_start) / interval_steps
+            interval.add(loss, grad_norm)
+            validate = bool(cfg.eval.every) and (step % cfg.eval.every == 0 or step == tc.steps)
+            if step % tc.log_every == 0 or step in (start + 1, tc.steps) or stopping or validate:
+                stats = interval.close(stream.wait_time_s)  # means over the steps since the last log
+                tokens_per_s = stats["steps"] * tokens_per_step / stats["seconds"]
+                step_time = stats["seconds"] / stats["steps"]
                 record = {
-                    "step": step, "loss": loss_value, "grad_norm": grad_norm.item(), "lr": lr,
+                    "step": step, "time": round(time.time(), 3), "loss": stats["loss"],
+                    "grad_norm": stats["grad_norm"], "grad_norm_mean": stats["grad_norm_mean"],
+                    "grad_norm_max": stats["grad_norm_max"], "lr": lr,
                     "tokens_seen": step * tokens_per_step, "tokens_per_s": round(tokens_per_s, 1),
                     "step_time_s": round(step_time, 4),
                     "mfu": round(flops_per_token * tokens_per_s / peak, 5) if peak else None,
                     "peak_memory_gb": round(peak_memory_gb(device), 3),
-                    "data_wait_s": round(stream.wait_time_s - interval_wait, 4),  # the step waiting for data
+                    "data_wait_s": round(stats["data_wait_s"], 4),  # the steps waiting for data
+                    **progress_figures(elapsed_before + time.perf_counter() - run_start, step_time, step, tc.steps,
+                                       step * tokens_per_step, cost),
                 }
+                if validate:
+                    record.update(validation_figures(evaluate(parts[0], val_batches, device, autocast, loss_context)))
+                    interval.reset(stream.wait_time_s)  # the evaluation's time is not a training step's
                 if topo.is_main:
                     metrics.write(record)
-                losses.append(loss_value)
+                losses.append(stats["loss"])
                 # the first step carries the start-up (data pool, compilation): too early to tell
                 eta = "-" if step == start + 1 else format_duration(step_time * (tc.steps - step))
-                console.print(f"step {step:>6}/{tc.steps}  loss {loss_value:7.4f}  grad_norm {record['grad_norm']:6.3f}  "
+                spent = f"  ${record['cost_usd']:,.2f}" if cost else ""
+                val = f"  val_loss {record['val_loss']:7.4f}" if validate else ""
+                console.print(f"step {step:>6}/{tc.steps}  loss {stats['loss']:7.4f}  grad_norm {stats['grad_norm']:6.3f}  "
                               f"lr {lr:.2e}  {tokens_per_s:>9,.0f} tok/s  mfu {record['mfu'] or 0:6.2%}  "
-                              f"eta {eta}", soft_wrap=True, highlight=False)
-                interval_start, interval_tokens, interval_steps = now, 0, 0
-                interval_wait = stream.wait_time_s
-                interval_loss = torch.zeros((), device=device)
+                              f"eta {eta}{spent}{val}", soft_wrap=True, highlight=False)
             if (tc.ckpt_every and step % tc.ckpt_every == 0) or step == tc.steps or stopping:
                 saved = checkpoint(step)
             if stopping:
                 console.print(f"stopped by signal at step {step}; checkpoint {saved}; resume with --resume auto")
                 break
+    metrics.close()
     elapsed = time.perf_counter() - run_start
     ran = step - start
     return Summary(run_dir=str(run_dir), steps=step, tokens_seen=step * tokens_per_step,

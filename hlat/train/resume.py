@@ -17,7 +17,7 @@ from hlat.train.checkpoint import CONFIG_FILE, resolve_checkpoint
 from hlat.train.config import Config, load_config
 
 # What a resume may change without a word: where and how it runs, not what it computes.
-_UNWATCHED = {"data", "parallel", "cluster", "train.run_dir", "train.resume", "train.init_from", "train.log_every",
+_UNWATCHED = {"data", "parallel", "cluster", "eval", "cost", "train.run_dir", "train.resume", "train.init_from", "train.log_every",
               "train.ckpt_every", "train.keep_checkpoints", "train.device", "train.peak_flops",
               "train.allow_schedule_change"}
 
