@@ -43,7 +43,8 @@ def merge_tables(base: dict, extra: dict) -> dict:
     """`extra` laid over `base`, table by table: a later config file sets only the keys it names."""
     out = dict(base)
     for key, value in extra.items():
-        out[key] = merge_tables(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        nested = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = merge_tables(out[key], value) if nested else value
     return out
 
 

@@ -93,8 +93,7 @@ def test_recipe_without_its_data_stops_at_once(capsys):
               "--parallel.zero1", "false"]
     assert main(["train", "--config", "hlat-7b", *single]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == ("hlat: error: data.paths: no files match '/data/hlat/train/*.jsonl.zst' (supported: .txt, .py, "
-                   ".md, .jsonl, .jsonl.gz, .jsonl.zst, .parquet)")
+    assert err.startswith("hlat: error: data.paths: no files match '/data/hlat/train/*.jsonl.zst'") and "\n" not in err
 
 
 def test_tiny_config_loads():

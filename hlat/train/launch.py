@@ -88,8 +88,8 @@ def render_k8s(configs: list[str], cfg: Config, image: str) -> str:
     c, name = cfg.cluster, _job_name(configs)
     run_dir = PurePosixPath(K8S_WORKDIR, cfg.train.run_dir)  # an absolute run_dir stays as it is
     if not run_dir.is_relative_to(K8S_RUNS):
-        raise ConfigError(f"train.run_dir: {cfg.train.run_dir} is outside the volume mounted at {K8S_RUNS}: a restarted pod "
-                          f"would not find its checkpoints; use a relative path such as runs/{name}")
+        raise ConfigError(f"train.run_dir: {cfg.train.run_dir} is outside the volume mounted at {K8S_RUNS}: a "
+                          f"restarted pod would not find its checkpoints; use a relative path such as runs/{name}")
     endpoint = "$(PET_MASTER_ADDR):$(PET_MASTER_PORT)"
     command = [*_torchrun(c, name, endpoint, c.max_restarts), "-m", "hlat", "train", "--config", K8S_CONFIG,
                "--resume", "auto"]

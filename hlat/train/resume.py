@@ -17,8 +17,8 @@ from hlat.train.checkpoint import CONFIG_FILE, resolve_checkpoint
 from hlat.train.config import Config, load_config
 
 # What a resume may change without a word: where and how it runs, not what it computes.
-_UNWATCHED = {"data", "parallel", "cluster", "eval", "cost", "train.run_dir", "train.resume", "train.init_from", "train.log_every",
-              "train.ckpt_every", "train.keep_checkpoints", "train.device", "train.peak_flops",
+_UNWATCHED = {"data", "parallel", "cluster", "eval", "cost", "train.run_dir", "train.resume", "train.init_from",
+              "train.log_every", "train.ckpt_every", "train.keep_checkpoints", "train.device", "train.peak_flops",
               "train.allow_schedule_change"}
 
 
@@ -83,7 +83,7 @@ def check_resume(path: Path, cfg: Config) -> list[str]:
     saved = load_config(path / CONFIG_FILE)
     changes = config_changes(saved, cfg)
     if changes and schedule_changes(saved, cfg, step) and not cfg.train.allow_schedule_change:
-        raise HlatError(f"resuming {path} changes the learning-rate schedule from step {step} on ({'; '.join(changes)}); "
-                        "pass --train.allow_schedule_change true to accept that, or keep the old values (set "
+        raise HlatError(f"resuming {path} changes the learning-rate schedule from step {step} on "
+                        f"({'; '.join(changes)}); pass --train.allow_schedule_change true to accept that, or keep the old values (set "
                         "optim.decay_steps to fix the schedule's length while changing train.steps)")
     return changes
