@@ -2,12 +2,14 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+# pyproject.toml asks for torch>=2.11 (a machine's own CUDA or Neuron build stays); the venv pins what CI tests.
+TORCH ?= 2.13.0
 
 .PHONY: train test clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet torch==$(TORCH) -e ".[test]"
 	touch $@
 
 RUN := runs/tiny-$(shell date +%Y%m%d-%H%M%S)

@@ -28,6 +28,9 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.resume is not None:
         overrides = overrides + ["--train.resume", args.resume]
     cfg = load_config(args.config, overrides)
+    if args.print_config:
+        print(cfg.to_toml(), end="")
+        return 0
     console = Console()
     s = train(cfg, console)
     if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 speaks for the job
@@ -53,7 +56,7 @@ def supervised_train(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.resume not in (None, "auto"):
         raise HlatError(f"--resume {args.resume}: a supervised job always resumes with --resume auto")
     cfg = load_config(args.config, overrides)  # a bad config fails here, once, not on every restart
-    train_args = (["--config", args.config] if args.config else []) + overrides
+    train_args = [a for config in args.config or [] for a in ("--config", config)] + overrides
     return supervise(train_args, Path(cfg.train.run_dir), args.max_restarts, args.nproc_per_node)
 
 
@@ -83,6 +86,19 @@ def cmd_describe(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def cmd_config(args: argparse.Namespace, overrides: list[str]) -> int:
+    from hlat.config import describe_fields
+    from hlat.train.config import Config
+
+    rows = [r for r in describe_fields(Config()) if not args.section or r[0].startswith(f"{args.section}.")]
+    if not rows:
+        raise HlatError(f"config fields: no section {args.section!r} (sections: {', '.join(Config.__annotations__)})")
+    width = [max(len(r[i]) for r in rows) for i in range(3)]
+    for name, tp, default, comment in rows:
+        print(f"{name:<{width[0]}}  {tp:<{width[1]}}  {default:<{width[2]}}  {comment}".rstrip())
+    return 0
+
+
 def cmd_import_hf(args: argparse.Namespace, overrides: list[str]) -> int:
     from hlat.train.interop import import_hf
 
@@ -93,7 +109,8 @@ def cmd_import_hf(args: argparse.Namespace, overrides: list[str]) -> int:
 def cmd_export_hf(args: argparse.Namespace, overrides: list[str]) -> int:
     from hlat.train.interop import export_hf
 
-    print(f"wrote {export_hf(args.ckpt_dir, args.out)}")
+    out, tokenizer_note = export_hf(args.ckpt_dir, args.out)
+    print(f"wrote {out} ({tokenizer_note})")
     return 0
 
 
@@ -154,9 +171,10 @@ def cmd_compare(args: argparse.Namespace, overrides: list[str]) -> int:
 def cmd_launch(args: argparse.Namespace, overrides: list[str]) -> int:
     from hlat.train.launch import render
 
-    if args.nodes < 1 or args.nproc_per_node < 1:
-        raise HlatError(f"--nodes and --nproc-per-node must be >= 1, got {args.nodes} and {args.nproc_per_node}")
-    text = render(args.config, args.nodes, args.nproc_per_node, args.target, overrides, args.image, not args.cpu)
+    cluster = [*(["--cluster.nodes", str(args.nodes)] if args.nodes is not None else []),
+               *(["--cluster.nproc_per_node", str(args.nproc_per_node)] if args.nproc_per_node is not None else []),
+               *(["--cluster.accelerator", "cpu"] if args.cpu else [])]
+    text = render(args.config, args.target, cluster + overrides, args.image)
     if args.out:
         Path(args.out).write_text(text)
         print(f"wrote {args.out}")
@@ -190,17 +208,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train a model from a config",
                        description="Train from a TOML config; any field can be overridden, e.g. --optim.lr 1e-3.")
-    p.add_argument("--config", help="TOML config file (defaults: the built-in tiny model)")
-    p.add_argument("--resume", help="'auto' (newest good checkpoint of the run dir, if any) or a checkpoint path")
+    p.add_argument("--config", action="append", help="TOML config file or recipe name (default: the built-in "
+                                                      "defaults); repeat it to lay later files over earlier ones")
+    p.add_argument("--resume", help="'auto' (latest complete checkpoint of the run dir, if any) or a checkpoint path")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config, every field, and exit")
     p.add_argument("--max-restarts", type=int, default=0, metavar="N",
                    help="supervise the job: start it again (with --resume auto) after up to N failures")
     p.add_argument("--nproc-per-node", type=int, default=1, metavar="K",
                    help="with --max-restarts: run a single-node torchrun job of K processes")
     p.set_defaults(func=cmd_train, overrides=True)
 
+    p = sub.add_parser("config", help="list config sections, fields, types and defaults")
+    p.add_argument("what", choices=["fields"])
+    p.add_argument("section", nargs="?", help="only this section, e.g. train")
+    p.set_defaults(func=cmd_config, overrides=False)
+
     p = sub.add_parser("describe", help="parameter counts, FLOPs and memory of a model, without building it")
     p.add_argument("--model", help="preset name, e.g. llama2-70b")
-    p.add_argument("--config", help="TOML config with a [model] table")
+    p.add_argument("--config", action="append", help="TOML config or recipe name (repeatable, merged in order)")
     p.add_argument("--seq-len", type=int, help="sequence length for FLOPs per token (default: train.seq_len)")
     p.set_defaults(func=cmd_describe, overrides=True)
 
@@ -211,7 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export-hf", help="convert an hlat checkpoint (or run dir) into a transformers directory")
     p.add_argument("ckpt_dir")
-    p.add_argument("--out", required=True, help="directory for config.json and model.safetensors")
+    p.add_argument("--out", required=True, help="directory for config.json, generation_config.json, "
+                                                "model.safetensors and the tokenizer files")
     p.set_defaults(func=cmd_export_hf, overrides=False)
 
     p = sub.add_parser("eval", help="validation loss and perplexity of a checkpoint on held-out text")
@@ -242,13 +268,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_compare, overrides=False)
 
     p = sub.add_parser("launch", help="render a multi-node SLURM script or Kubernetes PyTorchJob for a config",
-                       description="Render a multi-node job; config overrides (--section.key value) are passed on.")
-    p.add_argument("--config", required=True)
-    p.add_argument("--nodes", type=int, required=True)
-    p.add_argument("--nproc-per-node", type=int, default=8, help="processes (devices) per node (default 8)")
+                       description="Render a multi-node job for the config's [cluster] table (time limit, stop "
+                                   "signal, restarts, volumes: see hlat/train/config.py ClusterConfig); config "
+                                   "overrides (--section.key value) are passed on.")
+    p.add_argument("--config", action="append", required=True,
+                   help="TOML config file or recipe name (repeatable, merged in order)")
+    p.add_argument("--nodes", type=int, help="number of nodes (default: cluster.nodes)")
+    p.add_argument("--nproc-per-node", type=int, help="processes (devices) per node (default: cluster.nproc_per_node)")
     p.add_argument("--target", choices=["slurm", "k8s"], required=True)
     p.add_argument("--image", default="hlat:latest", help="container image for k8s")
-    p.add_argument("--cpu", action="store_true", help="CPU nodes: request no GPUs")
+    p.add_argument("--cpu", action="store_true", help="CPU nodes: request no devices (cluster.accelerator = cpu)")
     p.add_argument("--out", help="file to write (default: print)")
     p.set_defaults(func=cmd_launch, overrides=True)
 

@@ -3,16 +3,18 @@ validated before any work starts."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from hlat import HlatError
-from hlat.config import ConfigError, load_toml, parse_overrides, set_path, to_dict, to_toml, update
+from hlat.config import ConfigError, load_toml, merge_tables, parse_overrides, set_path, to_dict, to_toml, update
 from hlat.data.config import DataConfig
 from hlat.models.config import ModelConfig, preset_config
 from hlat.optim.config import OptimConfig, PrecisionConfig
 from hlat.parallel.config import ParallelConfig, check_layout, world_size_from_env
+from hlat.resources import config_path
 
 
 @dataclass
@@ -28,8 +30,11 @@ class TrainConfig:
     run_dir: str = "runs/default"
     resume: str = ""  # "" starts fresh, "auto" continues from the latest complete checkpoint, or a path
     init_from: str = ""  # start a fresh run from these weights (a checkpoint, e.g. from `hlat import-hf`)
+    # a resume that changes the learning-rate schedule (e.g. more train.steps with optim.decay_steps = 0) is
+    # refused unless this is set
+    allow_schedule_change: bool = False
     seed: int = 0
-    device: str = "auto"  # auto | cpu | cuda
+    device: str = "auto"  # auto (the available accelerator, else cpu) | cpu | an accelerator type: cuda, xpu, neuron...
     peak_flops: float = 0.0  # per device, for MFU; 0 looks the device up in hlat.train.metrics.PEAK_FLOPS
     # fault handling (docs/fault-tolerance.md)
     on_bad_step: str = "skip"  # a non-finite loss or gradient norm (or a spike): skip | rollback | stop
@@ -57,8 +62,8 @@ class TrainConfig:
         for name in ("max_bad_steps", "collective_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"train.{name}: must be positive, got {getattr(self, name)}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ConfigError(f"train.device: {self.device!r} is not one of 'auto', 'cpu', 'cuda'")
+        if not re.fullmatch(r"[a-z][a-z0-9_]*", self.device):
+            raise ConfigError(f"train.device: {self.device!r} is not 'auto', 'cpu' or a device type such as 'cuda'")
         return self
 
     def grad_accum(self, dp: int = 1) -> int:
@@ -67,6 +72,39 @@ class TrainConfig:
             raise ConfigError(f"train.global_batch: {self.global_batch} is not divisible by micro_batch "
                               f"{self.micro_batch} x data-parallel size {dp}")
         return self.global_batch // (self.micro_batch * dp)
+
+
+@dataclass
+class ClusterConfig:
+    """Where the job runs, as a recipe states it: `hlat launch` renders job files for it and `hlat plan` prices
+    it; the trainer itself takes its world size from torchrun."""
+
+    hardware: str = ""  # a hardware profile (hardware/*.toml, `hlat plan --hardware`); "" = not stated
+    nodes: int = 1
+    nproc_per_node: int = 8  # processes per node, one per device (GPU, or NeuronCore)
+    accelerator: Literal["gpu", "neuron", "cpu"] = "gpu"  # the devices job files request for each node
+    devices_per_node: int = 0  # devices to request per node; 0 = nproc_per_node (trn1.32xlarge: 16 chips)
+    time_limit: str = ""  # SLURM --time, e.g. "7-00:00:00"; "" = the partition's limit
+    # seconds between the stop signal and the kill (SLURM: before the time limit; Kubernetes: the termination
+    # grace period): the current step and a shutdown checkpoint must fit in it
+    stop_grace_s: int = 900
+    max_restarts: int = 3  # torchrun restarts all workers this many times after a failure (resuming each time)
+    run_volume: str = "hlat-runs"  # Kubernetes: ReadWriteMany PersistentVolumeClaim that holds the run directories
+    shm_gib: int = 64  # Kubernetes: memory-backed /dev/shm per pod (data workers, collectives)
+    preflight: bool = False  # run `hlat preflight` on every node before training starts
+
+    def validate(self) -> "ClusterConfig":
+        for name in ("nodes", "nproc_per_node", "stop_grace_s", "shm_gib"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"cluster.{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("devices_per_node", "max_restarts"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"cluster.{name}: must be >= 0, got {getattr(self, name)}")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.nproc_per_node
 
 
 @dataclass
@@ -132,6 +170,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     cost: CostConfig = field(default_factory=CostConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def validate(self) -> "Config":
         """Check every section; the parallel layout is checked by `resolved_parallel` once the world size is
@@ -143,6 +182,7 @@ class Config:
         self.train.validate(self.model)
         self.eval.validate()
         self.cost.validate()
+        self.cluster.validate()
         return self
 
     def resolved_parallel(self, world_size: int | None = None) -> ParallelConfig:
@@ -183,5 +223,10 @@ def build_config(data: dict | None = None, overrides: list[str] | None = None) -
     return cfg.validate()
 
 
-def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
-    return build_config(load_toml(path) if path else {}, overrides)
+def load_config(paths: str | Path | list[str | Path] | None, overrides: list[str] | None = None) -> Config:
+    """A validated Config from config files (or recipe names) merged in order, then `--section.key value`
+    overrides: a later file sets only the keys it names (e.g. a recipe, then the [parallel] of `hlat plan --emit`)."""
+    data: dict = {}
+    for path in [paths] if isinstance(paths, (str, Path)) else paths or []:
+        data = merge_tables(data, load_toml(config_path(path)))
+    return build_config(data, overrides)

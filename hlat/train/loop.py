@@ -34,8 +34,8 @@ from hlat.optim.precision import autocast as precision_autocast
 from hlat.optim.precision import prepare_model
 from hlat.parallel import Topology, init_topology, parallelize
 from hlat.parallel.data import sync_gradients
+from hlat.parallel.device import pick_device
 from hlat.parallel.grads import clip_grad_norm
-from hlat.parallel.mesh import local_device
 from hlat.parallel.pipeline import build_schedule
 from hlat.train.checkpoint import (
     Checkpointer,
@@ -52,6 +52,7 @@ from hlat.train.faults import BadSteps, Watchdog, poison_gradients, weights_fini
 from hlat.train.goodput import Goodput
 from hlat.train.inference import Evaluation, evaluate, validation_batches, validation_documents
 from hlat.train.metrics import Cost, Interval, MetricsLog, peak_flops, peak_memory_gb, projected_seconds, resolve_cost
+from hlat.train.resume import check_start
 
 
 @dataclass
@@ -65,14 +66,6 @@ class Summary:
     checkpoint: str
     ettr: float = 0.0  # effective training time ratio of the whole run so far (hlat.train.goodput)
     bad_steps: int = 0  # updates dropped by train.on_bad_step in this process
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "cuda" and not torch.cuda.is_available():
-        raise HlatError("train.device: 'cuda' was asked for but no CUDA device is available")
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return local_device(name)
 
 
 def find_resume_checkpoint(cfg: Config) -> tuple[Path | None, list[DamagedCheckpoint]]:
@@ -231,11 +224,14 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
     device = pick_device(tc.device)
     files = resolve_data_files(cfg.data)
     resume_from, passed_over = find_resume_checkpoint(cfg)
+    resume_changes = check_start(cfg, resume_from)  # shapes fit, schedule changes allowed: one-line errors
 
     if device.type == "cuda":
         enable_flight_recorder(run_dir)
     topo = init_topology(pcfg, device, tc.collective_timeout_s)
     console = console if topo.is_main and console is not None else Console(quiet=not topo.is_main)
+    for change in resume_changes:
+        console.print(f"resuming with a changed config: {change}", highlight=False)
     for damaged in passed_over:  # set aside, so that rotation counts only good checkpoints
         console.print(f"{damaged}; falling back to the previous checkpoint", soft_wrap=True, highlight=False,
                       markup=False)
