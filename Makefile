@@ -2,16 +2,23 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+# pyproject.toml asks for torch>=2.11 (a machine's own CUDA or Neuron build stays); the venv pins what CI tests.
+TORCH ?= 2.13.0
 
 .PHONY: train test clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -e ".[test,bench]"
+	$(PY) -m pip install --quiet torch==$(TORCH) -e ".[test]"
 	touch $@
 
+RUN := runs/tiny-$(shell date +%Y%m%d-%H%M%S)
+
+# Train, then show what the model writes after "def " (greedy sampling would repeat itself; this samples).
 train: $(VENV)/.installed
-	$(VENV)/bin/hlat train --config configs/tiny.toml --train.run_dir runs/tiny-$$(date +%Y%m%d-%H%M%S) $(ARGS)
+	$(VENV)/bin/hlat train --config configs/tiny.toml --train.run_dir $(RUN) $(ARGS)
+	@echo "--- a sample from $(RUN):"
+	@$(VENV)/bin/hlat generate $(RUN) --prompt "def " --max-new-tokens 48 --temperature 0.7
 
 test: $(VENV)/.installed
 	$(PY) -m pytest $(ARGS)

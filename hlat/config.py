@@ -8,6 +8,8 @@ planner and `hlat describe` import this without paying for torch.
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import re
 import sys
 import types
 import typing
@@ -37,9 +39,23 @@ def load_toml(path: str | Path) -> dict:
         raise ConfigError(f"{path}: invalid TOML: {e}") from None
 
 
+def merge_tables(base: dict, extra: dict) -> dict:
+    """`extra` laid over `base`, table by table: a later config file sets only the keys it names."""
+    out = dict(base)
+    for key, value in extra.items():
+        nested = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = merge_tables(out[key], value) if nested else value
+    return out
+
+
 def _type_name(tp: Any) -> str:
-    if get_origin(tp) is Literal:
+    origin = get_origin(tp)
+    if origin is Literal:
         return " | ".join(repr(a) for a in get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in get_args(tp))
+    if origin is list:
+        return f"list[{_type_name(get_args(tp)[0])}]"
     return getattr(tp, "__name__", str(tp))
 
 
@@ -150,6 +166,39 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
             i += 2
         pairs.append((key, value))
     return pairs
+
+
+def field_comments(cls: type) -> dict[str, str]:
+    """The comment of each field in the class source: on its line (`name: type = default  # why`), else the
+    comment lines just above it."""
+    try:
+        lines = inspect.getsource(cls).splitlines()
+    except (OSError, TypeError):  # no source at hand (a frozen build): the fields still list without comments
+        return {}
+    comments, above = {}, []
+    for line in lines:
+        text = line.strip()
+        if text.startswith("#"):
+            above.append(text.lstrip("# "))
+            continue
+        field = re.match(r"(\w+): [^#]*(?:#(.*))?$", text)
+        if field:
+            comments[field.group(1)] = (field.group(2) or " ".join(above)).strip()
+        above = []
+    return comments
+
+
+def describe_fields(obj: Any, prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """(dotted name, type, default, comment) of every field of dataclass instance `obj`, sections recursed."""
+    rows, comments = [], field_comments(type(obj))
+    for name, tp in _fields(type(obj)).items():
+        value = getattr(obj, name)
+        if dataclasses.is_dataclass(tp):
+            rows += describe_fields(value, f"{prefix}{name}.")
+        else:
+            rows.append((f"{prefix}{name}", _type_name(tp), to_toml({"v": value}).strip().removeprefix("v = "),
+                         comments.get(name, "")))
+    return rows
 
 
 def to_dict(obj: Any) -> dict:

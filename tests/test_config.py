@@ -1,11 +1,14 @@
 """Config loading and validation: every mistake is one line naming the field, before any work starts."""
 
+import dataclasses
+import json
+
 import pytest
 
 from hlat.cli import main
 from hlat.config import ConfigError
 from hlat.optim import lr_at
-from hlat.train.config import build_config, load_config
+from hlat.train.config import Config, build_config, load_config
 
 
 def test_preset_then_overrides():
@@ -43,17 +46,59 @@ def test_cli_config_error_is_one_line(tmp_path, capsys):
     assert "config file not found" in capsys.readouterr().err
 
 
-def test_shipped_configs_load():
-    for name in ("tiny", "hlat-7b", "hlat-70b", "pythia-6.9b", "neox-20b"):
-        load_config(f"configs/{name}.toml")
+# What each recipe states: the published model, precision, layout, batch, schedule and cluster (sources in each file).
+RECIPES = {
+    "hlat-7b": dict(params=6_738_415_616, precision="bf16_sr", layout=(8, 1, 256, 1, False), batch=(4096, 1024, 1),
+                    schedule=(3e-4, 3e-5, 2000, 500_000, 450_000, 0.1), cluster=("trn1.32xlarge", 64, 32, "neuron")),
+    "hlat-70b": dict(params=68_976_648_192, precision="bf16_mixed", layout=(32, 8, 1, 32, True),
+                     batch=(4096, 1024, 1), schedule=(1.5e-4, 1.5e-5, 2000, 500_000, 450_000, 0.1),
+                     cluster=("trn1.32xlarge", 256, 32, "neuron")),
+    "neox-20b": dict(params=20_554_567_680, precision="bf16_sr", layout=(8, 4, 1, 64, True), batch=(2048, 1536, 1),
+                     schedule=(9.7e-5, 9.7e-6, 1500, 150_000, 150_000, 0.01), cluster=("trn1.32xlarge", 64, 32, "neuron")),
+    "pythia-6.9b": dict(params=6_857_302_016, precision="bf16_sr", layout=(8, 1, 1, 16, True), batch=(2048, 256, 1),
+                        schedule=(1.2e-4, 1.2e-5, 1430, 143_000, 143_000, 0.01),
+                        cluster=("trn1.32xlarge", 4, 32, "neuron")),
+}
 
 
-def test_hlat_7b_recipe():
-    cfg = load_config("configs/hlat-7b.toml")
-    assert cfg.model.num_params() == 6_738_415_616
-    assert (cfg.train.seq_len, cfg.train.global_batch, cfg.optim.lr, cfg.optim.min_lr) == (
-        4096, 1024, 3e-4, 3e-5)
-    assert (cfg.optim.warmup_steps, cfg.optim.decay_steps, cfg.optim.weight_decay) == (2000, 500_000, 0.1)
+@pytest.mark.parametrize("name", RECIPES)
+def test_recipe_states_the_published_run(name):
+    want, cfg = RECIPES[name], load_config(name)
+    assert cfg.model.num_params() == want["params"] and cfg.precision.mode == want["precision"]
+    c = cfg.cluster
+    assert (c.hardware, c.nodes, c.nproc_per_node, c.accelerator) == want["cluster"]
+    p = cfg.resolved_parallel(c.world_size)  # the layout runs as is on the stated cluster
+    assert (p.tp, p.pp, p.dp_replicate, p.dp_shard, p.zero1) == want["layout"]
+    assert p.sequence_parallel and p.activation_checkpoint == "selective"
+    t, o = cfg.train, cfg.optim
+    assert (t.seq_len, t.global_batch, t.micro_batch) == want["batch"]
+    assert (o.lr, o.min_lr, o.warmup_steps, o.decay_steps, t.steps, o.weight_decay) == want["schedule"]
+    assert (o.beta1, o.beta2, o.clip_grad_norm) == (0.9, 0.95, 1.0)
+    assert cfg.data.paths and cfg.data.tokenizer  # the user's corpus and tokenizer, not the stdlib default
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_plan_prices_each_recipe_as_it_stands(name, capsys):
+    assert main(["plan", "--model", f"{name}.toml", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    (plan,) = out["plans"]
+    tp, pp, dp_replicate, dp_shard, zero1 = RECIPES[name]["layout"]
+    assert (out["hardware"], out["nodes"]) == RECIPES[name]["cluster"][:2] and out["precision"] == RECIPES[name]["precision"]
+    assert plan["parallel"]["tp"] == tp and plan["parallel"]["pp"] == pp and plan["parallel"]["zero1"] == zero1
+    assert plan["fits"] and plan["tokens_per_dollar"] > 0 and plan["budget"]["days"] > 0
+
+
+def test_recipe_without_its_data_stops_at_once(capsys):
+    single = ["--parallel.tp", "1", "--parallel.pp", "1", "--parallel.dp_replicate", "1", "--parallel.dp_shard", "1",
+              "--parallel.zero1", "false"]
+    assert main(["train", "--config", "hlat-7b", *single]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("hlat: error: data.paths: no files match '/data/hlat/train/*.jsonl.zst'") and "\n" not in err
+
+
+def test_tiny_config_loads():
+    cfg = load_config("configs/tiny.toml")
+    assert cfg.model.preset == "tiny" and cfg.data.paths == []
 
 
 def test_lr_schedule():
@@ -68,3 +113,50 @@ def test_describe_70b_without_allocating(capsys):
     assert main(["describe", "--model", "llama2-70b"]) == 0
     out = capsys.readouterr().out
     assert "68,976,648,192" in out and "bf16_sr" in out
+
+
+def test_configs_merge_in_order(tmp_path, capsys):
+    """A recipe, then the tables `hlat plan --emit` writes, then overrides: later files set only what they name."""
+    emitted = tmp_path / "plan.toml"
+    assert main(["plan", "--model", "llama2-7b", "--hardware", "p5.48xlarge", "--nodes", "2", "--precision",
+                 "bf16_mixed", "--emit", str(emitted)]) == 0
+    capsys.readouterr()
+    cfg = load_config(["hlat-7b", str(emitted)], ["--train.steps", "5"])
+    base = load_config("hlat-7b")
+    assert cfg.precision.mode == "bf16_mixed" != base.precision.mode  # [precision] comes with the plan
+    assert cfg.parallel.dp_replicate != -1  # [parallel] from the plan
+    assert cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp_replicate * abs(cfg.parallel.dp_shard) <= 16
+    assert (cfg.optim, cfg.data, cfg.train.seq_len) == (base.optim, base.data, base.train.seq_len)  # the recipe's
+    assert (cfg.train.steps, cfg.model) == (5, base.model)
+    # the other order: the fields the recipe names win
+    p = load_config([str(emitted), "hlat-7b"]).parallel
+    assert (p.tp, p.pp, p.dp_replicate, p.dp_shard, p.zero1, p.activation_checkpoint) == (8, 1, -1, 1, False,
+                                                                                          "selective")
+
+
+def test_print_config_shows_every_field_and_reloads(tmp_path, capsys):
+    first, second = tmp_path / "a.toml", tmp_path / "b.toml"
+    first.write_text('[model]\npreset = "tiny"\nn_layers = 3\n[optim]\nlr = 1e-3\n')
+    second.write_text('[optim]\nwarmup_steps = 7\n[train]\nsteps = 9\n')
+    assert main(["train", "--config", str(first), "--config", str(second), "--optim.min_lr", "1e-5",
+                 "--print-config"]) == 0
+    printed = capsys.readouterr().out
+    out = tmp_path / "resolved.toml"
+    out.write_text(printed)
+    cfg = load_config(str(out))
+    assert (cfg.model.n_layers, cfg.optim.lr, cfg.optim.warmup_steps, cfg.optim.min_lr, cfg.train.steps) == (
+        3, 1e-3, 7, 1e-5, 9)
+    assert cfg == load_config([str(first), str(second)], ["--optim.min_lr", "1e-5"])
+    assert not (tmp_path / "runs").exists() and "clip_grad_norm = 1.0" in printed  # every field, nothing run
+
+
+def test_config_fields_lists_types_defaults_and_comments(capsys):
+    assert main(["config", "fields"]) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    cfg = Config()
+    assert len(rows) == sum(len(dataclasses.fields(getattr(cfg, f.name))) for f in dataclasses.fields(cfg))
+    assert rows["train.steps"].split()[1:3] == ["int", "300"] and "optimizer steps" in rows["train.steps"]
+    assert "'fp32'" not in rows["precision.mode"] and '"fp32"' in rows["precision.mode"]
+    assert "'concat' | 'best_fit'" in rows["data.packing"]
+    assert main(["config", "fields", "cluster"]) == 0
+    assert all(line.startswith("cluster.") for line in capsys.readouterr().out.splitlines())

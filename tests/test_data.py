@@ -21,14 +21,15 @@ import zstandard
 
 from hlat import HlatError
 from hlat.config import ConfigError, update
+from hlat.data.cli import tokenize
 from hlat.data.config import DataConfig
-from hlat.data.packing import PROBE, build_stream
+from hlat.data.packing import build_stream
 from hlat.data.rounds import best_fit
 from hlat.data.sources import (
     START, Bad, BadLog, Split, default_corpus, iter_documents, make_splits, read_split, resolve_data_files,
     resolve_paths, resolve_sources, skipped,
 )
-from hlat.data.tokenizer import train_bpe
+from hlat.data.tokenizer import PROBE, train_bpe
 
 EOS = 0
 
@@ -182,13 +183,21 @@ DOCS = [f"document {i}: " + "word " * (i % 7) for i in range(40)]
 
 
 def each_format(tmp_path, docs=DOCS) -> list[Path]:
-    """`docs` as JSONL, gzip and zstd JSONL, Parquet (4 row groups); and docs[0] as a text file."""
+    """`docs` as JSONL, gzip and zstd JSONL, Parquet (4 row groups), Arrow IPC files in the file and the stream
+    format (4 record batches); and docs[0] as a text file."""
     plain = jsonl(tmp_path / "d.jsonl", docs)
     gz, zst, parquet = tmp_path / "d.jsonl.gz", tmp_path / "d.jsonl.zst", tmp_path / "d.parquet"
     gz.write_bytes(gzip.compress(plain.read_bytes()))
     zst.write_bytes(zstandard.ZstdCompressor().compress(plain.read_bytes()))
-    pq.write_table(pa.table({"id": list(range(len(docs))), "text": docs}), parquet, row_group_size=len(docs) // 4)
-    return [plain, gz, zst, parquet, write(tmp_path / "d.txt", docs[0])]
+    table = pa.table({"id": list(range(len(docs))), "text": docs})
+    pq.write_table(table, parquet, row_group_size=len(docs) // 4)
+    arrows = [tmp_path / "d.arrow", tmp_path / "stream" / "d.arrow"]
+    arrows[1].parent.mkdir()
+    for path, new in zip(arrows, (pa.ipc.new_file, pa.ipc.new_stream)):
+        with new(str(path), table.schema) as writer:
+            for batch in table.to_batches(max_chunksize=len(docs) // 4):
+                writer.write_batch(batch)
+    return [plain, gz, zst, parquet, *arrows, write(tmp_path / "d.txt", docs[0])]
 
 
 def test_every_format_reads_and_resumes_from_any_record(tmp_path):
@@ -200,11 +209,32 @@ def test_every_format_reads_and_resumes_from_any_record(tmp_path):
     cut.write_bytes(gzip.compress(lines(DOCS))[:-30])
     no_column = tmp_path / "body.parquet"
     pq.write_table(pa.table({"body": ["x"]}), no_column)
-    for f in [*record_files, text, cut, no_column, tmp_path / "missing.jsonl"]:
+    cut_arrow = tmp_path / "cut.arrow"
+    cut_arrow.write_bytes((tmp_path / "stream" / "d.arrow").read_bytes()[:-100])
+    tokens = tokenize([record_files[0]], CharTokenizer(), tmp_path / "d")["file"]
+    bad = (cut, cut_arrow, no_column, tmp_path / "missing.jsonl")
+    for f in [*record_files, text, *bad, Path(tokens)]:
         records = list(read_split(Split(f, 0), (START, 0), "text", 1000))
-        assert isinstance(records[-1][0], Bad) == (f in (cut, no_column, tmp_path / "missing.jsonl")), f
+        assert isinstance(records[-1][0], Bad) == (f in bad), f
         for k in range(1, len(records) + 1):  # reading on from the cursor after record k meets the records after it
-            assert list(read_split(Split(f, 0), records[k - 1][2], "text", 1000)) == records[k:], (f, k)
+            again = list(read_split(Split(f, 0), records[k - 1][2], "text", 1000))
+            assert [(str(r), w, c) for r, w, c in again] == [(str(r), w, c) for r, w, c in records[k:]], (f, k)
+
+
+def test_token_files_and_arrow_give_the_jsonl_token_stream(tmp_path):
+    docs = [f"doc {i}: " + "pretokenized " * (i % 5) for i in range(60)]
+    plain, *_, arrow_file, arrow_stream, _ = each_format(tmp_path, docs)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(plain.read_bytes() + b"{oops\n")  # skipped by the loader and by `hlat data tokenize` alike
+    tok = train_bpe(iter(docs), 300)
+    tokens = tokenize([bad], tok, tmp_path / "out" / "docs")
+    assert tokens["documents"] == 60 and tokens["bad"] == {"malformed JSON": 1}
+    cfg = dict(round_bytes=300, shuffle_rows=8, shuffle_files=True)
+    reference = take(stream([plain], 16, 2, tok=tok, **cfg), 40)  # a few epochs
+    for f in (arrow_file, arrow_stream, tokens["file"]):
+        assert same(take(stream([f], 16, 2, tok=tok, **cfg), 40), reference), f
+    with pytest.raises(HlatError, match="docs.tokens.bin: written by another tokenizer .* set data.tokenizer"):
+        stream([tokens["file"]], 16, 2)  # the character tokenizer
 
 
 @pytest.fixture
@@ -212,13 +242,18 @@ def small_splits(monkeypatch):
     monkeypatch.setattr("hlat.data.sources.MIN_SPLIT_BYTES", 64)  # split even these small test files
 
 
-def test_jsonl_splits_cover_every_line_once(tmp_path, small_splits):
+def test_jsonl_and_token_file_splits_cover_every_document_once(tmp_path, small_splits):
     f = jsonl(tmp_path / "big.jsonl", DOCS)
     splits = make_splits([f], world_size=4)  # a single file cut into line-aligned byte ranges
     assert len(splits) >= 8 and sum(s.size for s in splits) == f.stat().st_size
     got = [r for s in splits for r in read_split(s, (START, 0), "text", 1000)]
     assert [json.loads(r[0])["text"] for r in got] == DOCS
     assert any(s.start and " byte " in where for s in splits for _, where, _ in read_split(s, (START, 0), "text", 1000))
+    tokens = Path(tokenize([f], CharTokenizer(), tmp_path / "big")["file"])
+    splits = make_splits([tokens], world_size=4)  # at document boundaries
+    assert len(splits) >= 4 and sum(s.size for s in splits) == tokens.stat().st_size
+    got = [r for s in splits for r in read_split(s, (START, 0), "text", 1000)]
+    assert CharTokenizer().decode([t for r in got for t in [*r[0].tolist(), EOS]]).split("\0")[:-1] == DOCS
 
 
 def test_jsonl_bad_lines_are_skipped_and_counted(tmp_path, caplog):
@@ -422,7 +457,7 @@ def test_ranks_read_disjoint_shares_that_cover_the_data(tmp_path, small_splits):
     seen = []
     for rank in range(3):
         cfg = DataConfig(shuffle_rows=0, workers=0, round_bytes=64)
-        s = build_stream(cfg, CharTokenizer(), [*files, big], seq_len=8, batch_size=1, rank=rank, world_size=3)
+        s = build_stream(cfg, CharTokenizer(), [*files, big], seq_len=8, batch_size=1, shard=(rank, 3))
         mine = set(_epoch_docs(s)) & set(docs)  # whole documents
         assert len(mine) >= 30  # balanced by bytes
         seen.append(mine)
@@ -432,15 +467,19 @@ def test_ranks_read_disjoint_shares_that_cover_the_data(tmp_path, small_splits):
 
 def test_a_rank_never_runs_out_and_resume_needs_the_same_ranks(tmp_path):
     files = [write(tmp_path / "a.txt", "a" * 500), write(tmp_path / "b.txt", "b")]
-    small = build_stream(DataConfig(shuffle_rows=0, workers=0), CharTokenizer(), files, 8, 2, rank=1, world_size=2)
+    small = build_stream(DataConfig(shuffle_rows=0, workers=0), CharTokenizer(), files, 8, 2, shard=(1, 2))
     take(small, 50)  # 50 epochs of its one short file: it keeps step with the rank holding the long one
     assert small.epoch > 20
     state = small.state_dict()
-    with pytest.raises(HlatError, match="written with 2 data-parallel ranks and this run has 3"):
+    with pytest.raises(HlatError, match="a position in the files of data-parallel rank 1 of 2, and this run reads "
+                                        "the files of data-parallel rank 1 of 3"):
         more = [*files, write(tmp_path / "c.txt", "c")]
-        build_stream(DataConfig(workers=0), CharTokenizer(), more, 8, 2, 1, 3).load_state_dict(state)
+        build_stream(DataConfig(workers=0), CharTokenizer(), more, 8, 2, shard=(1, 3)).load_state_dict(state)
+    with pytest.raises(HlatError, match="a position in the files of data-parallel rank 1 of 2, and this run reads "
+                                        "the global stream"):
+        build_stream(DataConfig(workers=0), CharTokenizer(), files, 8, 2).load_state_dict(state)
     with pytest.raises(HlatError, match="2 files cannot be shared among 3 data-parallel ranks"):
-        build_stream(DataConfig(workers=0), CharTokenizer(), files, 8, 2, 0, 3)
+        build_stream(DataConfig(workers=0), CharTokenizer(), files, 8, 2, shard=(0, 3))
 
 
 # --- exact resume ----------------------------------------------------------------------------------------
@@ -463,19 +502,22 @@ def test_exact_resume_mid_document_and_mid_round(tmp_path, packing):
         reference.append(next(full))
         states.append(json.loads(json.dumps(full.state_dict())))  # the state survives JSON
         encoded.append(len(full_tok.encoded))
+    stride = 24 if packing == "concat" else 25
     positions = [st["sources"][0] for st in states]
-    assert any(p["used"] and (p["mid"] or packing == "best_fit") for p in positions)  # mid round and document
-    assert states[-1]["sources"][0]["start"][0] >= 1 and all(st["pool"] for st in states)  # epochs; the pool
+    # states whose window starts inside a round and (concat) a document, states inside a window, and epochs
+    assert any(p["rows"] * stride > p["at"] and (p["mid"] or packing == "best_fit") for p in positions)
+    assert any(st["rows"] % 6 for st in states) and positions[-1]["start"][0] >= 1
     for k in (1, 7, 13, 29):
         tok = CharTokenizer()
         resumed = stream(files, 24, 2, tok=tok, **cfg)
         resumed.load_state_dict(states[k - 1])
         assert same(take(resumed, 40 - k), reference[k:])
-        # resuming encodes again only the documents of the round it stopped in (at most ~10 of them), never
-        # what was consumed before: it encodes what the uninterrupted run encoded from that round on
+        # resuming encodes again only the documents of the rounds the current window needs (a window of 6 rows
+        # of ~25 tokens: 1 or 2 rounds of ~300 bytes, ~10 documents each), never what was consumed before: it
+        # encodes what the uninterrupted run encoded from those rounds on
         assert tok.encoded[0] == PROBE  # what the fingerprint encodes to tell tokenizers apart
         again = len(tok.encoded) - 1 - (len(full_tok.encoded) - encoded[k - 1])
-        assert 0 <= again <= 10 and tok.encoded[1:] == full_tok.encoded[len(full_tok.encoded) - len(tok.encoded) + 1 :]
+        assert 0 <= again <= 25 and tok.encoded[1:] == full_tok.encoded[len(full_tok.encoded) - len(tok.encoded) + 1 :]
 
 
 @pytest.mark.parametrize("packing", ["concat", "best_fit"])
@@ -489,7 +531,8 @@ def test_workers_give_the_same_stream_and_resume_exactly(tmp_path, packing):
         assert same([next(s)], inline[k - 1 : k])
         state = s.state_dict()
         position = state["sources"][0]
-        if k > 5 and position["round"] >= 2 and position["used"] and (position["mid"] or packing == "best_fit"):
+        inside = position["rows"] * (16 if packing == "concat" else 17) > position["at"]  # a round
+        if k > 5 and position["round"] >= 2 and inside and (position["mid"] or packing == "best_fit"):
             break
     else:
         pytest.fail("never stopped inside a round and a document")
@@ -537,6 +580,7 @@ def test_workers_neither_hang_the_exit_nor_outlive_it(tmp_path):
     files = _corpus(tmp_path)
     code = f"""
 import os
+from hlat.data.cli import tokenize
 from hlat.data.config import DataConfig
 from hlat.data.packing import build_stream
 from hlat.data.tokenizer import train_bpe

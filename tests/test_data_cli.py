@@ -3,6 +3,7 @@
 import argparse
 import json
 
+import numpy as np
 import pytest
 
 from hlat import HlatError
@@ -55,3 +56,21 @@ def test_bench_reports_the_tokenizer_and_the_loader(data, capsys):
     assert loader["workers"] == 1 and loader["tokens_per_s"] > 0 and loader["tokenizer_tokens_per_s"] > 0
     with pytest.raises(HlatError, match="--workers: worker counts must be >= 0"):
         run(parse(["bench", str(d), "--workers", "-1"]))
+
+
+def test_tokenize_writes_a_token_file_the_loader_reads(data, tmp_path, capsys):
+    d, tok, tok_path = data
+    out = tmp_path / "out" / "corpus"
+    assert run(parse(["tokenize", str(d), "--tokenizer", str(tok_path), "--out", str(out), "--json"])) == 0
+    result = json.loads(capsys.readouterr().out)
+    ids = np.memmap(f"{out}.tokens.bin", dtype=np.uint16, mode="r")  # a vocabulary of 300 fits in 16 bits
+    ends = np.load(f"{out}.tokens.idx.npy")
+    expected = tok.encode_batch(DOCS[:21])  # the good documents, in file order
+    assert result["documents"] == len(ends) == 21 and ends[-1] == len(ids) == sum(map(len, expected))
+    assert [ids[a:b].tolist() for a, b in zip([0, *ends[:-1]], ends)] == expected
+    assert sum(result["bad"].values()) == 3 and not list(out.parent.glob("*.partial"))
+    assert run(parse(["inspect", f"{out}.tokens.bin", "--tokenizer", str(tok_path), "--json"])) == 0
+    inspected = json.loads(capsys.readouterr().out)  # the token file read back: its documents and tokens
+    assert (inspected["documents"], inspected["tokens"], inspected["characters"]) == (21, result["tokens"], 0)
+    with pytest.raises(HlatError, match="--tokenizer is required"):
+        run(parse(["tokenize", str(d), "--out", str(out)]))

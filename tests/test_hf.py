@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -197,3 +198,54 @@ def test_sharded_index_names_missing_shard(tmp_path):
     expect_error(tmp_path, shards[1].name, "not found")
     with pytest.raises(HlatError, match="already holds a model"):
         write_hf_dir(cfg, build_model(cfg, "cpu").state_dict(), tmp_path)
+
+
+@pytest.mark.parametrize("family", ["llama", "neox"])
+def test_exported_run_generates_in_transformers(family, tmp_path, capsys):
+    """A trained run exported with `hlat export-hf` loads with AutoTokenizer and AutoModelForCausalLM as they
+    are, gives hlat's logits, and generate() (greedy, stopping on the run's EOS) continues a prompt exactly as
+    hlat's own greedy decoding does."""
+    from transformers import AutoTokenizer
+
+    from hlat.cli import main
+    from hlat.data.tokenizer import load_tokenizer
+    from hlat.models import materialize
+    from hlat.train.checkpoint import latest_checkpoint, load_checkpoint
+    from hlat.train.config import load_config
+
+    corpus = str(Path(json.__file__).parent / "*.py")
+    model = ["--model.preset", "tiny-neox" if family == "neox" else "tiny", "--model.dim", "64", "--model.n_layers",
+             "2", "--model.n_heads", "4", "--model.ffn_dim", "128", "--model.vocab_size", "384",
+             "--model.rope_theta", "20000"]
+    run = tmp_path / "run"
+    assert main(["train", *model, "--data.paths", corpus, "--data.workers", "0", "--train.steps", "2",
+                 "--train.global_batch", "2",
+                 "--train.micro_batch", "2", "--train.seq_len", "32", "--optim.warmup_steps", "1",
+                 "--train.run_dir", str(run)]) == 0
+    out = tmp_path / "hf"
+    assert main(["export-hf", str(run), "--out", str(out)]) == 0
+    assert "bos = eos = '<|endoftext|>'" in capsys.readouterr().out
+
+    ckpt = latest_checkpoint(run)
+    cfg = load_config(ckpt / "config.toml")
+    ours = materialize(build_model(cfg.model), "cpu").eval()
+    load_checkpoint(ckpt, [ours])
+    eos = load_tokenizer(run).eos_id
+    tok = AutoTokenizer.from_pretrained(out)
+    hf = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    assert (tok.eos_token_id, tok.bos_token_id, hf.config.eos_token_id, hf.generation_config.eos_token_id) == (eos,) * 4
+    prompt = tok("def encode(obj):\n    return", return_tensors="pt")
+    assert prompt.input_ids.tolist() == [load_tokenizer(run).encode_batch(["def encode(obj):\n    return"])[0]]
+
+    ids = prompt.input_ids
+    with torch.no_grad():
+        assert_logits_close(ours(ids), hf(ids).logits)
+        expected = ids
+        for _ in range(8):  # hlat's greedy decoding, no cache
+            token = ours(expected)[:, -1].argmax(-1, keepdim=True)
+            expected = torch.cat([expected, token], dim=1)
+            if token.item() == eos:
+                break
+        generated = hf.generate(**prompt, max_new_tokens=8, do_sample=False)
+    assert generated.tolist() == expected.tolist()
+    assert isinstance(tok.decode(generated[0]), str)

@@ -1,4 +1,4 @@
-"""`hlat launch` renders multi-node SLURM and Kubernetes jobs whose world size matches the layout."""
+"""`hlat launch` renders multi-node SLURM and Kubernetes jobs that match the layout and survive restarts."""
 
 import json
 
@@ -7,42 +7,96 @@ import pytest
 from hlat.cli import main
 
 
-def render(capsys, *args):
-    assert main(["launch", "--config", "configs/hlat-7b.toml", *args]) == 0
+def render(capsys, *args, config="configs/hlat-7b.toml"):
+    assert main(["launch", "--config", config, *args]) == 0
     return capsys.readouterr().out
 
 
-def test_slurm_script(capsys):
-    script = render(capsys, "--nodes", "4", "--nproc-per-node", "8", "--target", "slurm", "--parallel.tp", "8")
-    assert "#SBATCH --nodes=4" in script and "#SBATCH --gpus-per-node=8" in script
-    torchrun = next(line for line in script.splitlines() if line.startswith("srun torchrun"))
-    assert "--nnodes=4" in torchrun and "--nproc-per-node=8" in torchrun
-    assert "--rdzv-backend=c10d" in torchrun and '--rdzv-endpoint="$head_node:29500"' in torchrun
-    assert '--rdzv-id="$SLURM_JOB_ID"' in torchrun and "scontrol show hostnames" in script
-    assert torchrun.endswith("-m hlat train --config configs/hlat-7b.toml --parallel.tp 8 --resume auto")
+def test_slurm_script_stops_before_the_time_limit_and_requeues(capsys):
+    script = render(capsys, "--target", "slurm", "--nodes", "4", "--cluster.time_limit", "2-00:00:00",
+                    "--cluster.stop_grace_s", "1200")
+    lines = script.splitlines()
+    for line in ("#SBATCH --nodes=4", "#SBATCH --time=2-00:00:00", "#SBATCH --requeue", "trap stop_and_requeue USR1",
+                 'kill -TERM "$train_pid"', 'scontrol requeue "$SLURM_JOB_ID"', "export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=1200"):
+        assert line in script, line
+    assert "#SBATCH --signal=B:USR1@1200" in lines
+    assert not any("--gpus-per-node" in line for line in lines)  # trn1: Neuron devices, not GPUs
+    torchrun = next(line for line in lines if line.startswith("srun torchrun"))
+    for flag in ("--nnodes=4", "--nproc-per-node=32", "--max-restarts=3", "--rdzv-backend=c10d",
+                 '--rdzv-endpoint="$head_node:29500"', '--rdzv-id="$SLURM_JOB_ID"'):
+        assert flag in torchrun
+    assert torchrun.endswith("-m hlat train --config configs/hlat-7b.toml --cluster.nodes 4 "
+                             "--cluster.time_limit 2-00:00:00 --cluster.stop_grace_s 1200 --resume auto &")
+    assert not any("preflight" in line for line in lines)
 
 
-def test_kubernetes_pytorchjob(capsys):
-    job = json.loads(render(capsys, "--nodes", "4", "--target", "k8s", "--image", "reg/hlat:1", "--parallel.tp", "8"))
-    assert (job["apiVersion"], job["kind"], job["spec"]["nprocPerNode"]) == ("kubeflow.org/v1", "PyTorchJob", "8")
+def test_slurm_on_gpus_with_preflight(capsys):
+    script = render(capsys, "--target", "slurm", "--cluster.accelerator", "gpu", "--cluster.devices_per_node", "0",
+                    "--nproc-per-node", "8",
+                    "--nodes", "32", "--cluster.preflight", "true")
+    assert "#SBATCH --gpus-per-node=8" in script and "#SBATCH --time" not in script
+    preflight = next(line for line in script.splitlines() if "hlat preflight" in line)
+    assert preflight.startswith("srun torchrun --nnodes=32 --nproc-per-node=8 --max-restarts=0 --rdzv-backend=c10d "
+                                '--rdzv-id="$SLURM_JOB_ID-preflight" --rdzv-endpoint="$head_node:29500" -m hlat '
+                                "preflight --config configs/hlat-7b.toml")
+    assert preflight.endswith(" || exit 1") and script.index(preflight) < script.index("--max-restarts=3")
+
+
+def test_kubernetes_job_keeps_runs_on_a_volume(capsys):
+    objects = json.loads(render(capsys, "--target", "k8s", "--image", "reg/hlat:1", "--cluster.run_volume", "fsx",
+                                "--optim.lr", "1e-4"))["items"]
+    config_map, job = objects
+    assert (job["apiVersion"], job["kind"], job["spec"]["nprocPerNode"]) == ("kubeflow.org/v1", "PyTorchJob", "32")
+    assert 'lr = 0.0001' in config_map["data"]["config.toml"]  # the resolved config, overrides included
     replicas = job["spec"]["pytorchReplicaSpecs"]
-    assert replicas["Master"]["replicas"] + replicas["Worker"]["replicas"] == 4
-    container = replicas["Worker"]["template"]["spec"]["containers"][0]
-    assert container["image"] == "reg/hlat:1" and container["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert replicas["Master"]["replicas"] + replicas["Worker"]["replicas"] == 64
+    pod = replicas["Worker"]["template"]["spec"]
+    assert replicas["Worker"]["restartPolicy"] == "OnFailure" and pod["terminationGracePeriodSeconds"] == 900
+    (container,) = pod["containers"]
+    assert container["image"] == "reg/hlat:1" and container["resources"]["limits"] == {"aws.amazon.com/neuron": 16}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert volumes["runs"]["persistentVolumeClaim"] == {"claimName": "fsx"} and mounts["runs"] == "/workspace/runs"
+    assert container["workingDir"] == "/workspace"  # so the relative runs/hlat-7b is on the claim
+    assert volumes["shm"]["emptyDir"]["medium"] == "Memory" and mounts["shm"] == "/dev/shm"
+    assert volumes["config"]["configMap"]["name"] == config_map["metadata"]["name"]
     command = container["command"]
-    for flag in ("--nnodes=$(PET_NNODES)", "--node-rank=$(PET_NODE_RANK)", "--master-addr=$(PET_MASTER_ADDR)",
-                 "--master-port=$(PET_MASTER_PORT)", "--nproc-per-node=8"):
+    for flag in ("--nnodes=64", "--max-restarts=3", "--rdzv-backend=c10d",
+                 "--rdzv-endpoint=$(PET_MASTER_ADDR):$(PET_MASTER_PORT)"):
         assert flag in command
-    assert command[-2:] == ["--resume", "auto"]
-    assert {"name": "OMP_NUM_THREADS", "value": "1"} in container["env"]
+    assert command[-5:] == ["train", "--config", "/etc/hlat/config.toml", "--resume", "auto"]
+    assert {"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": "900"} in container["env"]
+
+
+def test_kubernetes_preflight_keeps_torchrun_as_pid_1(capsys):
+    job = json.loads(render(capsys, "--target", "k8s", "--nodes", "1", "--cluster.preflight", "true",
+                            "--cpu"))["items"][1]
+    (container,) = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"]
+    assert "Worker" not in job["spec"]["pytorchReplicaSpecs"] and container["resources"] == {}
+    shell, flag, script = container["command"]
+    preflight, train = script.split(" && exec ")
+    assert (shell, flag) == ("bash", "-c") and preflight.startswith("torchrun --nnodes=1 ")
+    assert "--rdzv-id=hlat-7b-preflight" in preflight and "$(PET_MASTER_ADDR)" in preflight
+    assert preflight.endswith("-m hlat preflight --config /etc/hlat/config.toml")
+    assert train.startswith("torchrun ") and train.endswith("-m hlat train --config /etc/hlat/config.toml --resume auto")
+
+
+def test_torchrun_waits_for_the_shutdown_checkpoint(monkeypatch):
+    """The installed torchrun reads the grace period the job files set (it kills workers after 30 s otherwise)."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "900")
+    assert LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1).shutdown_timeout == 900
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--nodes", "2", "--target", "slurm", "--parallel.tp", "3"], "does not divide the world size 16"),
-    (["--nodes", "2", "--target", "k8s", "--parallel.tp", "16", "--parallel.dp_shard", "2"],
-     "but the world size is 16"),
-    (["--nodes", "0", "--target", "slurm"], "--nodes and --nproc-per-node must be >= 1"),
+    (["--nodes", "2", "--target", "slurm", "--parallel.tp", "3"], "does not divide the world size 64"),
+    (["--nodes", "2", "--target", "k8s", "--parallel.tp", "16", "--parallel.dp_replicate", "2"],
+     "but the world size is 64"),
+    (["--nodes", "0", "--target", "slurm"], "cluster.nodes: must be >= 1"),
+    (["--target", "k8s", "--train.run_dir", "/scratch/run"], "train.run_dir: /scratch/run is outside the volume"),
 ])
-def test_layout_is_checked_against_the_cluster(capsys, args, message):
+def test_layout_and_volume_are_checked(capsys, args, message):
     assert main(["launch", "--config", "configs/hlat-7b.toml", *args]) == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1

@@ -1,5 +1,6 @@
-"""`hlat data inspect PATH...` (documents, tokens and bad records of each file) and `hlat data bench PATH...`
-(tokens/s of the whole loader for 1, 2, ... workers against the tokenizer's own batch encoding of the same text).
+"""`hlat data inspect PATH...` (documents, tokens and bad records of each file), `hlat data tokenize PATH...
+--tokenizer T --out NAME` (the documents as a pre-tokenized token file) and `hlat data bench PATH...` (tokens/s
+of the whole loader for 1, 2, ... workers against the tokenizer's own batch encoding of the same text).
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import sys
 import time
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
@@ -29,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     common.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p = sub.add_parser("inspect", parents=[common], help="documents, tokens and bad records by kind, per file")
     p.add_argument("--max-doc-bytes", type=int, default=100_000_000, help="longer documents are bad records")
+    p = sub.add_parser("tokenize", parents=[common], help="write the documents as a pre-tokenized token file")
+    p.add_argument("--out", required=True, help="writes OUT.tokens.bin, OUT.tokens.idx.npy and OUT.tokens.json")
+    p.add_argument("--max-doc-bytes", type=int, default=100_000_000, help="longer documents are bad records")
     p = sub.add_parser("bench", parents=[common], help="loader tokens/s for several worker counts vs the tokenizer")
     p.add_argument("--workers", default="1,2", help="worker counts to run, comma-separated; 0 = tokenize in the "
                                                     "same process (default 1,2)")
@@ -47,6 +52,12 @@ def run(args: argparse.Namespace) -> int:
         result = inspect(files, args.text_field, _tokenizer(args, files) if args.tokenizer else None,
                          args.max_doc_bytes)
         print(json.dumps(result, indent=1) if args.json else _inspect_table(result))
+    elif args.data_command == "tokenize":
+        if not args.tokenizer:
+            raise HlatError("hlat data tokenize: --tokenizer is required (the run that reads the file must use it)")
+        result = tokenize(files, _tokenizer(args, files), args.out, args.text_field, args.max_doc_bytes)
+        print(json.dumps(result, indent=1) if args.json else f"wrote {result['file']}: {result['documents']:,} "
+              f"documents, {result['tokens']:,} tokens, {sum(result['bad'].values()):,} bad records skipped")
     else:
         try:
             counts = [int(n) for n in args.workers.split(",")]
@@ -71,16 +82,17 @@ def _tokenizer(args: argparse.Namespace, files):
 def inspect(files, text_field: str = "text", tokenizer=None, max_doc_bytes: int = 100_000_000) -> dict:
     """Per file: documents, bytes of text, tokens (with a tokenizer) and bad records by reason, with the place
     of the first of each."""
+    from hlat.data.rounds import encode as encode_documents
     from hlat.data.sources import START, Bad, Split, decode, read_split
 
     rows = []
     for f in files:
         split = Split(f, 0)
         docs, chars, tokens, bad, first = 0, 0, 0, Counter(), {}
-        batch: list[str] = []
+        batch: list = []
 
         def encode() -> int:
-            n = sum(map(len, tokenizer.encode_batch(batch))) if tokenizer and batch else 0
+            n = sum(map(len, encode_documents(tokenizer, batch))) if tokenizer and batch else 0
             batch.clear()
             return n
 
@@ -91,7 +103,7 @@ def inspect(files, text_field: str = "text", tokenizer=None, max_doc_bytes: int 
                 first.setdefault(doc.reason, where)
                 continue
             docs += 1
-            chars += len(doc)
+            chars += len(doc) if isinstance(doc, str) else 0  # a pre-tokenized document has no characters
             batch.append(doc)
             if len(batch) == 256:
                 tokens += encode()
@@ -115,6 +127,56 @@ def _inspect_table(result: dict) -> str:
     for r in result["files"]:
         lines.extend(f"  {n:,} x {reason}, first at {r['first_bad'][reason]}" for reason, n in r["bad"].items())
     return "\n".join(lines)
+
+
+def tokenize(files, tokenizer, out: str | Path, text_field: str = "text", max_doc_bytes: int = 100_000_000) -> dict:
+    """Write the documents of `files` (in order; bad records skipped and counted, as the loader does) as the
+    token file OUT.tokens.bin, with OUT.tokens.idx.npy and, last, OUT.tokens.json (sources.py describes them).
+    Each file's progress goes to stderr. Returns the description."""
+    import numpy as np
+
+    from hlat.data.sources import BadLog, iter_documents, token_sidecar
+    from hlat.data.tokenizer import tokenizer_digest
+
+    data = Path(f"{out}.tokens.bin")
+    data.parent.mkdir(parents=True, exist_ok=True)
+    final = [data, token_sidecar(data, ".idx.npy"), token_sidecar(data, ".json")]
+    partial = [p.with_name(p.name + ".partial") for p in final]
+    dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32)
+    lengths: list[int] = []
+    bad = BadLog()
+    with open(partial[0], "wb") as f:
+        for i, file in enumerate(files):
+            docs: list = []
+            for doc in iter_documents(file, text_field, max_doc_bytes, bad):
+                docs.append(doc)
+                if len(docs) == 256:
+                    _write_documents(f, tokenizer, docs, dtype, lengths)
+            _write_documents(f, tokenizer, docs, dtype, lengths)
+            print(f"{i + 1}/{len(files)} files, {len(lengths):,} documents, {sum(lengths):,} tokens: {file}",
+                  file=sys.stderr)
+    with open(partial[1], "wb") as f:
+        np.save(f, np.cumsum(np.asarray(lengths, dtype=np.int64)))
+    meta = {"dtype": dtype.name, "documents": len(lengths), "tokens": sum(lengths),
+            "tokenizer": tokenizer_digest(tokenizer), "tokenizer_kind": tokenizer.kind,
+            "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id, "bad": dict(bad.counts),
+            "sources": [str(f) for f in files]}
+    partial[2].write_text(json.dumps(meta, indent=1) + "\n")
+    for p, q in zip(partial, final):  # the description last: without it the file is not taken as finished
+        p.replace(q)
+    return {"file": str(data), **meta}
+
+
+def _write_documents(f, tokenizer, docs: list, dtype, lengths: list[int]) -> None:
+    """Append the token ids of `docs` to `f` and their lengths to `lengths`; empties `docs`."""
+    import numpy as np
+
+    from hlat.data.rounds import encode
+
+    for ids in encode(tokenizer, docs):
+        f.write(np.asarray(ids, dtype=dtype).tobytes())
+        lengths.append(len(ids))
+    docs.clear()
 
 
 def bench(files, tokenizer, workers: list[int], text_bytes: int, seq_len: int = 2048, batch_size: int = 8,

@@ -1,11 +1,12 @@
 """Rounds: documents read, tokenized and packed together, the unit of work of a tokenizer worker (torch-free,
 so worker processes start without importing torch).
 
-A source's records on one rank form an endless sequence, epoch after epoch. That sequence is cut into rounds
-of about `round_bytes` of raw records (never across an epoch boundary), by sizes alone, so every process cuts
-it identically and knows where round k starts without parsing or tokenizing rounds before it. A round's
-output depends only on its records; hence the token stream does not depend on the number of workers, and a
-position in it is (round, where the round starts, how much of it was used).
+A source's records form an endless sequence, epoch after epoch. That sequence is cut into rounds of about
+`round_bytes` of raw records (never across an epoch boundary), by sizes alone, so every process cuts it
+identically and knows where round k starts without parsing or tokenizing rounds before it. A round's output
+depends only on its records; hence the token stream does not depend on which rank or worker makes a round, nor
+on how many there are, and a position in it is (round, where the round starts, how far into its tokens).
+A round's `info()` is what other processes need to place its rows without its tokens.
 """
 
 from __future__ import annotations
@@ -13,18 +14,19 @@ from __future__ import annotations
 import bisect
 import multiprocessing as mp
 import os
-import queue
 import signal
+import threading
 import traceback
 from collections import Counter
 from collections.abc import Iterator
+from multiprocessing.connection import wait
 from dataclasses import dataclass, field
 from itertools import chain
 
 import numpy as np
 
 from hlat import HlatError
-from hlat.data.sources import START, Bad, Split, decode, epoch_order, read_split
+from hlat.data.sources import START, Bad, Split, decode, epoch_order, held_out, read_split, record_size
 
 Position = list[int]  # [epoch, split index in the epoch's order, offset, line]: where a record starts
 ORIGIN: Position = [0, 0, START, 0]  # the first record of epoch 0
@@ -41,6 +43,7 @@ class SourceSpec:
     max_doc_bytes: int = 100_000_000
     seed: int = 0
     shuffle: bool = True
+    holdout: float = 0.0  # documents set aside for validation (eval.holdout) are skipped
 
     def records(self, position: Position) -> Iterator[tuple[bytes | str | Bad, str, str, Position] | None]:
         """(raw record, format, where, position after it) from `position` on; None marks each epoch's end."""
@@ -89,10 +92,36 @@ class Round:
     index: int
     start: Position
     end: Position  # where the next round starts
+    eos: int
     tokens: np.ndarray  # concat: the documents' tokens, each followed by EOS; best_fit: rows [n, seq_len + 1], -1 pads
     docs: int = 0
     split_docs: int = 0  # best_fit: documents longer than a row, cut into pieces
     bad: list[tuple[Bad, str]] = field(default_factory=list)
+
+    def info(self) -> "RoundInfo":
+        """What the other ranks need of this round to cut rows and count: its place, size and counters."""
+        if self.tokens.ndim == 2:  # best_fit rows: the padding of each
+            marks = (self.tokens[:, 1:] < 0).sum(1).astype(np.int32)
+        else:
+            marks = np.flatnonzero(self.tokens == self.eos).astype(np.int32)
+        return RoundInfo(self.source, self.index, self.start, self.end, self.tokens.size, marks, self.docs,
+                         self.split_docs, self.bad)
+
+
+@dataclass
+class RoundInfo:
+    """A round without its tokens. `size` is its length in the source's token stream (best_fit: rows x
+    (seq_len + 1)); `marks` are, for concat, where in it the EOS tokens are, for best_fit the padding of each row."""
+
+    source: int
+    index: int
+    start: Position
+    end: Position
+    size: int
+    marks: np.ndarray
+    docs: int
+    split_docs: int
+    bad: list[tuple[Bad, str]]
 
 
 def concat(ids: list[list[int]], eos: int) -> np.ndarray:
@@ -101,13 +130,49 @@ def concat(ids: list[list[int]], eos: int) -> np.ndarray:
     return np.insert(flat, np.cumsum(lengths), eos)
 
 
+MAX_PIECE_CHARS = 1 << 20  # longer documents are tokenized in pieces of at most this many characters
+
+
+def text_pieces(text: str) -> Iterator[str]:
+    """`text` in pieces of at most MAX_PIECE_CHARS, each cut just before a single space between two words
+    where there is one: the pre-tokenizers split there anyway and the space stays with the word after it, so
+    the tokens are those of the whole text (a cut inside a run of whitespace would change them)."""
+    start = 0
+    while start < len(text):
+        end = min(start + MAX_PIECE_CHARS, len(text))
+        if end < len(text):
+            low = start + MAX_PIECE_CHARS // 2
+            space = text.rfind(" ", low, end)
+            while space > low and (text[space - 1].isspace() or text[space + 1].isspace()):
+                space = text.rfind(" ", low, space)
+            end = space if space > low else end
+        yield text[start:end]
+        start = end
+
+
+def encode_bounded(tokenizer, docs: list[str]) -> list:
+    """Token ids of each document; one longer than MAX_PIECE_CHARS is tokenized piece by piece into an int32
+    array, so the tokenizer's working memory (and Python's lists of ids) stay bounded whatever its length."""
+    ids, short = [], []
+    for doc in docs:
+        if len(doc) <= MAX_PIECE_CHARS:
+            short.append(doc)
+            continue
+        ids.extend(tokenizer.encode_batch(short) if short else [])
+        short = []
+        ids.append(np.concatenate([np.asarray(tokenizer.encode_batch([piece])[0], dtype=np.int32)
+                                   for piece in text_pieces(doc)]))
+    return ids + (tokenizer.encode_batch(short) if short else [])
+
+
 def best_fit(ids: list[list[int]], eos: int, capacity: int) -> tuple[np.ndarray, int]:
     """Best-fit decreasing: documents (with EOS) longest first, each into the row with the least room that
     still holds it, else a new row. Only documents longer than a row are cut, into row-sized pieces.
     Returns rows [n, capacity] padded with -1 and the number of documents cut."""
     pieces, cut = [], 0
     for doc in ids:
-        doc = [*doc, eos]
+        # a long document is cut into views of one array rather than a Python list of its tokens
+        doc = np.append(np.asarray(doc, dtype=np.int32), eos) if len(doc) >= capacity else [*doc, eos]
         cut += len(doc) > capacity
         pieces.extend(doc[i : i + capacity] for i in range(0, len(doc), capacity))
     pieces.sort(key=len, reverse=True)  # stable: equal lengths keep document order
@@ -128,6 +193,13 @@ def best_fit(ids: list[list[int]], eos: int, capacity: int) -> tuple[np.ndarray,
         flat = list(chain.from_iterable(row))
         out[r, : len(flat)] = flat
     return out, cut
+
+
+def encode(tokenizer, docs: list) -> list:
+    """Token ids of each document: texts encoded in one batch, pre-tokenized documents as they are."""
+    texts = [doc for doc in docs if isinstance(doc, str)]
+    encoded = iter(encode_bounded(tokenizer, texts))
+    return [next(encoded) if isinstance(doc, str) else doc for doc in docs]
 
 
 class RoundMaker:
@@ -152,7 +224,7 @@ class RoundMaker:
                 continue
             record, fmt, where, self.position = item
             taken.append((record, fmt, where))
-            size += 1 if isinstance(record, Bad) else len(record)
+            size += record_size(record)
         self.index += 1
         return start, taken
 
@@ -167,15 +239,22 @@ class RoundMaker:
             doc = decode(record, fmt, self.spec.text_field)
             if isinstance(doc, Bad):
                 bad.append((doc, where))
-            else:
+            elif not (self.spec.holdout and held_out(doc, self.spec.holdout)):
                 docs.append(doc)
-        ids = self.tokenizer.encode_batch(docs) if docs else []
+        ids = encode(self.tokenizer, docs)
         p = self.packing
         if p.mode == "best_fit":
             tokens, cut = best_fit(ids, p.eos, p.seq_len + 1)
         else:
             tokens, cut = concat(ids, p.eos), 0
-        return Round(self.source, index, start, list(self.position), tokens, len(docs), cut, bad)
+        return Round(self.source, index, start, list(self.position), p.eos, tokens, len(docs), cut, bad)
+
+
+def _exit_with_parent(parent) -> None:
+    """End this worker as soon as the trainer is gone, however it died (kill -9 included). Checking between
+    tasks is not enough: a worker whose results nobody reads blocks for good in its queue's feeder thread."""
+    wait([parent.sentinel])
+    os._exit(0)
 
 
 def worker_main(specs: list[SourceSpec], packing: Packing, tokenizer, starts: list[tuple[int, Position]],
@@ -187,15 +266,12 @@ def worker_main(specs: list[SourceSpec], packing: Packing, tokenizer, starts: li
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker; scale with more workers
-    makers = [RoundMaker(s, spec, packing, tokenizer, *starts[s]) for s, spec in enumerate(specs)]
     parent = mp.parent_process()
+    if parent is not None:
+        threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
+    makers = [RoundMaker(s, spec, packing, tokenizer, *starts[s]) for s, spec in enumerate(specs)]
     while True:
-        try:
-            source, index = tasks.get(timeout=1.0)
-        except queue.Empty:
-            if parent is not None and not parent.is_alive():
-                return
-            continue
+        source, index = tasks.get()
         try:
             results.put(makers[source].make(index))
         except HlatError as e:

@@ -3,13 +3,17 @@ files among data-parallel ranks, and the records of a file read from a resumable
 
 A file is local or an fsspec URL (s3://, gs://, https://, when fsspec and its filesystem are installed).
 Formats: text files (.txt/.py/.md: one document each), JSON lines (.jsonl, .jsonl.gz, .jsonl.zst: one
-document per line, in `text_field`) and Parquet (column `text_field`, read row group by row group).
+document per line, in `text_field`), Parquet (column `text_field`, read row group by row group), Arrow IPC
+(.arrow: file or stream format, column `text_field`, record batch by record batch) and pre-tokenized token
+files (.tokens.bin: token ids, with their document index and description beside them; `hlat data tokenize`
+writes them).
 """
 
 from __future__ import annotations
 
 import glob
 import gzip
+import hashlib
 import heapq
 import importlib
 import io
@@ -26,11 +30,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from hlat import HlatError
 from hlat.data.config import DataConfig
 
 TEXT_SUFFIXES = (".txt", ".py", ".md")
-SUFFIXES = (*TEXT_SUFFIXES, ".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
+SUFFIXES = (*TEXT_SUFFIXES, ".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet", ".arrow", ".tokens.bin")
 # Uncompressed JSONL files are cut into line-aligned byte ranges of at most SPLIT_BYTES, so that a few big files
 # still spread over many ranks and evenly; other files are read whole by one rank. Pieces are no smaller than
 # MIN_SPLIT_BYTES: inside a piece that starts mid-file, bad records are named by byte offset, not line.
@@ -52,14 +58,15 @@ def _optional(module: str, what: str, install: str = "'hlat[formats]'") -> Any:
         raise HlatError(f"{what} needs the optional package {module.split('.')[0]!r}: pip install {install}") from None
 
 
-READERS = {"parquet": "pyarrow.parquet", "jsonl.zst": "zstandard"}  # the optional package each format needs
+# the optional package each format needs
+READERS = {"parquet": "pyarrow.parquet", "arrow": "pyarrow.ipc", "jsonl.zst": "zstandard"}
 
 
 def file_format(name: str) -> str | None:
-    """"text", "jsonl", "jsonl.gz", "jsonl.zst" or "parquet"; None for anything else."""
+    """"text", "jsonl", "jsonl.gz", "jsonl.zst", "parquet", "arrow" or "tokens"; None for anything else."""
     for suffix in SUFFIXES:
         if name.endswith(suffix):
-            return "text" if suffix in TEXT_SUFFIXES else suffix[1:]
+            return "text" if suffix in TEXT_SUFFIXES else "tokens" if suffix == ".tokens.bin" else suffix[1:]
     return None
 
 
@@ -87,6 +94,45 @@ def open_file(file: File) -> io.BufferedIOBase:
         fs, path = _fs(file)
         return fs.open(path, "rb")
     return open(file, "rb")
+
+
+# --- pre-tokenized token files ---------------------------------------------------------------------------
+# NAME.tokens.bin: every document's token ids back to back (uint16, or uint32 for vocabularies over 65,536);
+# NAME.tokens.idx.npy: where each document ends (int64, cumulative); NAME.tokens.json: the dtype, counts and
+# the tokenizer (digest, as `tokenizer_digest`) that made them. Written last, so a file without it is unfinished.
+
+
+def token_sidecar(file: File, suffix: str) -> File:
+    """NAME.tokens.idx.npy or NAME.tokens.json for NAME.tokens.bin."""
+    name = str(file)[: -len(".bin")] + suffix
+    return name if is_url(file) else Path(name)
+
+
+def token_meta(file: File) -> dict:
+    """The description of a token file; a clear error when it is missing or unreadable."""
+    meta = token_sidecar(file, ".json")
+    try:
+        with open_file(meta) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise HlatError(f"token file {file}: cannot read its description {meta} ({e}); write token files with "
+                        "`hlat data tokenize`") from None
+
+
+def _token_arrays(file: File):
+    """The token ids (memory-mapped when local) and the document ends of a token file."""
+    dtype = np.dtype(token_meta(file)["dtype"])
+    if is_url(file):
+        with open_file(file) as f:
+            tokens = np.frombuffer(f.read(), dtype=dtype)
+        with open_file(token_sidecar(file, ".idx.npy")) as f:
+            ends = np.load(io.BytesIO(f.read()))
+    else:
+        tokens = np.memmap(file, dtype=dtype, mode="r")
+        ends = np.load(token_sidecar(file, ".idx.npy"), mmap_mode="r")
+    if len(ends) and ends[-1] != len(tokens):
+        raise EOFError(f"its index ends at token {ends[-1]}, the file holds {len(tokens)}")
+    return tokens, ends
 
 
 def default_corpus() -> list[Path]:
@@ -180,7 +226,8 @@ def resolve_data_files(cfg: DataConfig) -> list[File]:
 
 @dataclass(frozen=True)
 class Split:
-    """A file, or for uncompressed JSONL the lines starting in the byte range [start, stop) of it."""
+    """A file, or for uncompressed JSONL the lines starting in the byte range [start, stop) of it, or for a
+    token file its documents [start, stop)."""
 
     file: File
     size: int
@@ -200,23 +247,32 @@ def _size_or_zero(file: File) -> int:
 
 
 def make_splits(files: list[File], world_size: int) -> list[Split]:
-    """Files as splits, uncompressed JSONL cut into pieces of at most SPLIT_BYTES, and smaller ones (down to
-    MIN_SPLIT_BYTES) when the data would not otherwise give every rank a couple of them."""
+    """Files as splits, uncompressed JSONL (at lines) and token files (at documents) cut into pieces of at most
+    SPLIT_BYTES, and smaller ones (down to MIN_SPLIT_BYTES) when the data would not otherwise give every rank a
+    couple of them."""
     sizes = {f: _size_or_zero(f) for f in files}
     for fmt in {file_format(str(f)) for f in files} & READERS.keys():
         _optional(READERS[fmt], f"reading .{fmt} files")
     piece = min(SPLIT_BYTES, max(MIN_SPLIT_BYTES, sum(sizes.values()) // (2 * world_size)))
     splits = []
     for f, size in sizes.items():
-        if file_format(str(f)) != "jsonl" or size <= piece:
+        fmt = file_format(str(f))
+        if fmt not in ("jsonl", "tokens") or size <= piece:
             splits.append(Split(f, size))
             continue
         cuts = list(range(0, size, math.ceil(size / math.ceil(size / piece)))) + [size]
-        splits.extend(Split(f, b - a, a, b) for a, b in zip(cuts, cuts[1:]))
+        if fmt == "tokens":  # documents [a, b) of the file; the cut is the first document ending past it
+            _, ends = _token_arrays(f)
+            itemsize = size // max(int(ends[-1]), 1) if len(ends) else 1
+            docs = sorted({0, len(ends), *np.searchsorted(ends, [c // itemsize for c in cuts[1:-1]], "right")})
+            at = [int(ends[d - 1]) * itemsize if d else 0 for d in docs]
+            splits.extend(Split(f, y - x, a, b) for a, b, x, y in zip(docs, docs[1:], at, at[1:]) if b > a)
+        else:
+            splits.extend(Split(f, b - a, a, b) for a, b in zip(cuts, cuts[1:]))
     return splits
 
 
-def shard(splits: list[Split], rank: int, world_size: int, what: str) -> list[Split]:
+def share_of(splits: list[Split], rank: int, world_size: int, what: str) -> list[Split]:
     """The splits of `rank`: largest first to the least loaded rank, so ranks get disjoint shares of nearly
     equal bytes; in file order."""
     if len(splits) < world_size:
@@ -249,8 +305,10 @@ START, END = -1, -2
 
 def where(split: Split, offset: int, line: int) -> str:
     """file:line, or file and byte offset inside a split whose line numbers are not known."""
-    if split.format == "parquet":
+    if split.format in ("parquet", "arrow"):
         return f"{split.file} row {line}"
+    if split.format == "tokens":
+        return f"{split.file} document {offset}"
     return f"{split.file}:{line}" if line else f"{split.file} byte {offset}"
 
 
@@ -337,23 +395,22 @@ def _jsonl_lines(split: Split, f: io.BufferedIOBase, cursor: Cursor, max_bytes: 
         yield data, where(split, start, start_line), (offset, line)
 
 
-def _parquet_rows(split: Split, f: io.BufferedIOBase, cursor: Cursor, text_field: str):
-    pq = _optional(READERS["parquet"], f"Parquet file {split.file}")
+def _column_rows(split: Split, schema, chunks, cursor: Cursor, text_field: str):
+    """The `text_field` values of a table read in chunks: (rows, load) for each, load() giving the column."""
     pa = sys.modules["pyarrow"]
-    pf = pq.ParquetFile(f)
-    field = pf.schema_arrow.field(text_field) if text_field in pf.schema_arrow.names else None
+    kind = "Parquet" if split.format == "parquet" else "Arrow"
+    field = schema.field(text_field) if text_field in schema.names else None
     if field is None:
-        yield Bad(f"Parquet file with no column {text_field!r}"), str(split.file), (END, 0)
+        yield Bad(f"{kind} file with no column {text_field!r}"), str(split.file), (END, 0)
         return
     if not (pa.types.is_string(field.type) or pa.types.is_large_string(field.type)):
-        yield Bad(f"Parquet column {text_field!r} is not text", str(field.type)), str(split.file), (END, 0)
+        yield Bad(f"{kind} column {text_field!r} is not text", str(field.type)), str(split.file), (END, 0)
         return
     first = max(cursor[0], 0)
     row = 0
-    for group in range(pf.num_row_groups):
-        n = pf.metadata.row_group(group).num_rows
+    for n, load in chunks:
         if row + n > first:
-            values = pf.read_row_group(group, columns=[text_field]).column(0).to_pylist()
+            values = load().to_pylist()
             for i in range(max(first - row, 0), n):
                 value = values[i]
                 record = value if value is not None else Bad(f"no string field {text_field!r}")
@@ -361,9 +418,45 @@ def _parquet_rows(split: Split, f: io.BufferedIOBase, cursor: Cursor, text_field
         row += n
 
 
+def _parquet_rows(split: Split, f: io.BufferedIOBase, cursor: Cursor, text_field: str):
+    pq = _optional(READERS["parquet"], f"Parquet file {split.file}")
+    pf = pq.ParquetFile(f)
+    chunks = ((pf.metadata.row_group(g).num_rows, lambda g=g: pf.read_row_group(g, columns=[text_field]).column(0))
+              for g in range(pf.num_row_groups))
+    yield from _column_rows(split, pf.schema_arrow, chunks, cursor, text_field)
+
+
+def _arrow_rows(split: Split, f: io.BufferedIOBase, cursor: Cursor, text_field: str):
+    """An Arrow IPC file (random access: batches before the cursor are not read) or stream (as written by HF
+    datasets: read through)."""
+    ipc = _optional(READERS["arrow"], f"Arrow file {split.file}")
+    pa = sys.modules["pyarrow"]
+    try:
+        reader = ipc.open_file(f)
+        batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+    except pa.ArrowInvalid:  # not the file format: the stream format
+        f.seek(0)
+        reader = ipc.open_stream(f)
+        batches = iter(reader)
+    chunks = ((b.num_rows, lambda b=b: b.column(text_field)) for b in batches)
+    yield from _column_rows(split, reader.schema, chunks, cursor, text_field)
+
+
+def _token_docs(split: Split, f: io.BufferedIOBase, cursor: Cursor, text_field: str):
+    tokens, ends = _token_arrays(split.file)
+    stop = len(ends) if split.stop < 0 else split.stop
+    for i in range(max(cursor[0], split.start), stop):
+        a = int(ends[i - 1]) if i else 0
+        yield np.array(tokens[a : ends[i]], dtype=np.int32), where(split, i, 0), (i + 1, 0)
+
+
+_TABLES = {"parquet": _parquet_rows, "arrow": _arrow_rows, "tokens": _token_docs}  # records by row or document
+
+
 def read_split(split: Split, cursor: Cursor, text_field: str, max_bytes: int):
     """The records of a split from `cursor`: (raw record, where, cursor after it). A raw record is the bytes of
-    a text file or JSON line, the str of a Parquet value, or a Bad. An unreadable, truncated or corrupt
+    a text file or JSON line, the str of a Parquet or Arrow value, the token ids (int32) of a pre-tokenized
+    document, or a Bad. An unreadable, truncated or corrupt
     file ends with a Bad record whose cursor is END, so that reading on from any cursor meets the same
     records as reading through."""
     fmt = split.format
@@ -381,8 +474,8 @@ def read_split(split: Split, cursor: Cursor, text_field: str, max_bytes: int):
                 too_big = f.seek(0, io.SEEK_END) > max_bytes
                 f.seek(0)
                 yield (Bad(f"document over {max_bytes} bytes") if too_big else f.read()), str(split.file), (END, 0)
-            elif fmt == "parquet":
-                for record in _parquet_rows(split, f, cursor, text_field):
+            elif fmt in _TABLES:
+                for record in _TABLES[fmt](split, f, cursor, text_field):
                     at = record[2]
                     yield record
             else:
@@ -396,10 +489,12 @@ def read_split(split: Split, cursor: Cursor, text_field: str, max_bytes: int):
         yield Bad("truncated or corrupt file", str(e)), place, (END, 0)
 
 
-def decode(record: bytes | str | Bad, fmt: str, text_field: str) -> str | Bad:
-    """The document of a raw record, or why it is not one."""
+def decode(record: bytes | str | np.ndarray | Bad, fmt: str, text_field: str) -> str | np.ndarray | Bad:
+    """The document of a raw record (text, or the token ids of a pre-tokenized one), or why it is not one."""
     if isinstance(record, Bad):
         return record
+    if isinstance(record, np.ndarray):
+        return record if len(record) else Bad("empty document")
     if isinstance(record, bytes):
         try:
             text = record.decode("utf-8")
@@ -419,16 +514,18 @@ def decode(record: bytes | str | Bad, fmt: str, text_field: str) -> str | Bad:
 
 
 class BadLog:
-    """Counts bad records by reason and logs a warning naming the place at the 1st, 10th, 100th... of each."""
+    """Counts bad records by reason and logs a warning naming the place at the 1st, 10th, 100th... of each
+    (unless `warn` is off: where another process warns of the same records)."""
 
-    def __init__(self, name: str = ""):
+    def __init__(self, name: str = "", warn: bool = True):
         self.counts: Counter[str] = Counter()
         self.prefix = f"data source {name!r}: " if name else ""
+        self.warn = warn
 
     def add(self, bad: Bad, place: str) -> None:
         self.counts[bad.reason] += 1
         n = self.counts[bad.reason]
-        if str(n).rstrip("0") == "1":
+        if self.warn and str(n).rstrip("0") == "1":
             detail = f" ({bad.detail})" if bad.detail else ""
             log.warning("%sskipped a bad record (%s%s) at %s; %d skipped for this reason so far",
                         self.prefix, bad.reason, detail, place, n)
@@ -438,8 +535,14 @@ class BadLog:
 skipped = BadLog()
 
 
+def record_size(record: bytes | str | np.ndarray | Bad) -> int:
+    """What a record counts towards data.round_bytes: its bytes (characters of a Parquet or Arrow value, 4 per
+    token of a pre-tokenized document, about what its text took), 1 for a bad record."""
+    return 1 if isinstance(record, Bad) else 4 * len(record) if isinstance(record, np.ndarray) else len(record)
+
+
 def iter_documents(file: File, text_field: str = "text", max_bytes: int = 100_000_000,
-                   bad: BadLog = skipped) -> Iterator[str]:
+                   bad: BadLog = skipped) -> Iterator[str | np.ndarray]:
     """The documents of one file; bad records are skipped and counted in `bad`."""
     split = Split(file, 0)
     for record, place, _ in read_split(split, (START, 0), text_field, max_bytes):
@@ -448,6 +551,15 @@ def iter_documents(file: File, text_field: str = "text", max_bytes: int = 100_00
             bad.add(doc, place)
         else:
             yield doc
+
+
+def held_out(doc, fraction: float) -> bool:
+    """Whether a document (text, or a token file's ids) belongs to the validation split (eval.holdout): decided by
+    a hash of its content alone, so the split is the same on every rank, in every run and whatever the file
+    order."""
+    data = doc.encode("utf-8", "surrogatepass") if isinstance(doc, str) else doc.tobytes()  # or token ids
+    digest = hashlib.blake2b(data, digest_size=8).digest()
+    return int.from_bytes(digest, "big") < fraction * 2**64
 
 
 def epoch_order(splits: list[Split], seed: int, name: str, epoch: int, shuffle: bool) -> list[Split]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import importlib
 import random
 import re
@@ -24,6 +25,9 @@ from hlat.data.config import DataConfig
 from hlat.data.sources import iter_documents
 
 EOS = "<|endoftext|>"
+# Encoded to tell tokenizers apart in the fingerprint: mixed scripts, digits, whitespace, code.
+PROBE = "Hello, wörld! 123 4567\n\tdef f(x): return x**2  # 日本語 Ελληνικά 🙂 <|endoftext|>"
+
 # End-of-text tokens of common tokenizer.json files, tried in order.
 _HF_EOS_NAMES = (EOS, "<|end_of_text|>", "</s>", "<eos>")
 
@@ -38,6 +42,12 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int]) -> str: ...
 
     def save(self, directory: str | Path) -> Path: ...
+
+
+def tokenizer_digest(tokenizer: Tokenizer) -> str:
+    (ids,) = tokenizer.encode_batch([PROBE])
+    key = json.dumps([tokenizer.kind, tokenizer.vocab_size, tokenizer.eos_id, ids])
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 def _optional(module: str, what: str) -> Any:
@@ -242,6 +252,8 @@ def training_sample(files: Sequence[Path], text_field: str, budget: int, seed: i
     for path in order:
         taken = 0
         for doc in iter_documents(path, text_field):
+            if not isinstance(doc, str):  # a pre-tokenized document: no text to learn from
+                continue
             doc = doc[: min(per_file - taken, budget - total)]
             yield doc
             taken += len(doc)

@@ -108,7 +108,8 @@ def hf_config_to_model_config(hf_cfg: dict) -> ModelConfig:
 
 
 def model_config_to_hf_config(cfg: ModelConfig) -> dict:
-    """A config.json dict as transformers 5 writes it."""
+    """A config.json dict that transformers 5 (`rope_parameters`) and 4 (top-level rotary fields, which it
+    would otherwise fill with its defaults without a word) both read as this model."""
     spec = _FAMILIES[cfg.family]
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     hf = dict(
@@ -116,13 +117,15 @@ def model_config_to_hf_config(cfg: ModelConfig) -> dict:
         num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, intermediate_size=cfg.ffn_dim,
         vocab_size=cfg.vocab_size, max_position_embeddings=cfg.max_seq_len,
         tie_word_embeddings=cfg.tie_embeddings, initializer_range=cfg.init_std, rope_parameters=rope,
-        **spec.fixed,
+        rope_scaling=None, **spec.fixed,
     )
     if cfg.family == "llama":
-        hf.update(num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.norm_eps)
+        hf.update(num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.norm_eps,
+                  rope_theta=cfg.rope_theta)
     else:
         rope["partial_rotary_factor"] = cfg.rotary_pct
-        hf.update(layer_norm_eps=cfg.norm_eps, use_parallel_residual=cfg.parallel_residual)
+        hf.update(layer_norm_eps=cfg.norm_eps, use_parallel_residual=cfg.parallel_residual,
+                  rotary_pct=cfg.rotary_pct, rotary_emb_base=cfg.rope_theta)
     return hf
 
 
@@ -274,8 +277,9 @@ def read_hf_dir(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]
 
 
 def write_hf_dir(cfg: ModelConfig, state: dict[str, torch.Tensor], path: str | Path,
-                 max_shard_bytes: int = 5 * 10**9) -> None:
-    """Write config.json and the weights in HF layout; sharded with an index past `max_shard_bytes`."""
+                 max_shard_bytes: int = 5 * 10**9, special_tokens: dict[str, int] | None = None) -> None:
+    """Write config.json, generation_config.json and the weights in HF layout; sharded with an index past
+    `max_shard_bytes`. `special_tokens` ({"bos_token_id": .., "eos_token_id": ..}) go into both configs."""
     path = Path(path)
     if (path / "config.json").exists() or any(path.glob("model*.safetensors*")):
         raise HlatError(f"{path}: already holds a model; export into a new directory")
@@ -291,8 +295,14 @@ def write_hf_dir(cfg: ModelConfig, state: dict[str, torch.Tensor], path: str | P
         size += nbytes
     path.mkdir(parents=True, exist_ok=True)
     hf_cfg = model_config_to_hf_config(cfg)
-    hf_cfg["dtype"] = str(state["tok_embeddings.weight"].dtype).removeprefix("torch.")
+    hf_cfg["dtype"] = hf_cfg["torch_dtype"] = str(state["tok_embeddings.weight"].dtype).removeprefix("torch.")
+    tokens = special_tokens or {}
+    hf_cfg.update(tokens)
     (path / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
+    # generate() reads its defaults here: stop at end of text, pad with it (the model has no pad token)
+    generation = {**tokens, **({"pad_token_id": tokens["eos_token_id"]} if "eos_token_id" in tokens else {}),
+                  "max_length": cfg.max_seq_len}
+    (path / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     metadata = {"format": "pt"}  # transformers 4 refuses files without it
     if len(shards) == 1:
         save_file(shards[0], path / SINGLE_FILE, metadata=metadata)

@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from hlat.models.config import ModelConfig
+from hlat.models.kv_cache import KVCache, LayerCache
 
 
 def rope_table(cfg: ModelConfig, device: torch.device | str | None = None) -> torch.Tensor:
@@ -55,7 +56,8 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.kv_heads * hd, bias=bias)
         self.wo = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=bias)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None,
+                cache: LayerCache | None = None) -> torch.Tensor:
         # Head counts come from the weights' shapes, so a tensor-parallel shard sees its local heads.
         q = self.wq(x).unflatten(-1, (-1, self.head_dim))
         k = self.wk(x).unflatten(-1, (-1, self.head_dim))
@@ -64,6 +66,8 @@ class Attention(nn.Module):
             rope = rope[: q.shape[1]]
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if cache is not None:  # generation: attend to the cached keys and values of earlier positions too
+            k, v = cache.store(k, v)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                              enable_gqa=k.shape[1] != q.shape[1])
         return self.wo(out.transpose(1, 2).flatten(-2))
@@ -138,8 +142,10 @@ class Block(nn.Module):
         self.ffn_norm = norm(cfg.dim, eps=cfg.norm_eps)
         self.parallel_residual = parallel_residual
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, mask)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None,
+                cache: LayerCache | None = None) -> torch.Tensor:
+        # the cache goes by keyword: tensor parallelism's input plan covers the positional arguments only
+        h = x + self.attention(self.attention_norm(x), rope, mask, cache=cache)
         return h + self.feed_forward(self.ffn_norm(x if self.parallel_residual else h))
 
 
@@ -163,17 +169,23 @@ class Transformer(nn.Module):
         self.register_buffer("rope", rope_table(cfg), persistent=False)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+                doc_ids: torch.Tensor | None = None, cache: KVCache | None = None) -> torch.Tensor:
         """tokens [batch, seq] (or hidden states); `positions` [batch, seq] index the rotary table (packed
-        documents restart at 0); with `doc_ids` [batch, seq] a token attends only within its document."""
+        documents restart at 0); with `doc_ids` [batch, seq] a token attends only within its document.
+        With a `cache` (generation), tokens continue the sequence the cache holds (see hlat.models.generate)."""
         h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
+        if cache is not None:
+            positions, mask = cache.positions_and_mask(tokens.shape[1])
+        else:
+            mask = None if doc_ids is None else document_mask(doc_ids)
         # the whole table, cut to length inside attention: under sequence parallelism h holds only this
         # rank's part of the sequence, while attention sees all of it
         rope = self.rope if positions is None else self.rope[positions]
-        mask = None if doc_ids is None else document_mask(doc_ids)
-        for layer in self.layers.values():
+        for name, layer in self.layers.items():
             if layer is not None:
-                h = layer(h, rope, mask)
+                h = layer(h, rope, mask) if cache is None else layer(h, rope, mask, cache=cache.layer(int(name)))
+        if cache is not None:
+            cache.advance(tokens.shape[1])
         if self.norm is not None:
             h = self.norm(h)
         return h if self.output is None else self.output(h)

@@ -1,29 +1,44 @@
 """Parallelism applied from outside the model, one function per concern, in torchtitan's order: pipeline
 split, tensor parallelism, activation checkpointing, compilation, data parallelism; then the (still meta)
-parts are allocated and initialised, identically to a single process."""
+parts are allocated and initialised, identically to a single process.
+
+Torch is imported on first use, so `hlat.parallel.config` stays torch-free for `hlat describe` and the planner."""
 
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
-
-from hlat.models import materialize
-from hlat.parallel.checkpointing import apply_activation_checkpointing
+from hlat import HlatError
 from hlat.parallel.config import ParallelConfig
-from hlat.parallel.data import apply_data_parallel
-from hlat.parallel.mesh import Topology, init_topology
-from hlat.parallel.pipeline import split_model
-from hlat.parallel.tensor import apply_tensor_parallel
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from hlat.parallel.mesh import Topology
 
 __all__ = ["ParallelConfig", "Topology", "init_topology", "parallelize"]
+
+
+def __getattr__(name: str):
+    if name in ("Topology", "init_topology"):
+        from hlat.parallel import mesh
+
+        return getattr(mesh, name)
+    raise AttributeError(f"module 'hlat.parallel' has no attribute {name!r}")
 
 
 def parallelize(model: nn.Module, topo: Topology, device: torch.device, seed: int) -> list[tuple[int, nn.Module]]:
     """(stage id, module) for the parts of a meta-device `model` this rank runs, parallelised and initialised.
     Without pipeline parallelism that is [(0, model)]; a single process (no mesh) still gets activation
     checkpointing and compilation."""
+    from hlat.models import materialize
+    from hlat.parallel.checkpointing import apply_activation_checkpointing
+    from hlat.parallel.data import apply_data_parallel
+    from hlat.parallel.pipeline import split_model
+    from hlat.parallel.tensor import apply_tensor_parallel
+
     cfg = topo.cfg
     parts = split_model(model, topo) if cfg.pp > 1 else [(0, model)]
     for _, part in parts:
@@ -36,7 +51,10 @@ def parallelize(model: nn.Module, topo: Topology, device: torch.device, seed: in
                 os.environ["TORCHINDUCTOR_CACHE_DIR"] = cfg.compile_cache_dir
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", "/tmp/hlat-compile-cache")
             for block in part.layers.values():
-                block.compile()
+                try:
+                    block.compile(backend=cfg.compile_backend)
+                except Exception as e:  # torch checks the backend name here and says what it knows
+                    raise HlatError(f"parallel.compile_backend: {str(e).splitlines()[0]}") from None
             if cfg.tp > 1 and part.tok_embeddings is not None:
                 # The vocabulary-parallel embedding finishes its collective asynchronously; a pending result
                 # must not enter a compiled block (torch 2.13 then hands its backward a plain tensor).

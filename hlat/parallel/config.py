@@ -17,8 +17,8 @@ def world_size_from_env() -> int:
 
 @dataclass
 class ParallelConfig:
-    dp_replicate: int = 1  # replicated data parallelism (DDP; with dp_shard > 1, HSDP)
-    dp_shard: int = -1  # FSDP degree; -1 fills what the other degrees leave of the world size
+    dp_replicate: int = 1  # replicated data parallelism (DDP; with dp_shard > 1, HSDP); -1 fills the world size
+    dp_shard: int = -1  # FSDP degree; -1 fills what the other degrees leave of the world size (one of the two)
     tp: int = 1  # tensor parallelism (with sequence parallelism in the norm regions when sequence_parallel)
     pp: int = 1  # pipeline stages (x virtual_stages stage modules under interleaved_1f1b)
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
@@ -26,29 +26,36 @@ class ParallelConfig:
     sequence_parallel: bool = True
     zero1: bool = False  # shard optimizer states (and gradients) over dp_shard, gather parameters once a step
     activation_checkpoint: Literal["none", "selective", "full"] = "none"  # selective recomputes attention
-    data_sharding: Literal["replicated", "files"] = "replicated"  # see hlat/train/loop.py: local_batches
+    data_sharding: Literal["global", "files"] = "global"  # see docs/data.md
     compile: bool = False  # torch.compile each block
+    compile_backend: str = "inductor"  # torch.compile backend (a device's plugin may register its own)
     compile_cache_dir: str = ""  # "" = the node's local disk (/tmp/hlat-compile-cache), not a shared FS
 
     def stages(self) -> int:
         return self.pp * (self.virtual_stages if self.pp_schedule == "interleaved_1f1b" else 1)
 
     def resolved(self, world_size: int) -> "ParallelConfig":
-        """A copy with dp_shard filled in, checked against the world size."""
-        fixed = self.dp_replicate * self.tp * self.pp
-        for name in ("dp_replicate", "tp", "pp", "virtual_stages"):
+        """A copy with dp_shard (or dp_replicate) filled in, checked against the world size."""
+        for name in ("tp", "pp", "virtual_stages"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"parallel.{name}: must be >= 1, got {getattr(self, name)}")
-        dp_shard = self.dp_shard
-        if dp_shard == -1:
+        if self.dp_replicate == -1 and self.dp_shard == -1:
+            raise ConfigError("parallel: dp_replicate and dp_shard are both -1; at most one can fill the world size")
+        if self.dp_replicate < 1 and self.dp_replicate != -1:
+            raise ConfigError(f"parallel.dp_replicate: must be >= 1 or -1, got {self.dp_replicate}")
+        dp = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard}
+        fill = next((name for name, degree in dp.items() if degree == -1), None)
+        if fill:
+            fixed = self.tp * self.pp * (dp["dp_shard"] if fill == "dp_replicate" else dp["dp_replicate"])
             if world_size % fixed:
-                raise ConfigError(f"parallel: dp_replicate x tp x pp = {fixed} does not divide the world size "
-                                  f"{world_size}")
-            dp_shard = world_size // fixed
-        if dp_shard < 1 or fixed * dp_shard != world_size:
-            raise ConfigError(f"parallel: dp_replicate {self.dp_replicate} x dp_shard {dp_shard} x tp {self.tp} x "
-                              f"pp {self.pp} = {fixed * dp_shard}, but the world size is {world_size}")
-        return ParallelConfig(**{**self.__dict__, "dp_shard": dp_shard})
+                other = "dp_shard" if fill == "dp_replicate" else "dp_replicate"
+                raise ConfigError(f"parallel: {other} x tp x pp = {fixed} does not divide the world size {world_size}")
+            dp[fill] = world_size // fixed
+        total = dp["dp_replicate"] * dp["dp_shard"] * self.tp * self.pp
+        if dp["dp_shard"] < 1 or total != world_size:
+            raise ConfigError(f"parallel: dp_replicate {dp['dp_replicate']} x dp_shard {dp['dp_shard']} x tp "
+                              f"{self.tp} x pp {self.pp} = {total}, but the world size is {world_size}")
+        return ParallelConfig(**{**self.__dict__, **dp})
 
     @property
     def dp(self) -> int:
@@ -70,6 +77,8 @@ class ParallelConfig:
                               "model.tie_embeddings = false")
         if p.pp > 1 and doc_mask:
             raise ConfigError("parallel.pp: document masking is not supported with pipeline parallelism yet")
+        if p.compile and not p.compile_backend:
+            raise ConfigError("parallel.compile_backend: empty; 'inductor' is torch's default")
         if p.zero1 and p.dp_shard == 1:
             raise ConfigError("parallel.zero1: shards optimizer states over dp_shard, which is 1")
         if p.compile and p.tp > 1 and p.activation_checkpoint != "none":

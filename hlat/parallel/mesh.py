@@ -3,7 +3,6 @@ tensor-parallel peers are neighbouring ranks (the same node under torchrun's ran
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -12,6 +11,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from hlat.parallel.config import ParallelConfig, world_size_from_env
+from hlat.parallel.device import backend_for
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
@@ -35,22 +35,16 @@ class Topology:
         return self.mesh.get_group(dim)
 
 
-def init_topology(cfg: ParallelConfig, device: torch.device) -> Topology:
-    """Start the process group when launched by torchrun (gloo on CPU, NCCL on CUDA) and build the mesh."""
+def init_topology(cfg: ParallelConfig, device: torch.device, timeout_s: float = 600.0) -> Topology:
+    """Start the process group when launched by torchrun (the backend of `device`'s type: gloo on CPU, NCCL on
+    CUDA, ...), a collective failing after `timeout_s`, and build the mesh."""
     if world_size_from_env() == 1:
         return Topology(cfg, None)
     if not dist.is_initialized():
-        if device.type == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=10))
+        dist.init_process_group(backend_for(device), timeout=timedelta(seconds=timeout_s))
     shape = tuple(getattr(cfg, d) for d in MESH_DIMS)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
     coord = dict(zip(MESH_DIMS, mesh.get_coordinate()))
     return Topology(cfg, mesh, rank=dist.get_rank(), pp_rank=coord["pp"], tp_rank=coord["tp"],
                     dp_rank=coord["dp_replicate"] * cfg.dp_shard + coord["dp_shard"])
 
-
-def local_device(name: str) -> torch.device:
-    if name == "cuda" and dist.is_initialized():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device(name)

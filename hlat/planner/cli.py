@@ -9,23 +9,26 @@ from pathlib import Path
 
 from hlat import HlatError
 from hlat.config import ConfigError, load_toml, to_toml, update
-from hlat.models.config import model_config
+from hlat.models.config import PRESETS, model_config
 from hlat.optim.modes import MODES
 from hlat.parallel.config import ParallelConfig
 from hlat.planner.layout import Layout, Workload, layout_problem
 from hlat.planner.memory import GIB
 from hlat.planner.profiles import HardwareProfile, Sample, fit_factors, load_profile, profile_names, read_run
 from hlat.planner.search import OBJECTIVES, RECOMPUTE, TOLERANCE, Plan, evaluate, search
+from hlat.resources import config_path, recipe_names
 
 HLAT_TOKENS = 1.8e12  # HLAT's training budget
 LAYOUT_FLAGS = ("tp", "pp", "dp_shard", "microbatch", "schedule", "virtual_stages", "recompute", "zero1", "no_sp")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="preset name (e.g. llama2-7b) or a TOML config with a [model] table "
-                                        "(its [train] seq_len/global_batch and [precision] mode are defaults)")
+    parser.add_argument("--model", help="preset name (e.g. llama2-7b), or a recipe (e.g. hlat-7b) or TOML config: its "
+                                        "[train] seq_len/global_batch, [precision] mode and [cluster] are defaults, "
+                                        "and its [parallel] layout is priced as it stands (unless --search)")
     parser.add_argument("--hardware", help=f"profile name ({', '.join(profile_names())}) or a profile TOML path")
-    parser.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
+    parser.add_argument("--nodes", type=int, help="number of nodes (default: the config's [cluster] nodes, or 1)")
+    parser.add_argument("--search", action="store_true", help="rank layouts even when the config states one")
     parser.add_argument("--global-batch", type=int, help="sequences per optimizer step (default 1024)")
     parser.add_argument("--seq-len", type=int, help="sequence length (default: the model's max_seq_len)")
     parser.add_argument("--precision", choices=sorted(MODES), help="training precision mode (default bf16_mixed)")
@@ -55,18 +58,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    job = _job_config(args.model) if args.model and not args.calibrate else {}
+    cluster = job.get("cluster", {})
+    args.hardware = args.hardware or cluster.get("hardware")
     if not args.hardware:
         raise HlatError("hlat plan: --hardware is required")
     hw = load_profile(args.hardware)
+    args.nodes = cluster.get("nodes", 1) if args.nodes is None else args.nodes
     if args.nodes < 1:
         raise HlatError(f"--nodes: must be >= 1, got {args.nodes}")
     if args.calibrate:
         return _calibrate(args, hw)
-    work = _workload(args)
+    work = _workload(args, job)
     price = hw.price(args.price)
-    if any(getattr(args, f) not in (None, False) for f in LAYOUT_FLAGS):
-        plan = evaluate(work, _given_layout(args, hw), hw, args.nodes, price)
-        _show(args, work, hw, [plan], f"layout given, {plan.layout.describe()}",
+    given = any(getattr(args, f) not in (None, False) for f in LAYOUT_FLAGS)
+    if given or ("parallel" in job and not args.search):
+        layout = _given_layout(args, hw) if given else _config_layout(job, args.nodes * hw.devices_per_node)
+        plan = evaluate(work, layout, hw, args.nodes, price)
+        _show(args, work, hw, [plan], f"layout {'given' if given else 'of ' + args.model}, {plan.layout.describe()}",
               args.emit if plan.memory.fits else None)
         if not plan.memory.fits:
             print(f"does not fit: {plan.memory.shortfall()}")
@@ -85,18 +94,34 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _workload(args: argparse.Namespace) -> Workload:
+def _job_config(model: str) -> dict:
+    """The TOML tables of a recipe or config file; {} for a preset name."""
+    if model in PRESETS:
+        return {}
+    if not model.endswith(".toml") and model not in recipe_names() and not Path(model).is_file():
+        model_config(model)  # names neither a preset nor a recipe: the unknown-preset error lists the presets
+    data = load_toml(config_path(model))
+    if not isinstance(data.get("model"), dict):
+        raise HlatError(f"--model {model}: no [model] table")
+    return data
+
+
+def _config_layout(job: dict, devices: int) -> Layout:
+    """The config's own `[parallel]` layout (absent keys: the trainer's defaults) resolved on `devices`."""
+    try:
+        parallel = update(ParallelConfig(), job["parallel"], "parallel.").resolved(devices)
+    except ConfigError as e:
+        raise HlatError(f"--model: {e}") from None
+    return Layout(parallel, job.get("train", {}).get("micro_batch", 1))
+
+
+def _workload(args: argparse.Namespace, job: dict) -> Workload:
     if not args.model:
-        raise HlatError("hlat plan: --model is required (a preset name or a TOML config)")
-    train, precision = {}, "bf16_mixed"
-    if args.model.endswith(".toml"):
-        data = load_toml(args.model)
-        if not isinstance(data.get("model"), dict):
-            raise HlatError(f"--model {args.model}: no [model] table")
-        table = dict(data["model"])
+        raise HlatError("hlat plan: --model is required (a preset name, a recipe or a TOML config)")
+    train, precision = job.get("train", {}), job.get("precision", {}).get("mode", "bf16_mixed")
+    if job:
+        table = dict(job["model"])
         model = model_config(table.pop("preset", ""), **table)
-        train = data.get("train", {})
-        precision = data.get("precision", {}).get("mode", precision)
     else:
         model = model_config(args.model)
     seq_len = args.seq_len or train.get("seq_len") or model.max_seq_len

@@ -18,9 +18,7 @@ from typing import Literal
 from hlat import HlatError
 from hlat.config import ConfigError, load_toml, to_toml, update
 from hlat.planner.layout import Layout, Workload
-
-HARDWARE_DIR = Path(__file__).resolve().parents[2] / "hardware"
-
+from hlat.resources import HARDWARE_DIR
 
 @dataclass
 class Fit:

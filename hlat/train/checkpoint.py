@@ -3,20 +3,30 @@
 A checkpoint is written into `<run>/checkpoints/step_XXXXXXXX.partial` and renamed to `step_XXXXXXXX` only
 once every file is on disk, so a directory without the suffix is always complete; a crash mid-save leaves
 a `.partial` directory that is ignored and cleaned up by the next save.
+
+Before the rename, a manifest (`manifest.json`: every file's size and CRC-32, each rank checksumming the files
+it wrote) is written last; `verify_checkpoint` checks it, so a checkpoint damaged after it was written (a
+flipped byte, a truncated, emptied or missing file, an edited trainer state) is never loaded silently.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
+import threading
 import warnings
+import zlib
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -28,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 from hlat import HlatError
 
 CONFIG_FILE = "config.toml"  # the job's config, written into every checkpoint so it is self-describing
+MANIFEST = "manifest.json"  # {file name: [size, crc32]} of every other file; its presence marks a finished write
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 # DCP warns on every call that no process group exists; single-process saving is intended here.
@@ -49,10 +60,68 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return done[-1][1] if done else None
 
 
+class DamagedCheckpoint(HlatError):
+    """A checkpoint whose files do not match its manifest (or cannot be read)."""
+
+    def __init__(self, path: Path, problem: str):
+        super().__init__(f"{path}: {problem}")
+        self.path = path
+
+
+def quarantine(path: Path) -> Path:
+    """Rename a damaged checkpoint to `<name>.damaged`: kept for inspection, never loaded or rotated."""
+    target = path.with_name(path.name + ".damaged")
+    shutil.rmtree(target, ignore_errors=True)
+    path.rename(target)
+    return target
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _digests(directory: Path, names: list[str]) -> dict:
+    return {name: [(directory / name).stat().st_size, _crc32(directory / name)] for name in names}
+
+
+def verify_checkpoint(path: Path) -> None:
+    """Raise DamagedCheckpoint (one line naming the checkpoint and the first problem) unless every file the
+    manifest lists is present with its recorded size and checksum."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError) as e:
+        raise DamagedCheckpoint(path, f"damaged checkpoint: unreadable {MANIFEST} ({_reason(e)})") from None
+    for name, (size, crc) in sorted(manifest.items()):
+        file = path / name
+        if not file.is_file():
+            problem = "is missing"
+        elif file.stat().st_size != size:
+            problem = f"has {file.stat().st_size} bytes, {size} were written"
+        elif _crc32(file) != crc:
+            problem = "does not match its checksum"
+        else:
+            continue
+        raise DamagedCheckpoint(path, f"damaged checkpoint: {name} {problem}")
+
+
+def _reason(e: BaseException) -> str:
+    """The first line of the root cause of an error (DCP wraps each rank's error in a CheckpointException)."""
+    while isinstance(e, CheckpointException) and e.failures:
+        e = next(iter(e.failures.values()))[0]
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.strerror}{f' ({e.filename})' if e.filename else ''}"
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 def resolve_checkpoint(path: str | Path) -> Path:
     """A checkpoint directory from a checkpoint path or a run directory (its latest complete checkpoint)."""
     path = Path(path)
-    if (path / ".metadata").is_file():
+    if (path / ".metadata").is_file() or (path / MANIFEST).is_file():
         return path
     latest = latest_checkpoint(path)
     if latest is None:
@@ -75,20 +144,143 @@ _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def write_checkpoint(final: Path, state: dict, config_toml: str, rank: int = 0) -> Path:
-    """Write `state` with DCP into `<final>.partial`, then rename it to `final` (rank 0 commits)."""
-    partial = final.with_name(final.name + ".partial")
+    """Write `state` with DCP into `<final>.partial`, add the manifest, then rename it to `final` (rank 0
+    commits). A failed write (a full disk, an unwritable directory) raises a one-line HlatError naming the path
+    and the cause; the `.partial` directory is removed and every earlier checkpoint is left as it was."""
+    partial = _partial(final)
+    with _writing(final, rank):
+        _begin(partial, rank)
+        dcp.save(state, checkpoint_id=partial)
+        _commit(final, _own_digests(partial, rank), config_toml, rank)
+    return final
+
+
+def _partial(final: Path) -> Path:
+    return final.with_name(final.name + ".partial")
+
+
+@contextlib.contextmanager
+def _writing(final: Path, rank: int):
+    partial = _partial(final)
+    try:
+        yield
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        previous = latest_checkpoint(final.parent.parent) if final.parent.name == "checkpoints" else None
+        raise HlatError(f"cannot write checkpoint {partial}: {_reason(e)}"
+                        f"{f'; the previous checkpoint {previous} is intact' if previous else ''}") from None
+
+
+def _begin(partial: Path, rank: int) -> None:
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     _barrier()
-    dcp.save(state, checkpoint_id=partial)
+
+
+def _own_digests(partial: Path, rank: int) -> dict:
+    return _digests(partial, sorted(p.name for p in partial.glob(f"__{rank}_*")))  # the files this rank wrote
+
+
+def _commit(final: Path, own: dict | str, config_toml: str, rank: int) -> None:
+    """Gather every rank's digests (or its error), write the manifest last and rename (rank 0)."""
+    partial = _partial(final)
+    if dist.is_initialized():
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, own)
+    else:
+        gathered = [own]
+    if errors := [g for g in gathered if isinstance(g, str)]:
+        raise HlatError(errors[0])
     if rank == 0:
         (partial / CONFIG_FILE).write_text(config_toml)
+        manifest = {k: v for d in gathered for k, v in d.items()} | _digests(partial, [".metadata", CONFIG_FILE])
+        (partial / MANIFEST).write_text(json.dumps(manifest, indent=0, sort_keys=True))
         if final.exists():  # re-saving the same step (a resumed run's final save): replace it
             shutil.rmtree(final)
         partial.rename(final)
     _barrier()
-    return final
+
+
+@dataclass
+class _InFlight:
+    final: Path
+    config_toml: str
+    written: threading.Event = field(default_factory=threading.Event)
+    result: dict | str = ""  # this rank's digests once written, or its error
+
+
+class Checkpointer:
+    """Writes a run's checkpoints and rotates them (`keep` newest, 0 keeps all).
+
+    Asynchronous (train.async_checkpoint): `save` stalls training only to copy the state to host memory
+    (pinned on CUDA), DCP writes it in a background thread, and this rank checksums its files there too.
+    `finish` commits it (manifest, rename, rotation): a collective, so the loop calls it on every rank at the
+    same step, once all ranks report `written` (riding on the step's all-reduce), or before the next save and
+    at the end. At most one save is in flight; until committed it is only a `.partial` directory."""
+
+    def __init__(self, run_dir: str | Path, keep: int, rank: int, asynchronous: bool, pinned: bool):
+        self.root, self.keep, self.rank = checkpoint_root(run_dir), keep, rank
+        self.stager = DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
+                                                   use_async_staging=False, use_non_blocking_copy=pinned)
+                                    ) if asynchronous else None
+        self.in_flight: _InFlight | None = None
+        # the background write runs collectives of its own: on a group of its own, never interleaved with the
+        # training loop's collectives on the default group
+        self.group = dist.new_group(backend="gloo") if asynchronous and dist.is_initialized() else None
+
+    def save(self, step: int, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
+             trainer_state: dict, trainer_key: str, config_toml: str) -> Path | None:
+        """Save model, optimizer and the JSON-serialisable trainer state (step, data position, RNG...) under
+        `trainer_key` (one per rank when ranks hold different data positions, else one shared key). Returns the
+        checkpoint, or None while an asynchronous save is still being written."""
+        state = {"model": model_state(parts), "optim": optimizer_state(parts, optimizers),
+                 trainer_key: json.dumps(trainer_state)}
+        final = self.root / f"step_{step:08d}"
+        if self.stager is None:
+            write_checkpoint(final, state, config_toml, self.rank)
+            self._rotate(step)
+            return final
+        self.finish()
+        with _writing(final, self.rank):
+            _begin(_partial(final), self.rank)
+            future = dcp.async_save(state, checkpoint_id=_partial(final), async_stager=self.stager,
+                                    process_group=self.group)
+        flight = self.in_flight = _InFlight(final, config_toml)
+        future.add_done_callback(lambda f: self._written(f, flight))
+        return None
+
+    def _written(self, future, flight: _InFlight) -> None:  # in DCP's writer thread
+        try:
+            future.result()
+            flight.result = _own_digests(_partial(flight.final), self.rank)
+        except BaseException as e:  # reported by finish, on every rank
+            flight.result = _reason(e)
+        flight.written.set()
+
+    def written(self) -> bool:
+        return self.in_flight is not None and self.in_flight.written.is_set()
+
+    def finish(self) -> Path | None:
+        """Wait for the save in flight and commit it; None if there is none."""
+        flight, self.in_flight = self.in_flight, None
+        if flight is None:
+            return None
+        flight.written.wait()
+        with _writing(flight.final, self.rank):
+            _commit(flight.final, flight.result, flight.config_toml, self.rank)
+        self._rotate(int(flight.final.name.removeprefix("step_")))
+        return flight.final
+
+    def close(self) -> None:
+        """Release the stager's host memory (a save still in flight is left uncommitted: `.partial`)."""
+        if self.stager is not None:
+            self.stager.close()
+
+    def _rotate(self, newest: int) -> None:
+        if self.rank == 0:
+            _prune(self.root, self.keep, newest)
 
 
 def _barrier() -> None:
@@ -96,24 +288,14 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def save_checkpoint(run_dir: str | Path, step: int, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
-                    trainer_state: dict, trainer_key: str, config_toml: str, keep: int = 0, rank: int = 0) -> Path:
-    """Save model, optimizer and the JSON-serialisable trainer state (step, data position, RNG...) under
-    `trainer_key` (one per rank when ranks hold different data positions, else one shared key)."""
-    state = {"model": model_state(parts), "optim": optimizer_state(parts, optimizers),
-             trainer_key: json.dumps(trainer_state)}
-    root = checkpoint_root(run_dir)
-    final = write_checkpoint(root / f"step_{step:08d}", state, config_toml, rank)
-    if rank == 0:
-        _prune(root, keep)
-    return final
-
-
-def _prune(root: Path, keep: int) -> None:
+def _prune(root: Path, keep: int, newest: int) -> None:
+    """Keep the `keep` newest checkpoints up to step `newest` (just written, so known good); later ones are
+    from a timeline the run abandoned (damaged, or rolled back from) and go too."""
     for stale in root.glob("*.partial"):
         shutil.rmtree(stale, ignore_errors=True)
     done = complete_checkpoints(root.parent)
-    for _, path in done[: max(0, len(done) - keep)] if keep else []:
+    good = [(s, p) for s, p in done if s <= newest]
+    for _, path in [(s, p) for s, p in done if s > newest] + (good[: max(0, len(good) - keep)] if keep else []):
         shutil.rmtree(path, ignore_errors=True)
 
 
@@ -121,7 +303,10 @@ def load_checkpoint(path: Path, parts: list[nn.Module], optimizers: list[torch.o
                     trainer_key: str | None = None) -> dict:
     """Load into the model parts (and optimizers) in place, resharding to this layout whatever layout saved it;
     return the trainer state saved under `trainer_key` ({} if none)."""
-    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    try:
+        saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    except (Exception, CheckpointException) as e:
+        raise DamagedCheckpoint(path, f"cannot read its .metadata: {_reason(e)}") from None
     if trainer_key and trainer_key not in saved:
         raise HlatError(f"{path}: has no trainer state {trainer_key!r}: it was saved by a different number of "
                         "ranks with per-rank data positions (parallel.data_sharding = 'files')")
@@ -132,8 +317,8 @@ def load_checkpoint(path: Path, parts: list[nn.Module], optimizers: list[torch.o
         state[trainer_key] = ""
     try:
         dcp.load(state, checkpoint_id=path)
-    except Exception as e:  # DCP's errors are long and nested; the first line says what did not match
-        raise HlatError(f"{path}: cannot load checkpoint: {str(e).strip().splitlines()[0]}") from None
+    except (Exception, CheckpointException) as e:  # DCP's errors are long and nested (and BaseExceptions)
+        raise DamagedCheckpoint(path, f"cannot load checkpoint: {_reason(e)}") from None
     for i, part in enumerate(parts):
         set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
         if optimizers is not None:

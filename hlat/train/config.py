@@ -3,14 +3,18 @@ validated before any work starts."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
-from hlat.config import ConfigError, load_toml, parse_overrides, set_path, to_dict, to_toml, update
+from hlat import HlatError
+from hlat.config import ConfigError, load_toml, merge_tables, parse_overrides, set_path, to_dict, to_toml, update
 from hlat.data.config import DataConfig
 from hlat.models.config import ModelConfig, preset_config
 from hlat.optim.config import OptimConfig, PrecisionConfig
 from hlat.parallel.config import ParallelConfig, check_layout, world_size_from_env
+from hlat.resources import config_path
 
 
 @dataclass
@@ -22,18 +26,30 @@ class TrainConfig:
     log_every: int = 10
     ckpt_every: int = 0  # 0: save only at the end
     keep_checkpoints: int = 2  # older complete checkpoints are deleted; 0 keeps all
+    async_checkpoint: bool = False  # training stalls only to copy the state to host memory; written meanwhile
     run_dir: str = "runs/default"
     resume: str = ""  # "" starts fresh, "auto" continues from the latest complete checkpoint, or a path
     init_from: str = ""  # start a fresh run from these weights (a checkpoint, e.g. from `hlat import-hf`)
+    # a resume that changes the learning-rate schedule (e.g. more train.steps with optim.decay_steps = 0) is
+    # refused unless this is set
+    allow_schedule_change: bool = False
     seed: int = 0
-    device: str = "auto"  # auto | cpu | cuda
+    device: str = "auto"  # auto (the available accelerator, else cpu) | cpu | an accelerator type: cuda, xpu, neuron...
     peak_flops: float = 0.0  # per device, for MFU; 0 looks the device up in hlat.train.metrics.PEAK_FLOPS
+    # fault handling (docs/fault-tolerance.md)
+    on_bad_step: str = "skip"  # a non-finite loss or gradient norm (or a spike): skip | rollback | stop
+    max_bad_steps: int = 5  # bad steps in a row after which the run stops (skip, rollback)
+    spike_sigmas: float = 0.0  # > 0: a loss this many running deviations above the running mean is a bad step
+    hang_timeout_s: float = 0.0  # > 0: no step finished for this long ends the process (stacks in the run dir)
+    collective_timeout_s: float = 600.0  # the process group's timeout for one collective
+    debug_nan_step: int = 0  # > 0: poison this step's gradients with NaN once (tests the bad-step policy)
 
     def validate(self, model: ModelConfig) -> "TrainConfig":
         for name in ("steps", "global_batch", "micro_batch", "seq_len", "log_every"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"train.{name}: must be positive, got {getattr(self, name)}")
-        for name in ("ckpt_every", "keep_checkpoints", "peak_flops"):
+        for name in ("ckpt_every", "keep_checkpoints", "peak_flops", "spike_sigmas", "hang_timeout_s",
+                     "debug_nan_step"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name}: must be >= 0, got {getattr(self, name)}")
         if self.global_batch % self.micro_batch:
@@ -41,8 +57,13 @@ class TrainConfig:
                               f"{self.micro_batch}")
         if self.seq_len > model.max_seq_len:
             raise ConfigError(f"train.seq_len: {self.seq_len} exceeds model.max_seq_len {model.max_seq_len}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ConfigError(f"train.device: {self.device!r} is not one of 'auto', 'cpu', 'cuda'")
+        if self.on_bad_step not in ("skip", "rollback", "stop"):
+            raise ConfigError(f"train.on_bad_step: {self.on_bad_step!r} is not one of 'skip', 'rollback', 'stop'")
+        for name in ("max_bad_steps", "collective_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"train.{name}: must be positive, got {getattr(self, name)}")
+        if not re.fullmatch(r"[a-z][a-z0-9_]*", self.device):
+            raise ConfigError(f"train.device: {self.device!r} is not 'auto', 'cpu' or a device type such as 'cuda'")
         return self
 
     def grad_accum(self, dp: int = 1) -> int:
@@ -54,6 +75,92 @@ class TrainConfig:
 
 
 @dataclass
+class ClusterConfig:
+    """Where the job runs, as a recipe states it: `hlat launch` renders job files for it and `hlat plan` prices
+    it; the trainer itself takes its world size from torchrun."""
+
+    hardware: str = ""  # a hardware profile (hardware/*.toml, `hlat plan --hardware`); "" = not stated
+    nodes: int = 1
+    nproc_per_node: int = 8  # processes per node, one per device (GPU, or NeuronCore)
+    accelerator: Literal["gpu", "neuron", "cpu"] = "gpu"  # the devices job files request for each node
+    devices_per_node: int = 0  # devices to request per node; 0 = nproc_per_node (trn1.32xlarge: 16 chips)
+    time_limit: str = ""  # SLURM --time, e.g. "7-00:00:00"; "" = the partition's limit
+    # seconds between the stop signal and the kill (SLURM: before the time limit; Kubernetes: the termination
+    # grace period): the current step and a shutdown checkpoint must fit in it
+    stop_grace_s: int = 900
+    max_restarts: int = 3  # torchrun restarts all workers this many times after a failure (resuming each time)
+    run_volume: str = "hlat-runs"  # Kubernetes: ReadWriteMany PersistentVolumeClaim that holds the run directories
+    shm_gib: int = 64  # Kubernetes: memory-backed /dev/shm per pod (data workers, collectives)
+    preflight: bool = False  # run `hlat preflight` on every node before training starts
+
+    def validate(self) -> "ClusterConfig":
+        for name in ("nodes", "nproc_per_node", "stop_grace_s", "shm_gib"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"cluster.{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("devices_per_node", "max_restarts"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"cluster.{name}: must be >= 0, got {getattr(self, name)}")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.nproc_per_node
+
+
+@dataclass
+class CostConfig:
+    """What the run costs as it runs: a price per device-hour, or a hardware profile's node price."""
+
+    hardware: str = ""  # a hardware profile name (e.g. p5.48xlarge) or TOML file; "" = none
+    pricing: Literal["on_demand", "reserved"] = "on_demand"  # which of the profile's prices
+    price_per_device_hour: float = 0.0  # USD; overrides the profile's price; 0 = take it from the profile
+
+    def validate(self) -> "CostConfig":
+        if self.price_per_device_hour < 0:
+            raise ConfigError(f"cost.price_per_device_hour: must be >= 0, got {self.price_per_device_hour}")
+        if self.hardware and not self.price_per_device_hour:
+            from hlat.planner.profiles import load_profile
+
+            try:
+                profile = load_profile(self.hardware)
+            except HlatError as e:
+                raise ConfigError(f"cost.hardware: {e}") from None
+            if not profile.price(self.pricing):
+                raise ConfigError(f"cost.hardware: profile {profile.name!r} has no {self.pricing} price; set "
+                                  "cost.price_per_device_hour")
+        return self
+
+
+@dataclass
+class EvalConfig:
+    """Validation loss during training (and the data `hlat eval` reads by default)."""
+
+    # held-out files, directories or globs (as data.paths); empty = the documents of the training data that
+    # `holdout` sets aside
+    paths: list[str] = field(default_factory=list)
+    # fraction of the training documents set aside by a hash of their text (the training stream skips them,
+    # validation reads only them); used when eval.paths is empty
+    holdout: float = 0.0
+    every: int = 0  # optimizer steps between evaluations (also at the last step); 0 = no validation
+    batches: int = 8  # micro-batches (train.micro_batch x train.seq_len tokens) per evaluation, at most
+
+    def validate(self) -> "EvalConfig":
+        if not 0.0 <= self.holdout <= 0.5:
+            raise ConfigError(f"eval.holdout: must be in [0, 0.5], got {self.holdout}")
+        for name in ("every", "batches"):
+            if getattr(self, name) < 0 or (name == "batches" and self.batches == 0):
+                raise ConfigError(f"eval.{name}: must be {'>= 0' if name == 'every' else 'positive'}, got "
+                                  f"{getattr(self, name)}")
+        if self.every and not self.paths and not self.holdout:
+            raise ConfigError("eval.every: validation needs held-out data: set eval.paths, or eval.holdout to the "
+                              "fraction of training documents to set aside (e.g. 0.01)")
+        if self.paths and self.holdout:
+            raise ConfigError("eval.holdout: set eval.paths (held-out files) or eval.holdout (a split of the "
+                              "training data), not both")
+        return self
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -61,6 +168,9 @@ class Config:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    cost: CostConfig = field(default_factory=CostConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def validate(self) -> "Config":
         """Check every section; the parallel layout is checked by `resolved_parallel` once the world size is
@@ -70,13 +180,20 @@ class Config:
         self.optim.validate()
         self.precision.validate()
         self.train.validate(self.model)
+        self.eval.validate()
+        self.cost.validate()
+        self.cluster.validate()
         return self
 
     def resolved_parallel(self, world_size: int | None = None) -> ParallelConfig:
         """The parallel layout with dp_shard filled in, checked against the model and the batch."""
         tc = self.train
-        return check_layout(self.parallel, self.model, world_size or world_size_from_env(), tc.global_batch,
-                            tc.micro_batch, tc.seq_len, self.model.doc_mask)
+        p = check_layout(self.parallel, self.model, world_size or world_size_from_env(), tc.global_batch,
+                         tc.micro_batch, tc.seq_len, self.model.doc_mask)
+        if self.eval.every and p.pp > 1:
+            raise ConfigError("eval.every: validation during training is not supported with pipeline parallelism "
+                              "(parallel.pp > 1); evaluate checkpoints with `hlat eval` instead")
+        return p
 
     def to_toml(self) -> str:
         return to_toml(to_dict(self))
@@ -106,5 +223,10 @@ def build_config(data: dict | None = None, overrides: list[str] | None = None) -
     return cfg.validate()
 
 
-def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
-    return build_config(load_toml(path) if path else {}, overrides)
+def load_config(paths: str | Path | list[str | Path] | None, overrides: list[str] | None = None) -> Config:
+    """A validated Config from config files (or recipe names) merged in order, then `--section.key value`
+    overrides: a later file sets only the keys it names (e.g. a recipe, then the [parallel] of `hlat plan --emit`)."""
+    data: dict = {}
+    for path in [paths] if isinstance(paths, (str, Path)) else paths or []:
+        data = merge_tables(data, load_toml(config_path(path)))
+    return build_config(data, overrides)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import tokenizers
+
 from hlat import HlatError
+from hlat.data.tokenizer import Tokenizer, load_tokenizer
 from hlat.models import build_model, materialize
 from hlat.models.hf import read_hf_dir, write_hf_dir
 from hlat.train.checkpoint import CONFIG_FILE, load_checkpoint, model_state, resolve_checkpoint, write_checkpoint
@@ -22,13 +26,46 @@ def import_hf(hf_dir: str | Path, out: str | Path) -> Path:
     return write_checkpoint(out, {"model": model_state([model])}, Config(model=model_cfg).to_toml())
 
 
-def export_hf(ckpt: str | Path, out: str | Path) -> Path:
-    """Write an hlat checkpoint (or a run directory's latest) as config.json + model.safetensors."""
+def export_hf(ckpt: str | Path, out: str | Path) -> tuple[Path, str]:
+    """Write an hlat checkpoint (or a run directory's latest) as a transformers directory: config.json,
+    generation_config.json, safetensors weights and, when the run's tokenizer has a transformers form, its
+    tokenizer files. Returns the directory and a note on the tokenizer."""
     path = resolve_checkpoint(ckpt)
     if not (path / CONFIG_FILE).is_file():
         raise HlatError(f"{path}: has no {CONFIG_FILE}, so its model shape is unknown")
     cfg = load_config(path / CONFIG_FILE)
     model = materialize(build_model(cfg.model), "cpu")
     load_checkpoint(path, [model])
-    write_hf_dir(cfg.model, model.state_dict(), out)
-    return Path(out)
+    tokenizer = _run_tokenizer(path)
+    tokens = _special_tokens(tokenizer) if tokenizer else {}
+    write_hf_dir(cfg.model, model.state_dict(), out, special_tokens=tokens)
+    return Path(out), _write_tokenizer_files(tokenizer, Path(out), cfg.model.max_seq_len)
+
+
+def _run_tokenizer(ckpt: Path) -> Tokenizer | None:
+    """The tokenizer the run saved beside its checkpoints (<run>/checkpoints/step_N -> <run>), if any."""
+    run_dir = ckpt.parent.parent
+    return load_tokenizer(run_dir) if any(run_dir.glob("tokenizer.*")) or (run_dir / "vocab.bpe").exists() else None
+
+
+def _special_tokens(tokenizer: Tokenizer) -> dict[str, int]:
+    # hlat's loader separates documents with EOS and adds no BOS: EOS doubles as BOS, as in GPT-2 and GPT-NeoX
+    return {"bos_token_id": tokenizer.eos_id, "eos_token_id": tokenizer.eos_id}
+
+
+def _write_tokenizer_files(tokenizer: Tokenizer | None, out: Path, max_len: int) -> str:
+    if tokenizer is None:
+        return "no tokenizer beside the checkpoint: none exported"
+    if tokenizer.kind != "hf":
+        return (f"the run's {tokenizer.kind} tokenizer is not exported (only tokenizer.json has a form every "
+                f"transformers version loads); copy it beside the model yourself")
+    tokenizer.save(out)
+    eos = tokenizers.Tokenizer.from_file(str(out / "tokenizer.json")).id_to_token(tokenizer.eos_id)
+    special = {"bos_token": eos, "eos_token": eos}
+    # model_input_names: transformers 4 would otherwise add token_type_ids, which generate() refuses
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **special, "model_max_length": max_len,
+              "add_bos_token": False, "clean_up_tokenization_spaces": False,
+              "model_input_names": ["input_ids", "attention_mask"]}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+    return f"tokenizer.json with bos = eos = {eos!r} (id {tokenizer.eos_id})"

@@ -1,79 +1,140 @@
-"""`hlat launch`: render a multi-node job for SLURM (sbatch script) or Kubernetes (Kubeflow PyTorchJob) from
-the same config. The layout is checked against nodes x processes per node before anything is written; every
-node runs torchrun with c10d rendezvous and `--resume auto`, so a requeued or restarted job continues from its
-latest complete checkpoint."""
+"""`hlat launch`: render a multi-node job for SLURM (sbatch script) or Kubernetes (Kubeflow PyTorchJob) from the
+config's `[cluster]` table. The layout is checked against nodes x processes per node before anything is written.
+
+Both survive restarts the same way: every node runs torchrun with c10d rendezvous, `--max-restarts` and
+`--resume auto`, and the run directory lives on storage that outlasts the job (the shared file system under
+SLURM, a PersistentVolumeClaim on Kubernetes). A stop signal comes `cluster.stop_grace_s` seconds before the
+job is killed, torchrun passes it to the trainers (waiting that long, TORCH_ELASTIC_SHUTDOWN_TIMEOUT), and the
+trainers checkpoint after the current step and exit; SLURM then requeues the job, which resumes.
+"""
 
 from __future__ import annotations
 
 import json
 import re
 import shlex
-from pathlib import Path
+from pathlib import PurePosixPath
 
-from hlat.train.config import load_config
+from hlat.config import ConfigError
+from hlat.train.config import ClusterConfig, Config, load_config
 
 RDZV_PORT = 29500
+K8S_WORKDIR = "/workspace"  # the container's working directory; relative run directories land on the volume
+K8S_RUNS = f"{K8S_WORKDIR}/runs"
+K8S_CONFIG = "/etc/hlat/config.toml"
+DEVICE_RESOURCE = {"gpu": "nvidia.com/gpu", "neuron": "aws.amazon.com/neuron"}
 
 
-def _train_args(config: str, overrides: list[str]) -> list[str]:
-    return ["-m", "hlat", "train", "--config", config, *overrides, "--resume", "auto"]
-
-
-def _job_name(config: str) -> str:
-    stem = re.sub(r"[^a-z0-9-]+", "-", Path(config).stem.lower()).strip("-")
+def _job_name(configs: list[str]) -> str:
+    stem = re.sub(r"[^a-z0-9-]+", "-", PurePosixPath(configs[0]).name.removesuffix(".toml").lower()).strip("-")
     return stem if stem.startswith("hlat") else f"hlat-{stem}"
 
 
-def render_slurm(config: str, nodes: int, nproc_per_node: int, overrides: list[str], gpus: bool = True) -> str:
-    name = _job_name(config)
-    torchrun = ["torchrun", f"--nnodes={nodes}", f"--nproc-per-node={nproc_per_node}", '--rdzv-id="$SLURM_JOB_ID"',
-                "--rdzv-backend=c10d", f'--rdzv-endpoint="$head_node:{RDZV_PORT}"']
+def _env(c: ClusterConfig) -> dict[str, str]:
+    # torchrun waits this long for the trainers' shutdown checkpoint before it kills them (default 30 s)
+    return {"OMP_NUM_THREADS": "1", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(c.stop_grace_s)}
+
+
+def _torchrun(c: ClusterConfig, rdzv_id: str, endpoint: str, restarts: int) -> list[str]:
+    return ["torchrun", f"--nnodes={c.nodes}", f"--nproc-per-node={c.nproc_per_node}", f"--max-restarts={restarts}",
+            "--rdzv-backend=c10d", f"--rdzv-id={rdzv_id}", f"--rdzv-endpoint={endpoint}"]
+
+
+def render_slurm(configs: list[str], cfg: Config, overrides: list[str]) -> str:
+    c, name = cfg.cluster, _job_name(configs)
+    config_args = [arg for path in configs for arg in ("--config", path)]
+    train = ["-m", "hlat", "train", *config_args, *overrides, "--resume", "auto"]
+    endpoint = f'"$head_node:{RDZV_PORT}"'
+    torchrun = _torchrun(c, '"$SLURM_JOB_ID"', endpoint, c.max_restarts)
+    # every rank of the job, as training will run: devices, links, numerics and stragglers across nodes
+    preflight = _torchrun(c, '"$SLURM_JOB_ID-preflight"', endpoint, 0)
+    gpus = [f"#SBATCH --gpus-per-node={c.devices_per_node or c.nproc_per_node}"] if c.accelerator == "gpu" else []
     lines = [
         "#!/bin/bash",
         f"#SBATCH --job-name={name}",
-        f"#SBATCH --nodes={nodes}",
+        f"#SBATCH --nodes={c.nodes}",
         "#SBATCH --ntasks-per-node=1",
-        *([f"#SBATCH --gpus-per-node={nproc_per_node}"] if gpus else []),
+        *gpus,
         "#SBATCH --exclusive",
+        *([f"#SBATCH --time={c.time_limit}"] if c.time_limit else []),
+        f"#SBATCH --signal=B:USR1@{c.stop_grace_s}",  # to this script, stop_grace_s before the time limit
         "#SBATCH --requeue",
+        "#SBATCH --open-mode=append",
         f"#SBATCH --output={name}-%j.out",
-        "set -euo pipefail",
+        "set -uo pipefail",
         'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        "export OMP_NUM_THREADS=1",
-        f"# world size: {nodes} nodes x {nproc_per_node} processes = {nodes * nproc_per_node}",
-        "srun " + " ".join(torchrun) + " " + shlex.join(_train_args(config, overrides)),
+        *(f"export {k}={v}" for k, v in _env(c).items()),
+        f"# world size: {c.nodes} nodes x {c.nproc_per_node} processes = {c.world_size}",
+        "stop_and_requeue() {  # the time limit is near: the trainers checkpoint and exit, the job queues again",
+        '    echo "hlat: time limit in ' + str(c.stop_grace_s) + ' s: checkpointing, then requeueing $SLURM_JOB_ID"',
+        '    kill -TERM "$train_pid"',
+        '    wait "$train_pid"',
+        '    scontrol requeue "$SLURM_JOB_ID"',
+        "    exit 0",
+        "}",
+        "trap stop_and_requeue USR1",
+        *([f"srun {' '.join(preflight)} {shlex.join(['-m', 'hlat', 'preflight', *config_args, *overrides])} || exit 1"]
+          if c.preflight else []),
+        "srun " + " ".join(torchrun) + " " + shlex.join(train) + " &",
+        "train_pid=$!",
+        'wait "$train_pid"',
     ]
     return "\n".join(lines) + "\n"
 
 
-def render_k8s(config: str, nodes: int, nproc_per_node: int, overrides: list[str], image: str,
-               gpus: bool = True) -> str:
-    """A Kubeflow PyTorchJob: the operator sets PET_NNODES, PET_NODE_RANK, PET_MASTER_ADDR/PORT for torchrun."""
-    command = ["torchrun", "--nnodes=$(PET_NNODES)", f"--nproc-per-node={nproc_per_node}",
-               "--node-rank=$(PET_NODE_RANK)", "--master-addr=$(PET_MASTER_ADDR)",
-               "--master-port=$(PET_MASTER_PORT)", *_train_args(config, overrides)]
-    resources = {"limits": {"nvidia.com/gpu": nproc_per_node}} if gpus else {}
+def render_k8s(configs: list[str], cfg: Config, image: str) -> str:
+    """A ConfigMap with the resolved config and a Kubeflow PyTorchJob that runs it (the operator sets PET_NNODES,
+    PET_NODE_RANK, PET_MASTER_ADDR/PORT); run directories live on the `cluster.run_volume` claim."""
+    c, name = cfg.cluster, _job_name(configs)
+    run_dir = PurePosixPath(K8S_WORKDIR, cfg.train.run_dir)  # an absolute run_dir stays as it is
+    if not run_dir.is_relative_to(K8S_RUNS):
+        raise ConfigError(f"train.run_dir: {cfg.train.run_dir} is outside the volume mounted at {K8S_RUNS}: a "
+                          f"restarted pod would not find its checkpoints; use a relative path such as runs/{name}")
+    endpoint = "$(PET_MASTER_ADDR):$(PET_MASTER_PORT)"
+    command = [*_torchrun(c, name, endpoint, c.max_restarts), "-m", "hlat", "train", "--config", K8S_CONFIG,
+               "--resume", "auto"]
+    if c.preflight:  # exec: the training torchrun stays PID 1 and receives the pod's SIGTERM
+        preflight = [*_torchrun(c, f"{name}-preflight", endpoint, 0), "-m", "hlat", "preflight", "--config", K8S_CONFIG]
+        # Kubernetes substitutes $(PET_...) inside this string too, before bash runs it
+        command = ["bash", "-c", f"{shlex.join(preflight)} && exec {shlex.join(command)}"]
+    devices = c.devices_per_node or c.nproc_per_node
+    resources = {"limits": {DEVICE_RESOURCE[c.accelerator]: devices}} if c.accelerator in DEVICE_RESOURCE else {}
+    container = {
+        "name": "pytorch", "image": image, "workingDir": K8S_WORKDIR, "command": command,
+        "env": [{"name": k, "value": v} for k, v in _env(c).items()], "resources": resources,
+        "volumeMounts": [{"name": "runs", "mountPath": K8S_RUNS}, {"name": "shm", "mountPath": "/dev/shm"},
+                         {"name": "config", "mountPath": str(PurePosixPath(K8S_CONFIG).parent), "readOnly": True}],
+    }
+    pod = {
+        "terminationGracePeriodSeconds": c.stop_grace_s,
+        "containers": [container],
+        "volumes": [{"name": "runs", "persistentVolumeClaim": {"claimName": c.run_volume}},
+                    {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{c.shm_gib}Gi"}},
+                    {"name": "config", "configMap": {"name": f"{name}-config"}}],
+    }
 
     def replica(count: int) -> dict:
-        container = {"name": "pytorch", "image": image, "command": command,
-                     "env": [{"name": "OMP_NUM_THREADS", "value": "1"}], "resources": resources}
-        return {"replicas": count, "restartPolicy": "OnFailure", "template": {"spec": {"containers": [container]}}}
+        return {"replicas": count, "restartPolicy": "OnFailure", "template": {"spec": pod}}
 
+    config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{name}-config"},
+                  "data": {PurePosixPath(K8S_CONFIG).name: cfg.to_toml()}}
     job = {
         "apiVersion": "kubeflow.org/v1",
         "kind": "PyTorchJob",
-        "metadata": {"name": _job_name(config)},
-        "spec": {"nprocPerNode": str(nproc_per_node),
-                 "pytorchReplicaSpecs": {"Master": replica(1), **({"Worker": replica(nodes - 1)} if nodes > 1 else {})}},
+        "metadata": {"name": name},
+        "spec": {"nprocPerNode": str(c.nproc_per_node), "runPolicy": {"backoffLimit": c.max_restarts},
+                 "pytorchReplicaSpecs": {"Master": replica(1), **({"Worker": replica(c.nodes - 1)} if c.nodes > 1
+                                                                  else {})}},
     }
-    # JSON is valid YAML, and needs no YAML library
-    return json.dumps(job, indent=2) + "\n"
+    # JSON is valid YAML and needs no YAML library; a List applies both objects with one `kubectl apply -f`
+    return json.dumps({"apiVersion": "v1", "kind": "List", "items": [config_map, job]}, indent=2) + "\n"
 
 
-def render(config: str, nodes: int, nproc_per_node: int, target: str, overrides: list[str], image: str,
-           gpus: bool = True) -> str:
-    """The job file for `target`, after checking the config and its layout for nodes x nproc_per_node ranks."""
-    load_config(config, overrides).resolved_parallel(nodes * nproc_per_node)
+def render(configs: list[str], target: str, overrides: list[str], image: str) -> str:
+    """The job file for `target`, after checking the configs (merged in order) and the layout on the `[cluster]`
+    they state."""
+    cfg = load_config(configs, overrides)
+    cfg.resolved_parallel(cfg.cluster.world_size)
     if target == "slurm":
-        return render_slurm(config, nodes, nproc_per_node, overrides, gpus)
-    return render_k8s(config, nodes, nproc_per_node, overrides, image, gpus)
+        return render_slurm(configs, cfg, overrides)
+    return render_k8s(configs, cfg, image)

@@ -1,14 +1,20 @@
-"""Per-step metrics: throughput, MFU and peak memory, printed and appended to `<run>/metrics.jsonl`."""
+"""Per-step metrics: loss, gradient-norm statistics, throughput, MFU, peak memory and cost, printed, appended to
+`<run>/metrics.jsonl` and written as TensorBoard event files in the same directory (`tensorboard --logdir runs`)."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from hlat.train.config import CostConfig
 
 # Peak dense bf16 FLOP/s per device (vendor figures; dense, no sparsity). CPUs get a nominal figure (cores x
 # 2.5 GHz x fp32 FLOP/cycle of two FMA units: 64 with AVX-512, 32 with AVX2), only to make CPU MFU comparable.
@@ -39,11 +45,93 @@ def peak_memory_gb(device: torch.device) -> float:
     return rss / (1e9 if sys.platform == "darwin" else 1e6)
 
 
+class Interval:
+    """The steps since the last log line. Loss and gradient norm are summed (and the norm's maximum kept) on the
+    device, so a step adds no host synchronisation; `close` reads them all back in one transfer."""
+
+    def __init__(self, device: torch.device, data_wait_s: float = 0.0):
+        self.device = device
+        self.reset(data_wait_s)
+
+    def reset(self, data_wait_s: float) -> None:
+        self.start, self.steps, self.data_wait_s = time.perf_counter(), 0, data_wait_s
+        self._sums = torch.zeros(4, device=self.device)  # loss sum, grad-norm sum, grad-norm max, last grad norm
+
+    def add(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        norm = grad_norm.detach().float()
+        self._sums[0] += loss.detach().float()
+        self._sums[1] += norm
+        torch.maximum(self._sums[2], norm, out=self._sums[2])
+        self._sums[3].copy_(norm)
+        self.steps += 1
+
+    def close(self, data_wait_s: float) -> dict:
+        """{loss (mean), grad_norm (last step's), grad_norm_mean, grad_norm_max, seconds, data_wait_s}; resets."""
+        loss_sum, norm_sum, norm_max, norm_last = self._sums.tolist()  # the one host sync of the interval
+        seconds = time.perf_counter() - self.start
+        out = {"loss": loss_sum / self.steps, "grad_norm": norm_last, "grad_norm_mean": norm_sum / self.steps,
+               "grad_norm_max": norm_max, "seconds": seconds, "steps": self.steps,
+               "data_wait_s": data_wait_s - self.data_wait_s}
+        self.reset(data_wait_s)
+        return out
+
+
+@dataclass
+class Cost:
+    """What the run's devices cost: a price per device-hour times the number of devices times wall time."""
+
+    usd_per_device_hour: float
+    devices: int
+    source: str  # where the price came from, for the start-up line
+
+    def figures(self, elapsed_s: float, tokens_seen: int, projected_s: float) -> dict:
+        usd = self.usd_per_device_hour * self.devices / 3600.0
+        spent = usd * elapsed_s
+        return {"cost_usd": round(spent, 6), "tokens_per_usd": round(tokens_seen / spent, 1) if spent > 0 else None,
+                "projected_cost_usd": round(usd * projected_s, 6)}
+
+
+def resolve_cost(cfg: CostConfig, devices: int) -> Cost | None:
+    """The run's price: cost.price_per_device_hour, else the hardware profile's node price over its devices per
+    node (CostConfig.validate checked that it has one); None when neither is set."""
+    if cfg.price_per_device_hour:
+        return Cost(cfg.price_per_device_hour, devices, f"cost.price_per_device_hour = {cfg.price_per_device_hour}")
+    if not cfg.hardware:
+        return None
+    from hlat.planner.profiles import load_profile
+
+    profile = load_profile(cfg.hardware)
+    node_price = profile.price(cfg.pricing)
+    per_device = node_price / profile.devices_per_node
+    return Cost(per_device, devices, f"{profile.name} {cfg.pricing}: ${node_price}/node-hour over "
+                                     f"{profile.devices_per_node} devices")
+
+
+def projected_seconds(elapsed_s: float, step_time_s: float, step: int, total_steps: int) -> float:
+    """The whole run's wall time: what has elapsed plus the remaining steps at the latest step time."""
+    return elapsed_s + step_time_s * (total_steps - step)
+
+
+def json_safe(value):
+    """NaN and infinities become null, so every line of metrics.jsonl is valid JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
 class MetricsLog:
-    """Appends one JSON object per logged step to metrics.jsonl (kept across resumes)."""
+    """Appends one JSON object per logged step to metrics.jsonl (kept across resumes) and, on the main rank,
+    the same scalars to TensorBoard event files in the run directory."""
 
     def __init__(self, run_dir: str | Path):
-        self.path = Path(run_dir) / "metrics.jsonl"
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / "metrics.jsonl"
+        self._writer = None
+
+    def records(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line]
 
     def truncate_after(self, step: int) -> None:
         """On resume, drop records past the checkpoint's step: those steps are about to be run again."""
@@ -53,5 +141,36 @@ class MetricsLog:
         self.path.write_text("".join(line + "\n" for line in kept))
 
     def write(self, record: dict) -> None:
+        record = {k: json_safe(v) for k, v in record.items()}
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        self._tensorboard(record)
+
+    def _tensorboard(self, record: dict) -> None:
+        step, wall = record["step"], record.get("time")
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # TensorBoard hides the events an earlier segment of the run wrote from this step on (a resume)
+            self._writer = SummaryWriter(log_dir=str(self.run_dir), purge_step=step)
+        for key, value in record.items():
+            if key not in ("step", "time") and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self._writer.add_scalar(TENSORBOARD_TAGS.get(key, f"other/{key}"), value, step, walltime=wall)
+        self._writer.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+# Grouped so TensorBoard shows related curves together.
+TENSORBOARD_TAGS = {
+    "loss": "train/loss", "grad_norm": "train/grad_norm", "grad_norm_mean": "train/grad_norm_mean",
+    "grad_norm_max": "train/grad_norm_max", "lr": "train/lr", "val_loss": "eval/loss",
+    "val_perplexity": "eval/perplexity", "val_tokens": "eval/tokens", "tokens_seen": "progress/tokens_seen",
+    "elapsed_s": "progress/elapsed_s", "projected_time_s": "progress/projected_time_s",
+    "tokens_per_s": "speed/tokens_per_s", "step_time_s": "speed/step_time_s", "mfu": "speed/mfu",
+    "data_wait_s": "speed/data_wait_s", "peak_memory_gb": "memory/peak_gb", "cost_usd": "cost/usd",
+    "tokens_per_usd": "cost/tokens_per_usd", "projected_cost_usd": "cost/projected_usd",
+}

@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hlat import HlatError
 from hlat.models.config import ModelConfig
 from hlat.models.layers import apply_rope, rope_table
 from hlat.planner.costs import (attention_flops, layer_matmuls, loss_bytes, matmul_flops, memory_op_bytes,

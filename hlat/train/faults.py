@@ -1,0 +1,135 @@
+"""Fault handling in the training loop: the bad-step policy and the hang watchdog (docs/fault-tolerance.md)."""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import math
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+class BadSteps:
+    """Decides whether a step is bad: a non-finite loss or gradient norm, or (spike_sigmas > 0) a loss that
+    far above the running mean of the good steps. Every rank sees the same all-reduced loss and global gradient
+    norm, so every rank decides alike without another collective."""
+
+    WARMUP = 10  # good steps before spike detection starts: the running deviation needs a history
+    DECAY = 0.05  # weight of the newest loss in the running mean and variance
+
+    def __init__(self, spike_sigmas: float, max_in_a_row: int):
+        self.spike_sigmas, self.max_in_a_row = spike_sigmas, max_in_a_row
+        self.mean = self.var = 0.0
+        self.good = self.in_a_row = self.total = 0
+        self.injected = False  # train.debug_nan_step has fired
+
+    def check(self, loss: float, grad_norm: float) -> str | None:
+        """The reason the step is bad, or None (then it joins the running statistics)."""
+        if not math.isfinite(loss):
+            reason = f"loss is {loss}"
+        elif not math.isfinite(grad_norm):
+            reason = f"gradient norm is {grad_norm}"
+        elif (self.spike_sigmas and self.good >= self.WARMUP
+              and loss > self.mean + self.spike_sigmas * math.sqrt(self.var)):
+            reason = f"loss spike: {loss:.4g} against a running mean of {self.mean:.4g} (sd {math.sqrt(self.var):.3g})"
+        else:
+            self._observe(loss)
+            return None
+        self.in_a_row += 1
+        self.total += 1
+        return reason
+
+    def _observe(self, loss: float) -> None:
+        self.in_a_row = 0
+        self.good += 1
+        if self.good == 1:
+            self.mean = loss
+            return
+        delta = loss - self.mean
+        self.mean += self.DECAY * delta
+        self.var = (1 - self.DECAY) * (self.var + self.DECAY * delta * delta)
+
+
+def weights_finite(params: list[torch.Tensor]) -> bool:
+    """Whether every rank's weights are finite (one all-reduce; run before each checkpoint)."""
+    local = torch.tensor(float(all(bool(torch.isfinite(p.detach()).all()) for p in params)),
+                         device=params[0].device if params else "cpu")
+    if dist.is_initialized():
+        dist.all_reduce(local, op=dist.ReduceOp.MIN)
+    return bool(local.item())
+
+
+def poison_gradients(params: list[torch.Tensor]) -> None:
+    for p in params:
+        if p.grad is not None:
+            p.grad.fill_(float("nan"))
+
+
+class Watchdog:
+    """A heartbeat thread: if no step finishes within `timeout_s`, it writes every thread's stack to
+    `<run>/hang/rank<R>.txt`, names the ranks that stopped answering, and ends the process with exit code 3 so
+    the job restarts. Each rank's thread also stamps `<run>/hang/alive_rank<R>` every second: a rank whose stamp
+    is stale is stopped or dead (its threads do not run), which is how a waiting rank names the hung one."""
+
+    EXIT_CODE = 3
+
+    def __init__(self, timeout_s: float, run_dir: Path, rank: int, world_size: int):
+        self.timeout_s, self.rank, self.world_size = timeout_s, rank, world_size
+        self.dir = Path(run_dir) / "hang"
+        self.step = 0
+        self.last_beat = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="hlat-watchdog", daemon=True)
+
+    def __enter__(self) -> "Watchdog":
+        if self.timeout_s:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+
+    def beat(self, step: int) -> None:
+        self.step, self.last_beat = step, time.monotonic()
+
+    def _watch(self) -> None:
+        stamp = self.dir / f"alive_rank{self.rank}"
+        while not self._stop.wait(min(1.0, self.timeout_s / 4)):
+            stamp.write_text(json.dumps({"time": time.time(), "step": self.step}))
+            if time.monotonic() - self.last_beat > self.timeout_s:
+                self._report()
+                os._exit(self.EXIT_CODE)
+
+    def _silent_ranks(self) -> list[int]:
+        silent = []
+        for r in range(self.world_size):
+            try:
+                seen = json.loads((self.dir / f"alive_rank{r}").read_text())["time"]
+            except (OSError, ValueError):
+                seen = 0.0
+            if time.time() - seen > max(3.0, self.timeout_s / 2):
+                silent.append(r)
+        return silent
+
+    def _report(self) -> None:
+        host = socket.gethostname()
+        stacks = self.dir / f"rank{self.rank}.txt"
+        silent = self._silent_ranks() if self.world_size > 1 else []
+        where = f"rank {self.rank} on {host}"
+        line = (f"hlat: error: hang: {where}: no step finished for {self.timeout_s:g} s (train.hang_timeout_s) "
+                f"after step {self.step}"
+                + (f"; ranks not responding: {', '.join(map(str, silent))}" if silent else "")
+                + f"; stacks in {stacks}")
+        with stacks.open("w") as f:
+            f.write(line + "\n\n")
+            f.flush()
+            faulthandler.dump_traceback(file=f, all_threads=True)
+        print(line, file=sys.stderr, flush=True)

@@ -1,0 +1,89 @@
+"""Checks before weights are loaded into a run: that a checkpoint's tensors fit the model (for `train.init_from`
+and resuming), and what a resumed run changes against the config its checkpoint was saved with."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from hlat import HlatError
+from hlat.config import to_dict
+from hlat.models import build_model
+from hlat.optim.schedule import lr_at
+from hlat.train.checkpoint import CONFIG_FILE, resolve_checkpoint
+from hlat.train.config import Config, load_config
+
+# What a resume may change without a word: where and how it runs, not what it computes.
+_UNWATCHED = {"data", "parallel", "cluster", "eval", "cost", "train.run_dir", "train.resume", "train.init_from",
+              "train.log_every", "train.ckpt_every", "train.keep_checkpoints", "train.device", "train.peak_flops",
+              "train.allow_schedule_change"}
+
+
+def check_model_shapes(path: Path, model: nn.Module) -> None:
+    """Fail in one line, naming the first tensor whose shape differs, when checkpoint `path` does not hold this
+    model (DCP would otherwise fail deep inside the load with a long nested error)."""
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    for name, tensor in model.state_dict().items():
+        meta = saved.get(f"model.{name}")
+        if meta is None:
+            raise HlatError(f"{path}: has no tensor {name!r}: it holds another model{_model_hint(path)}")
+        if tuple(meta.size) != tuple(tensor.shape):
+            raise HlatError(f"{path}: tensor {name!r} has shape {list(meta.size)} in the checkpoint but "
+                            f"{list(tensor.shape)} in this model{_model_hint(path)}")
+
+
+def _model_hint(path: Path) -> str:
+    """'; the checkpoint's config has model.dim = 128, ...' when the checkpoint says how it was built."""
+    if not (path / CONFIG_FILE).is_file():
+        return ""
+    model = to_dict(load_config(path / CONFIG_FILE).model)
+    shape = ("family", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "tie_embeddings")
+    return "; the checkpoint was built with " + ", ".join(f"model.{k} = {model[k]!r}" for k in shape)
+
+
+def config_changes(saved: Config, current: Config) -> list[str]:
+    """'section.field: old -> new' for every field that changes what the run computes."""
+    old, new = to_dict(saved), to_dict(current)
+    return [f"{section}.{key}: {value!r} -> {new[section][key]!r}" for section, table in old.items()
+            if section not in _UNWATCHED for key, value in table.items()
+            if f"{section}.{key}" not in _UNWATCHED and new[section][key] != value]
+
+
+def schedule_changes(saved: Config, current: Config, step: int) -> bool:
+    """Whether the learning rate of any step from `step` on differs (the decay horizon is optim.decay_steps, or
+    train.steps when that is 0, so a longer run reshapes the schedule)."""
+    def schedule(cfg: Config, at: int) -> float:
+        o = cfg.optim
+        return lr_at(at, o.lr, o.min_lr, o.warmup_steps, o.decay_steps or cfg.train.steps)
+
+    last = max(saved.train.steps, current.train.steps, saved.optim.decay_steps, current.optim.decay_steps)
+    return any(schedule(saved, s) != schedule(current, s) for s in range(step, last + 1))
+
+
+def check_start(cfg: Config, resume_from: Path | None) -> list[str]:
+    """Before any process group: the weights the run starts from fit its model, and a resume's changes to the
+    config (returned, for the log) are allowed."""
+    if resume_from is not None:
+        check_model_shapes(resume_from, build_model(cfg.model))
+        return check_resume(resume_from, cfg)
+    if cfg.train.init_from:
+        check_model_shapes(resolve_checkpoint(cfg.train.init_from), build_model(cfg.model))
+    return []
+
+
+def check_resume(path: Path, cfg: Config) -> list[str]:
+    """What resuming checkpoint `path` with `cfg` changes; refused in one line when the learning rate of a step
+    still to run changes and `train.allow_schedule_change` is off."""
+    if not (path / CONFIG_FILE).is_file():
+        return []
+    step = int(path.name.removeprefix("step_")) if re.fullmatch(r"step_\d+", path.name) else 0
+    saved = load_config(path / CONFIG_FILE)
+    changes = config_changes(saved, cfg)
+    if changes and schedule_changes(saved, cfg, step) and not cfg.train.allow_schedule_change:
+        raise HlatError(f"resuming {path} changes the learning-rate schedule from step {step} on "
+                        f"({'; '.join(changes)}); pass --train.allow_schedule_change true to accept that, or keep the old values (set "
+                        "optim.decay_steps to fix the schedule's length while changing train.steps)")
+    return changes

@@ -1,0 +1,329 @@
+"""Fault tolerance: damaged checkpoints fall back or are refused, bad steps never reach a checkpoint, failed
+writes keep the previous checkpoint, and a hung rank is named (docs/fault-tolerance.md)."""
+
+import errno
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
+from hlat.cli import main
+from hlat.train import checkpoint as ckpt
+from hlat.train.checkpoint import complete_checkpoints, verify_checkpoint
+from test_train import config, final_weights, train
+
+
+def strict_records(run_dir: Path) -> list[dict]:
+    def refuse(name):
+        raise ValueError(f"not JSON: {name}")
+
+    return [json.loads(line, parse_constant=refuse) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def write_config(path: Path, cfg) -> Path:
+    path.write_text(cfg.to_toml())
+    return path
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory):
+    run = tmp_path_factory.mktemp("good") / "run"
+    cfg = config(run, steps=4, ckpt_every=2, keep_checkpoints=0)
+    cfg.data.workers = 0
+    train(cfg)
+    return run
+
+
+def flip_byte(path: Path, at: int | None = None) -> None:
+    data = bytearray(path.read_bytes())
+    at = len(data) // 2 if at is None else at
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def edit_step(path: Path) -> None:  # the trainer state is JSON inside the data file
+    data = path.read_bytes()
+    assert b'"step": 4' in data
+    path.write_bytes(data.replace(b'"step": 4', b'"step": 5'))
+
+
+DAMAGE = {
+    "flipped byte": lambda c: flip_byte(c / "__0_0.distcp"),
+    "truncated file": lambda c: (c / "__0_0.distcp").write_bytes((c / "__0_0.distcp").read_bytes()[:1000]),
+    "emptied file": lambda c: (c / "__0_0.distcp").write_bytes(b""),
+    "deleted file": lambda c: (c / "__0_0.distcp").unlink(),
+    "damaged metadata": lambda c: flip_byte(c / ".metadata", 100),
+    "missing metadata": lambda c: (c / ".metadata").unlink(),
+    "edited trainer state": lambda c: edit_step(c / "__0_0.distcp"),
+    "missing manifest": lambda c: (c / "manifest.json").unlink(),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_damaged_checkpoint_falls_back_or_is_refused(damage, two_checkpoints, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(two_checkpoints, run)
+    newest = run / "checkpoints" / "step_00000004"
+    DAMAGE[damage](newest)
+    with pytest.raises(ckpt.DamagedCheckpoint, match="step_00000004"):
+        verify_checkpoint(newest)
+    cfg = config(run, steps=5)
+    cfg.data.workers = 0
+    cfg_file = write_config(tmp_path / "c.toml", cfg)
+
+    assert main(["train", "--config", str(cfg_file), "--resume", str(newest)]) == 2  # named explicitly: refused
+    err = capsys.readouterr().err.strip()
+    assert "step_00000004" in err and "refusing" in err and "\n" not in err
+
+    assert main(["train", "--config", str(cfg_file), "--resume", "auto"]) == 0
+    out = capsys.readouterr().out
+    warnings = [line for line in out.splitlines() if "damaged checkpoint" in line]
+    assert len(warnings) == 1 and "step_00000004" in warnings[0] and "falling back" in warnings[0]
+    assert "resumed from" in out and "step_00000002 at step 2" in out
+    assert [r["step"] for r in strict_records(run)] == [1, 2, 3, 4, 5]
+    assert [s for s, _ in complete_checkpoints(run)] == [2, 5]  # rotation (keep 2) counts only good ones
+    assert (run / "checkpoints" / "step_00000004.damaged").is_dir()  # set aside for inspection
+    verify_checkpoint(run / "checkpoints" / "step_00000005")
+
+
+def nan_config(run: Path, policy: str, **train_fields):
+    cfg = config(run, steps=6, ckpt_every=2, keep_checkpoints=0, debug_nan_step=3, on_bad_step=policy,
+                 **train_fields)
+    cfg.data.workers = 0
+    return cfg
+
+
+def test_nan_step_is_skipped_and_never_checkpointed(tmp_path):
+    run = tmp_path / "run"
+    cfg = nan_config(run, "skip")
+    train(cfg)
+    records = strict_records(run)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert records[2]["loss"] is None and records[2]["grad_norm"] is None  # written as null, not NaN
+    assert all(r["loss"] is not None for r in records[3:]) and records[-1]["bad_steps"] == 1
+    assert [s for s, _ in complete_checkpoints(run)] == [2, 4, 6]  # 4 and 6 come after the bad step 3
+    assert all(torch.isfinite(w).all() for w in final_weights(run, cfg).values())
+
+
+def test_nan_step_rolls_back_past_the_bad_data(tmp_path, capsys):
+    run = tmp_path / "run"
+    train(nan_config(run, "rollback"))
+    out = capsys.readouterr().out
+    assert "rolled back to" in out and "step_00000002 (step 2)" in out
+    records = strict_records(run)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]  # the bad step 3 was run again, on new data
+    assert all(r["loss"] is not None for r in records)
+    reference = tmp_path / "reference"
+    cfg = config(reference, steps=6)
+    cfg.data.workers = 0
+    train(cfg)
+    assert strict_records(reference)[2]["loss"] != records[2]["loss"]  # step 3 saw the next batches
+    assert [r["loss"] for r in strict_records(reference)[:2]] == [r["loss"] for r in records[:2]]
+
+
+def test_nan_step_stops_in_one_line(tmp_path, capsys):
+    cfg_file = write_config(tmp_path / "c.toml", nan_config(tmp_path / "run", "stop"))
+    assert main(["train", "--config", str(cfg_file)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "step 3: loss is nan; stopped" in err and "step_00000002" in err and "\n" not in err
+    assert [s for s, _ in complete_checkpoints(tmp_path / "run")] == [2]
+
+
+def test_full_disk_keeps_the_previous_checkpoint(tmp_path, capsys, monkeypatch):
+    real_save, calls = ckpt.dcp.save, []
+
+    def save(state, checkpoint_id):  # the second save fails as DCP reports a full disk
+        calls.append(checkpoint_id)
+        if len(calls) == 2:
+            failure = OSError(errno.ENOSPC, "No space left on device", str(Path(checkpoint_id) / "__0_0.distcp"))
+            raise CheckpointException("write", {0: (failure, None)})
+        return real_save(state, checkpoint_id=checkpoint_id)
+
+    monkeypatch.setattr(ckpt.dcp, "save", save)
+    cfg = config(tmp_path / "run", steps=4, ckpt_every=2)
+    cfg.data.workers = 0
+    assert main(["train", "--config", str(write_config(tmp_path / "c.toml", cfg))]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "No space left on device" in err and "step_00000004.partial" in err and "\n" not in err
+    assert "step_00000002 is intact" in err
+    (step, path), = complete_checkpoints(tmp_path / "run")
+    verify_checkpoint(path)
+    assert step == 2 and not list((tmp_path / "run" / "checkpoints").glob("*.partial"))
+
+
+def test_unwritable_run_dir_is_one_line(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    cfg = config(tmp_path / "file" / "run", steps=1)
+    assert main(["train", "--config", str(write_config(tmp_path / "c.toml", cfg))]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "train.run_dir: cannot write" in err and str(tmp_path / "file") in err and "\n" not in err
+
+
+def stat(pid: int) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name (Linux): state, ppid, pgrp, session..."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def alive(pid: int) -> bool:
+    fields = stat(pid)
+    return fields is not None and fields[0] != "Z"
+
+
+def session_processes(sid: int) -> list[int]:
+    return [int(e.name) for e in Path("/proc").iterdir()
+            if e.name.isdigit() and alive(int(e.name)) and stat(int(e.name))[3] == str(sid)]
+
+
+def children(pid: int) -> list[int]:
+    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def trained_state(run_dir: Path, cfg) -> tuple[dict, dict]:
+    """Model and optimizer state of the run's newest checkpoint."""
+    from hlat.models import build_model, materialize
+    from hlat.optim import build_optimizer
+    from hlat.train.checkpoint import load_checkpoint
+
+    model = materialize(build_model(cfg.model), "cpu")
+    optimizer = build_optimizer(model, cfg.optim)
+    load_checkpoint(complete_checkpoints(run_dir)[-1][1], [model], [optimizer])
+    return model.state_dict(), optimizer.state_dict()["state"]
+
+
+def test_supervisor_restarts_after_kill_9_bit_exact_and_leaves_nothing_behind(tmp_path):
+    """kill -9 of the trainer (and so of nothing else): the supervisor starts it again with --resume auto; the
+    steps after the last checkpoint are run again to the same losses, gradient norms and final state, and no
+    tokenizer worker or resource tracker of the killed trainer outlives it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    def job(name: str):
+        cfg = config(tmp_path / name, steps=10, decay_steps=10, ckpt_every=3)
+        cfg.data.workers = 1
+        return cfg
+
+    reference = job("reference")
+    train(reference)
+    cfg_file = write_config(tmp_path / "c.toml", job("run"))
+    supervisor = subprocess.Popen([sys.executable, "-m", "hlat", "train", "--config", str(cfg_file),
+                                   "--max-restarts", "2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True, start_new_session=True)
+    try:
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        deadline = time.time() + 120
+        while (not metrics.exists() or len(metrics.read_text().splitlines()) < 4) and time.time() < deadline:
+            time.sleep(0.05)
+        trainer, = children(supervisor.pid)
+        doomed = [trainer] + [p for c in children(trainer) for p in [c, *children(c)]]  # workers, tracker
+        os.kill(trainer, signal.SIGKILL)
+        out, _ = supervisor.communicate(timeout=300)
+    finally:
+        if supervisor.poll() is None:
+            os.killpg(supervisor.pid, signal.SIGKILL)
+    assert supervisor.returncode == 0, out
+    restart, = [json.loads(line) for line in (tmp_path / "run" / "restarts.jsonl").read_text().splitlines()]
+    assert restart["exit"] == "killed by SIGKILL"
+    assert [(r["loss"], r["grad_norm"]) for r in strict_records(tmp_path / "run")] == \
+        [(r["loss"], r["grad_norm"]) for r in strict_records(tmp_path / "reference")]
+    (weights, optim), (ref_weights, ref_optim) = trained_state(tmp_path / "run", reference), \
+        trained_state(tmp_path / "reference", reference)
+    assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
+    assert all(torch.equal(optim[i][k], ref_optim[i][k]) for i in ref_optim for k in ref_optim[i])
+    deadline = time.time() + 10
+    while any(alive(p) for p in doomed) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not session_processes(supervisor.pid) and not [p for p in doomed if alive(p)]
+
+
+def test_hang_watchdog_names_the_stopped_rank(tmp_path):
+    """One rank of a 2-rank torchrun job stopped with SIGSTOP: the other rank's watchdog notices that no step
+    finished within train.hang_timeout_s (long before the collective timeout), writes its stacks into the run
+    directory, names the rank that stopped answering and exits non-zero."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    cfg = config(tmp_path / "run", steps=10_000, decay_steps=10_000, hang_timeout_s=4, collective_timeout_s=300)
+    cfg.data.workers = 0
+    cfg_file = write_config(tmp_path / "c.toml", cfg)
+    job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                            "-m", "hlat", "train", "--config", str(cfg_file)],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        deadline = time.time() + 180
+        while (not metrics.exists() or len(metrics.read_text().splitlines()) < 2) and time.time() < deadline:
+            time.sleep(0.1)
+        ranks = {v: p for p in children(job.pid)
+                 for v in Path(f"/proc/{p}/environ").read_bytes().split(b"\0") if v.startswith(b"RANK=")}
+        hung = ranks[b"RANK=1"]
+        os.kill(hung, signal.SIGSTOP)
+        stacks = tmp_path / "run" / "hang" / "rank0.txt"
+        deadline = time.time() + 120
+        while job.poll() is None and time.time() < deadline and not stacks.exists():
+            time.sleep(0.1)
+        time.sleep(1)
+        os.kill(hung, signal.SIGKILL)  # as the scheduler would, once the job is declared failed
+        out, _ = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode != 0
+    report = stacks.read_text()
+    first = report.splitlines()[0]
+    assert "rank 0 on" in first and "no step finished for 4 s" in first and "ranks not responding: 1" in first
+    assert "torch/distributed" in report and "train/loop.py" in report  # rank 0 waits in a collective
+    assert first in out
+
+
+def test_long_documents_are_tokenized_in_pieces_to_the_same_tokens(tmp_path, monkeypatch):
+    """A document longer than MAX_PIECE_CHARS is tokenized piece by piece (cut before a space) into the same
+    tokens and the same packed rows as at once (the memory this saves: benchmarks/long_document_memory.py)."""
+    import numpy as np
+
+    from hlat.data import rounds
+    from hlat.data.sources import resolve_data_files
+    from hlat.data.tokenizer import get_tokenizer
+
+    cfg = config(tmp_path / "run")
+    tok = get_tokenizer(cfg.data, resolve_data_files(cfg.data), 512, tmp_path)
+    text = Path(json.__file__).read_text() * 3
+    monkeypatch.setattr(rounds, "MAX_PIECE_CHARS", 200)
+    assert "".join(rounds.text_pieces(text)) == text
+    assert max(map(len, rounds.text_pieces(text))) <= 200
+    (whole,), (pieces,) = tok.encode_batch([text]), rounds.encode_bounded(tok, [text])
+    assert isinstance(pieces, np.ndarray) and pieces.tolist() == whole
+    short = ["a short document", "another one"]
+    assert rounds.encode_bounded(tok, short) == tok.encode_batch(short)
+    a, _ = rounds.best_fit([whole, *tok.encode_batch(short)], tok.eos_id, 33)
+    b, _ = rounds.best_fit(rounds.encode_bounded(tok, [text, *short]), tok.eos_id, 33)
+    assert np.array_equal(a, b)
+
+
+def test_asynchronous_checkpoints_resume_like_synchronous_ones(tmp_path):
+    """train.async_checkpoint: the checkpoints are committed (manifest verified, rotation applied) and a resume
+    from them follows the same trajectory as synchronous saves, to the bit."""
+    def run(name: str, **fields):
+        cfg = config(tmp_path / name, keep_checkpoints=2, ckpt_every=2, **fields)
+        cfg.data.workers = 0
+        train(cfg)
+
+    run("sync", steps=6)
+    run("async", steps=3, async_checkpoint=True)
+    run("async", steps=6, async_checkpoint=True, resume="auto")
+    assert [s for s, _ in complete_checkpoints(tmp_path / "async")] == [4, 6]
+    for _, path in complete_checkpoints(tmp_path / "async"):
+        verify_checkpoint(path)
+    assert [(r["loss"], r["grad_norm"]) for r in strict_records(tmp_path / "async")] == \
+        [(r["loss"], r["grad_norm"]) for r in strict_records(tmp_path / "sync")]

@@ -1,0 +1,235 @@
+"""Seeing and using a run: metrics (grad-norm statistics, cost), TensorBoard files, validation loss, `hlat eval`,
+`hlat compare`, and `hlat generate` against transformers' greedy generation."""
+
+import json
+import math
+import os
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hlat.cli import main
+from hlat.data.sources import held_out, iter_documents
+from hlat.data.tokenizer import load_tokenizer
+from hlat.models import build_model, materialize
+from hlat.models.config import model_config
+from hlat.models.generate import generate, next_token
+from hlat.models.hf import write_hf_dir
+from hlat.models.kv_cache import KVCache
+from hlat.train.config import build_config
+from hlat.train.inference import load_trained
+from hlat.train.loop import train
+
+CORPUS_DIR = os.path.dirname(json.__file__)
+CORPUS = os.path.join(CORPUS_DIR, "*.py")
+TINY = {"preset": "tiny", "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128,
+        "vocab_size": 512}
+PRICE = 3600.0  # USD per device-hour: one dollar per second, so cost_usd reads as seconds
+
+
+def records(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two real short runs of different lengths and log intervals; the first validates every 3 steps on a
+    hash split of its data and is priced through a hardware profile (two devices per node)."""
+    root = tmp_path_factory.mktemp("runs")
+    profile = root / "box.toml"
+    profile.write_text(f'devices_per_node = 2\nprice_on_demand = {2 * PRICE}\n')
+    common = {"model": dict(TINY), "data": {"paths": [CORPUS]},
+              "optim": {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 2, "decay_steps": 8}}
+    a = build_config({**common, "train": {"steps": 6, "global_batch": 4, "micro_batch": 2, "seq_len": 32,
+                                          "log_every": 1, "run_dir": str(root / "a")},
+                      "eval": {"holdout": 0.3, "every": 3, "batches": 2}, "cost": {"hardware": str(profile)}})
+    b = build_config({**common, "train": {"steps": 8, "global_batch": 4, "micro_batch": 2, "seq_len": 32,
+                                          "log_every": 2, "run_dir": str(root / "b")},
+                      "precision": {"mode": "bf16_sr"}})
+    train(a)
+    train(b)
+    return root / "a", root / "b"
+
+
+def test_metrics_grad_norm_statistics_and_cost(runs):
+    a, b = (records(r) for r in runs)
+    for r in a:  # one step per interval: the statistics are that step's norm
+        assert r["grad_norm_mean"] == r["grad_norm_max"] == r["grad_norm"]
+    step4 = next(r for r in b if r["step"] == 4)  # steps 3 and 4
+    # two different norms: the maximum is one of them (the last or the other), the mean lies between
+    other = 2 * step4["grad_norm_mean"] - step4["grad_norm"]
+    assert step4["grad_norm_max"] == pytest.approx(max(other, step4["grad_norm"]), rel=1e-5)
+    assert min(other, step4["grad_norm"]) < step4["grad_norm_mean"] < step4["grad_norm_max"]
+    times = [r["time"] for r in a]
+    assert times == sorted(times) and abs(times[-1] - time.time()) < 600
+    rounding = PRICE / 3600 * 5e-4 + 1e-6  # times are logged to the millisecond, dollars to 1e-6
+    for r in a:  # $3600 per device-hour from the profile (7200 per node of 2): one dollar per second
+        assert r["cost_usd"] == pytest.approx(PRICE / 3600 * r["elapsed_s"], abs=rounding)
+        assert r["tokens_per_usd"] == pytest.approx(r["tokens_seen"] / r["cost_usd"], rel=1e-3)
+        assert r["projected_cost_usd"] == pytest.approx(PRICE / 3600 * r["projected_time_s"], abs=rounding)
+        assert r["projected_time_s"] == pytest.approx(r["elapsed_s"] + r["step_time_s"] * (6 - r["step"]), abs=2e-3)
+    assert "cost_usd" not in b[0]  # no price, no cost figures
+
+
+def test_tensorboard_files_read_back(runs):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(runs[0]))
+    events.Reload()
+    logged = records(runs[0])
+    for tag, key in (("train/loss", "loss"), ("train/grad_norm_max", "grad_norm_max"), ("cost/usd", "cost_usd"),
+                     ("eval/loss", "val_loss")):
+        got = [(e.step, e.value) for e in events.Scalars(tag)]
+        want = [(r["step"], pytest.approx(r[key], rel=1e-6)) for r in logged if key in r]
+        assert got == want, tag
+
+
+def test_validation_loss_is_logged_on_held_out_documents(runs):
+    logged = [r for r in records(runs[0]) if "val_loss" in r]
+    assert [r["step"] for r in logged] == [3, 6]
+    for r in logged:
+        assert r["val_perplexity"] == pytest.approx(math.exp(r["val_loss"]))
+        assert r["val_tokens"] == 2 * 2 * 32  # eval.batches micro-batches of full rows
+
+
+def hand_loss(model, ids: list[int], seq_len: int) -> tuple[float, int]:
+    """Cross-entropy over consecutive windows of seq_len + 1 tokens sharing one token, computed one window at a
+    time in float64."""
+    total, count = 0.0, 0
+    for start in range(0, len(ids) - 1, seq_len):
+        window = torch.tensor(ids[start : start + seq_len + 1])
+        logits = model(window[None, :-1]).double()[0]
+        total += F.cross_entropy(logits, window[1:], reduction="sum").item()
+        count += len(window) - 1
+    return total / count, count
+
+
+def test_hlat_eval_equals_loss_by_hand(runs, capsys):
+    file = os.path.join(CORPUS_DIR, "scanner.py")
+    assert main(["eval", str(runs[0]), "--data", file, "--json", "--batch-size", "3"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    _, model, tok = load_trained(runs[0])
+    ids = [i for doc in iter_documents(file) for i in [*tok.encode_batch([doc])[0], tok.eos_id]]
+    with torch.no_grad():
+        loss, count = hand_loss(model, ids, 32)
+    assert got["tokens"] == count == len(ids) - 1
+    assert got["loss"] == pytest.approx(loss, rel=1e-5)
+    assert got["perplexity"] == pytest.approx(math.exp(loss), rel=1e-4)
+
+
+def test_holdout_split_is_disjoint_from_training():
+    docs = [doc for doc in iter_documents(os.path.join(CORPUS_DIR, "__init__.py"))] + [f"doc {i}" for i in range(400)]
+    held = [d for d in docs if held_out(d, 0.25)]
+    assert 0.15 < len(held) / len(docs) < 0.35
+    assert all(held_out(d, 0.5) for d in held)  # a larger fraction keeps what a smaller one set aside
+
+
+def test_compare_deviations_equal_hand_computation(runs, tmp_path, capsys):
+    png = tmp_path / "cmp.png"
+    assert main(["compare", str(runs[0]), str(runs[1]), "--out", str(png), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    a, b = ({r["step"]: r for r in records(r)} for r in runs)
+    common = sorted(a.keys() & b.keys())
+    assert common == [1, 2, 4, 6]  # a logs every step to 6, b every 2 steps (and its first) to 8
+    (row,) = got["deviations"]
+    for metric, key in (("loss", "loss"), ("grad_norm", "grad_norm_mean")):
+        rel = [abs(b[s][key] - a[s][key]) / abs(a[s][key]) for s in common]
+        assert row[metric] == {"steps": 4, "max": pytest.approx(max(rel)), "mean": pytest.approx(sum(rel) / 4)}
+    assert "val_loss" not in row  # only the first run validated
+
+
+def test_compare_rejects_a_directory_without_metrics(tmp_path, capsys):
+    assert main(["compare", str(tmp_path), "--out", str(tmp_path / "x.png")]) == 2
+    assert "no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_generate_cli_greedy_matches_the_function(runs, capsys):
+    base = ["generate", str(runs[0]), "--prompt", "def ", "--max-new-tokens", "12"]
+    assert main(base + ["--temperature", "0"]) == 0
+    assert main(base + ["--temperature", "0", "--seed", "5"]) == 0
+    first, second = capsys.readouterr().out.splitlines()[:2]
+    assert first == second and first.startswith("def ")
+    _, model, tok = load_trained(runs[0])
+    (ids,) = tok.encode_batch(["def "])
+    (new,) = generate(model, [ids], 12, eos_id=tok.eos_id)
+    assert first == "def " + tok.decode([t for t in new if t != tok.eos_id])
+
+
+def random_model(preset: str, **fields):
+    """A model with large random weights (std 0.5): its greedy choices are far from ties."""
+    cfg = model_config(preset, dim=64, n_layers=2, n_heads=4, ffn_dim=128, vocab_size=256, max_seq_len=128,
+                       init_std=0.5, **fields)
+    return materialize(build_model(cfg), "cpu", seed=3).double()
+
+
+@pytest.mark.parametrize("preset,fields", [("tiny", {"n_kv_heads": 2}), ("tiny-neox", {})])
+def test_kv_cache_equals_full_forward(preset, fields):
+    model = random_model(preset, **fields)
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = model(tokens)
+        cache = KVCache(model.cfg, 2, 24, "cpu", torch.float64)
+        pieces = [model(tokens[:, :9], cache=cache), model(tokens[:, 9:13], cache=cache)]
+        pieces += [model(tokens[:, i : i + 1], cache=cache) for i in range(13, 24)]
+    assert (torch.cat(pieces, dim=1) - full).abs().max() < 1e-10
+
+
+@pytest.mark.parametrize("preset,fields", [("tiny", {"n_kv_heads": 2}), ("tiny-neox", {"rotary_pct": 0.25})])
+def test_greedy_generate_equals_transformers(tmp_path, preset, fields):
+    transformers = pytest.importorskip("transformers")
+    model = random_model(preset, **fields)
+    write_hf_dir(model.cfg, model.state_dict(), tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float64).eval()
+    prompt = torch.randint(0, 256, (1, 7), generator=torch.Generator().manual_seed(1))
+    hf.generation_config.eos_token_id = None
+    theirs = hf.generate(prompt, max_new_tokens=32, do_sample=False, pad_token_id=0)[0, 7:].tolist()
+    ours = generate(model, prompt.tolist(), 32)[0]
+    assert len(ours) == 32 and ours == theirs
+    assert generate(model, prompt.tolist(), 32, use_cache=False)[0] == ours
+
+
+def test_top_p_keeps_the_nucleus_only():
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log().expand(4000, 4)
+    drawn = next_token(logits, 1.0, 0.7, torch.Generator().manual_seed(0))
+    counts = torch.bincount(drawn, minlength=4).tolist()
+    assert counts[2] == counts[3] == 0  # 0.5 + 0.3 reach 0.7: the rest is never drawn
+    assert counts[0] / 4000 == pytest.approx(0.5 / 0.8, abs=0.04)
+    assert next_token(logits[:1], 0.0, 0.7, None).tolist() == [0]
+
+
+def test_cost_needs_a_priced_profile(tmp_path):
+    from hlat.config import ConfigError
+
+    with pytest.raises(ConfigError, match="cost.hardware: profile 'cpu' has no on_demand price"):
+        build_config({"cost": {"hardware": "cpu"}})
+    with pytest.raises(ConfigError, match="eval.every: validation needs held-out data"):
+        build_config({"eval": {"every": 10}})
+
+
+def test_tokenizer_of_a_checkpoint_is_the_runs(runs):
+    cfg, _, tok = load_trained(runs[0] / "checkpoints" / "step_00000006")
+    assert tok.vocab_size == load_tokenizer(runs[0] / "tokenizer.json").vocab_size and cfg.train.steps == 6
+
+
+def test_validation_under_tensor_parallelism_matches_one_process(tmp_path):
+    """Validation through the tensor-parallel model (vocabulary-sharded logits under loss_parallel) gives the
+    single process's validation loss."""
+    import subprocess
+    import sys
+
+    data = {"model": dict(TINY), "data": {"paths": [CORPUS]}, "eval": {"holdout": 0.3, "every": 2, "batches": 2},
+            "optim": {"lr": 3e-3, "warmup_steps": 1, "decay_steps": 4},
+            "train": {"steps": 2, "global_batch": 4, "micro_batch": 2, "seq_len": 32, "log_every": 1}}
+    single = build_config({**data, "train": {**data["train"], "run_dir": str(tmp_path / "one")}})
+    train(single)
+    config = tmp_path / "tp.toml"
+    config.write_text(build_config({**data, "train": {**data["train"], "run_dir": str(tmp_path / "tp")}}).to_toml())
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "hlat",
+           "train", "--config", str(config), "--parallel.tp", "2", "--parallel.sequence_parallel", "true"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    one, tp = ([r["val_loss"] for r in records(tmp_path / name) if "val_loss" in r] for name in ("one", "tp"))
+    assert len(one) == 1 and tp == pytest.approx(one, rel=1e-4)
