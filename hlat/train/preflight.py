@@ -7,7 +7,7 @@ hardware. One process, or every rank under torchrun (gloo on CPU, NCCL on CUDA):
   report it), send/recv between every pair of neighbouring ranks, and how much of a collective hides behind
   concurrent compute;
 - health: bit-identical results on every rank for the same inputs, memory allocatable up to a fraction, and a
-  straggler score per rank (its time over the median).
+  straggler score per rank (its compute time, or its lateness to collectives, against the median rank).
 
 Shapes and nominal byte counts come from `hlat.planner.costs`, so the profile written with `--out` prices exactly
 what was measured. Two debug knobs make the health checks testable: one delays a rank's collectives, one perturbs
@@ -63,7 +63,7 @@ class Report:
     links: list[dict] = field(default_factory=list)
     overlap: float = -1.0
     memory: dict = field(default_factory=dict)
-    stragglers: list[dict] = field(default_factory=list)  # per rank: local time, score
+    stragglers: list[dict] = field(default_factory=list)  # per rank: compute and wait seconds, score
     mismatched: list[int] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     measured: Measured = field(default_factory=Measured)
@@ -200,8 +200,9 @@ def _delay(o: Options, rank: int) -> None:
 def measure_collectives(o: Options, device: torch.device, rank: int, world: int) -> tuple[list[dict], float]:
     """Bus bandwidth of each collective at each size (nccl-tests' busbw: algbw x 2(n-1)/n for all-reduce,
     x (n-1)/n for all-gather and reduce-scatter), and the seconds this rank spent before entering them (its
-    delays: where a straggler shows)."""
-    rows, local = [], 0.0
+    delays: where a straggler shows), and the seconds the timed collectives took in all (the late rank's delay
+    included: every rank waits for it)."""
+    rows, local, total = [], 0.0, 0.0
     for op in COLLECTIVES:
         for size in o.sizes:
             numel = max(world, size // 4 // world * world)
@@ -223,11 +224,12 @@ def measure_collectives(o: Options, device: torch.device, rank: int, world: int)
                 if i:
                     times.append(time.perf_counter() - start)
             seconds = statistics.median(times)
+            total += sum(times)
             factor = 2 * (world - 1) / world if op == "all_reduce" else (world - 1) / world
             nbytes = numel * 4
             rows.append({"op": op, "bytes": nbytes, "seconds": seconds, "algbw_gbs": nbytes / seconds / 1e9,
                          "busbw_gbs": nbytes / seconds / 1e9 * factor})
-    return rows, local
+    return rows, local, total
 
 
 def measure_links(o: Options, device: torch.device, rank: int, world: int, hosts: list[str]) -> list[dict]:
@@ -335,11 +337,11 @@ def _run(o: Options, device: torch.device, rank: int, world: int) -> Report:
     report = Report(ranks=world, hosts=hosts, device=str(device))
     start = time.perf_counter()
     compute, fields_ = measure_compute(o, device)
-    local = time.perf_counter() - start
+    computed = time.perf_counter() - start
+    waited = collective_s = 0.0
     measured = Measured(**fields_)
     if world > 1:
-        collectives, waited = measure_collectives(o, device, rank, world)
-        local += waited
+        collectives, waited, collective_s = measure_collectives(o, device, rank, world)
         report.collectives = collectives
         report.links = measure_links(o, device, rank, world, hosts)
         report.overlap = measure_overlap(o, device)
@@ -354,14 +356,25 @@ def _run(o: Options, device: torch.device, rank: int, world: int) -> Report:
     digests = _gather(numerics_digest(o, device, rank), world)
     majority = statistics.mode(digests)
     report.mismatched = [r for r, d in enumerate(digests) if d != majority]
-    locals_ = _gather(local, world)
-    median = statistics.median(locals_)
-    report.stragglers = [{"rank": r, "host": hosts[r], "seconds": s, "score": s / median} for r, s in enumerate(locals_)]
+    report.stragglers = straggler_scores(_gather((computed, waited, collective_s), world), hosts)
     report.problems = problems(report, o)
     measured.source = (f"hlat preflight, {world} rank(s) on {', '.join(sorted(set(hosts)))} ({device.type}), "
                        f"{o.model.preset or o.model.family} seq {o.seq_len} micro-batch {o.micro_batch}")
     report.measured = _rounded(measured)
     return report
+
+
+def straggler_scores(timings: list[tuple[float, float, float]], hosts: list[str]) -> list[dict]:
+    """Per rank, how much it slows the job, as a factor (1 = the median rank): the larger of its compute time over
+    the median rank's, and how much longer the collectives take for its lateness in entering them (its wait
+    beyond the median rank's, over the collectives' median total time). The two are scored apart because on a
+    shared or loaded host compute times vary by more than a rank's lateness to the collectives adds to them."""
+    compute = statistics.median(t[0] for t in timings)
+    wait = statistics.median(t[1] for t in timings)
+    collective = statistics.median(t[2] for t in timings)
+    return [{"rank": r, "host": hosts[r], "compute_s": c, "wait_s": w,
+             "score": max(c / compute if compute else 1.0, 1 + (w - wait) / collective if collective else 1.0)}
+            for r, (c, w, _) in enumerate(timings)]
 
 
 def _rounded(measured: Measured) -> Measured:

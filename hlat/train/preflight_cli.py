@@ -139,7 +139,7 @@ def show(report) -> None:
         for r in report.links:
             table.add_row(f"{r['src']} -> {r['dst']}", r["hosts"], f"{r['bytes']:,}", f"{r['gbs']:.3g}")
         console.print(table)
-    console.print("stragglers (local time over the median rank): " + ", ".join(
+    console.print("stragglers (slowdown against the median rank): " + ", ".join(
         f"rank {s['rank']} {s['score']:.2f}" for s in report.stragglers))
     console.print(f"numerics: {'identical on every rank' if not report.mismatched else 'differ on ranks ' + str(report.mismatched)}; "
                   f"memory: {report.memory}")
