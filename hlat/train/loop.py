@@ -284,7 +284,8 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
                 if save_written:  # an asynchronous save is on disk on every rank: commit it
                     saved = commit(run, goodput)
                 grad_norm = clip_grad_norm(run.params, cfg.optim.clip_grad_norm, run.pp_group)
-                reason = bad.check(loss.item(), grad_norm.item())
+                # skipping the update is the host's decision: one transfer brings both figures (not two)
+                reason = bad.check(*torch.stack([loss.float(), grad_norm.float().to(loss.device)]).tolist())
                 for optimizer in run.optimizers:
                     if reason is None:
                         optimizer.step()
