@@ -327,3 +327,48 @@ def test_asynchronous_checkpoints_resume_like_synchronous_ones(tmp_path):
         verify_checkpoint(path)
     assert [(r["loss"], r["grad_norm"]) for r in strict_records(tmp_path / "async")] == \
         [(r["loss"], r["grad_norm"]) for r in strict_records(tmp_path / "sync")]
+
+
+def test_sigterm_to_torchrun_checkpoints_and_exits_0(tmp_path):
+    """A scheduler's SIGTERM to `hlat torchrun` (torchrun itself exits 1 whatever its workers did): torchrun passes
+    it on, both ranks checkpoint the same step and return, and the job exits 0."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    cfg = config(tmp_path / "run", steps=10_000, decay_steps=10_000)
+    cfg.data.workers = 0
+    cfg_file = write_config(tmp_path / "c.toml", cfg)
+    job = subprocess.Popen([sys.executable, "-m", "hlat", "torchrun", "--standalone", "--nproc-per-node=2",
+                            "-m", "hlat", "train", "--config", str(cfg_file)],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        deadline = time.time() + 180
+        while (not metrics.exists() or len(metrics.read_text().splitlines()) < 2) and time.time() < deadline:
+            time.sleep(0.1)
+        os.kill(job.pid, signal.SIGTERM)  # to torchrun only, as srun or a pod's deletion delivers it
+        out, _ = job.communicate(timeout=180)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == 0, out
+    assert "stopped by signal" in out and "every trainer checkpointed" in out
+    (stopped_at, _), = complete_checkpoints(tmp_path / "run")
+    assert stopped_at == len(strict_records(tmp_path / "run")) >= 2
+
+
+def test_a_stop_is_clean_only_when_every_local_trainer_returned(tmp_path, monkeypatch):
+    from hlat.train.elastic import FINISHED_DIR, all_finished, mark_finished
+
+    monkeypatch.setenv(FINISHED_DIR, str(tmp_path))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert not all_finished(tmp_path)
+    monkeypatch.setenv("RANK", "3")
+    mark_finished()
+    assert not all_finished(tmp_path)  # rank 2 is still running (or hung, or was killed)
+    monkeypatch.setenv("RANK", "2")
+    mark_finished()
+    assert all_finished(tmp_path)
