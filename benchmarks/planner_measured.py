@@ -140,7 +140,8 @@ def main() -> None:
                          "error_before": round(predicted[0].total / measured - 1, 4),
                          "error_after": round(predicted[1].total / measured - 1, 4),
                          "predicted_mean_s": round(mean, 4), "error_mean": round(mean / measured - 1, 4),
-                         "breakdown_before": {k: round(v, 4) for k, v in predicted[0].__dict__.items()}})
+                         "breakdown_before": {k: round(v, 4) for k, v in predicted[0].__dict__.items()
+                                             if k != "layer"}, "layer": predicted[0].layer})
     meta = {"machine": platform.machine(), "cpus": os.cpu_count(), "preset": args.preset, "seq_len": args.seq_len,
             "global_batch": args.global_batch, "micro_batch": args.micro_batch, "steps": args.steps,
             "timed_steps": args.steps - args.warmup,

@@ -14,6 +14,12 @@ can fit them to measurements:
                      + data-parallel gradient reduction x dp_factor                 (ZeRO-1: reduce-scatter + all-gather)
                      + optimizer step (memory-bound: state bytes / HBM bandwidth)
 
+Where `hlat preflight` timed a whole block of the real model at exactly this workload's shape (tensor parallelism,
+sequence parallelism, recomputation, micro-batch, sequence and precision mode: `hlat.planner.costs.block_shape`),
+that time is the per-layer time, tensor-parallel communication included, and the measured rest of the micro-batch
+(embedding, final norm, output layer and loss) replaces the output layer. Otherwise the layer is composed from the
+measured operations (`measured_layer`), and without those from the fitted factors; `StepTime.layer` says which.
+
 The host launches kernels ahead of the device, so its fixed per-layer cost shows only where the device finishes a
 layer sooner (small layers and micro-batches). Without fused attention the scores (micro-batch x heads x seq^2)
 are written and read by a chain of memory-bound kernels (scale, mask, softmax, dropout, and again for the
@@ -33,7 +39,7 @@ from dataclasses import dataclass
 from hlat.models.config import ModelConfig
 from hlat.planner.layout import Layout, Workload
 from hlat.planner.memory import stage_params
-from hlat.planner.costs import (attention_flops, interpolate, layer_matmuls, loss_bytes, matmul_flops, memory_op_bytes,
+from hlat.planner.costs import (attention_flops, block_shape, interpolate, layer_matmuls, loss_bytes, matmul_flops, memory_op_bytes,
                                  optimizer_bytes, output_matmul)
 from hlat.planner.profiles import Fit, HardwareProfile
 
@@ -46,6 +52,7 @@ class StepTime:
     bubble: float  # pipeline fill and drain
     dp_comm: float  # exposed data-parallel (or FSDP) communication
     optimizer: float
+    layer: str = "fitted"  # how a layer was priced: "measured block", "composed" (measured operations) or "fitted"
 
     @property
     def total(self) -> float:
@@ -142,7 +149,9 @@ def step_time(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit | No
     # The busiest stage: its layers, and the output layer, which sits on the last stage (6 V h of the model's
     # FLOPs per token; the embedding lookup on the first costs no FLOPs).
     output_layer = 6.0 * model.vocab_size * model.dim
-    measured = measured_layer(work, layout, hw)
+    block = me.block(block_shape(model, work.seq_len, layout.micro_batch, work.precision, t,
+                                 layout.sequence_parallel, layout.activation_checkpoint))
+    measured = block or measured_layer(work, layout, hw)
     if measured:
         layer_device, output_time = measured
     else:
@@ -155,8 +164,8 @@ def step_time(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit | No
         output_time = output_layer * tokens / t / (hw.peak_tflops * 1e12) * fit.flops_factor
 
     tp_layer = 0.0
-    if t > 1:  # all-reduces (or all-gather + reduce-scatter pairs with SP) of the full activation; a tp group
-        # larger than a node runs them over the network
+    if t > 1 and not block:  # all-reduces (or all-gather + reduce-scatter pairs with SP) of the full activation;
+        # a tp group larger than a node runs them over the network (a measured block ran its own)
         collectives = 6 if layout.activation_checkpoint == "full" else 4
         tp_layer = collectives * link_time(hw, fit, "all_reduce", tokens * model.dim * cb, t, min(t, dpn))
     tp = layers * tp_layer
@@ -187,7 +196,8 @@ def step_time(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit | No
     bubble = (p - 1) / v if p > 1 else 0.0
     return StepTime(compute=m * compute, tp_comm=m * tp, pp_comm=m * pp,
                     bubble=bubble * (compute - output_time + tp + pp),
-                    dp_comm=dp_comm, optimizer=optimizer)
+                    dp_comm=dp_comm, optimizer=optimizer,
+                    layer="measured block" if block else "composed" if measured else "fitted")
 
 
 def data_parallel_time(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit, compute: float,

@@ -15,6 +15,7 @@ a rank's numerics."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 
 from hlat.models.config import ModelConfig
 from hlat.models.layers import apply_rope, rope_table
-from hlat.planner.costs import (attention_flops, layer_matmuls, loss_bytes, matmul_flops, memory_op_bytes,
+from hlat.planner.costs import (attention_flops, block_shape, layer_matmuls, loss_bytes, matmul_flops, memory_op_bytes,
                                 optimizer_bytes, output_matmul)
 from hlat.planner.profiles import HardwareProfile, Measured
 
@@ -51,6 +52,10 @@ class Options:
     delay_rank: int = -1  # debug: this rank sleeps delay_ms before every collective
     delay_ms: float = 0.0
     perturb_rank: int = -1  # debug: this rank's numerics check sees different inputs
+    # the trainer's settings a whole block is timed under (`measure_blocks`)
+    precision: str = "fp32"
+    sequence_parallel: bool = True
+    recompute: str = "none"
 
 
 @dataclass
@@ -133,6 +138,68 @@ def measure_compute(o: Options, device: torch.device) -> tuple[list[dict], dict]
                      "rate": f"{rate:.3g} TFLOP/s"})
     rows_, bandwidths = measure_memory_bound(o, device)
     return rows + rows_, {**fields_, **bandwidths}
+
+
+def measure_blocks(o: Options, device: torch.device, world: int) -> tuple[list[dict], dict]:
+    """One whole block of the real model, forward + backward, and the rest of a micro-batch (embedding, final
+    norm, output layer and loss), run as the trainer runs them: the config's precision mode, recomputation and,
+    for each tensor-parallel degree that divides the ranks, hlat's own tensor (and sequence) parallelism over
+    groups of neighbouring ranks, so the collectives inside a block are in its time. All ranks run at once, as
+    in training; the slowest rank's time is kept (the trainer's collectives wait for it)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from hlat.models import build_model, materialize
+    from hlat.models.layers import document_mask
+    from hlat.optim.precision import autocast, prepare_model
+    from hlat.parallel.checkpointing import apply_activation_checkpointing
+    from hlat.parallel.tensor import apply_tensor_parallel
+    from hlat.train.loop import cross_entropy
+
+    m, rows, out = o.model, [], {"block_shapes": [], "block_s": [], "ends_s": []}
+    for tp in (tp for tp in o.tps if world % tp == 0):
+        sp = o.sequence_parallel and tp > 1
+        model = prepare_model(build_model(replace(m, n_layers=1)), o.precision)
+        if tp > 1:
+            mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("rest", "tp"))
+            apply_tensor_parallel(model, mesh["tp"], sp)
+        apply_activation_checkpointing(model, o.recompute)
+        materialize(model, device)
+        block = model.layers.pop("0")  # timed alone; the model without blocks is the rest of a micro-batch
+        weights = next(block.parameters())
+        x = torch.randn(o.micro_batch, o.seq_len // tp if sp else o.seq_len, m.dim, device=device,
+                        dtype=weights.dtype, requires_grad=True)
+        tokens = torch.randint(m.vocab_size, (o.micro_batch, o.seq_len), device=device)
+        # one document per sequence: the trainer's masked attention kernel, where the model masks documents
+        mask = document_mask(torch.zeros_like(tokens)) if m.doc_mask else None
+        loss_context = loss_parallel if tp > 1 else contextlib.nullcontext
+
+        def block_step():
+            with autocast(o.precision, device):
+                y = block(x, model.rope, mask)
+            y.backward(torch.ones_like(y))
+
+        def ends_step():
+            with loss_context():
+                with autocast(o.precision, device):
+                    logits = model(tokens, doc_ids=torch.zeros_like(tokens) if m.doc_mask else None)
+                cross_entropy(logits, tokens).backward()
+
+        times = []
+        for fn in (block_step, ends_step):
+            fn()  # a first call allocates the gradients (and timed() warms up once more)
+            if world > 1:
+                dist.barrier()
+            times.append(max(_gather(timed(fn, device, o.repeats), world)))
+        shape = block_shape(m, o.seq_len, o.micro_batch, o.precision, tp, sp, o.recompute)
+        for key, value in zip(out, (shape, *times)):
+            out[key].append(value)
+        layout = f"tp{tp}{' sp' if sp else ''} ac:{o.recompute} {o.precision}"
+        rows.append({"what": f"block (fwd+bwd) {layout}", "shape": f"{o.micro_batch}x{o.seq_len}x{m.dim}",
+                     "seconds": times[0], "rate": ""})
+        rows.append({"what": f"embedding, output layer, loss (fwd+bwd) {layout}",
+                     "shape": f"{o.micro_batch}x{o.seq_len}x{m.vocab_size}", "seconds": times[1], "rate": ""})
+    return rows, out
 
 
 def measure_memory_bound(o: Options, device: torch.device) -> tuple[list[dict], dict]:
@@ -338,6 +405,9 @@ def _run(o: Options, device: torch.device, rank: int, world: int) -> Report:
     start = time.perf_counter()
     compute, fields_ = measure_compute(o, device)
     computed = time.perf_counter() - start
+    blocks, block_fields = measure_blocks(o, device, world)
+    compute += blocks
+    fields_.update(block_fields)
     waited = collective_s = 0.0
     measured = Measured(**fields_)
     if world > 1:

@@ -11,7 +11,8 @@ from hlat import HlatError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="TOML config: its model, seq_len, micro_batch, precision and tp are measured")
+    parser.add_argument("--config", help="TOML config: its model, seq_len, micro_batch, precision, tp, "
+                                             "sequence parallelism and recomputation are measured")
     parser.add_argument("--model", help="preset name instead of the config's model")
     parser.add_argument("--tp", default="", help="tensor-parallel degrees whose matmul shapes to measure, e.g. 1,2 "
                                                  "(default: 1 and the config's tp)")
@@ -75,7 +76,9 @@ def options(args: argparse.Namespace, overrides: list[str]):
                    other_micro_batches=micro_batches, tps=tps,
                    dtypes=dtypes, repeats=args.repeats, threshold=args.threshold,
                    memory_fraction=args.memory_fraction, delay_rank=delay_rank, delay_ms=delay_ms,
-                   perturb_rank=args.debug_perturb, **extra)
+                   perturb_rank=args.debug_perturb, precision=cfg.precision.mode,
+                   sequence_parallel=cfg.parallel.sequence_parallel,
+                   recompute=cfg.parallel.activation_checkpoint, **extra)
 
 
 def base_profile(name: str | None, device_type: str):
