@@ -157,7 +157,8 @@ def measure_blocks(o: Options, device: torch.device, world: int) -> tuple[list[d
     from hlat.train.loop import cross_entropy
 
     m, rows, out = o.model, [], {"block_shapes": [], "block_s": [], "ends_s": []}
-    for tp in (tp for tp in o.tps if world % tp == 0):
+    for tp, mb in ((tp, mb) for tp in o.tps if world % tp == 0
+                   for mb in sorted({o.micro_batch, *o.other_micro_batches})):
         sp = o.sequence_parallel and tp > 1
         model = prepare_model(build_model(replace(m, n_layers=1)), o.precision)
         if tp > 1:
@@ -167,9 +168,9 @@ def measure_blocks(o: Options, device: torch.device, world: int) -> tuple[list[d
         materialize(model, device)
         block = model.layers.pop("0")  # timed alone; the model without blocks is the rest of a micro-batch
         weights = next(block.parameters())
-        x = torch.randn(o.micro_batch, o.seq_len // tp if sp else o.seq_len, m.dim, device=device,
+        x = torch.randn(mb, o.seq_len // tp if sp else o.seq_len, m.dim, device=device,
                         dtype=weights.dtype, requires_grad=True)
-        tokens = torch.randint(m.vocab_size, (o.micro_batch, o.seq_len), device=device)
+        tokens = torch.randint(m.vocab_size, (mb, o.seq_len), device=device)
         # one document per sequence: the trainer's masked attention kernel, where the model masks documents
         mask = document_mask(torch.zeros_like(tokens)) if m.doc_mask else None
         loss_context = loss_parallel if tp > 1 else contextlib.nullcontext
@@ -191,14 +192,14 @@ def measure_blocks(o: Options, device: torch.device, world: int) -> tuple[list[d
             if world > 1:
                 dist.barrier()
             times.append(max(_gather(timed(fn, device, o.repeats), world)))
-        shape = block_shape(m, o.seq_len, o.micro_batch, o.precision, tp, sp, o.recompute)
+        shape = block_shape(m, o.seq_len, mb, o.precision, tp, sp, o.recompute)
         for key, value in zip(out, (shape, *times)):
             out[key].append(value)
         layout = f"tp{tp}{' sp' if sp else ''} ac:{o.recompute} {o.precision}"
-        rows.append({"what": f"block (fwd+bwd) {layout}", "shape": f"{o.micro_batch}x{o.seq_len}x{m.dim}",
+        rows.append({"what": f"block (fwd+bwd) {layout}", "shape": f"{mb}x{o.seq_len}x{m.dim}",
                      "seconds": times[0], "rate": ""})
         rows.append({"what": f"embedding, output layer, loss (fwd+bwd) {layout}",
-                     "shape": f"{o.micro_batch}x{o.seq_len}x{m.vocab_size}", "seconds": times[1], "rate": ""})
+                     "shape": f"{mb}x{o.seq_len}x{m.vocab_size}", "seconds": times[1], "rate": ""})
     return rows, out
 
 
