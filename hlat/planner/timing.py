@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from hlat.models.config import ModelConfig
 from hlat.planner.layout import Layout, Workload
-from hlat.planner.memory import stage_params
+from hlat.planner.memory import sharded_units, stage_params
 from hlat.planner.costs import (attention_flops, block_shape, interpolate, layer_matmuls, loss_bytes, matmul_flops, memory_op_bytes,
                                  optimizer_bytes, output_matmul)
 from hlat.planner.profiles import Fit, HardwareProfile
@@ -137,6 +137,33 @@ def link_time(hw: HardwareProfile, fit: Fit, op: str, nbytes: float, group: int,
     return intra + inter * fit.inter_factor
 
 
+def dp_collective(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit, op: str, bytes_per_param: float,
+                  group: int, per_node: int, blocks: int = 1, rest: int = 1) -> float:
+    """Seconds of the data-parallel collectives `op` over the stage's parameters as the trainer issues them, the
+    blocks' `blocks` times and the rest of the stage's `rest` times. With measured bandwidths, one collective
+    per `fully_shard` unit (each block, then the rest), each at its own size's measured rate; without, `blocks`
+    messages of them all (what the fitted dp_factor was fitted to)."""
+    if not getattr(hw.measured, op):
+        return blocks * link_time(hw, fit, op, stage_params(work.model, layout) * bytes_per_param, group, per_node)
+    return sum(times * count * link_time(hw, fit, op, params * bytes_per_param, group, per_node)
+               for times, (count, params) in zip((blocks, rest), sharded_units(work.model, layout)))
+
+
+def fsdp_copies(work: Workload, layout: Layout, hw: HardwareProfile, gathers: tuple[int, int],
+                reductions: int) -> float:
+    """Seconds `fully_shard` spends copying into and out of its flat communication buffers, memory-bound at the
+    measured elementwise bandwidth: a gather (`gathers`: of each block, and of the rest) copies the shard in
+    (when there is more than one) and the whole unit out; a reduction copies the whole gradient in and its shard
+    out (with one shard, a plain copy). Replicated layouts pay these too: the trainer runs them as fully_shard
+    over a shard group of one."""
+    mode, ds = work.mode, layout.dp_shard
+    gather = 2 * (1 + (1 / ds if ds > 1 else 0)) * mode.weight_bytes  # bytes moved (read + write) per parameter
+    reduce = 2 * (1 + 1 / ds) * mode.grad_bytes
+    moved = sum(count * params * (times * gather + reductions * reduce)
+                for times, (count, params) in zip(gathers, sharded_units(work.model, layout)))
+    return moved / ((hw.measured.residual_gbs or hw.hbm_gbs) * 1e9)
+
+
 def step_time(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit | None = None) -> StepTime:
     fit = fit or hw.fit
     model, mode, cb = work.model, work.mode, work.compute_bytes
@@ -217,24 +244,33 @@ def data_parallel_time(work: Workload, layout: Layout, hw: HardwareProfile, fit:
     def exposed(traffic: float, hideable: float) -> float:
         return traffic - overlap * min(traffic, hideable)
 
-    def raw(op: str, nbytes: float, group: int, per_node: int) -> float:
+    def raw(op: str, bytes_per_param: float, group: int, per_node: int) -> float:
         if measured:
-            return link_time(hw, fit, op, nbytes, group, per_node)
+            return dp_collective(work, layout, hw, fit, op, bytes_per_param, group, per_node)
         passes = 2 if op == "all_reduce" else 1
-        return sum(collective(hw, nbytes, group, per_node, passes)) * fit.dp_factor
+        return sum(collective(hw, params * bytes_per_param, group, per_node, passes)) * fit.dp_factor
 
-    time = 0.0
-    if layout.param_shard > 1 and layout.pp == 1:  # FSDP: gathered (as stored) twice per micro-batch
-        per_mb = (2 * link_time(hw, fit, "all_gather", params * mode.weight_bytes, ds, dp_per_node)
-                  + link_time(hw, fit, "reduce_scatter", params * mode.grad_bytes, ds, dp_per_node))
+    # Gathers per step of (each block, the rest): FSDP gathers a block before its forward and again before its
+    # backward, every micro-batch, but keeps the root unit (the rest) from forward through backward; ZeRO-1 (and
+    # any layout under a pipeline schedule) gathers once; a replicated layout reshards its blocks after each
+    # forward but not after a backward that does not reduce, so the next forward finds them gathered.
+    time, copies = 0.0, 0.0
+    if layout.param_shard > 1 and layout.pp == 1:  # FSDP: gathered (as stored) and reduced every micro-batch
+        per_mb = (dp_collective(work, layout, hw, fit, "all_gather", mode.weight_bytes, ds, dp_per_node, 2, 1)
+                  + dp_collective(work, layout, hw, fit, "reduce_scatter", mode.grad_bytes, ds, dp_per_node))
         time = m * (exposed(per_mb, compute) if measured else max(0.0, per_mb - compute))
+        copies = fsdp_copies(work, layout, hw, (2 * m, m), m)
     elif ds > 1:  # gathered once per step and kept (ZeRO-1, and FSDP under a pipeline schedule)
-        traffic = (raw("reduce_scatter", params * mode.grad_bytes, ds, dp_per_node)
-                   + raw("all_gather", params * mode.weight_bytes, ds, dp_per_node))
+        traffic = (raw("reduce_scatter", mode.grad_bytes, ds, dp_per_node)
+                   + raw("all_gather", mode.weight_bytes, ds, dp_per_node))
         time = exposed(traffic, compute) if measured else traffic
+        copies = fsdp_copies(work, layout, hw, (1, 1), 1)
     elif layout.dp > 1:
-        traffic = raw("all_reduce", params * mode.grad_bytes, layout.dp, dp_per_node)
+        traffic = raw("all_reduce", mode.grad_bytes, layout.dp, dp_per_node)
         time = exposed(traffic, 2 / 3 * compute) if measured else traffic  # the last micro-batch's backward
+        copies = fsdp_copies(work, layout, hw, (m + 1 if layout.pp == 1 else 1, 1), 1)
+    # the copies are priced only with measured figures: the fitted factors were fitted to other trainers' runs
+    time += copies if measured else 0.0
     if ds > 1 and layout.dp_replicate > 1:  # HSDP: the shards' gradients all-reduced across replicas, once
-        time += raw("all_reduce", params / ds * mode.grad_bytes, layout.dp_replicate, max(1, dp_per_node // ds))
+        time += raw("all_reduce", mode.grad_bytes / ds, layout.dp_replicate, max(1, dp_per_node // ds))
     return time

@@ -70,7 +70,7 @@ def options(args: argparse.Namespace, overrides: list[str]):
             delay_rank, delay_ms = int(rank), float(ms)
         except ValueError:
             raise HlatError(f"--debug-delay: expected RANK:MS, got {args.debug_delay!r}") from None
-    extra = {"sizes": _ints(args.sizes, "--sizes")} if args.sizes else {}
+    extra = {"sizes": _ints(args.sizes, "--sizes")} if args.sizes else {"sizes": default_sizes(cfg.model)}
     micro_batches = _ints(args.micro_batches, "--micro-batches") or (cfg.train.micro_batch,)
     return Options(model=cfg.model, seq_len=cfg.train.seq_len, micro_batch=max(micro_batches),
                    other_micro_batches=micro_batches, tps=tps,
@@ -79,6 +79,18 @@ def options(args: argparse.Namespace, overrides: list[str]):
                    perturb_rank=args.debug_perturb, precision=cfg.precision.mode,
                    sequence_parallel=cfg.parallel.sequence_parallel,
                    recompute=cfg.parallel.activation_checkpoint, **extra)
+
+
+def default_sizes(model) -> tuple[int, ...]:
+    """4 KiB to 16 MiB by 8x, and the sizes of the model's own data-parallel messages (fp32, without tensor
+    parallelism: one block, and the rest of the model), up to 1 GiB: the trainer reduces and gathers one
+    `fully_shard` unit at a time, and the rate at 16 MiB need not hold at a 200 MB embedding."""
+    from hlat.planner.layout import Layout
+    from hlat.planner.memory import sharded_units
+    from hlat.train.preflight import Options
+
+    units = {min(int(params) * 4, 2 ** 30) for _, params in sharded_units(model, Layout.of())}
+    return tuple(sorted(set(Options.sizes) | {u for u in units if u > 0}))
 
 
 def base_profile(name: str | None, device_type: str):
