@@ -28,7 +28,11 @@ recomputation and the backward pass); their cost grows with seq^2 where the matm
 FSDP gathers the weights twice and reduce-scatters the gradients for every micro-batch; that traffic hides behind
 the micro-batch's compute and only the excess is charged (no measurement used for the fits runs FSDP). Under a
 pipeline schedule the trainer keeps FSDP's parameters gathered through the step and reduces the gradients once
-(as torch's pipelining does), which costs what ZeRO-1 costs.
+(as torch's pipelining does), which costs what ZeRO-1 costs. With measured collectives the data-parallel traffic
+is priced as `fully_shard` issues it (`data_parallel_time`): one collective per unit (each block, then the rest of
+the stage) at that size's measured rate, the root unit gathered once per micro-batch, and the copies into and out of
+its communication buffers, which replicated layouts pay too (the trainer runs them as fully_shard over a shard
+group of one).
 """
 
 from __future__ import annotations
