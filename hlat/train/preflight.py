@@ -142,11 +142,35 @@ def measure_compute(o: Options, device: torch.device) -> tuple[list[dict], dict]
 
 def measure_blocks(o: Options, device: torch.device, world: int) -> tuple[list[dict], dict]:
     """One whole block of the real model, forward + backward, and the rest of a micro-batch (embedding, final
-    norm, output layer and loss), run as the trainer runs them: the config's precision mode, recomputation and,
-    for each tensor-parallel degree that divides the ranks, hlat's own tensor (and sequence) parallelism over
-    groups of neighbouring ranks, so the collectives inside a block are in its time. All ranks run at once, as
-    in training; the slowest rank's time is kept (the trainer's collectives wait for it)."""
+    norm, output layer and loss), run as the trainer runs them (`time_block`), for each tensor-parallel degree
+    that divides the ranks (over groups of neighbouring ranks, as the trainer's mesh puts tp innermost) and each
+    micro-batch. Recorded under `hlat.planner.costs.block_shape`, which the planner matches exactly."""
     from torch.distributed.device_mesh import init_device_mesh
+
+    m, rows, out = o.model, [], {"block_shapes": [], "block_s": [], "ends_s": []}
+    for tp in (tp for tp in o.tps if world % tp == 0):
+        sp = o.sequence_parallel and tp > 1
+        tp_mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("rest", "tp"))["tp"] \
+            if tp > 1 else None
+        for mb in sorted({o.micro_batch, *o.other_micro_batches}):
+            times = time_block(o, device, world, tp_mesh, sp, mb)
+            for key, value in zip(out, (block_shape(m, o.seq_len, mb, o.precision, tp, sp, o.recompute), *times)):
+                out[key].append(value)
+            layout = f"tp{tp}{' sp' if sp else ''} ac:{o.recompute} {o.precision}"
+            rows.append({"what": f"block (fwd+bwd) {layout}", "shape": f"{mb}x{o.seq_len}x{m.dim}",
+                         "seconds": times[0], "rate": ""})
+            rows.append({"what": f"embedding, output layer, loss (fwd+bwd) {layout}",
+                         "shape": f"{mb}x{o.seq_len}x{m.vocab_size}", "seconds": times[1], "rate": ""})
+    return rows, out
+
+
+def time_block(o: Options, device: torch.device, world: int, tp_mesh, sp: bool, mb: int) -> tuple[float, float]:
+    """Seconds of one block (forward + backward) and of the rest of a micro-batch, built and wrapped by the
+    trainer's own code: the precision mode's parameters and autocast, tensor (and sequence) parallelism over
+    `tp_mesh`, the recomputation mode, and the loss under `loss_parallel` with tp. Every rank runs at once, as in
+    training. The statistic is each rank's fastest repeat (as for every preflight figure: on a shared host the
+    least disturbed run is the one that reproduces), and of those the slowest rank's, since the trainer's
+    collectives wait for it."""
     from torch.distributed.tensor.parallel import loss_parallel
 
     from hlat.models import build_model, materialize
@@ -156,51 +180,40 @@ def measure_blocks(o: Options, device: torch.device, world: int) -> tuple[list[d
     from hlat.parallel.tensor import apply_tensor_parallel
     from hlat.train.loop import cross_entropy
 
-    m, rows, out = o.model, [], {"block_shapes": [], "block_s": [], "ends_s": []}
-    for tp, mb in ((tp, mb) for tp in o.tps if world % tp == 0
-                   for mb in sorted({o.micro_batch, *o.other_micro_batches})):
-        sp = o.sequence_parallel and tp > 1
-        model = prepare_model(build_model(replace(m, n_layers=1)), o.precision)
-        if tp > 1:
-            mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("rest", "tp"))
-            apply_tensor_parallel(model, mesh["tp"], sp)
-        apply_activation_checkpointing(model, o.recompute)
-        materialize(model, device)
-        block = model.layers.pop("0")  # timed alone; the model without blocks is the rest of a micro-batch
-        weights = next(block.parameters())
-        x = torch.randn(mb, o.seq_len // tp if sp else o.seq_len, m.dim, device=device,
-                        dtype=weights.dtype, requires_grad=True)
-        tokens = torch.randint(m.vocab_size, (mb, o.seq_len), device=device)
-        # one document per sequence: the trainer's masked attention kernel, where the model masks documents
-        mask = document_mask(torch.zeros_like(tokens)) if m.doc_mask else None
-        loss_context = loss_parallel if tp > 1 else contextlib.nullcontext
+    m = o.model
+    model = prepare_model(build_model(replace(m, n_layers=1)), o.precision)
+    if tp_mesh is not None:
+        apply_tensor_parallel(model, tp_mesh, sp)
+    apply_activation_checkpointing(model, o.recompute)
+    materialize(model, device)
+    block = model.layers.pop("0")  # timed alone; the model without blocks is the rest of a micro-batch
+    tp = tp_mesh.size() if tp_mesh is not None else 1
+    x = torch.randn(mb, o.seq_len // tp if sp else o.seq_len, m.dim, device=device,
+                    dtype=next(block.parameters()).dtype, requires_grad=True)
+    tokens = torch.randint(m.vocab_size, (mb, o.seq_len), device=device)
+    # one document per sequence: the trainer's masked attention kernel, where the model masks documents
+    doc_ids = torch.zeros_like(tokens) if m.doc_mask else None
+    mask = document_mask(doc_ids) if m.doc_mask else None
+    loss_context = loss_parallel if tp > 1 else contextlib.nullcontext
 
-        def block_step():
+    def block_step():
+        with autocast(o.precision, device):
+            y = block(x, model.rope, mask)
+        y.backward(torch.ones_like(y))
+
+    def ends_step():
+        with loss_context():
             with autocast(o.precision, device):
-                y = block(x, model.rope, mask)
-            y.backward(torch.ones_like(y))
+                logits = model(tokens, doc_ids=doc_ids)
+            cross_entropy(logits, tokens).backward()
 
-        def ends_step():
-            with loss_context():
-                with autocast(o.precision, device):
-                    logits = model(tokens, doc_ids=torch.zeros_like(tokens) if m.doc_mask else None)
-                cross_entropy(logits, tokens).backward()
-
-        times = []
-        for fn in (block_step, ends_step):
-            fn()  # a first call allocates the gradients (and timed() warms up once more)
-            if world > 1:
-                dist.barrier()
-            times.append(max(_gather(timed(fn, device, o.repeats), world)))
-        shape = block_shape(m, o.seq_len, mb, o.precision, tp, sp, o.recompute)
-        for key, value in zip(out, (shape, *times)):
-            out[key].append(value)
-        layout = f"tp{tp}{' sp' if sp else ''} ac:{o.recompute} {o.precision}"
-        rows.append({"what": f"block (fwd+bwd) {layout}", "shape": f"{mb}x{o.seq_len}x{m.dim}",
-                     "seconds": times[0], "rate": ""})
-        rows.append({"what": f"embedding, output layer, loss (fwd+bwd) {layout}",
-                     "shape": f"{mb}x{o.seq_len}x{m.vocab_size}", "seconds": times[1], "rate": ""})
-    return rows, out
+    times = []
+    for step in (block_step, ends_step):
+        step()  # a first call allocates the gradients (and timed() warms up once more)
+        if world > 1:
+            dist.barrier()
+        times.append(max(_gather(timed(step, device, o.repeats), world)))
+    return times[0], times[1]
 
 
 def measure_memory_bound(o: Options, device: torch.device) -> tuple[list[dict], dict]:
