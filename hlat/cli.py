@@ -1,4 +1,5 @@
-"""The `hlat` command: train, eval, generate, compare, describe, plan, import-hf, export-hf, launch, data.
+"""The `hlat` command: train, eval, generate, compare, describe, plan, import-hf, export-hf, launch, data,
+preflight, torchrun.
 
 Heavy imports (torch) happen inside the subcommands, so `hlat describe` and `hlat plan` start instantly.
 User mistakes raise HlatError, printed here as one line with a non-zero exit and no traceback.
@@ -19,6 +20,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from rich.table import Table
 
     from hlat.train.config import load_config
+    from hlat.train.elastic import mark_finished
     from hlat.train.loop import train
 
     if args.max_restarts:
@@ -33,6 +35,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         return 0
     console = Console()
     s = train(cfg, console)
+    mark_finished()
     if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 speaks for the job
         return 0
     table = Table(title="run summary", show_header=False)
@@ -218,6 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --max-restarts: run a single-node torchrun job of K processes")
     p.set_defaults(func=cmd_train, overrides=True)
 
+    sub.add_parser("torchrun", help="torchrun (same arguments), exiting 0 when a stop signal found every trainer "
+                                    "checkpointed (torchrun itself exits 1)", add_help=False)
+
     p = sub.add_parser("config", help="list config sections, fields, types and defaults")
     p.add_argument("what", choices=["fields"])
     p.add_argument("section", nargs="?", help="only this section, e.g. train")
@@ -311,6 +317,11 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["torchrun"]:  # every later argument is torchrun's
+        from hlat.train.elastic import torchrun
+
+        return torchrun(argv[1:])
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if rest and not args.overrides:

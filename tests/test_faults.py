@@ -327,3 +327,101 @@ def test_asynchronous_checkpoints_resume_like_synchronous_ones(tmp_path):
         verify_checkpoint(path)
     assert [(r["loss"], r["grad_norm"]) for r in strict_records(tmp_path / "async")] == \
         [(r["loss"], r["grad_norm"]) for r in strict_records(tmp_path / "sync")]
+
+
+HOLD_THE_STEP_4_WRITE = """
+import sys, time
+from pathlib import Path
+import hlat.train.checkpoint as c
+from hlat.cli import main
+own = c._own_digests
+def hold(partial, rank):  # in DCP's writer thread, once every file and the .metadata of the save are written
+    if partial.name.startswith("step_00000004"):
+        Path(sys.argv[1]).touch()
+        time.sleep(600)
+    return own(partial, rank)
+c._own_digests = hold
+sys.exit(main(["train", "--config", sys.argv[2]]))
+"""
+
+
+def test_kill_9_during_an_asynchronous_write_resumes_from_the_previous_checkpoint(tmp_path):
+    """kill -9 while a save is still being written in the background (held there, after DCP wrote its files and
+    .metadata, before this rank's checksums): that save stays a `.partial` directory that nothing loads, and the
+    run resumes from the previous checkpoint along the uninterrupted run's trajectory."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    def job(name: str, **fields):
+        cfg = config(tmp_path / name, ckpt_every=2, keep_checkpoints=0, async_checkpoint=True, **fields)
+        cfg.data.workers = 0
+        return cfg
+
+    train(job("reference"))
+    held = tmp_path / "held"
+    trainer = subprocess.Popen([sys.executable, "-c", HOLD_THE_STEP_4_WRITE, str(held),
+                                str(write_config(tmp_path / "c.toml", job("run")))],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 180
+        while not held.exists() and trainer.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+    finally:
+        os.kill(trainer.pid, signal.SIGKILL)
+        out, _ = trainer.communicate(timeout=60)
+    assert held.exists(), out
+    partial = tmp_path / "run" / "checkpoints" / "step_00000004.partial"
+    assert (partial / ".metadata").is_file()  # a complete DCP checkpoint, but never committed
+    assert [s for s, _ in complete_checkpoints(tmp_path / "run")] == [2]
+    train(job("run", resume="auto"))
+    assert [(r["loss"], r["grad_norm"]) for r in strict_records(tmp_path / "run")] == \
+        [(r["loss"], r["grad_norm"]) for r in strict_records(tmp_path / "reference")]
+    assert [s for s, _ in complete_checkpoints(tmp_path / "run")] == [2, 4, 6, 8]
+
+
+def test_sigterm_to_torchrun_checkpoints_and_exits_0(tmp_path):
+    """A scheduler's SIGTERM to `hlat torchrun` (torchrun itself exits 1 whatever its workers did): torchrun passes
+    it on, both ranks checkpoint the same step and return, and the job exits 0."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    cfg = config(tmp_path / "run", steps=10_000, decay_steps=10_000)
+    cfg.data.workers = 0
+    cfg_file = write_config(tmp_path / "c.toml", cfg)
+    job = subprocess.Popen([sys.executable, "-m", "hlat", "torchrun", "--standalone", "--nproc-per-node=2",
+                            "-m", "hlat", "train", "--config", str(cfg_file)],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        deadline = time.time() + 180
+        while (not metrics.exists() or len(metrics.read_text().splitlines()) < 2) and time.time() < deadline:
+            time.sleep(0.1)
+        os.kill(job.pid, signal.SIGTERM)  # to torchrun only, as srun or a pod's deletion delivers it
+        out, _ = job.communicate(timeout=180)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == 0, out
+    assert "stopped by signal" in out and "every trainer checkpointed" in out
+    (stopped_at, _), = complete_checkpoints(tmp_path / "run")
+    assert stopped_at == len(strict_records(tmp_path / "run")) >= 2
+
+
+def test_a_stop_is_clean_only_when_every_local_trainer_returned(tmp_path, monkeypatch):
+    from hlat.train.elastic import FINISHED_DIR, all_finished, mark_finished
+
+    monkeypatch.setenv(FINISHED_DIR, str(tmp_path))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert not all_finished(tmp_path)
+    monkeypatch.setenv("RANK", "3")
+    mark_finished()
+    assert not all_finished(tmp_path)  # rank 2 is still running (or hung, or was killed)
+    monkeypatch.setenv("RANK", "2")
+    mark_finished()
+    assert all_finished(tmp_path)

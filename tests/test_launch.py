@@ -21,7 +21,7 @@ def test_slurm_script_stops_before_the_time_limit_and_requeues(capsys):
         assert line in script, line
     assert "#SBATCH --signal=B:USR1@1200" in lines
     assert not any("--gpus-per-node" in line for line in lines)  # trn1: Neuron devices, not GPUs
-    torchrun = next(line for line in lines if line.startswith("srun torchrun"))
+    torchrun = next(line for line in lines if line.startswith("srun hlat torchrun"))
     for flag in ("--nnodes=4", "--nproc-per-node=32", "--max-restarts=3", "--rdzv-backend=c10d",
                  '--rdzv-endpoint="$head_node:29500"', '--rdzv-id="$SLURM_JOB_ID"'):
         assert flag in torchrun
@@ -36,7 +36,7 @@ def test_slurm_on_gpus_with_preflight(capsys):
                     "--nodes", "32", "--cluster.preflight", "true")
     assert "#SBATCH --gpus-per-node=8" in script and "#SBATCH --time" not in script
     preflight = next(line for line in script.splitlines() if "hlat preflight" in line)
-    assert preflight.startswith("srun torchrun --nnodes=32 --nproc-per-node=8 --max-restarts=0 --rdzv-backend=c10d "
+    assert preflight.startswith("srun hlat torchrun --nnodes=32 --nproc-per-node=8 --max-restarts=0 --rdzv-backend=c10d "
                                 '--rdzv-id="$SLURM_JOB_ID-preflight" --rdzv-endpoint="$head_node:29500" -m hlat '
                                 "preflight --config configs/hlat-7b.toml")
     assert preflight.endswith(" || exit 1") and script.index(preflight) < script.index("--max-restarts=3")
@@ -75,10 +75,10 @@ def test_kubernetes_preflight_keeps_torchrun_as_pid_1(capsys):
     assert "Worker" not in job["spec"]["pytorchReplicaSpecs"] and container["resources"] == {}
     shell, flag, script = container["command"]
     preflight, train = script.split(" && exec ")
-    assert (shell, flag) == ("bash", "-c") and preflight.startswith("torchrun --nnodes=1 ")
+    assert (shell, flag) == ("bash", "-c") and preflight.startswith("hlat torchrun --nnodes=1 ")
     assert "--rdzv-id=hlat-7b-preflight" in preflight and "$(PET_MASTER_ADDR)" in preflight
     assert preflight.endswith("-m hlat preflight --config /etc/hlat/config.toml")
-    assert train.startswith("torchrun ") and train.endswith("-m hlat train --config /etc/hlat/config.toml --resume auto")
+    assert train.startswith("hlat torchrun ") and train.endswith("-m hlat train --config /etc/hlat/config.toml --resume auto")
 
 
 def test_torchrun_waits_for_the_shutdown_checkpoint(monkeypatch):

@@ -1,9 +1,9 @@
 """`hlat launch`: render a multi-node job for SLURM (sbatch script) or Kubernetes (Kubeflow PyTorchJob) from the
 config's `[cluster]` table. The layout is checked against nodes x processes per node before anything is written.
 
-Both survive restarts the same way: every node runs torchrun with c10d rendezvous, `--max-restarts` and
-`--resume auto`, and the run directory lives on storage that outlasts the job (the shared file system under
-SLURM, a PersistentVolumeClaim on Kubernetes). A stop signal comes `cluster.stop_grace_s` seconds before the
+Both survive restarts the same way: every node runs torchrun (as `hlat torchrun`, which exits 0 after a clean
+stop) with c10d rendezvous, `--max-restarts` and `--resume auto`, and the run directory lives on storage that
+outlasts the job (the shared file system under SLURM, a PersistentVolumeClaim on Kubernetes). A stop signal comes `cluster.stop_grace_s` seconds before the
 job is killed, torchrun passes it to the trainers (waiting that long, TORCH_ELASTIC_SHUTDOWN_TIMEOUT), and the
 trainers checkpoint after the current step and exit; SLURM then requeues the job, which resumes.
 """
@@ -36,8 +36,8 @@ def _env(c: ClusterConfig) -> dict[str, str]:
 
 
 def _torchrun(c: ClusterConfig, rdzv_id: str, endpoint: str, restarts: int) -> list[str]:
-    return ["torchrun", f"--nnodes={c.nodes}", f"--nproc-per-node={c.nproc_per_node}", f"--max-restarts={restarts}",
-            "--rdzv-backend=c10d", f"--rdzv-id={rdzv_id}", f"--rdzv-endpoint={endpoint}"]
+    return ["hlat", "torchrun", f"--nnodes={c.nodes}", f"--nproc-per-node={c.nproc_per_node}",
+            f"--max-restarts={restarts}", "--rdzv-backend=c10d", f"--rdzv-id={rdzv_id}", f"--rdzv-endpoint={endpoint}"]
 
 
 def render_slurm(configs: list[str], cfg: Config, overrides: list[str]) -> str:

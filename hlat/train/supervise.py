@@ -20,9 +20,8 @@ NOT_RETRIED = 2  # hlat's exit code for a one-line error
 
 
 def child_command(train_args: list[str], nproc: int) -> list[str]:
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-                if nproc > 1 else [sys.executable])
-    return [*launcher, "-m", "hlat", "train", *train_args]
+    launcher = (["-m", "hlat", "torchrun", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else [])
+    return [sys.executable, *launcher, "-m", "hlat", "train", *train_args]
 
 
 def describe_exit(code: int) -> str:
