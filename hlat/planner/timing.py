@@ -43,8 +43,8 @@ from dataclasses import dataclass
 from hlat.models.config import ModelConfig
 from hlat.planner.layout import Layout, Workload
 from hlat.planner.memory import sharded_units, stage_params
-from hlat.planner.costs import (attention_flops, block_shape, interpolate, layer_matmuls, loss_bytes, matmul_flops, memory_op_bytes,
-                                 optimizer_bytes, output_matmul)
+from hlat.planner.costs import (attention_flops, block_shape, interpolate, layer_matmuls, loss_bytes, matmul_flops,
+                                 memory_op_bytes, optimizer_bytes, output_matmul)
 from hlat.planner.profiles import Fit, HardwareProfile
 
 
