@@ -423,12 +423,12 @@ def test_data_parallel_traffic_is_priced_as_fully_shard_runs_it():
     rest = model.num_params() - blocks
     flat = [[4096, 1.0], [2.0 ** 30, 1.0]]  # 1 GB/s bus bandwidth at every size
     hw = replace(load_profile("cpu"), devices_per_node=2, measured=Measured(
-        all_reduce=flat, all_gather=flat, reduce_scatter=flat, overlap=0.0, residual_gbs=1e12))  # copies free
+        all_reduce=flat, all_gather=flat, reduce_scatter=flat, overlap=0.0, copy_gbs=1e12))  # copies free
     work = Workload(model, 128, 8, "fp32")
     assert step_time(work, Layout.of(dp_replicate=2), hw).dp_comm == pytest.approx((blocks + rest) * 4 / 1e9)
     fsdp = step_time(work, Layout.of(dp_shard=2), hw).dp_comm  # 4 micro-batches; half of each unit moves
     assert fsdp == pytest.approx(4 * ((2 * blocks + rest) + (blocks + rest)) * 4 / 2 / 1e9)
     # copies at 1 GB/s: a replicated layout gathers (copies) its blocks once more per extra micro-batch
-    hw.measured.residual_gbs = 1.0
+    hw.measured.copy_gbs = 1.0
     one, four = (step_time(replace(work, global_batch=2 * m), Layout.of(dp_replicate=2), hw).dp_comm for m in (1, 4))
     assert four - one == pytest.approx(3 * blocks * 2 * 4 / 1e9)

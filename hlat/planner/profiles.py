@@ -58,6 +58,7 @@ class Measured:
     residual_gbs: float = 0.0
     loss_gbs: float = 0.0
     optimizer_gbs: float = 0.0
+    copy_gbs: float = 0.0  # a copy into a freshly allocated buffer, as fully_shard's gathers and reductions make
     all_reduce: list[list[float]] = field(default_factory=list)
     all_gather: list[list[float]] = field(default_factory=list)
     reduce_scatter: list[list[float]] = field(default_factory=list)

@@ -155,8 +155,8 @@ def dp_collective(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit,
 
 def fsdp_copies(work: Workload, layout: Layout, hw: HardwareProfile, gathers: tuple[int, int],
                 reductions: int) -> float:
-    """Seconds `fully_shard` spends copying into and out of its flat communication buffers, memory-bound at the
-    measured elementwise bandwidth: a gather (`gathers`: of each block, and of the rest) copies the shard in
+    """Seconds `fully_shard` spends copying into and out of its flat communication buffers, at the measured
+    bandwidth of a copy into a new buffer (else of elementwise work, else HBM's): a gather (`gathers`: of each block, and of the rest) copies the shard in
     (when there is more than one) and the whole unit out; a reduction copies the whole gradient in and its shard
     out (with one shard, a plain copy). Replicated layouts pay these too: the trainer runs them as fully_shard
     over a shard group of one."""
@@ -165,7 +165,7 @@ def fsdp_copies(work: Workload, layout: Layout, hw: HardwareProfile, gathers: tu
     reduce = 2 * (1 + 1 / ds) * mode.grad_bytes
     moved = sum(count * params * (times * gather + reductions * reduce)
                 for times, (count, params) in zip(gathers, sharded_units(work.model, layout)))
-    return moved / ((hw.measured.residual_gbs or hw.hbm_gbs) * 1e9)
+    return moved / ((hw.measured.copy_gbs or hw.measured.residual_gbs or hw.hbm_gbs) * 1e9)
 
 
 def step_time(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit | None = None) -> StepTime:
