@@ -11,8 +11,8 @@ from hlat import HlatError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="TOML config: its model, seq_len, micro_batch, precision, tp, "
-                                             "sequence parallelism and recomputation are measured")
+    parser.add_argument("--config", help="TOML config: its model, seq_len, micro_batch, precision, tp, sequence "
+                                         "parallelism and recomputation are measured")
     parser.add_argument("--model", help="preset name instead of the config's model")
     parser.add_argument("--tp", default="", help="tensor-parallel degrees whose matmul shapes to measure, e.g. 1,2 "
                                                  "(default: 1 and the config's tp)")
@@ -20,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                             "e.g. 1,4 (default: the config's micro_batch)")
     parser.add_argument("--dtypes", default="", help="fp32,bf16 (default: the precision mode's compute dtype)")
     parser.add_argument("--sizes", default="", help="collective sizes in bytes, comma-separated "
-                                                    "(default 4 KiB to 16 MiB)")
+                                                    "(default 4 KiB to 16 MiB and the model's own messages)")
     parser.add_argument("--repeats", type=int, default=5, help="timed repetitions per measurement (median)")
     parser.add_argument("--threshold", type=float, default=0.8,
                         help="a rank or link below this share of the median fails (default 0.8)")
@@ -70,7 +70,7 @@ def options(args: argparse.Namespace, overrides: list[str]):
             delay_rank, delay_ms = int(rank), float(ms)
         except ValueError:
             raise HlatError(f"--debug-delay: expected RANK:MS, got {args.debug_delay!r}") from None
-    extra = {"sizes": _ints(args.sizes, "--sizes")} if args.sizes else {"sizes": default_sizes(cfg.model)}
+    sizes = _ints(args.sizes, "--sizes") if args.sizes else default_sizes(cfg.model)
     micro_batches = _ints(args.micro_batches, "--micro-batches") or (cfg.train.micro_batch,)
     return Options(model=cfg.model, seq_len=cfg.train.seq_len, micro_batch=max(micro_batches),
                    other_micro_batches=micro_batches, tps=tps,
@@ -78,7 +78,7 @@ def options(args: argparse.Namespace, overrides: list[str]):
                    memory_fraction=args.memory_fraction, delay_rank=delay_rank, delay_ms=delay_ms,
                    perturb_rank=args.debug_perturb, precision=cfg.precision.mode,
                    sequence_parallel=cfg.parallel.sequence_parallel,
-                   recompute=cfg.parallel.activation_checkpoint, **extra)
+                   recompute=cfg.parallel.activation_checkpoint, sizes=sizes)
 
 
 def default_sizes(model) -> tuple[int, ...]:
