@@ -30,8 +30,8 @@ import torch.nn.functional as F
 
 from hlat.models.config import ModelConfig
 from hlat.models.layers import apply_rope, rope_table
-from hlat.planner.costs import (attention_flops, block_shape, layer_matmuls, loss_bytes, matmul_flops, memory_op_bytes,
-                                optimizer_bytes, output_matmul)
+from hlat.planner.costs import (attention_flops, block_shape, layer_matmuls, loss_bytes, matmul_flops,
+                                memory_op_bytes, optimizer_bytes, output_matmul)
 from hlat.planner.profiles import HardwareProfile, Measured
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
@@ -142,7 +142,7 @@ def measure_compute(o: Options, device: torch.device) -> tuple[list[dict], dict]
 
 
 def measure_blocks(o: Options, device: torch.device, world: int) -> tuple[list[dict], dict]:
-    """One whole block of the real model, forward + backward, and the rest of a micro-batch (embedding, final
+    """Whole blocks of the real model, forward + backward, and the rest of a micro-batch (embedding, final
     norm, output layer and loss), run as the trainer runs them (`time_block`), for each tensor-parallel degree
     that divides the ranks (over groups of neighbouring ranks, as the trainer's mesh puts tp innermost) and each
     micro-batch. Recorded under `hlat.planner.costs.block_shape`, which the planner matches exactly."""
@@ -166,7 +166,7 @@ def measure_blocks(o: Options, device: torch.device, world: int) -> tuple[list[d
 
 
 def time_block(o: Options, device: torch.device, world: int, tp_mesh, sp: bool, mb: int) -> tuple[float, float]:
-    """Seconds of one block (forward + backward) and of the rest of a micro-batch, built and wrapped by the
+    """Seconds per block (forward + backward) and of the rest of a micro-batch, built and wrapped by the
     trainer's own code: the precision mode's parameters and autocast, tensor (and sequence) parallelism over
     `tp_mesh`, the recomputation mode, and the loss under `loss_parallel` with tp. Every rank runs at once, as in
     training. The statistic is each rank's fastest repeat (as for every preflight figure: on a shared host the
@@ -190,7 +190,7 @@ def time_block(o: Options, device: torch.device, world: int, tp_mesh, sp: bool, 
         apply_tensor_parallel(model, tp_mesh, sp)
     apply_activation_checkpointing(model, o.recompute)
     materialize(model, device)
-    blocks = [model.layers.pop(str(i)) for i in range(stack)]  # the model without blocks: the rest of a micro-batch
+    blocks = [model.layers.pop(str(i)) for i in range(stack)]  # what is left: the rest of a micro-batch
     tp = tp_mesh.size() if tp_mesh is not None else 1
     x = torch.randn(mb, o.seq_len // tp if sp else o.seq_len, m.dim, device=device,
                     dtype=next(blocks[0].parameters()).dtype, requires_grad=True)
