@@ -54,7 +54,6 @@ def main() -> None:
                     time.sleep(args.work_s)
                     ckpt.finish()
                 totals.append(time.perf_counter() - start - (args.work_s if mode == "async" else 0))
-            ckpt.close()
             rows.append({"mode": mode, "stall_s": statistics.median(stalls), "stalls_s": stalls,
                          "save_s_outside_work": statistics.median(totals)})
     sync_s = rows[0]["stall_s"]
@@ -67,7 +66,7 @@ def main() -> None:
                "Asynchronous: the stall is the copy to host memory; the write overlaps training.")
     table = markdown_table(["mode", "stall per checkpoint (s)", "stall / synchronous save"],
                            [[r["mode"], f"{r['stall_s']:.3f}", f"{r['stall_vs_sync_save']:.1%}"] for r in rows])
-    write_results("checkpoint_stall", meta, rows, caption, table)
+    write_results("checkpoint_stall" + ("_gpu" if device.type == "cuda" else ""), meta, rows, caption, table)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -84,9 +85,9 @@ def main() -> None:
     ap.add_argument("--torchrun", type=int, default=5)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--jobs", type=int, default=1, help="trials run at once (on a machine with cores to spare)")
     args = ap.parse_args()
     rng = random.Random(args.seed)
-    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         references = {}
         for nproc in {1, 2}:
@@ -98,18 +99,25 @@ def main() -> None:
             assert done.wait() == 0, done.stderr.read()
             references[nproc] = ref / "run"
         plan = [1] * args.single + [2] * args.torchrun
-        for i, nproc in enumerate(plan):
-            row = trial(Path(tmp) / f"trial{i}", nproc, references[nproc], args.steps, rng, i % 2 == 1)
-            rows.append(row)
+        seeds = [rng.randrange(2**32) for _ in plan]  # each trial its own stream: the same under --jobs
+
+        def one(i: int) -> dict:
+            row = trial(Path(tmp) / f"trial{i}", plan[i], references[plan[i]], args.steps,
+                        random.Random(seeds[i]), i % 2 == 1)
             print(json.dumps(row), flush=True)
+            return row
+
+        with ThreadPoolExecutor(args.jobs) as pool:
+            rows = list(pool.map(one, range(len(plan))))
     passed = sum(r["ok"] for r in rows)
-    meta = {"trials": len(rows), "passed": passed, "steps": args.steps, "seed": args.seed}
+    meta = {"trials": len(rows), "passed": passed, "steps": args.steps, "seed": args.seed, "jobs": args.jobs,
+            "torch": torch.__version__, "cpus": os.cpu_count()}
     caption = (f"kill -9 at a random moment under `hlat train --max-restarts 3`: {passed}/{len(rows)} trials "
                "resumed bit-exact (every step's loss and gradient norm, final weights and optimizer state) with no "
                "process left behind (benchmarks/kill_resume_loop.py).")
-    table = markdown_table(["ranks", "trials", "passed"],
-                           [[n, sum(r["nproc"] == n for r in rows), sum(r["ok"] for r in rows if r["nproc"] == n)]
-                            for n in (1, 2)])
+    table = markdown_table(["ranks", "async saves", "trials", "passed"],
+                           [[n, a, len(group), sum(r["ok"] for r in group)] for n in (1, 2) for a in (False, True)
+                            if (group := [r for r in rows if (r["nproc"], r["async_checkpoint"]) == (n, a)])])
     write_results("kill_resume_loop", meta, rows, caption, table)
 
 

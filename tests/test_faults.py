@@ -176,12 +176,16 @@ def alive(pid: int) -> bool:
 
 
 def session_processes(sid: int) -> list[int]:
-    return [int(e.name) for e in Path("/proc").iterdir()
-            if e.name.isdigit() and alive(int(e.name)) and stat(int(e.name))[3] == str(sid)]
+    return [pid for pid in (int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit())
+            if (fields := stat(pid)) is not None and fields[0] != "Z" and fields[3] == str(sid)]
 
 
 def children(pid: int) -> list[int]:
-    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    """The process's children; none once it has ended (it may end while we look)."""
+    try:
+        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except FileNotFoundError:
+        return []
 
 
 def trained_state(run_dir: Path, cfg) -> tuple[dict, dict]:

@@ -115,7 +115,7 @@ def _reason(e: BaseException) -> str:
     if isinstance(e, OSError) and e.strerror:
         return f"{e.strerror}{f' ({e.filename})' if e.filename else ''}"
     text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__  # a KeyError's text is a key
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -207,6 +207,7 @@ def _commit(final: Path, own: dict | str, config_toml: str, rank: int) -> None:
 class _InFlight:
     final: Path
     config_toml: str
+    stager: DefaultStager
     written: threading.Event = field(default_factory=threading.Event)
     result: dict | str = ""  # this rank's digests once written, or its error
 
@@ -222,9 +223,10 @@ class Checkpointer:
 
     def __init__(self, run_dir: str | Path, keep: int, rank: int, asynchronous: bool, pinned: bool):
         self.root, self.keep, self.rank = checkpoint_root(run_dir), keep, rank
-        self.stager = DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
-                                                   use_async_staging=False, use_non_blocking_copy=pinned)
-                                    ) if asynchronous else None
+        # a stager per save, its host copy freed once written: torch 2.11's stager empties its tables after each
+        # stage, and the next stage on it fails
+        self.staging = StagingOptions(use_pinned_memory=pinned, use_shared_memory=False, use_async_staging=False,
+                                      use_non_blocking_copy=pinned) if asynchronous else None
         self.in_flight: _InFlight | None = None
         # the background write runs collectives of its own: on a group of its own, never interleaved with the
         # training loop's collectives on the default group
@@ -238,16 +240,17 @@ class Checkpointer:
         state = {"model": model_state(parts), "optim": optimizer_state(parts, optimizers),
                  trainer_key: json.dumps(trainer_state)}
         final = self.root / f"step_{step:08d}"
-        if self.stager is None:
+        if self.staging is None:
             write_checkpoint(final, state, config_toml, self.rank)
             self._rotate(step)
             return final
         self.finish()
+        stager = DefaultStager(self.staging)
         with _writing(final, self.rank):
             _begin(_partial(final), self.rank)
-            future = dcp.async_save(state, checkpoint_id=_partial(final), async_stager=self.stager,
+            future = dcp.async_save(state, checkpoint_id=_partial(final), async_stager=stager,
                                     process_group=self.group)
-        flight = self.in_flight = _InFlight(final, config_toml)
+        flight = self.in_flight = _InFlight(final, config_toml, stager)
         future.add_done_callback(lambda f: self._written(f, flight))
         return None
 
@@ -257,6 +260,7 @@ class Checkpointer:
             flight.result = _own_digests(_partial(flight.final), self.rank)
         except BaseException as e:  # reported by finish, on every rank
             flight.result = _reason(e)
+        flight.stager.close()
         flight.written.set()
 
     def written(self) -> bool:
@@ -272,11 +276,6 @@ class Checkpointer:
             _commit(flight.final, flight.result, flight.config_toml, self.rank)
         self._rotate(int(flight.final.name.removeprefix("step_")))
         return flight.final
-
-    def close(self) -> None:
-        """Release the stager's host memory (a save still in flight is left uncommitted: `.partial`)."""
-        if self.stager is not None:
-            self.stager.close()
 
     def _rotate(self, newest: int) -> None:
         if self.rank == 0:
