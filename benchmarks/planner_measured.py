@@ -99,6 +99,7 @@ def main() -> None:
     ap.add_argument("--global-batch", type=int)
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3, help="preflight repetitions per measurement")
+    ap.add_argument("--layouts", default="", help="comma-separated subset of the layouts to run (default: all)")
     args = ap.parse_args()
     if args.gpu:
         layouts, args.nproc, args.tp, args.dtypes, args.micro_batches = GPU_RUNS, 1, "1", "fp32,bf16", "1,4"
@@ -108,9 +109,14 @@ def main() -> None:
         layouts, args.nproc, args.tp, args.dtypes = CPU_LAYOUTS, 2, "1,2", "fp32"
         args.micro_batches = str(args.micro_batch)
         args.seq_len, args.global_batch = args.seq_len or 128, args.global_batch or 4
+    if args.layouts:
+        unknown = set(args.layouts.split(",")) - set(layouts)
+        if unknown:
+            sys.exit(f"--layouts: unknown {', '.join(sorted(unknown))} (known: {', '.join(layouts)})")
+        layouts = {k: v for k, v in layouts.items() if k in args.layouts.split(",")}
     args.model_overrides = {"model.tie_embeddings": False}  # pipeline stages cannot share the embedding
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}  # one core per process on a CPU host
-    tag = "gpu" if args.gpu else "cpu"
+    tag = ("gpu" if args.gpu else "cpu") + ("_" + "_".join(layouts) if args.layouts else "")  # a subset: apart
     RESULTS.mkdir(exist_ok=True)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -140,7 +146,8 @@ def main() -> None:
                          "error_before": round(predicted[0].total / measured - 1, 4),
                          "error_after": round(predicted[1].total / measured - 1, 4),
                          "predicted_mean_s": round(mean, 4), "error_mean": round(mean / measured - 1, 4),
-                         "breakdown_before": {k: round(v, 4) for k, v in predicted[0].__dict__.items()}})
+                         "breakdown_before": {k: round(v, 4) for k, v in predicted[0].__dict__.items()
+                                             if k != "layer"}, "layer": predicted[0].layer})
     meta = {"machine": platform.machine(), "cpus": os.cpu_count(), "preset": args.preset, "seq_len": args.seq_len,
             "global_batch": args.global_batch, "micro_batch": args.micro_batch, "steps": args.steps,
             "timed_steps": args.steps - args.warmup,

@@ -389,3 +389,46 @@ def test_published_a100_runs_out_of_sample():
         best = min((p for p in plans if p.memory.fits), key=lambda p: p.time.total)
         errors.append(abs(best.time.total / sample.step_s - 1))
     assert len(errors) == 18 and sum(errors) / len(errors) < 0.15
+
+
+def test_a_measured_block_prices_only_the_workload_it_was_measured_at():
+    """A whole block timed by preflight is the per-layer time (tensor-parallel collectives included) and the
+    measured ends replace the output layer, but only at exactly the shape it was taken at."""
+    from hlat.planner.costs import block_shape
+    from hlat.planner.profiles import Measured
+
+    model, work = model_config("tiny"), Workload(model_config("tiny"), 64, 8, "fp32")
+    shape = block_shape(model, 64, 2, "fp32", 2, True, "none")
+    hw = replace(load_profile("cpu"), measured=Measured(block_shapes=[shape], block_s=[0.25], ends_s=[0.5]))
+    layout = Layout.of(tp=2, micro_batch=2, sequence_parallel=True)
+    t = step_time(work, layout, hw)
+    assert t.layer == "measured block" and t.tp_comm == 0
+    assert t.compute == pytest.approx(4 * (model.n_layers * 0.25 + 0.5))  # 8 sequences in micro-batches of 2
+    # another micro-batch, tp degree, recomputation, precision or model: the block does not apply
+    for other_work, other in [(work, layout.replaced(micro_batch=1)), (work, layout.replaced(tp=1)),
+                              (work, layout.replaced(activation_checkpoint="full")),
+                              (replace(work, precision="bf16_mixed"), layout),
+                              (replace(work, model=replace(model, n_layers=2)), layout)]:
+        priced = step_time(other_work, other, hw)  # no operations measured either: the fitted factors
+        assert priced.layer == "fitted" and (priced.tp_comm > 0) == (other.tp > 1), other.describe()
+
+
+def test_data_parallel_traffic_is_priced_as_fully_shard_runs_it():
+    """With measured collectives: one collective per unit (each block, then the rest), the root unit gathered
+    once per micro-batch under FSDP, and buffer copies that a replicated layout pays for each re-gather."""
+    from hlat.planner.profiles import Measured
+
+    model = model_config("small")
+    blocks = model.n_layers * model.layer_params()
+    rest = model.num_params() - blocks
+    flat = [[4096, 1.0], [2.0 ** 30, 1.0]]  # 1 GB/s bus bandwidth at every size
+    hw = replace(load_profile("cpu"), devices_per_node=2, measured=Measured(
+        all_reduce=flat, all_gather=flat, reduce_scatter=flat, overlap=0.0, copy_gbs=1e12))  # copies free
+    work = Workload(model, 128, 8, "fp32")
+    assert step_time(work, Layout.of(dp_replicate=2), hw).dp_comm == pytest.approx((blocks + rest) * 4 / 1e9)
+    fsdp = step_time(work, Layout.of(dp_shard=2), hw).dp_comm  # 4 micro-batches; half of each unit moves
+    assert fsdp == pytest.approx(4 * ((2 * blocks + rest) + (blocks + rest)) * 4 / 2 / 1e9)
+    # copies at 1 GB/s: a replicated layout gathers (copies) its blocks once more per extra micro-batch
+    hw.measured.copy_gbs = 1.0
+    one, four = (step_time(replace(work, global_batch=2 * m), Layout.of(dp_replicate=2), hw).dp_comm for m in (1, 4))
+    assert four - one == pytest.approx(3 * blocks * 2 * 4 / 1e9)

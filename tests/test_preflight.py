@@ -10,7 +10,11 @@ import sys
 
 import pytest
 
+from hlat.models.config import model_config
+from hlat.planner.costs import block_shape
+from hlat.planner.layout import Layout, Workload
 from hlat.planner.profiles import load_profile
+from hlat.planner.timing import step_time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -25,14 +29,19 @@ def preflight(tmp_path, *extra: str, nproc: int = 4) -> subprocess.CompletedProc
 
 def test_preflight_writes_a_profile_the_planner_uses(tmp_path):
     # a threshold of 5% fails only a rank 20x slower than the median: load on a shared machine does not
-    done = preflight(tmp_path, "--threshold", "0.05", "--json", "--out", str(tmp_path / "measured.toml"))
+    done = preflight(tmp_path, "--threshold", "0.05", "--json", "--tp", "1,2", "--out",
+                     str(tmp_path / "measured.toml"))
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout[done.stdout.index("{"):done.stdout.rindex("}") + 1])
     assert report["ranks"] == 4 and len(report["links"]) == 4 and not report["mismatched"]
     assert {r["op"] for r in report["collectives"]} == {"all_reduce", "all_gather", "reduce_scatter"}
     profile = load_profile(str(tmp_path / "measured.toml"))
     assert profile.devices_per_node == 4 and profile.measured.matmul_fp32 and profile.measured.all_reduce
-    assert "measured: matmul, attention" in profile.sources()
+    assert "measured: matmul, attention, whole block" in profile.sources()
+    # a block at tp 2 with sequence parallelism, on groups of two neighbouring ranks, prices that layout
+    work = Workload(model_config("tiny"), 32, 8, "fp32")
+    tp2 = Layout.of(tp=2, dp_shard=2, sequence_parallel=True, activation_checkpoint="none")
+    assert step_time(work, tp2, profile).layer == "measured block"
     from hlat.cli import main
 
     assert main(["plan", "--model", "tiny", "--hardware", str(tmp_path / "measured.toml"), "--seq-len", "32",
@@ -60,3 +69,20 @@ def test_bad_options_are_one_line_errors(argv, message, capsys):
 
     assert main(["preflight", "--model", "tiny", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_single_process_preflight_times_the_configs_block_as_the_trainer_runs_it(tmp_path):
+    from hlat.cli import main
+
+    out = tmp_path / "measured.toml"
+    assert main(["preflight", "--model", "tiny", "--train.seq_len", "32", "--train.micro_batch", "2", "--repeats",
+                 "1", "--dtypes", "fp32", "--parallel.activation_checkpoint", "selective", "--precision.mode",
+                 "bf16_mixed", "--out", str(out)]) == 0
+    measured = load_profile(str(out)).measured
+    assert measured.block_shapes == [block_shape(model_config("tiny"), 32, 2, "bf16_mixed", 1, False, "selective")]
+    assert measured.block_s[0] > 0 and measured.ends_s[0] > 0
+    work = Workload(model_config("tiny"), 32, 4, "bf16_mixed")
+    layout = Layout.of(micro_batch=2, activation_checkpoint="selective")
+    t = step_time(work, layout, load_profile(str(out)))
+    assert t.layer == "measured block"
+    assert t.compute == pytest.approx(2 * (4 * measured.block_s[0] + measured.ends_s[0]))

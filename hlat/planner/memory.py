@@ -60,6 +60,15 @@ def stage_params(model: ModelConfig, layout: Layout) -> float:
     return layers * layer_params_per_device(model, layout.tp) + embedding / layout.tp + final_norm
 
 
+def sharded_units(model: ModelConfig, layout: Layout) -> list[tuple[int, float]]:
+    """(count, parameters per device) of the units `fully_shard` wraps on the largest stage (see
+    `hlat.parallel.data`): each block, then the rest of the stage. Data parallelism runs one gather or reduction
+    per unit, each at that unit's size."""
+    layers = math.ceil(model.n_layers / layout.pp)
+    block = layer_params_per_device(model, layout.tp)
+    return [(layers, block), (1, stage_params(model, layout) - layers * block)]
+
+
 def layer_activation_bytes(model: ModelConfig, seq_len: int, layout: Layout, recompute: str, act_bytes: int,
                            flash: bool, stack: str = "hlat") -> float:
     """Bytes one layer keeps for the backward pass of one micro-batch on one device, in tensors of s x b x h

@@ -58,17 +58,32 @@ class Measured:
     residual_gbs: float = 0.0
     loss_gbs: float = 0.0
     optimizer_gbs: float = 0.0
+    copy_gbs: float = 0.0  # a copy into a freshly allocated buffer, as fully_shard's gathers and reductions make
     all_reduce: list[list[float]] = field(default_factory=list)
     all_gather: list[list[float]] = field(default_factory=list)
     reduce_scatter: list[list[float]] = field(default_factory=list)
     send_recv: list[list[float]] = field(default_factory=list)
     overlap: float = -1.0  # share of a collective that hides behind concurrent compute (-1: not measured)
+    # Whole blocks of the real model, timed forward + backward as the trainer runs them (tensor-parallel
+    # collectives, recomputation and precision included), one entry per `hlat.planner.costs.block_shape`;
+    # `ends_s`: the rest of a micro-batch on one rank (embedding, final norm, output layer and loss).
+    block_shapes: list[str] = field(default_factory=list)
+    block_s: list[float] = field(default_factory=list)
+    ends_s: list[float] = field(default_factory=list)
+
+    def block(self, shape: str) -> tuple[float, float] | None:
+        """Seconds of one block and of the ends of a micro-batch, measured at exactly `shape`, or None."""
+        if shape not in self.block_shapes:
+            return None
+        i = self.block_shapes.index(shape)
+        return self.block_s[i], self.ends_s[i]
 
     def figures(self) -> dict[str, bool]:
         """Which figures were measured, by name."""
         return {"matmul": bool(self.matmul_bf16 or self.matmul_fp32),
                 "attention": bool(self.attention_bf16 or self.attention_fp32),
-                "memory-bound": self.norm_gbs > 0, "optimizer": self.optimizer_gbs > 0,
+                "whole block": bool(self.block_shapes), "memory-bound": self.norm_gbs > 0,
+                "optimizer": self.optimizer_gbs > 0,
                 "collectives": bool(self.all_reduce), "send/recv": bool(self.send_recv), "overlap": self.overlap >= 0}
 
 

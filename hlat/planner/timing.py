@@ -14,6 +14,12 @@ can fit them to measurements:
                      + data-parallel gradient reduction x dp_factor                 (ZeRO-1: reduce-scatter + all-gather)
                      + optimizer step (memory-bound: state bytes / HBM bandwidth)
 
+Where `hlat preflight` timed a whole block of the real model at exactly this workload's shape (tensor parallelism,
+sequence parallelism, recomputation, micro-batch, sequence and precision mode: `hlat.planner.costs.block_shape`),
+that time is the per-layer time, tensor-parallel communication included, and the measured rest of the micro-batch
+(embedding, final norm, output layer and loss) replaces the output layer. Otherwise the layer is composed from the
+measured operations (`measured_layer`), and without those from the fitted factors; `StepTime.layer` says which.
+
 The host launches kernels ahead of the device, so its fixed per-layer cost shows only where the device finishes a
 layer sooner (small layers and micro-batches). Without fused attention the scores (micro-batch x heads x seq^2)
 are written and read by a chain of memory-bound kernels (scale, mask, softmax, dropout, and again for the
@@ -22,7 +28,11 @@ recomputation and the backward pass); their cost grows with seq^2 where the matm
 FSDP gathers the weights twice and reduce-scatters the gradients for every micro-batch; that traffic hides behind
 the micro-batch's compute and only the excess is charged (no measurement used for the fits runs FSDP). Under a
 pipeline schedule the trainer keeps FSDP's parameters gathered through the step and reduces the gradients once
-(as torch's pipelining does), which costs what ZeRO-1 costs.
+(as torch's pipelining does), which costs what ZeRO-1 costs. With measured collectives the data-parallel traffic
+is priced as `fully_shard` issues it (`data_parallel_time`): one collective per unit (each block, then the rest of
+the stage) at that size's measured rate, the root unit gathered once per micro-batch, and the copies into and out of
+its communication buffers, which replicated layouts pay too (the trainer runs them as fully_shard over a shard
+group of one).
 """
 
 from __future__ import annotations
@@ -32,9 +42,9 @@ from dataclasses import dataclass
 
 from hlat.models.config import ModelConfig
 from hlat.planner.layout import Layout, Workload
-from hlat.planner.memory import stage_params
-from hlat.planner.costs import (attention_flops, interpolate, layer_matmuls, loss_bytes, matmul_flops, memory_op_bytes,
-                                 optimizer_bytes, output_matmul)
+from hlat.planner.memory import sharded_units, stage_params
+from hlat.planner.costs import (attention_flops, block_shape, interpolate, layer_matmuls, loss_bytes, matmul_flops,
+                                 memory_op_bytes, optimizer_bytes, output_matmul)
 from hlat.planner.profiles import Fit, HardwareProfile
 
 
@@ -46,6 +56,7 @@ class StepTime:
     bubble: float  # pipeline fill and drain
     dp_comm: float  # exposed data-parallel (or FSDP) communication
     optimizer: float
+    layer: str = "fitted"  # how a layer was priced: "measured block", "composed" (measured operations) or "fitted"
 
     @property
     def total(self) -> float:
@@ -130,6 +141,33 @@ def link_time(hw: HardwareProfile, fit: Fit, op: str, nbytes: float, group: int,
     return intra + inter * fit.inter_factor
 
 
+def dp_collective(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit, op: str, bytes_per_param: float,
+                  group: int, per_node: int, blocks: int = 1, rest: int = 1) -> float:
+    """Seconds of the data-parallel collectives `op` over the stage's parameters as the trainer issues them, the
+    blocks' `blocks` times and the rest of the stage's `rest` times. With measured bandwidths, one collective
+    per `fully_shard` unit (each block, then the rest), each at its own size's measured rate; without, `blocks`
+    messages of them all (what the fitted dp_factor was fitted to)."""
+    if not getattr(hw.measured, op):
+        return blocks * link_time(hw, fit, op, stage_params(work.model, layout) * bytes_per_param, group, per_node)
+    return sum(times * count * link_time(hw, fit, op, params * bytes_per_param, group, per_node)
+               for times, (count, params) in zip((blocks, rest), sharded_units(work.model, layout)))
+
+
+def fsdp_copies(work: Workload, layout: Layout, hw: HardwareProfile, gathers: tuple[int, int],
+                reductions: int) -> float:
+    """Seconds `fully_shard` spends copying into and out of its flat communication buffers, at the measured
+    bandwidth of a copy into a new buffer (else of elementwise work, else HBM's): a gather (`gathers`: of each
+    block, and of the rest) copies the shard in (when there is more than one) and the whole unit out; a reduction
+    copies the whole gradient in and its shard out (with one shard, a plain copy). Replicated layouts pay these too: the trainer runs them as fully_shard
+    over a shard group of one."""
+    mode, ds = work.mode, layout.dp_shard
+    gather = 2 * (1 + (1 / ds if ds > 1 else 0)) * mode.weight_bytes  # bytes moved (read + write) per parameter
+    reduce = 2 * (1 + 1 / ds) * mode.grad_bytes
+    moved = sum(count * params * (times * gather + reductions * reduce)
+                for times, (count, params) in zip(gathers, sharded_units(work.model, layout)))
+    return moved / ((hw.measured.copy_gbs or hw.measured.residual_gbs or hw.hbm_gbs) * 1e9)
+
+
 def step_time(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit | None = None) -> StepTime:
     fit = fit or hw.fit
     model, mode, cb = work.model, work.mode, work.compute_bytes
@@ -142,7 +180,9 @@ def step_time(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit | No
     # The busiest stage: its layers, and the output layer, which sits on the last stage (6 V h of the model's
     # FLOPs per token; the embedding lookup on the first costs no FLOPs).
     output_layer = 6.0 * model.vocab_size * model.dim
-    measured = measured_layer(work, layout, hw)
+    block = me.block(block_shape(model, work.seq_len, layout.micro_batch, work.precision, t,
+                                 layout.sequence_parallel, layout.activation_checkpoint))
+    measured = block or measured_layer(work, layout, hw)
     if measured:
         layer_device, output_time = measured
     else:
@@ -155,8 +195,8 @@ def step_time(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit | No
         output_time = output_layer * tokens / t / (hw.peak_tflops * 1e12) * fit.flops_factor
 
     tp_layer = 0.0
-    if t > 1:  # all-reduces (or all-gather + reduce-scatter pairs with SP) of the full activation; a tp group
-        # larger than a node runs them over the network
+    if t > 1 and not block:  # all-reduces (or all-gather + reduce-scatter pairs with SP) of the full activation;
+        # a tp group larger than a node runs them over the network (a measured block ran its own)
         collectives = 6 if layout.activation_checkpoint == "full" else 4
         tp_layer = collectives * link_time(hw, fit, "all_reduce", tokens * model.dim * cb, t, min(t, dpn))
     tp = layers * tp_layer
@@ -187,7 +227,8 @@ def step_time(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit | No
     bubble = (p - 1) / v if p > 1 else 0.0
     return StepTime(compute=m * compute, tp_comm=m * tp, pp_comm=m * pp,
                     bubble=bubble * (compute - output_time + tp + pp),
-                    dp_comm=dp_comm, optimizer=optimizer)
+                    dp_comm=dp_comm, optimizer=optimizer,
+                    layer="measured block" if block else "composed" if measured else "fitted")
 
 
 def data_parallel_time(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit, compute: float,
@@ -207,24 +248,33 @@ def data_parallel_time(work: Workload, layout: Layout, hw: HardwareProfile, fit:
     def exposed(traffic: float, hideable: float) -> float:
         return traffic - overlap * min(traffic, hideable)
 
-    def raw(op: str, nbytes: float, group: int, per_node: int) -> float:
+    def raw(op: str, bytes_per_param: float, group: int, per_node: int) -> float:
         if measured:
-            return link_time(hw, fit, op, nbytes, group, per_node)
+            return dp_collective(work, layout, hw, fit, op, bytes_per_param, group, per_node)
         passes = 2 if op == "all_reduce" else 1
-        return sum(collective(hw, nbytes, group, per_node, passes)) * fit.dp_factor
+        return sum(collective(hw, params * bytes_per_param, group, per_node, passes)) * fit.dp_factor
 
-    time = 0.0
-    if layout.param_shard > 1 and layout.pp == 1:  # FSDP: gathered (as stored) twice per micro-batch
-        per_mb = (2 * link_time(hw, fit, "all_gather", params * mode.weight_bytes, ds, dp_per_node)
-                  + link_time(hw, fit, "reduce_scatter", params * mode.grad_bytes, ds, dp_per_node))
+    # Gathers per step of (each block, the rest): FSDP gathers a block before its forward and again before its
+    # backward, every micro-batch, but keeps the root unit (the rest) from forward through backward; ZeRO-1 (and
+    # any layout under a pipeline schedule) gathers once; a replicated layout reshards its blocks after each
+    # forward but not after a backward that does not reduce, so the next forward finds them gathered.
+    time, copies = 0.0, 0.0
+    if layout.param_shard > 1 and layout.pp == 1:  # FSDP: gathered (as stored) and reduced every micro-batch
+        per_mb = (dp_collective(work, layout, hw, fit, "all_gather", mode.weight_bytes, ds, dp_per_node, 2, 1)
+                  + dp_collective(work, layout, hw, fit, "reduce_scatter", mode.grad_bytes, ds, dp_per_node))
         time = m * (exposed(per_mb, compute) if measured else max(0.0, per_mb - compute))
+        copies = fsdp_copies(work, layout, hw, (2 * m, m), m)
     elif ds > 1:  # gathered once per step and kept (ZeRO-1, and FSDP under a pipeline schedule)
-        traffic = (raw("reduce_scatter", params * mode.grad_bytes, ds, dp_per_node)
-                   + raw("all_gather", params * mode.weight_bytes, ds, dp_per_node))
+        traffic = (raw("reduce_scatter", mode.grad_bytes, ds, dp_per_node)
+                   + raw("all_gather", mode.weight_bytes, ds, dp_per_node))
         time = exposed(traffic, compute) if measured else traffic
+        copies = fsdp_copies(work, layout, hw, (1, 1), 1)
     elif layout.dp > 1:
-        traffic = raw("all_reduce", params * mode.grad_bytes, layout.dp, dp_per_node)
+        traffic = raw("all_reduce", mode.grad_bytes, layout.dp, dp_per_node)
         time = exposed(traffic, 2 / 3 * compute) if measured else traffic  # the last micro-batch's backward
+        copies = fsdp_copies(work, layout, hw, (m + 1 if layout.pp == 1 else 1, 1), 1)
+    # the copies are priced only with measured figures: the fitted factors were fitted to other trainers' runs
+    time += copies if measured else 0.0
     if ds > 1 and layout.dp_replicate > 1:  # HSDP: the shards' gradients all-reduced across replicas, once
-        time += raw("all_reduce", params / ds * mode.grad_bytes, layout.dp_replicate, max(1, dp_per_node // ds))
+        time += raw("all_reduce", mode.grad_bytes / ds, layout.dp_replicate, max(1, dp_per_node // ds))
     return time

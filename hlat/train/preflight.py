@@ -15,6 +15,7 @@ a rank's numerics."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -29,11 +30,12 @@ import torch.nn.functional as F
 
 from hlat.models.config import ModelConfig
 from hlat.models.layers import apply_rope, rope_table
-from hlat.planner.costs import (attention_flops, layer_matmuls, loss_bytes, matmul_flops, memory_op_bytes,
-                                optimizer_bytes, output_matmul)
+from hlat.planner.costs import (attention_flops, block_shape, layer_matmuls, loss_bytes, matmul_flops,
+                                memory_op_bytes, optimizer_bytes, output_matmul)
 from hlat.planner.profiles import HardwareProfile, Measured
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+BLOCKS_TIMED = 4  # distinct blocks in a row per whole-block timing (fewer when the model has fewer)
 
 
 @dataclass
@@ -51,6 +53,10 @@ class Options:
     delay_rank: int = -1  # debug: this rank sleeps delay_ms before every collective
     delay_ms: float = 0.0
     perturb_rank: int = -1  # debug: this rank's numerics check sees different inputs
+    # the trainer's settings a whole block is timed under (`measure_blocks`)
+    precision: str = "fp32"
+    sequence_parallel: bool = True
+    recompute: str = "none"
 
 
 @dataclass
@@ -135,6 +141,87 @@ def measure_compute(o: Options, device: torch.device) -> tuple[list[dict], dict]
     return rows + rows_, {**fields_, **bandwidths}
 
 
+def measure_blocks(o: Options, device: torch.device, world: int) -> tuple[list[dict], dict]:
+    """Whole blocks of the real model, forward + backward, and the rest of a micro-batch (embedding, final
+    norm, output layer and loss), run as the trainer runs them (`time_block`), for each tensor-parallel degree
+    that divides the ranks (over groups of neighbouring ranks, as the trainer's mesh puts tp innermost) and each
+    micro-batch. Recorded under `hlat.planner.costs.block_shape`, which the planner matches exactly."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    m, rows, out = o.model, [], {"block_shapes": [], "block_s": [], "ends_s": []}
+    for tp in (tp for tp in o.tps if world % tp == 0):
+        sp = o.sequence_parallel and tp > 1
+        tp_mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("rest", "tp"))["tp"] \
+            if tp > 1 else None
+        for mb in sorted({o.micro_batch, *o.other_micro_batches}):
+            times = time_block(o, device, world, tp_mesh, sp, mb)
+            for key, value in zip(out, (block_shape(m, o.seq_len, mb, o.precision, tp, sp, o.recompute), *times)):
+                out[key].append(value)
+            layout = f"tp{tp}{' sp' if sp else ''} ac:{o.recompute} {o.precision}"
+            rows.append({"what": f"block (fwd+bwd) {layout}", "shape": f"{mb}x{o.seq_len}x{m.dim}",
+                         "seconds": times[0], "rate": ""})
+            rows.append({"what": f"embedding, output layer, loss (fwd+bwd) {layout}",
+                         "shape": f"{mb}x{o.seq_len}x{m.vocab_size}", "seconds": times[1], "rate": ""})
+    return rows, out
+
+
+def time_block(o: Options, device: torch.device, world: int, tp_mesh, sp: bool, mb: int) -> tuple[float, float]:
+    """Seconds per block (forward + backward) and of the rest of a micro-batch, built and wrapped by the
+    trainer's own code: the precision mode's parameters and autocast, tensor (and sequence) parallelism over
+    `tp_mesh`, the recomputation mode, and the loss under `loss_parallel` with tp. Every rank runs at once, as in
+    training. The statistic is each rank's fastest repeat (as for every preflight figure: on a shared host the
+    least disturbed run is the one that reproduces), and of those the slowest rank's, since the trainer's
+    collectives wait for it."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from hlat.models import build_model, materialize
+    from hlat.models.layers import document_mask
+    from hlat.optim.precision import autocast, prepare_model
+    from hlat.parallel.checkpointing import apply_activation_checkpointing
+    from hlat.parallel.tensor import apply_tensor_parallel
+    from hlat.train.loop import cross_entropy
+
+    m = o.model
+    # A few distinct blocks in a row, as the model runs them: one block timed again and again would find its
+    # weights and gradients still in the cache, which a whole model (on a CPU host) does not.
+    stack = min(m.n_layers, BLOCKS_TIMED)
+    model = prepare_model(build_model(replace(m, n_layers=stack)), o.precision)
+    if tp_mesh is not None:
+        apply_tensor_parallel(model, tp_mesh, sp)
+    apply_activation_checkpointing(model, o.recompute)
+    materialize(model, device)
+    blocks = [model.layers.pop(str(i)) for i in range(stack)]  # what is left: the rest of a micro-batch
+    tp = tp_mesh.size() if tp_mesh is not None else 1
+    x = torch.randn(mb, o.seq_len // tp if sp else o.seq_len, m.dim, device=device,
+                    dtype=next(blocks[0].parameters()).dtype, requires_grad=True)
+    tokens = torch.randint(m.vocab_size, (mb, o.seq_len), device=device)
+    # one document per sequence: the trainer's masked attention kernel, where the model masks documents
+    doc_ids = torch.zeros_like(tokens) if m.doc_mask else None
+    mask = document_mask(doc_ids) if m.doc_mask else None
+    loss_context = loss_parallel if tp > 1 else contextlib.nullcontext
+
+    def block_step():
+        with autocast(o.precision, device):
+            y = x
+            for block in blocks:
+                y = block(y, model.rope, mask)
+        y.backward(torch.ones_like(y))
+
+    def ends_step():
+        with loss_context():
+            with autocast(o.precision, device):
+                logits = model(tokens, doc_ids=doc_ids)
+            cross_entropy(logits, tokens).backward()
+
+    times = []
+    for step in (block_step, ends_step):
+        step()  # a first call allocates the gradients (and timed() warms up once more)
+        if world > 1:
+            dist.barrier()
+        times.append(max(_gather(timed(step, device, o.repeats), world)))
+    return times[0] / stack, times[1]
+
+
 def measure_memory_bound(o: Options, device: torch.device) -> tuple[list[dict], dict]:
     """GB/s of each memory-bound operation, fwd + bwd, at one layer's shapes (in the compute dtype of the first
     --dtype), against the nominal bytes of `hlat.planner.costs`."""
@@ -173,6 +260,12 @@ def measure_memory_bound(o: Options, device: torch.device) -> tuple[list[dict], 
     rows.append({"what": "loss (cross-entropy, fwd+bwd)", "shape": f"{tokens}x{m.vocab_size}", "seconds": seconds,
                  "rate": f"{out['loss_gbs']:.3g} GB/s"})
     n = m.layer_params()
+    # fully_shard's gathers and reductions copy a unit into (or out of) a freshly allocated flat buffer
+    unit = torch.randn(n, device=device)
+    seconds = timed(lambda: torch.empty_like(unit).copy_(unit), device, o.repeats)
+    out["copy_gbs"] = 2 * 4 * n / seconds / 1e9
+    rows.append({"what": "copy into a new buffer (fully_shard)", "shape": f"{n} fp32", "seconds": seconds,
+                 "rate": f"{out['copy_gbs']:.3g} GB/s"})
     param = torch.nn.Parameter(torch.randn(n, device=device))
     param.grad = torch.randn_like(param)
     opt = torch.optim.AdamW([param], lr=1e-4, foreach=True)
@@ -232,9 +325,16 @@ def measure_collectives(o: Options, device: torch.device, rank: int, world: int)
     return rows, local, total
 
 
+def bulk_size(o: Options) -> int:
+    """Bytes of the link and overlap checks: the largest size up to 16 MiB, about one block's gradients (the
+    sweep may reach a 200 MB embedding; a message that long would measure how much of the overlap check's
+    matmul hides behind it, not the reverse)."""
+    return min(max(o.sizes), 2 ** 24)
+
+
 def measure_links(o: Options, device: torch.device, rank: int, world: int, hosts: list[str]) -> list[dict]:
-    """Send/recv between each rank and the next (ring order), one pair at a time, at the largest size."""
-    numel = o.sizes[-1] // 4
+    """Send/recv between each rank and the next (ring order), one pair at a time, at `bulk_size`."""
+    numel = bulk_size(o) // 4
     buf = torch.ones(numel, device=device)
     rows = []
     for src in range(world):
@@ -268,10 +368,15 @@ def measure_links(o: Options, device: torch.device, rank: int, world: int, hosts
 
 def measure_overlap(o: Options, device: torch.device) -> float:
     """Share of an all-reduce hidden behind a concurrent matmul: (t_matmul + t_allreduce - t_both) over the
-    shorter of the two, clamped to [0, 1]."""
+    shorter of the two, clamped to [0, 1]. The all-reduce runs on the communication stream while the compute
+    stream goes on, as `fully_shard` issues the trainer's. On the CPU it is 0 without measuring: there gloo's
+    collectives, as fully_shard issues them, block the thread that issued them, so nothing hides (a timing would
+    only measure the host's noise)."""
+    if device.type == "cpu":
+        return 0.0
     n = 512
     a = torch.randn(n, n, device=device)
-    buf = torch.ones(o.sizes[-1] // 4, device=device)
+    buf = torch.ones(bulk_size(o) // 4, device=device)
 
     def matmul():
         for _ in range(4):
@@ -338,6 +443,9 @@ def _run(o: Options, device: torch.device, rank: int, world: int) -> Report:
     start = time.perf_counter()
     compute, fields_ = measure_compute(o, device)
     computed = time.perf_counter() - start
+    blocks, block_fields = measure_blocks(o, device, world)
+    compute += blocks
+    fields_.update(block_fields)
     waited = collective_s = 0.0
     measured = Measured(**fields_)
     if world > 1:

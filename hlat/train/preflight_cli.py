@@ -11,7 +11,8 @@ from hlat import HlatError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="TOML config: its model, seq_len, micro_batch, precision and tp are measured")
+    parser.add_argument("--config", help="TOML config: its model, seq_len, micro_batch, precision, tp, sequence "
+                                         "parallelism and recomputation are measured")
     parser.add_argument("--model", help="preset name instead of the config's model")
     parser.add_argument("--tp", default="", help="tensor-parallel degrees whose matmul shapes to measure, e.g. 1,2 "
                                                  "(default: 1 and the config's tp)")
@@ -19,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                             "e.g. 1,4 (default: the config's micro_batch)")
     parser.add_argument("--dtypes", default="", help="fp32,bf16 (default: the precision mode's compute dtype)")
     parser.add_argument("--sizes", default="", help="collective sizes in bytes, comma-separated "
-                                                    "(default 4 KiB to 16 MiB)")
+                                                    "(default 4 KiB to 16 MiB and the model's own messages)")
     parser.add_argument("--repeats", type=int, default=5, help="timed repetitions per measurement (median)")
     parser.add_argument("--threshold", type=float, default=0.8,
                         help="a rank or link below this share of the median fails (default 0.8)")
@@ -69,13 +70,27 @@ def options(args: argparse.Namespace, overrides: list[str]):
             delay_rank, delay_ms = int(rank), float(ms)
         except ValueError:
             raise HlatError(f"--debug-delay: expected RANK:MS, got {args.debug_delay!r}") from None
-    extra = {"sizes": _ints(args.sizes, "--sizes")} if args.sizes else {}
+    sizes = _ints(args.sizes, "--sizes") if args.sizes else default_sizes(cfg.model)
     micro_batches = _ints(args.micro_batches, "--micro-batches") or (cfg.train.micro_batch,)
     return Options(model=cfg.model, seq_len=cfg.train.seq_len, micro_batch=max(micro_batches),
                    other_micro_batches=micro_batches, tps=tps,
                    dtypes=dtypes, repeats=args.repeats, threshold=args.threshold,
                    memory_fraction=args.memory_fraction, delay_rank=delay_rank, delay_ms=delay_ms,
-                   perturb_rank=args.debug_perturb, **extra)
+                   perturb_rank=args.debug_perturb, precision=cfg.precision.mode,
+                   sequence_parallel=cfg.parallel.sequence_parallel,
+                   recompute=cfg.parallel.activation_checkpoint, sizes=sizes)
+
+
+def default_sizes(model) -> tuple[int, ...]:
+    """4 KiB to 16 MiB by 8x, and the sizes of the model's own data-parallel messages (fp32, without tensor
+    parallelism: one block, and the rest of the model), up to 1 GiB: the trainer reduces and gathers one
+    `fully_shard` unit at a time, and the rate at 16 MiB need not hold at a 200 MB embedding."""
+    from hlat.planner.layout import Layout
+    from hlat.planner.memory import sharded_units
+    from hlat.train.preflight import Options
+
+    units = {min(int(params) * 4, 2 ** 30) for _, params in sharded_units(model, Layout.of())}
+    return tuple(sorted(set(Options.sizes) | {u for u in units if u > 0}))
 
 
 def base_profile(name: str | None, device_type: str):
