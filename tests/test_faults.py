@@ -3,7 +3,12 @@ writes keep the previous checkpoint, and a hung rank is named (docs/fault-tolera
 
 import errno
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -204,11 +209,6 @@ def test_supervisor_restarts_after_kill_9_bit_exact_and_leaves_nothing_behind(tm
     """kill -9 of the trainer (and so of nothing else): the supervisor starts it again with --resume auto; the
     steps after the last checkpoint are run again to the same losses, gradient norms and final state, and no
     tokenizer worker or resource tracker of the killed trainer outlives it."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
 
     def job(name: str):
         cfg = config(tmp_path / name, steps=10, decay_steps=10, ckpt_every=3)
@@ -248,27 +248,29 @@ def test_supervisor_restarts_after_kill_9_bit_exact_and_leaves_nothing_behind(tm
     assert not session_processes(supervisor.pid) and not [p for p in doomed if alive(p)]
 
 
+def two_ranks_training(tmp_path: Path, launcher: list[str], **fields) -> subprocess.Popen:
+    """A 2-rank job (FSDP) of endless steps under `launcher`, once it has logged 2 steps."""
+
+    cfg = config(tmp_path / "run", steps=10_000, decay_steps=10_000, **fields)
+    cfg.data.workers = 0
+    cfg_file = write_config(tmp_path / "c.toml", cfg)
+    job = subprocess.Popen([sys.executable, *launcher, "--standalone", "--nproc-per-node=2", "-m", "hlat", "train",
+                            "--config", str(cfg_file)],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 180
+    while (not metrics.exists() or len(metrics.read_text().splitlines()) < 2) and time.time() < deadline:
+        time.sleep(0.1)
+    return job
+
+
 def test_hang_watchdog_names_the_stopped_rank(tmp_path):
     """One rank of a 2-rank torchrun job stopped with SIGSTOP: the other rank's watchdog notices that no step
     finished within train.hang_timeout_s (long before the collective timeout), writes its stacks into the run
     directory, names the rank that stopped answering and exits non-zero."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
 
-    cfg = config(tmp_path / "run", steps=10_000, decay_steps=10_000, hang_timeout_s=4, collective_timeout_s=300)
-    cfg.data.workers = 0
-    cfg_file = write_config(tmp_path / "c.toml", cfg)
-    job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                            "-m", "hlat", "train", "--config", str(cfg_file)],
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    job = two_ranks_training(tmp_path, ["-m", "torch.distributed.run"], hang_timeout_s=4, collective_timeout_s=300)
     try:
-        metrics = tmp_path / "run" / "metrics.jsonl"
-        deadline = time.time() + 180
-        while (not metrics.exists() or len(metrics.read_text().splitlines()) < 2) and time.time() < deadline:
-            time.sleep(0.1)
         ranks = {v: p for p in children(job.pid)
                  for v in Path(f"/proc/{p}/environ").read_bytes().split(b"\0") if v.startswith(b"RANK=")}
         hung = ranks[b"RANK=1"]
@@ -353,11 +355,6 @@ def test_kill_9_during_an_asynchronous_write_resumes_from_the_previous_checkpoin
     """kill -9 while a save is still being written in the background (held there, after DCP wrote its files and
     .metadata, before this rank's checksums): that save stays a `.partial` directory that nothing loads, and the
     run resumes from the previous checkpoint along the uninterrupted run's trajectory."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
 
     def job(name: str, **fields):
         cfg = config(tmp_path / name, ckpt_every=2, keep_checkpoints=0, async_checkpoint=True, **fields)
@@ -388,24 +385,11 @@ def test_kill_9_during_an_asynchronous_write_resumes_from_the_previous_checkpoin
 
 def test_sigterm_to_torchrun_checkpoints_and_exits_0(tmp_path):
     """A scheduler's SIGTERM to `hlat torchrun` (torchrun itself exits 1 whatever its workers did): torchrun passes
-    it on, both ranks checkpoint the same step and return, and the job exits 0."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
+    it on, both ranks checkpoint the same step (asynchronously: FSDP's sharded state staged to host memory) and
+    return, and the job exits 0."""
 
-    cfg = config(tmp_path / "run", steps=10_000, decay_steps=10_000)
-    cfg.data.workers = 0
-    cfg_file = write_config(tmp_path / "c.toml", cfg)
-    job = subprocess.Popen([sys.executable, "-m", "hlat", "torchrun", "--standalone", "--nproc-per-node=2",
-                            "-m", "hlat", "train", "--config", str(cfg_file)],
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    job = two_ranks_training(tmp_path, ["-m", "hlat", "torchrun"], async_checkpoint=True)
     try:
-        metrics = tmp_path / "run" / "metrics.jsonl"
-        deadline = time.time() + 180
-        while (not metrics.exists() or len(metrics.read_text().splitlines()) < 2) and time.time() < deadline:
-            time.sleep(0.1)
         os.kill(job.pid, signal.SIGTERM)  # to torchrun only, as srun or a pod's deletion delivers it
         out, _ = job.communicate(timeout=180)
     finally:
