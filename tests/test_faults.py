@@ -250,7 +250,6 @@ def test_supervisor_restarts_after_kill_9_bit_exact_and_leaves_nothing_behind(tm
 
 def two_ranks_training(tmp_path: Path, launcher: list[str], **fields) -> subprocess.Popen:
     """A 2-rank job (FSDP) of endless steps under `launcher`, once it has logged 2 steps."""
-
     cfg = config(tmp_path / "run", steps=10_000, decay_steps=10_000, **fields)
     cfg.data.workers = 0
     cfg_file = write_config(tmp_path / "c.toml", cfg)
@@ -268,7 +267,6 @@ def test_hang_watchdog_names_the_stopped_rank(tmp_path):
     """One rank of a 2-rank torchrun job stopped with SIGSTOP: the other rank's watchdog notices that no step
     finished within train.hang_timeout_s (long before the collective timeout), writes its stacks into the run
     directory, names the rank that stopped answering and exits non-zero."""
-
     job = two_ranks_training(tmp_path, ["-m", "torch.distributed.run"], hang_timeout_s=4, collective_timeout_s=300)
     try:
         ranks = {v: p for p in children(job.pid)
@@ -387,7 +385,6 @@ def test_sigterm_to_torchrun_checkpoints_and_exits_0(tmp_path):
     """A scheduler's SIGTERM to `hlat torchrun` (torchrun itself exits 1 whatever its workers did): torchrun passes
     it on, both ranks checkpoint the same step (asynchronously: FSDP's sharded state staged to host memory) and
     return, and the job exits 0."""
-
     job = two_ranks_training(tmp_path, ["-m", "hlat", "torchrun"], async_checkpoint=True)
     try:
         os.kill(job.pid, signal.SIGTERM)  # to torchrun only, as srun or a pod's deletion delivers it
