@@ -54,6 +54,7 @@ def main() -> None:
                     time.sleep(args.work_s)
                     ckpt.finish()
                 totals.append(time.perf_counter() - start - (args.work_s if mode == "async" else 0))
+            ckpt.close()
             rows.append({"mode": mode, "stall_s": statistics.median(stalls), "stalls_s": stalls,
                          "save_s_outside_work": statistics.median(totals)})
     sync_s = rows[0]["stall_s"]

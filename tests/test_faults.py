@@ -315,9 +315,12 @@ def test_long_documents_are_tokenized_in_pieces_to_the_same_tokens(tmp_path, mon
     assert np.array_equal(a, b)
 
 
-def test_asynchronous_checkpoints_resume_like_synchronous_ones(tmp_path):
+@pytest.mark.parametrize("one_stager", [True, False])
+def test_asynchronous_checkpoints_resume_like_synchronous_ones(one_stager, tmp_path, monkeypatch):
     """train.async_checkpoint: the checkpoints are committed (manifest verified, rotation applied) and a resume
-    from them follows the same trajectory as synchronous saves, to the bit."""
+    from them follows the same trajectory as synchronous saves, to the bit; with one stager for the run (its
+    host buffers reused) and with a stager per save (torch < 2.13)."""
+    monkeypatch.setattr(ckpt, "STAGER_KEEPS_BUFFERS", one_stager)
     def run(name: str, **fields):
         cfg = config(tmp_path / name, keep_checkpoints=2, ckpt_every=2, **fields)
         cfg.data.workers = 0

@@ -34,9 +34,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.torch_version import TorchVersion
 
 from hlat import HlatError
 
+STAGER_KEEPS_BUFFERS = TorchVersion(torch.__version__) >= "2.13"
 CONFIG_FILE = "config.toml"  # the job's config, written into every checkpoint so it is self-describing
 MANIFEST = "manifest.json"  # {file name: [size, crc32]} of every other file; its presence marks a finished write
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -207,7 +209,7 @@ def _commit(final: Path, own: dict | str, config_toml: str, rank: int) -> None:
 class _InFlight:
     final: Path
     config_toml: str
-    stager: DefaultStager
+    stager: DefaultStager | None  # this save's own, closed once written
     written: threading.Event = field(default_factory=threading.Event)
     result: dict | str = ""  # this rank's digests once written, or its error
 
@@ -223,10 +225,11 @@ class Checkpointer:
 
     def __init__(self, run_dir: str | Path, keep: int, rank: int, asynchronous: bool, pinned: bool):
         self.root, self.keep, self.rank = checkpoint_root(run_dir), keep, rank
-        # a stager per save, its host copy freed once written: torch 2.11's stager empties its tables after each
-        # stage, and the next stage on it fails
         self.staging = StagingOptions(use_pinned_memory=pinned, use_shared_memory=False, use_async_staging=False,
                                       use_non_blocking_copy=pinned) if asynchronous else None
+        # one stager for the run keeps its host buffers, so a save stalls only for the copy; torch < 2.13 empties
+        # a stager's copy tables after each stage (the next stage on it fails), so there each save gets its own
+        self.stager = DefaultStager(self.staging) if asynchronous and STAGER_KEEPS_BUFFERS else None
         self.in_flight: _InFlight | None = None
         # the background write runs collectives of its own: on a group of its own, never interleaved with the
         # training loop's collectives on the default group
@@ -245,12 +248,12 @@ class Checkpointer:
             self._rotate(step)
             return final
         self.finish()
-        stager = DefaultStager(self.staging)
+        stager = self.stager or DefaultStager(self.staging)
         with _writing(final, self.rank):
             _begin(_partial(final), self.rank)
             future = dcp.async_save(state, checkpoint_id=_partial(final), async_stager=stager,
                                     process_group=self.group)
-        flight = self.in_flight = _InFlight(final, config_toml, stager)
+        flight = self.in_flight = _InFlight(final, config_toml, None if self.stager else stager)
         future.add_done_callback(lambda f: self._written(f, flight))
         return None
 
@@ -260,7 +263,8 @@ class Checkpointer:
             flight.result = _own_digests(_partial(flight.final), self.rank)
         except BaseException as e:  # reported by finish, on every rank
             flight.result = _reason(e)
-        flight.stager.close()
+        if flight.stager is not None:
+            flight.stager.close()
         flight.written.set()
 
     def written(self) -> bool:
@@ -276,6 +280,11 @@ class Checkpointer:
             _commit(flight.final, flight.result, flight.config_toml, self.rank)
         self._rotate(int(flight.final.name.removeprefix("step_")))
         return flight.final
+
+    def close(self) -> None:
+        """Release the run's stager and its host memory (a save still in flight is left uncommitted: `.partial`)."""
+        if self.stager is not None:
+            self.stager.close()
 
     def _rotate(self, newest: int) -> None:
         if self.rank == 0:

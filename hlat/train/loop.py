@@ -250,6 +250,7 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
         val_batches = (validation_batches(validation_documents(cfg), tokenizer, tc.seq_len, tc.micro_batch,
                                           cfg.eval.batches, cfg.model.doc_mask) if cfg.eval.every else [])
         run = build_run(cfg, topo, device, run_dir, stream, stages, optimizers)
+        cleanup.callback(run.checkpointer.close)
         metrics = MetricsLog(run_dir)
         cleanup.callback(metrics.close)
         start = restore(run, resume_from, metrics, console)
