@@ -155,4 +155,7 @@ if __name__ == "__main__":  # under torchrun: tensor parallelism 2, with and wit
     if dist.get_rank() == 0:
         with open(sys.argv[1], "w") as f:
             json.dump(out, f)
+    # the forward passes ran without backward, leaving sequence parallelism's asynchronous gathers unwaited; a
+    # gloo barrier completes only after all earlier work, so no rank exits (and aborts) with work in flight
+    dist.barrier()
     dist.destroy_process_group()
