@@ -1,6 +1,7 @@
 """`hlat launch` renders multi-node SLURM and Kubernetes jobs that match the layout and survive restarts."""
 
 import json
+import subprocess
 
 import pytest
 
@@ -28,6 +29,22 @@ def test_slurm_script_stops_before_the_time_limit_and_requeues(capsys):
     assert torchrun.endswith("-m hlat train --config configs/hlat-7b.toml --cluster.nodes 4 "
                              "--cluster.time_limit 2-00:00:00 --cluster.stop_grace_s 1200 --resume auto &")
     assert not any("preflight" in line for line in lines)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_slurm_stop_handler_requeues_during_preflight_and_training(training, capsys, tmp_path):
+    """The USR1 handler under the script's `set -u`: before training starts (preflight) it only requeues; once
+    training runs it stops the trainers, waits for them, then requeues."""
+    script = render(capsys, "--target", "slurm", "--cluster.preflight", "true")
+    lines = script.splitlines()
+    handler = "\n".join(lines[lines.index(next(x for x in lines if x.startswith("stop_and_requeue() {"))):][:9])
+    assert handler.endswith("}")
+    start = "sleep 30 & train_pid=$!\n" if training else ""
+    done = subprocess.run(["bash", "-c", "set -uo pipefail\nscontrol() { echo requeued \"$@\"; }\n"
+                           f"SLURM_JOB_ID=7\n{handler}\n{start}stop_and_requeue\necho not reached"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "requeued requeue 7" and "not reached" not in done.stdout
 
 
 def test_slurm_on_gpus_with_preflight(capsys):

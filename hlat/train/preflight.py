@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from hlat.models.config import ModelConfig
 from hlat.models.layers import apply_rope, rope_table
+from hlat.parallel.device import backend_for, pick_device
 from hlat.planner.costs import (attention_flops, block_shape, layer_matmuls, loss_bytes, matmul_flops,
                                 memory_op_bytes, optimizer_bytes, output_matmul)
 from hlat.planner.profiles import HardwareProfile, Measured
@@ -57,6 +58,7 @@ class Options:
     precision: str = "fp32"
     sequence_parallel: bool = True
     recompute: str = "none"
+    device: str = "auto"  # train.device
 
 
 @dataclass
@@ -73,16 +75,6 @@ class Report:
     mismatched: list[int] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     measured: Measured = field(default_factory=Measured)
-
-
-def pick_device() -> torch.device:
-    """The accelerator of this process (its LOCAL_RANK's under torchrun), else the CPU."""
-    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-    if acc is None:
-        return torch.device("cpu")
-    index = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.accelerator.set_device_index(index)
-    return torch.device(acc.type, index)
 
 
 def _sync(device: torch.device) -> None:
@@ -415,11 +407,11 @@ def check_memory(o: Options, device: torch.device) -> dict:
 
 
 def run_preflight(o: Options) -> Report:
-    device = pick_device()
+    device = pick_device(o.device)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     started_here = world > 1 and not dist.is_initialized()
     if started_here:
-        dist.init_process_group("gloo" if device.type == "cpu" else "nccl", timeout=timedelta(minutes=5),
+        dist.init_process_group(backend_for(device), timeout=timedelta(minutes=5),
                                 device_id=None if device.type == "cpu" else device)
     rank = dist.get_rank() if world > 1 else 0
     try:

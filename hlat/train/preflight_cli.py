@@ -78,7 +78,7 @@ def options(args: argparse.Namespace, overrides: list[str]):
                    memory_fraction=args.memory_fraction, delay_rank=delay_rank, delay_ms=delay_ms,
                    perturb_rank=args.debug_perturb, precision=cfg.precision.mode,
                    sequence_parallel=cfg.parallel.sequence_parallel,
-                   recompute=cfg.parallel.activation_checkpoint, sizes=sizes)
+                   recompute=cfg.parallel.activation_checkpoint, sizes=sizes, device=cfg.train.device)
 
 
 def default_sizes(model) -> tuple[int, ...]:
@@ -107,7 +107,8 @@ def base_profile(name: str | None, device_type: str):
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
-    from hlat.train.preflight import measured_profile, pick_device, report_json, run_preflight
+    from hlat.parallel.device import pick_device
+    from hlat.train.preflight import measured_profile, report_json, run_preflight
 
     o = options(args, overrides)
     report = run_preflight(o)
@@ -118,7 +119,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         else:
             show(report)
         if args.out:
-            profile = measured_profile(report, base_profile(args.hardware, pick_device().type),
+            profile = measured_profile(report, base_profile(args.hardware, pick_device(o.device).type),
                                        int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
             Path(args.out).write_text(profile.to_toml())
             print(f"wrote {args.out}", file=sys.stderr if args.json else sys.stdout)
