@@ -158,8 +158,8 @@ def fsdp_copies(work: Workload, layout: Layout, hw: HardwareProfile, gathers: tu
     """Seconds `fully_shard` spends copying into and out of its flat communication buffers, at the measured
     bandwidth of a copy into a new buffer (else of elementwise work, else HBM's): a gather (`gathers`: of each
     block, and of the rest) copies the shard in (when there is more than one) and the whole unit out; a reduction
-    copies the whole gradient in and its shard out (with one shard, a plain copy). Replicated layouts pay these too: the trainer runs them as fully_shard
-    over a shard group of one."""
+    copies the whole gradient in and its shard out (with one shard, a plain copy). Replicated layouts pay these
+    too: the trainer runs them as fully_shard over a shard group of one."""
     mode, ds = work.mode, layout.dp_shard
     gather = 2 * (1 + (1 / ds if ds > 1 else 0)) * mode.weight_bytes  # bytes moved (read + write) per parameter
     reduce = 2 * (1 + 1 / ds) * mode.grad_bytes

@@ -3,9 +3,10 @@ config's `[cluster]` table. The layout is checked against nodes x processes per 
 
 Both survive restarts the same way: every node runs torchrun (as `hlat torchrun`, which exits 0 after a clean
 stop) with c10d rendezvous, `--max-restarts` and `--resume auto`, and the run directory lives on storage that
-outlasts the job (the shared file system under SLURM, a PersistentVolumeClaim on Kubernetes). A stop signal comes `cluster.stop_grace_s` seconds before the
-job is killed, torchrun passes it to the trainers (waiting that long, TORCH_ELASTIC_SHUTDOWN_TIMEOUT), and the
-trainers checkpoint after the current step and exit; SLURM then requeues the job, which resumes.
+outlasts the job (the shared file system under SLURM, a PersistentVolumeClaim on Kubernetes). A stop signal
+comes `cluster.stop_grace_s` seconds before the job is killed, torchrun passes it to the trainers (waiting that
+long, TORCH_ELASTIC_SHUTDOWN_TIMEOUT), and the trainers checkpoint after the current step and exit; SLURM then
+requeues the job, which resumes.
 """
 
 from __future__ import annotations
