@@ -154,6 +154,11 @@ def measure_blocks(o: Options, device: torch.device, world: int) -> tuple[list[d
                          "seconds": times[0], "rate": ""})
             rows.append({"what": f"embedding, output layer, loss (fwd+bwd) {layout}",
                          "shape": f"{mb}x{o.seq_len}x{m.vocab_size}", "seconds": times[1], "rate": ""})
+        if tp_mesh is not None:
+            # the timed steps leave collectives nobody waits for (gradients no optimizer reads) on the tp group;
+            # a gloo barrier completes after all earlier work, so none is in flight when the process exits (a
+            # gloo thread still holding one aborted the process at exit under load)
+            dist.barrier(group=tp_mesh.get_group())
     return rows, out
 
 
