@@ -205,41 +205,46 @@ def trained_state(run_dir: Path, cfg) -> tuple[dict, dict]:
     return model.state_dict(), optimizer.state_dict()["state"]
 
 
-def test_supervisor_restarts_after_kill_9_bit_exact_and_leaves_nothing_behind(tmp_path):
-    """kill -9 of the trainer (and so of nothing else): the supervisor starts it again with --resume auto; the
-    steps after the last checkpoint are run again to the same losses, gradient norms and final state, and no
-    tokenizer worker or resource tracker of the killed trainer outlives it."""
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_supervisor_restarts_after_kill_9_bit_exact_and_leaves_nothing_behind(nproc, tmp_path):
+    """kill -9 of the trainer, or of one rank of a 2-rank torchrun job (and so of nothing else): the supervisor
+    starts the job again with --resume auto; the steps after the last checkpoint are run again to the same
+    losses, gradient norms and final state as an uninterrupted run, and no tokenizer worker or resource tracker
+    of the killed processes outlives them."""
 
-    def job(name: str):
+    def supervised(name: str) -> subprocess.Popen:
         cfg = config(tmp_path / name, steps=10, decay_steps=10, ckpt_every=3)
         cfg.data.workers = 1
-        return cfg
+        return subprocess.Popen([sys.executable, "-m", "hlat", "train", "--config",
+                                 str(write_config(tmp_path / f"{name}.toml", cfg)), "--max-restarts", "2",
+                                 "--nproc-per-node", str(nproc)],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
-    reference = job("reference")
-    train(reference)
-    cfg_file = write_config(tmp_path / "c.toml", job("run"))
-    supervisor = subprocess.Popen([sys.executable, "-m", "hlat", "train", "--config", str(cfg_file),
-                                   "--max-restarts", "2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True, start_new_session=True)
+    reference = supervised("reference")  # uninterrupted, in the same layout
+    out, _ = reference.communicate(timeout=300)
+    assert reference.returncode == 0, out
+    supervisor = supervised("run")
     try:
         metrics = tmp_path / "run" / "metrics.jsonl"
         deadline = time.time() + 120
         while (not metrics.exists() or len(metrics.read_text().splitlines()) < 4) and time.time() < deadline:
             time.sleep(0.05)
-        trainer, = children(supervisor.pid)
-        doomed = [trainer] + [p for c in children(trainer) for p in [c, *children(c)]]  # workers, tracker
-        os.kill(trainer, signal.SIGKILL)
+        child, = children(supervisor.pid)
+        victim = children(child)[-1] if nproc > 1 else child  # a torchrun worker, or the trainer
+        doomed = [victim] + [p for c in children(victim) for p in [c, *children(c)]]  # workers, tracker
+        os.kill(victim, signal.SIGKILL)
         out, _ = supervisor.communicate(timeout=300)
     finally:
         if supervisor.poll() is None:
             os.killpg(supervisor.pid, signal.SIGKILL)
     assert supervisor.returncode == 0, out
     restart, = [json.loads(line) for line in (tmp_path / "run" / "restarts.jsonl").read_text().splitlines()]
-    assert restart["exit"] == "killed by SIGKILL"
+    assert restart["exit"] == ("killed by SIGKILL" if nproc == 1 else "exit code 1")  # torchrun's, for a worker
     assert [(r["loss"], r["grad_norm"]) for r in strict_records(tmp_path / "run")] == \
         [(r["loss"], r["grad_norm"]) for r in strict_records(tmp_path / "reference")]
-    (weights, optim), (ref_weights, ref_optim) = trained_state(tmp_path / "run", reference), \
-        trained_state(tmp_path / "reference", reference)
+    cfg = config(tmp_path / "reference", steps=10, decay_steps=10)
+    (weights, optim), (ref_weights, ref_optim) = trained_state(tmp_path / "run", cfg), \
+        trained_state(tmp_path / "reference", cfg)
     assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
     assert all(torch.equal(optim[i][k], ref_optim[i][k]) for i in ref_optim for k in ref_optim[i])
     deadline = time.time() + 10
