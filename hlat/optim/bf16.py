@@ -168,8 +168,8 @@ class BF16AdamW(torch.optim.Optimizer):
 # Devices where the update runs compiled: one fused kernel per parameter (read 8 bytes, write 6 or 8 per element)
 # instead of ~20 passes over fp32 temporaries: by a count of the bytes, ~1 TB per llama2-7b step, ~0.4 s at an
 # H100's bandwidth (estimated, not timed). Elsewhere (the CPU, where tests run) it runs eagerly. Both do the same
-# fp32 arithmetic and draw the same bits; the scalars
-# are Python numbers eagerly and 0-d tensors compiled, which the operations below treat alike.
+# fp32 arithmetic and draw the same bits; the scalars are Python numbers eagerly and 0-d tensors compiled, which
+# the operations below treat alike.
 COMPILED_UPDATE_DEVICES = ("cuda",)
 
 
