@@ -2,10 +2,14 @@
 machine: preflight writes a measured hardware profile, the layouts train back to back, and the planner predicts
 each run from its own config.toml (the layout the trainer resolved) with that profile.
 
-The machine may be shared and noisy, and its load drifts within minutes: preflight runs before every training
-run and once more after the last, so each run is bracketed by a preflight just before it and one just after.
-The table gives the prediction from each and from their geometric mean (the load during the run lies between
-the two), so drift is visible and no preflight is chosen after the fact.
+Preflight runs as the training run will: with as many processes, so that on a CPU host, where processes share
+the memory system, a block is timed under the contention the run sees (a block timed beside a second process
+was 40-55% slower here than one timed alone).
+
+The machine may be shared and noisy, and its load drifts within minutes: each run is bracketed by a preflight
+just before it and one just after (a run's "after" is the next run's "before" when their process counts
+agree). The table gives the prediction from each and from their geometric mean (the load during the run lies
+between the two), so drift is visible and no preflight is chosen after the fact.
 
     .venv/bin/python benchmarks/planner_measured.py                      # CPU: six layouts of `small`, 2 processes
     .venv/bin/python benchmarks/planner_measured.py --gpu                # one GPU: a few single-device runs
@@ -14,6 +18,7 @@ the two), so drift is visible and no preflight is chosen after the fact.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -47,6 +52,7 @@ GPU_RUNS = {  # one device: micro-batch, recomputation and precision vary what t
                              "parallel.activation_checkpoint": "full"}),
 }
 ROOT = Path(__file__).resolve().parents[1]
+REPLAYED = ("gpu", "preset", "steps", "warmup", "seq_len", "global_batch", "micro_batch", "layouts")  # --replan
 
 
 def torchrun(nproc: int, args: list[str], env: dict) -> subprocess.CompletedProcess:
@@ -59,8 +65,8 @@ def flags(overrides: dict) -> list[str]:
     return [a for k, v in overrides.items() for a in (f"--{k}", str(v).lower() if isinstance(v, bool) else str(v))]
 
 
-def preflight(args, out: Path, env: dict) -> None:
-    done = torchrun(args.nproc, ["preflight", "--model", args.preset, *flags(args.model_overrides),
+def preflight(args, nproc: int, out: Path, env: dict) -> None:
+    done = torchrun(nproc, ["preflight", "--model", args.preset, *flags(args.model_overrides),
                                  "--train.seq_len", str(args.seq_len), "--micro-batches", args.micro_batches,
                                  "--tp", args.tp, "--dtypes", args.dtypes, "--repeats", str(args.repeats),
                                  "--threshold", "0.05", "--out", str(out)], env)
@@ -78,6 +84,27 @@ def train(name: str, nproc: int, overrides: dict, args, workdir: Path, env: dict
     if done.returncode:
         return done.stderr.strip().splitlines()[-1][:200]
     return run_dir
+
+
+def bracketed_runs(layouts: dict, args, workdir: Path, env: dict) -> dict:
+    """Train each layout between two preflights with its own process count, the one after a run serving as the
+    next run's before where the counts agree. Returns, and writes to workdir/brackets.json (what --replan reads),
+    {name: {processes, run (its directory), error, before, after (profiles)}}."""
+    runs, last = {}, None  # last: (processes, the newest preflight's profile)
+    for i, (name, (nproc, overrides)) in enumerate(layouts.items()):
+        if last is None or last[0] != nproc:
+            last = (nproc, workdir / f"preflight{i}_before.toml")
+            preflight(args, nproc, last[1], env)
+        done = train(name, nproc, overrides, args, workdir, env)
+        print(f"{name}: {'done' if isinstance(done, Path) else done}", flush=True)
+        after = workdir / f"preflight{i}_after.toml"
+        preflight(args, nproc, after, env)
+        runs[name] = {"processes": nproc, "run": str(done) if isinstance(done, Path) else "",
+                      "error": "" if isinstance(done, Path) else done, "before": str(last[1]), "after": str(after)}
+        last = (nproc, after)
+    (workdir / "brackets.json").write_text(json.dumps({"args": {k: getattr(args, k) for k in REPLAYED},
+                                                       "runs": runs}, indent=1))
+    return runs
 
 
 def measured_step(run_dir: Path, warmup: int) -> tuple[float, float, float]:
@@ -100,13 +127,19 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3, help="preflight repetitions per measurement")
     ap.add_argument("--layouts", default="", help="comma-separated subset of the layouts to run (default: all)")
+    ap.add_argument("--workdir", type=Path, help="keep the runs and every preflight's profile here (default: a "
+                                                 "temporary directory, removed)")
+    ap.add_argument("--replan", type=Path, metavar="WORKDIR",
+                    help="predict again the runs kept in WORKDIR by --workdir, running nothing (after a planner change)")
     args = ap.parse_args()
+    if args.replan:
+        vars(args).update(json.loads((args.replan / "brackets.json").read_text())["args"])
     if args.gpu:
-        layouts, args.nproc, args.tp, args.dtypes, args.micro_batches = GPU_RUNS, 1, "1", "fp32,bf16", "1,4"
+        layouts, args.tp, args.dtypes, args.micro_batches = GPU_RUNS, "1", "fp32,bf16", "1,4"
         args.seq_len, args.global_batch = args.seq_len or 1024, args.global_batch or 16
         args.steps, args.warmup = max(args.steps, 12), max(args.warmup, 4)
     else:
-        layouts, args.nproc, args.tp, args.dtypes = CPU_LAYOUTS, 2, "1,2", "fp32"
+        layouts, args.tp, args.dtypes = CPU_LAYOUTS, "1,2", "fp32"
         args.micro_batches = str(args.micro_batch)
         args.seq_len, args.global_batch = args.seq_len or 128, args.global_batch or 4
     if args.layouts:
@@ -116,26 +149,32 @@ def main() -> None:
         layouts = {k: v for k, v in layouts.items() if k in args.layouts.split(",")}
     args.model_overrides = {"model.tie_embeddings": False}  # pipeline stages cannot share the embedding
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}  # one core per process on a CPU host
-    tag = ("gpu" if args.gpu else "cpu") + ("_" + "_".join(layouts) if args.layouts else "")  # a subset: apart
+    # another preset or a subset of the layouts is kept apart from the full table
+    tag = "_".join(["gpu" if args.gpu else "cpu", *([args.preset] if args.preset != "small" else []),
+                    *(layouts if args.layouts else [])])
     RESULTS.mkdir(exist_ok=True)
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        profiles = [Path(tmp) / f"preflight{i}.toml" for i in range(len(layouts) + 1)]
-        runs = {}
-        for (name, (nproc, overrides)), profile in zip(layouts.items(), profiles):
-            preflight(args, profile, env)
-            runs[name] = (nproc, train(name, nproc, overrides, args, Path(tmp), env))
-            print(f"{name}: {'done' if isinstance(runs[name][1], Path) else runs[name][1]}", flush=True)
-        preflight(args, profiles[-1], env)
-        for kept, profile in zip(("before", "after"), (profiles[0], profiles[-1])):
-            shutil.copy(profile, RESULTS / f"planner_measured_{tag}_profile_{kept}.toml")
-        for i, (name, (nproc, run_dir)) in enumerate(runs.items()):
-            if not isinstance(run_dir, Path):
-                rows.append({"layout": name, "processes": nproc, "error": run_dir})
+    with contextlib.ExitStack() as stack:
+        if args.replan:
+            runs = json.loads((args.replan / "brackets.json").read_text())["runs"]
+        else:
+            workdir = args.workdir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
+            workdir.mkdir(parents=True, exist_ok=True)
+            runs = bracketed_runs(layouts, args, workdir.resolve(), env)
+        kept = []
+        for n in sorted({r["processes"] for r in runs.values()}):  # the first and last preflight of each count
+            brackets = [r for r in runs.values() if r["processes"] == n]
+            for when, path in (("before", brackets[0]["before"]), ("after", brackets[-1]["after"])):
+                kept.append(f"planner_measured_{tag}_profile_{n}p_{when}.toml")
+                shutil.copy(path, RESULTS / kept[-1])
+        for name, r in runs.items():
+            nproc, run_dir = r["processes"], r["run"]
+            if r["error"]:
+                rows.append({"layout": name, "processes": nproc, "error": r["error"]})
                 continue
-            before, after = (load_profile(str(p)) for p in profiles[i:i + 2])
-            sample = run_sample(str(run_dir), before)
-            measured, median, data_wait = measured_step(run_dir, args.warmup)
+            before, after = load_profile(r["before"]), load_profile(r["after"])
+            sample = run_sample(run_dir, before)
+            measured, median, data_wait = measured_step(Path(run_dir), args.warmup)
             predicted = [step_time(sample.workload, sample.layout, hw) for hw in (before, after)]
             mean = math.sqrt(predicted[0].total * predicted[1].total)
             rows.append({"layout": name, "processes": nproc, "planner_layout": sample.layout.describe(),
@@ -151,7 +190,7 @@ def main() -> None:
     meta = {"machine": platform.machine(), "cpus": os.cpu_count(), "preset": args.preset, "seq_len": args.seq_len,
             "global_batch": args.global_batch, "micro_batch": args.micro_batch, "steps": args.steps,
             "timed_steps": args.steps - args.warmup,
-            "profiles": [f"planner_measured_{tag}_profile_{kept}.toml" for kept in ("before", "after")],
+            "profiles": kept,
             "figures": before.sources()}
     table = markdown_table(
         ["layout", "processes", "planner's reading", "measured s/step (fastest)", "median", "waiting for data",
@@ -166,7 +205,8 @@ def main() -> None:
                   f"`{args.preset}` (untied embeddings), seq {args.seq_len}, global batch {args.global_batch}, "
                   f"micro-batch {args.micro_batch}; fastest (and median) step of steps {args.warmup + 1}-{args.steps}; "
                   f"predicted from the `hlat preflight` run just before and the one just after each training run "
-                  f"({args.nproc} process(es){'' if args.gpu else ', one thread each'}). {before.sources()}.", table)
+                  f"(each with the run's own process count{'' if args.gpu else ', one thread per process'}). "
+                  f"{before.sources()}.", table)
 
 
 if __name__ == "__main__":
