@@ -413,6 +413,22 @@ def test_a_measured_block_prices_only_the_workload_it_was_measured_at():
         assert priced.layer == "fitted" and (priced.tp_comm > 0) == (other.tp > 1), other.describe()
 
 
+def test_a_pipeline_charges_the_measured_embedding_to_its_first_stage_and_the_rest_of_the_ends_to_its_last():
+    from hlat.planner.costs import block_shape
+    from hlat.planner.profiles import Measured
+
+    model, work = model_config("tiny"), Workload(model_config("tiny"), 64, 8, "fp32")
+    shape = block_shape(model, 64, 2, "fp32", 1, False, "none")
+    hw = replace(load_profile("cpu"), measured=Measured(block_shapes=[shape], block_s=[0.25], ends_s=[0.5],
+                                                        embedding_s=[0.125]))
+    single = step_time(work, Layout.of(micro_batch=2), hw)
+    assert single.compute == pytest.approx(4 * (model.n_layers * 0.25 + 0.5)) and single.bubble == 0
+    piped = step_time(work, Layout.of(pp=2, micro_batch=2), hw)
+    stage_layers = model.n_layers // 2
+    assert piped.compute == pytest.approx(4 * (stage_layers * 0.25 + 0.5 - 0.125))  # the last stage
+    assert piped.bubble == pytest.approx(stage_layers * 0.25 + 0.125 + piped.pp_comm / 4)  # the first stage, once
+
+
 def test_data_parallel_traffic_is_priced_as_fully_shard_runs_it():
     """With measured collectives: one collective per unit (each block, then the rest), the root unit gathered
     once per micro-batch under FSDP, and buffer copies that a replicated layout pays for each re-gather."""

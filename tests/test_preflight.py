@@ -80,7 +80,7 @@ def test_a_single_process_preflight_times_the_configs_block_as_the_trainer_runs_
                  "bf16_mixed", "--out", str(out)]) == 0
     measured = load_profile(str(out)).measured
     assert measured.block_shapes == [block_shape(model_config("tiny"), 32, 2, "bf16_mixed", 1, False, "selective")]
-    assert measured.block_s[0] > 0 and measured.ends_s[0] > 0
+    assert measured.block_s[0] > 0 and measured.ends_s[0] > 0 and measured.embedding_s[0] > 0
     work = Workload(model_config("tiny"), 32, 4, "bf16_mixed")
     layout = Layout.of(micro_batch=2, activation_checkpoint="selective")
     t = step_time(work, layout, load_profile(str(out)))

@@ -66,17 +66,20 @@ class Measured:
     overlap: float = -1.0  # share of a collective that hides behind concurrent compute (-1: not measured)
     # Whole blocks of the real model, timed forward + backward as the trainer runs them (tensor-parallel
     # collectives, recomputation and precision included), one entry per `hlat.planner.costs.block_shape`;
-    # `ends_s`: the rest of a micro-batch on one rank (embedding, final norm, output layer and loss).
+    # `ends_s`: the rest of a micro-batch on one rank (embedding, final norm, output layer and loss), of which
+    # `embedding_s` is the embedding's part (on a pipeline's first stage; the rest is on its last).
     block_shapes: list[str] = field(default_factory=list)
     block_s: list[float] = field(default_factory=list)
     ends_s: list[float] = field(default_factory=list)
+    embedding_s: list[float] = field(default_factory=list)
 
-    def block(self, shape: str) -> tuple[float, float] | None:
-        """Seconds of one block and of the ends of a micro-batch, measured at exactly `shape`, or None."""
+    def block(self, shape: str) -> tuple[float, float, float] | None:
+        """Seconds of one block, of the ends of a micro-batch and of its embedding (0 where a profile predates
+        that figure), measured at exactly `shape`, or None."""
         if shape not in self.block_shapes:
             return None
         i = self.block_shapes.index(shape)
-        return self.block_s[i], self.ends_s[i]
+        return self.block_s[i], self.ends_s[i], self.embedding_s[i] if i < len(self.embedding_s) else 0.0
 
     def figures(self) -> dict[str, bool]:
         """Which figures were measured, by name."""

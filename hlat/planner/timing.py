@@ -17,7 +17,8 @@ can fit them to measurements:
 Where `hlat preflight` timed a whole block of the real model at exactly this workload's shape (tensor parallelism,
 sequence parallelism, recomputation, micro-batch, sequence and precision mode: `hlat.planner.costs.block_shape`),
 that time is the per-layer time, tensor-parallel communication included, and the measured rest of the micro-batch
-(embedding, final norm, output layer and loss) replaces the output layer. Otherwise the layer is composed from the
+(embedding, final norm, output layer and loss) replaces the output layer; under a pipeline the embedding's share
+of it is the first stage's and the rest the last's. Otherwise the layer is composed from the
 measured operations (`measured_layer`), and without those from the fitted factors; `StepTime.layer` says which.
 
 The host launches kernels ahead of the device, so its fixed per-layer cost shows only where the device finishes a
@@ -183,8 +184,12 @@ def step_time(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit | No
     block = me.block(block_shape(model, work.seq_len, layout.micro_batch, work.precision, t,
                                  layout.sequence_parallel, layout.activation_checkpoint))
     measured = block or measured_layer(work, layout, hw)
+    embedding = 0.0  # on the first stage, where a measured block's ends say what it costs
     if measured:
-        layer_device, output_time = measured
+        layer_device, output_time = measured[:2]
+        if block and p > 1:
+            embedding = block[2]
+            output_time -= embedding
     else:
         per_layer = (model.flops_per_token(work.seq_len) - output_layer
                      + recompute_flops_per_token(model, work.seq_len, layout.activation_checkpoint)) / model.n_layers
@@ -223,10 +228,11 @@ def step_time(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit | No
     optimizer = optimizer_bytes(owned, mode.weight_bytes, mode.grad_bytes, mode.optimizer_bytes) / (
         (me.optimizer_gbs or hw.hbm_gbs) * 1e9)
 
-    # Filling and draining the pipeline runs through the stages before the last, which lack the output layer.
+    # Filling and draining the pipeline runs through the stages before the last, which lack the output layer (the
+    # first has the embedding instead).
     bubble = (p - 1) / v if p > 1 else 0.0
     return StepTime(compute=m * compute, tp_comm=m * tp, pp_comm=m * pp,
-                    bubble=bubble * (compute - output_time + tp + pp),
+                    bubble=bubble * (compute - output_time + embedding + tp + pp),
                     dp_comm=dp_comm, optimizer=optimizer,
                     layer="measured block" if block else "composed" if measured else "fitted")
 

@@ -140,7 +140,7 @@ def measure_blocks(o: Options, device: torch.device, world: int) -> tuple[list[d
     micro-batch. Recorded under `hlat.planner.costs.block_shape`, which the planner matches exactly."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    m, rows, out = o.model, [], {"block_shapes": [], "block_s": [], "ends_s": []}
+    m, rows, out = o.model, [], {"block_shapes": [], "block_s": [], "ends_s": [], "embedding_s": []}
     for tp in (tp for tp in o.tps if world % tp == 0):
         sp = o.sequence_parallel and tp > 1
         tp_mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("rest", "tp"))["tp"] \
@@ -154,6 +154,8 @@ def measure_blocks(o: Options, device: torch.device, world: int) -> tuple[list[d
                          "seconds": times[0], "rate": ""})
             rows.append({"what": f"embedding, output layer, loss (fwd+bwd) {layout}",
                          "shape": f"{mb}x{o.seq_len}x{m.vocab_size}", "seconds": times[1], "rate": ""})
+            rows.append({"what": f"of which the embedding (fwd+bwd) {layout}",
+                         "shape": f"{mb}x{o.seq_len}x{m.vocab_size}", "seconds": times[2], "rate": ""})
         if tp_mesh is not None:
             # the timed steps leave collectives nobody waits for (gradients no optimizer reads) on the tp group;
             # a gloo barrier completes after all earlier work, so none is in flight when the process exits (a
@@ -162,11 +164,12 @@ def measure_blocks(o: Options, device: torch.device, world: int) -> tuple[list[d
     return rows, out
 
 
-def time_block(o: Options, device: torch.device, world: int, tp_mesh, sp: bool, mb: int) -> tuple[float, float]:
-    """Seconds per block (forward + backward) and of the rest of a micro-batch, built and wrapped by the
-    trainer's own code: the precision mode's parameters and autocast, tensor (and sequence) parallelism over
-    `tp_mesh`, the recomputation mode, and the loss under `loss_parallel` with tp. Every rank runs at once, as in
-    training. The statistic is each rank's fastest repeat (as for every preflight figure: on a shared host the
+def time_block(o: Options, device: torch.device, world: int, tp_mesh, sp: bool,
+               mb: int) -> tuple[float, float, float]:
+    """Seconds per block (forward + backward), of the rest of a micro-batch and of its embedding alone (which a
+    pipeline runs on its first stage, the rest on its last), built and wrapped by the trainer's own code: the
+    precision mode's parameters and autocast, tensor (and sequence) parallelism over `tp_mesh`, the recomputation
+    mode, and the loss under `loss_parallel` with tp. Every rank runs at once, as in training. The statistic is each rank's fastest repeat (as for every preflight figure: on a shared host the
     least disturbed run is the one that reproduces), and of those the slowest rank's, since the trainer's
     collectives wait for it."""
     from torch.distributed.tensor.parallel import loss_parallel
@@ -210,13 +213,18 @@ def time_block(o: Options, device: torch.device, world: int, tp_mesh, sp: bool, 
                 logits = model(tokens, doc_ids=doc_ids)
             cross_entropy(logits, tokens).backward()
 
+    def embedding_step():
+        with autocast(o.precision, device):
+            h = model.tok_embeddings(tokens)
+        h.backward(torch.ones_like(h))
+
     times = []
-    for step in (block_step, ends_step):
+    for step in (block_step, ends_step, embedding_step):
         step()  # a first call allocates the gradients (and timed() warms up once more)
         if world > 1:
             dist.barrier()
         times.append(max(_gather(timed(step, device, o.repeats), world)))
-    return times[0] / stack, times[1]
+    return times[0] / stack, times[1], times[2]
 
 
 def measure_memory_bound(o: Options, device: torch.device) -> tuple[list[dict], dict]:
