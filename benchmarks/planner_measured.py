@@ -3,8 +3,7 @@ machine: preflight writes a measured hardware profile, the layouts train back to
 each run from its own config.toml (the layout the trainer resolved) with that profile.
 
 Preflight runs as the training run will: with as many processes, so that on a CPU host, where processes share
-the memory system, a block is timed under the contention the run sees (a block timed beside a second process
-was 40-55% slower here than one timed alone).
+the memory system, a block is timed under whatever contention the run sees.
 
 The machine may be shared and noisy, and its load drifts within minutes: each run is bracketed by a preflight
 just before it and one just after (a run's "after" is the next run's "before" when their process counts
