@@ -169,9 +169,9 @@ def time_block(o: Options, device: torch.device, world: int, tp_mesh, sp: bool,
     """Seconds per block (forward + backward), of the rest of a micro-batch and of its embedding alone (which a
     pipeline runs on its first stage, the rest on its last), built and wrapped by the trainer's own code: the
     precision mode's parameters and autocast, tensor (and sequence) parallelism over `tp_mesh`, the recomputation
-    mode, and the loss under `loss_parallel` with tp. Every rank runs at once, as in training. The statistic is each rank's fastest repeat (as for every preflight figure: on a shared host the
-    least disturbed run is the one that reproduces), and of those the slowest rank's, since the trainer's
-    collectives wait for it."""
+    mode, and the loss under `loss_parallel` with tp. Every rank runs at once, as in training. The statistic is
+    each rank's fastest repeat (as for every preflight figure: on a shared host the least disturbed run is the one
+    that reproduces), and of those the slowest rank's, since the trainer's collectives wait for it."""
     from torch.distributed.tensor.parallel import loss_parallel
 
     from hlat.models import build_model, materialize
