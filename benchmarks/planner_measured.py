@@ -129,7 +129,8 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, help="keep the runs and every preflight's profile here (default: a "
                                                  "temporary directory, removed)")
     ap.add_argument("--replan", type=Path, metavar="WORKDIR",
-                    help="predict again the runs kept in WORKDIR by --workdir, running nothing (after a planner change)")
+                    help="predict again the runs kept in WORKDIR by --workdir, running nothing "
+                         "(after a planner change)")
     args = ap.parse_args()
     if args.replan:
         vars(args).update(json.loads((args.replan / "brackets.json").read_text())["args"])
