@@ -3,7 +3,8 @@ machine: preflight writes a measured hardware profile, the layouts train back to
 each run from its own config.toml (the layout the trainer resolved) with that profile.
 
 Preflight runs as the training run will: with as many processes, so that on a CPU host, where processes share
-the memory system, a block is timed under whatever contention the run sees.
+the memory system, a block is timed under whatever contention the run sees. On the CPU it times the blocks under
+FSDP, ZeRO-1 and DDP over its two processes too (`--dp`), which price the data-parallel layouts.
 
 The machine may be shared and noisy, and its load drifts within minutes: each run is bracketed by a preflight
 just before it and one just after (a run's "after" is the next run's "before" when their process counts
@@ -67,7 +68,7 @@ def flags(overrides: dict) -> list[str]:
 def preflight(args, nproc: int, out: Path, env: dict) -> None:
     done = torchrun(nproc, ["preflight", "--model", args.preset, *flags(args.model_overrides),
                                  "--train.seq_len", str(args.seq_len), "--micro-batches", args.micro_batches,
-                                 "--tp", args.tp, "--dtypes", args.dtypes, "--repeats", str(args.repeats),
+                                 "--tp", args.tp, "--dp", args.dp, "--dtypes", args.dtypes, "--repeats", str(args.repeats),
                                  "--threshold", "0.05", "--out", str(out)], env)
     if not out.is_file():
         sys.exit(f"preflight failed:\n{done.stderr[-3000:]}")
@@ -135,11 +136,11 @@ def main() -> None:
     if args.replan:
         vars(args).update(json.loads((args.replan / "brackets.json").read_text())["args"])
     if args.gpu:
-        layouts, args.tp, args.dtypes, args.micro_batches = GPU_RUNS, "1", "fp32,bf16", "1,4"
+        layouts, args.tp, args.dp, args.dtypes, args.micro_batches = GPU_RUNS, "1", "none", "fp32,bf16", "1,4"
         args.seq_len, args.global_batch = args.seq_len or 1024, args.global_batch or 16
         args.steps, args.warmup = max(args.steps, 12), max(args.warmup, 4)
     else:
-        layouts, args.tp, args.dtypes = CPU_LAYOUTS, "1,2", "fp32"
+        layouts, args.tp, args.dp, args.dtypes = CPU_LAYOUTS, "1,2", "fsdp,zero1,ddp", "fp32"
         args.micro_batches = str(args.micro_batch)
         args.seq_len, args.global_batch = args.seq_len or 128, args.global_batch or 4
     if args.layouts:

@@ -448,3 +448,37 @@ def test_data_parallel_traffic_is_priced_as_fully_shard_runs_it():
     hw.measured.copy_gbs = 1.0
     one, four = (step_time(replace(work, global_batch=2 * m), Layout.of(dp_replicate=2), hw).dp_comm for m in (1, 4))
     assert four - one == pytest.approx(3 * blocks * 2 * 4 / 1e9)
+
+
+def test_blocks_timed_under_the_layouts_data_parallelism_price_its_traffic():
+    """Where preflight timed the blocks under the layout's own data parallelism, the exposed traffic is those
+    micro-batches' excess over the plain blocks: every micro-batch reduces under FSDP; under ZeRO-1 and DDP the
+    last reduces and the others accumulate. Another data-parallel size (or none timed) falls back to pricing the
+    collectives."""
+    from hlat.planner.costs import block_shape, dp_block_shape
+    from hlat.planner.profiles import Measured
+
+    model = model_config("tiny")
+    work = Workload(model, 64, 8, "fp32")  # 4 micro-batches per rank at dp 2
+    shape = block_shape(model, 64, 1, "fp32", 1, False, "none")
+    timed = {shape: (0.25, 0.5), dp_block_shape(shape, "fsdp", 2, False): (0.5, 1.5),
+             dp_block_shape(shape, "zero1", 2, False): (0.375, 1.0),
+             dp_block_shape(shape, "zero1", 2, True): (0.3125, 0.625),
+             dp_block_shape(shape, "ddp", 2, False): (0.25, 2.0), dp_block_shape(shape, "ddp", 2, True): (0.25, 0.5)}
+    flat = [[4096, 1.0], [2.0 ** 30, 1.0]]
+    hw = replace(load_profile("cpu"), devices_per_node=2, measured=Measured(
+        block_shapes=list(timed), block_s=[b for b, _ in timed.values()], ends_s=[e for _, e in timed.values()],
+        all_reduce=flat, all_gather=flat, reduce_scatter=flat, overlap=0.0, copy_gbs=1.0))
+    plain = model.n_layers * 0.25 + 0.5
+    fsdp = step_time(work, Layout.of(dp_shard=2), hw)
+    assert fsdp.compute == pytest.approx(4 * plain)
+    assert fsdp.dp_comm == pytest.approx(4 * (model.n_layers * 0.5 + 1.5 - plain))
+    zero1 = step_time(work, Layout.of(dp_shard=2, zero1=True), hw).dp_comm
+    assert zero1 == pytest.approx(model.n_layers * 0.375 + 1.0 + 3 * (model.n_layers * 0.3125 + 0.625) - 4 * plain)
+    assert step_time(work, Layout.of(dp_replicate=2), hw).dp_comm == pytest.approx(2.0 - 0.5)
+    # four ranks, or HSDP (not timed): the collectives at their measured bandwidths, and the copies, as without
+    # any data-parallel timing
+    untimed = replace(hw, measured=replace(hw.measured, block_shapes=[shape], block_s=[0.25], ends_s=[0.5]))
+    for layout in (Layout.of(dp_shard=4), Layout.of(dp_shard=2, dp_replicate=2)):
+        priced = step_time(replace(work, global_batch=16), layout, hw).dp_comm
+        assert priced > 0 and priced == step_time(replace(work, global_batch=16), layout, untimed).dp_comm

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from hlat.models.config import model_config
-from hlat.planner.costs import block_shape
+from hlat.planner.costs import block_shape, dp_block_shape
 from hlat.planner.layout import Layout, Workload
 from hlat.planner.profiles import load_profile
 from hlat.planner.timing import step_time
@@ -42,6 +42,14 @@ def test_preflight_writes_a_profile_the_planner_uses(tmp_path):
     work = Workload(model_config("tiny"), 32, 8, "fp32")
     tp2 = Layout.of(tp=2, dp_shard=2, sequence_parallel=True, activation_checkpoint="none")
     assert step_time(work, tp2, profile).layer == "measured block"
+    # the config's FSDP timed too, over the ranks each tp degree leaves: what the step's data parallelism costs
+    assert "data-parallel block" in profile.sources()
+    shape = block_shape(model_config("tiny"), 32, 1, "fp32", 2, True, "none")
+    block, ends, _ = profile.measured.block(dp_block_shape(shape, "fsdp", 2, False))
+    priced = step_time(work, tp2, profile)
+    assert priced.dp_comm == pytest.approx(max(0.0, 4 * (4 * block + ends) - priced.compute))
+    assert profile.measured.block(dp_block_shape(block_shape(model_config("tiny"), 32, 1, "fp32", 1, False, "none"),
+                                                 "fsdp", 4, False))
     from hlat.cli import main
 
     assert main(["plan", "--model", "tiny", "--hardware", str(tmp_path / "measured.toml"), "--seq-len", "32",
@@ -62,6 +70,7 @@ def test_a_delayed_rank_and_a_rank_whose_numerics_differ_are_named(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--tp", "3"], "--tp: 3 does not divide"),
     (["--dtypes", "fp16"], "--dtypes"),
+    (["--dp", "hsdp"], "--dp: expected fsdp, zero1, ddp or none"),
     (["--threshold", "2"], "--threshold"),
 ])
 def test_bad_options_are_one_line_errors(argv, message, capsys):

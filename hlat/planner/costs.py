@@ -74,6 +74,13 @@ def block_shape(model: ModelConfig, seq_len: int, micro_batch: int, precision: s
             f"ac:{recompute} mb{micro_batch} seq{seq_len} {precision}")
 
 
+def dp_block_shape(shape: str, sharding: str, dp: int, accumulate: bool) -> str:
+    """The key of a block timed under data parallelism: `shape` (`block_shape`) with the arrangement
+    (`Layout.sharding`: fsdp, zero1 or ddp) over `dp` ranks, as a step's last micro-batch runs it (gradients
+    reduced) or, `accumulate`, as its others do (gradients accumulated without a reduction)."""
+    return f"{shape} | dp{dp} {sharding}{' accumulate' if accumulate else ''}"
+
+
 def interpolate(table: list[list[float]], x: float) -> float:
     """The y of sorted [x, y] rows at x, linear in log x between rows and flat beyond the ends."""
     xs = [row[0] for row in table]

@@ -85,7 +85,8 @@ class Measured:
         """Which figures were measured, by name."""
         return {"matmul": bool(self.matmul_bf16 or self.matmul_fp32),
                 "attention": bool(self.attention_bf16 or self.attention_fp32),
-                "whole block": bool(self.block_shapes), "memory-bound": self.norm_gbs > 0,
+                "whole block": bool(self.block_shapes),
+                "data-parallel block": any(" | dp" in shape for shape in self.block_shapes), "memory-bound": self.norm_gbs > 0,
                 "optimizer": self.optimizer_gbs > 0,
                 "collectives": bool(self.all_reduce), "send/recv": bool(self.send_recv), "overlap": self.overlap >= 0}
 

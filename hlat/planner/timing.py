@@ -44,8 +44,8 @@ from dataclasses import dataclass
 from hlat.models.config import ModelConfig
 from hlat.planner.layout import Layout, Workload
 from hlat.planner.memory import sharded_units, stage_params
-from hlat.planner.costs import (attention_flops, block_shape, interpolate, layer_matmuls, loss_bytes, matmul_flops,
-                                 memory_op_bytes, optimizer_bytes, output_matmul)
+from hlat.planner.costs import (attention_flops, block_shape, dp_block_shape, interpolate, layer_matmuls, loss_bytes,
+                                 matmul_flops, memory_op_bytes, optimizer_bytes, output_matmul)
 from hlat.planner.profiles import Fit, HardwareProfile
 
 
@@ -221,7 +221,9 @@ def step_time(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit | No
             one = (msg / (hw.intra_gbs * 1e9) + hw.intra_latency_us * 1e-6) * fit.intra_factor
         pp = 2 * v * (one + fit.p2p_ms * 1e-3)
 
-    dp_comm = data_parallel_time(work, layout, hw, fit, compute, m)
+    dp_comm = measured_data_parallel(work, layout, hw, compute, m) if block else None
+    if dp_comm is None:
+        dp_comm = data_parallel_time(work, layout, hw, fit, compute, m)
 
     # AdamW reads weights, gradients and states and writes weights and states, for the parameters it owns.
     owned = stage_params(model, layout) / layout.dp_shard
@@ -235,6 +237,27 @@ def step_time(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit | No
                     bubble=bubble * (compute - output_time + embedding + tp + pp),
                     dp_comm=dp_comm, optimizer=optimizer,
                     layer="measured block" if block else "composed" if measured else "fitted")
+
+
+def measured_data_parallel(work: Workload, layout: Layout, hw: HardwareProfile, compute: float,
+                           m: int) -> float | None:
+    """Exposed data-parallel time per step from blocks `hlat preflight` timed under the layout's own data
+    parallelism (the same block shape, arrangement and data-parallel size, without a pipeline): the step's `m`
+    micro-batches so wrapped (FSDP: each gathers and reduces; ZeRO-1 and DDP: the last reduces, the others
+    accumulate) less the plain blocks' `compute` per micro-batch. None where preflight timed no such blocks."""
+    if layout.dp == 1 or layout.pp > 1 or layout.sharding == "hsdp":
+        return None
+    model = work.model
+    shape = block_shape(model, work.seq_len, layout.micro_batch, work.precision, layout.tp,
+                        layout.sequence_parallel, layout.activation_checkpoint)
+    per_micro_batch = []
+    for accumulate in (False, layout.sharding != "fsdp"):
+        timed = hw.measured.block(dp_block_shape(shape, layout.sharding, layout.dp, accumulate))
+        if timed is None:
+            return None
+        per_micro_batch.append(model.n_layers * timed[0] + timed[1])
+    last, others = per_micro_batch
+    return max(0.0, last + (m - 1) * others - m * compute)
 
 
 def data_parallel_time(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit, compute: float,

@@ -27,16 +27,25 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor.parallel import loss_parallel
 
+from hlat.models import build_model, materialize
 from hlat.models.config import ModelConfig
-from hlat.models.layers import apply_rope, rope_table
+from hlat.models.layers import apply_rope, document_mask, rope_table
+from hlat.optim.precision import autocast, prepare_model
+from hlat.parallel.checkpointing import apply_activation_checkpointing
+from hlat.parallel.data import apply_data_parallel, sync_gradients
 from hlat.parallel.device import backend_for, pick_device
-from hlat.planner.costs import (attention_flops, block_shape, layer_matmuls, loss_bytes, matmul_flops,
-                                memory_op_bytes, optimizer_bytes, output_matmul)
+from hlat.parallel.tensor import apply_tensor_parallel
+from hlat.planner.costs import (attention_flops, block_shape, dp_block_shape, layer_matmuls, loss_bytes,
+                                matmul_flops, memory_op_bytes, optimizer_bytes, output_matmul)
 from hlat.planner.profiles import HardwareProfile, Measured
+from hlat.train.loop import cross_entropy
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 BLOCKS_TIMED = 4  # distinct blocks in a row per whole-block timing (fewer when the model has fewer)
+DATA_PARALLEL = ("fsdp", "zero1", "ddp")  # arrangements blocks can be timed under (`Layout.sharding`'s names)
 
 
 @dataclass
@@ -55,6 +64,7 @@ class Options:
     delay_ms: float = 0.0
     perturb_rank: int = -1  # debug: this rank's numerics check sees different inputs
     # the trainer's settings a whole block is timed under (`measure_blocks`)
+    data_parallel: tuple[str, ...] = ()  # of DATA_PARALLEL: timed again under each, where ranks are left over
     precision: str = "fp32"
     sequence_parallel: bool = True
     recompute: str = "none"
@@ -135,96 +145,172 @@ def measure_compute(o: Options, device: torch.device) -> tuple[list[dict], dict]
 
 def measure_blocks(o: Options, device: torch.device, world: int) -> tuple[list[dict], dict]:
     """Whole blocks of the real model, forward + backward, and the rest of a micro-batch (embedding, final
-    norm, output layer and loss), run as the trainer runs them (`time_block`), for each tensor-parallel degree
-    that divides the ranks (over groups of neighbouring ranks, as the trainer's mesh puts tp innermost) and each
-    micro-batch. Recorded under `hlat.planner.costs.block_shape`, which the planner matches exactly."""
-    from torch.distributed.device_mesh import init_device_mesh
+    norm, output layer and loss), run as the trainer runs them (`build_timed_model`), for each tensor-parallel
+    degree that divides the ranks (over groups of neighbouring ranks, as the trainer's mesh puts tp innermost) and
+    each micro-batch. Recorded under `hlat.planner.costs.block_shape`, which the planner matches exactly.
 
+    With ranks left over by tensor parallelism (dp = world / tp > 1), the same again under each data-parallel
+    arrangement of `o.data_parallel`, wrapped in `fully_shard` by the trainer's own code over those ranks: as the
+    last micro-batch of a step runs (gradients reduced) and, for ZeRO-1 and DDP, as the others run (gradients
+    accumulated, no reduction). Recorded under `hlat.planner.costs.dp_block_shape`; their excess over the plain
+    timing is what the layout's data parallelism costs on this hardware, copies and contention included."""
     m, rows, out = o.model, [], {"block_shapes": [], "block_s": [], "ends_s": [], "embedding_s": []}
     for tp in (tp for tp in o.tps if world % tp == 0):
         sp = o.sequence_parallel and tp > 1
-        tp_mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("rest", "tp"))["tp"] \
-            if tp > 1 else None
-        for mb in sorted({o.micro_batch, *o.other_micro_batches}):
-            times = time_block(o, device, world, tp_mesh, sp, mb)
-            for key, value in zip(out, (block_shape(m, o.seq_len, mb, o.precision, tp, sp, o.recompute), *times)):
-                out[key].append(value)
-            layout = f"tp{tp}{' sp' if sp else ''} ac:{o.recompute} {o.precision}"
-            rows.append({"what": f"block (fwd+bwd) {layout}", "shape": f"{mb}x{o.seq_len}x{m.dim}",
-                         "seconds": times[0], "rate": ""})
-            rows.append({"what": f"embedding, output layer, loss (fwd+bwd) {layout}",
-                         "shape": f"{mb}x{o.seq_len}x{m.vocab_size}", "seconds": times[1], "rate": ""})
-            rows.append({"what": f"of which the embedding (fwd+bwd) {layout}",
-                         "shape": f"{mb}x{o.seq_len}x{m.vocab_size}", "seconds": times[2], "rate": ""})
-        if tp_mesh is not None:
-            # the timed steps leave collectives nobody waits for (gradients no optimizer reads) on the tp group;
-            # a gloo barrier completes after all earlier work, so none is in flight when the process exits (a
-            # gloo thread still holding one aborted the process at exit under load)
-            dist.barrier(group=tp_mesh.get_group())
+        for arrangement in (None, *(o.data_parallel if world > tp else ())):
+            mesh = block_mesh(device, world, tp, arrangement)
+            for mb in sorted({o.micro_batch, *o.other_micro_batches}):
+                shape = block_shape(m, o.seq_len, mb, o.precision, tp, sp, o.recompute)
+                timed_model = build_timed_model(o, device, mesh, sp, mb, arrangement)
+                layout = f"tp{tp}{' sp' if sp else ''} ac:{o.recompute} {o.precision}"
+                if arrangement is None:
+                    times = time_steps(timed_model, (block_step, ends_step, embedding_step), world, o.repeats)
+                    record_block(out, rows, shape, layout, f"{mb}x{o.seq_len}", times)
+                    continue
+                for accumulate in (False,) if arrangement == "fsdp" else (False, True):
+                    timed_model.sync(accumulate)
+                    times = time_steps(timed_model, (block_step, ends_step), world, o.repeats)
+                    dp_shape = dp_block_shape(shape, arrangement, world // tp, accumulate)
+                    record_block(out, rows, dp_shape, f"{layout} {dp_shape.split(' | ')[-1]}", f"{mb}x{o.seq_len}",
+                                 (*times, 0.0))
+            settle(mesh)
     return rows, out
 
 
-def time_block(o: Options, device: torch.device, world: int, tp_mesh, sp: bool,
-               mb: int) -> tuple[float, float, float]:
-    """Seconds per block (forward + backward), of the rest of a micro-batch and of its embedding alone (which a
-    pipeline runs on its first stage, the rest on its last), built and wrapped by the trainer's own code: the
-    precision mode's parameters and autocast, tensor (and sequence) parallelism over `tp_mesh`, the recomputation
-    mode, and the loss under `loss_parallel` with tp. Every rank runs at once, as in training. The statistic is
-    each rank's fastest repeat (as for every preflight figure: on a shared host the least disturbed run is the one
-    that reproduces), and of those the slowest rank's, since the trainer's collectives wait for it."""
-    from torch.distributed.tensor.parallel import loss_parallel
+def record_block(out: dict, rows: list[dict], shape: str, layout: str, size: str,
+                 times: tuple[float, float, float]) -> None:
+    """Add one timing of a block, the ends and the embedding (0: not timed) to the profile's fields and the
+    report's rows."""
+    for key, value in zip(out, (shape, *times)):
+        out[key].append(value)
+    rows.append({"what": f"block (fwd+bwd) {layout}", "shape": size, "seconds": times[0], "rate": ""})
+    rows.append({"what": f"embedding, output layer, loss (fwd+bwd) {layout}", "shape": size, "seconds": times[1],
+                 "rate": ""})
+    if times[2]:
+        rows.append({"what": f"of which the embedding (fwd+bwd) {layout}", "shape": size, "seconds": times[2],
+                     "rate": ""})
 
-    from hlat.models import build_model, materialize
-    from hlat.models.layers import document_mask
-    from hlat.optim.precision import autocast, prepare_model
-    from hlat.parallel.checkpointing import apply_activation_checkpointing
-    from hlat.parallel.tensor import apply_tensor_parallel
-    from hlat.train.loop import cross_entropy
 
+def block_mesh(device: torch.device, world: int, tp: int, arrangement: str | None):
+    """The trainer's mesh dimensions (dp_replicate, dp_shard, tp), tp innermost, for timing blocks at `tp` under
+    `arrangement` (None: no data parallelism; the other ranks time the same blocks at once, as replicas would):
+    FSDP and ZeRO-1 shard over the ranks tp leaves, DDP replicates over them. None for one process without tp."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if tp == 1 and arrangement is None:
+        return None
+    dp = world // tp
+    shape = (1, dp, tp) if arrangement in ("fsdp", "zero1") else (dp, 1, tp)
+    return init_device_mesh(device.type, shape, mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+
+
+def settle(mesh) -> None:
+    """Wait until no collective is in flight on the mesh's groups. The timed steps leave some nobody waits for
+    (tensor-parallel gradients no optimizer reads); a gloo barrier completes after all earlier work on its group,
+    so none is left when the process exits (a gloo thread still holding one aborted the process at exit under
+    load)."""
+    if mesh is not None:
+        for name in mesh.mesh_dim_names:
+            dist.barrier(group=mesh.get_group(name))
+
+
+class BlockStack(nn.Module):
+    """Blocks called one after another as the model calls its layers; under data parallelism a `fully_shard`
+    root of their own, each block a unit as in the trainer (`apply_data_parallel` wraps `layers`, then this)."""
+
+    def __init__(self, blocks: list[nn.Module]):
+        super().__init__()
+        self.layers = nn.ModuleDict({str(i): block for i, block in enumerate(blocks)})
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        for block in self.layers.values():
+            x = block(x, rope, mask)
+        return x
+
+
+@dataclass
+class TimedModel:
+    """A few distinct blocks of the real model and the rest of it (embedding, final norm, output layer), with one
+    micro-batch of inputs: a block's input activation, and tokens for the rest."""
+
+    blocks: BlockStack
+    rest: nn.Module
+    x: torch.Tensor
+    tokens: torch.Tensor
+    doc_ids: torch.Tensor | None
+    mask: torch.Tensor | None
+    precision: str
+    device: torch.device
+    tp: int
+    sharded_grads: bool  # FSDP (not ZeRO-1 or DDP): gradients reduce-scattered every micro-batch
+
+    def sync(self, accumulate: bool) -> None:
+        """Run the next micro-batches as a step's last (gradients reduced) or as the others (accumulated)."""
+        for unit in (self.blocks, self.rest):
+            sync_gradients(unit, self.sharded_grads, last_micro_batch=not accumulate)
+
+
+def build_timed_model(o: Options, device: torch.device, mesh, sp: bool, mb: int,
+                      arrangement: str | None) -> TimedModel:
+    """Blocks and the rest, built and wrapped by the trainer's own code: the precision mode's parameters, tensor
+    (and sequence) parallelism over the mesh's tp ranks, the recomputation mode, and under a data-parallel
+    `arrangement` `fully_shard` over its dp ranks.
+
+    A few distinct blocks in a row, as the model runs them: one block timed again and again would find its
+    weights and gradients still in the cache, which a whole model (on a CPU host) does not."""
     m = o.model
-    # A few distinct blocks in a row, as the model runs them: one block timed again and again would find its
-    # weights and gradients still in the cache, which a whole model (on a CPU host) does not.
     stack = min(m.n_layers, BLOCKS_TIMED)
     model = prepare_model(build_model(replace(m, n_layers=stack)), o.precision)
-    if tp_mesh is not None:
-        apply_tensor_parallel(model, tp_mesh, sp)
+    tp = mesh["tp"].size() if mesh is not None else 1
+    if tp > 1:
+        apply_tensor_parallel(model, mesh["tp"], sp)
     apply_activation_checkpointing(model, o.recompute)
     materialize(model, device)
-    blocks = [model.layers.pop(str(i)) for i in range(stack)]  # what is left: the rest of a micro-batch
-    tp = tp_mesh.size() if tp_mesh is not None else 1
+    blocks = BlockStack([model.layers.pop(str(i)) for i in range(stack)])  # what is left: the rest
+    if arrangement is not None:
+        for unit in (blocks, model):
+            apply_data_parallel(unit, mesh["dp_replicate", "dp_shard"], arrangement == "zero1", pipelined=False)
     x = torch.randn(mb, o.seq_len // tp if sp else o.seq_len, m.dim, device=device,
-                    dtype=next(blocks[0].parameters()).dtype, requires_grad=True)
+                    dtype=next(model.parameters()).dtype, requires_grad=True)
     tokens = torch.randint(m.vocab_size, (mb, o.seq_len), device=device)
     # one document per sequence: the trainer's masked attention kernel, where the model masks documents
     doc_ids = torch.zeros_like(tokens) if m.doc_mask else None
-    mask = document_mask(doc_ids) if m.doc_mask else None
-    loss_context = loss_parallel if tp > 1 else contextlib.nullcontext
+    return TimedModel(blocks, model, x, tokens, doc_ids, document_mask(doc_ids) if m.doc_mask else None,
+                      o.precision, device, tp, sharded_grads=arrangement == "fsdp")
 
-    def block_step():
-        with autocast(o.precision, device):
-            y = x
-            for block in blocks:
-                y = block(y, model.rope, mask)
-        y.backward(torch.ones_like(y))
 
-    def ends_step():
-        with loss_context():
-            with autocast(o.precision, device):
-                logits = model(tokens, doc_ids=doc_ids)
-            cross_entropy(logits, tokens).backward()
+def block_step(t: TimedModel) -> None:
+    with autocast(t.precision, t.device):
+        y = t.blocks(t.x, t.rest.rope, t.mask)
+    y.backward(torch.ones_like(y))
 
-    def embedding_step():
-        with autocast(o.precision, device):
-            h = model.tok_embeddings(tokens)
-        h.backward(torch.ones_like(h))
 
+def ends_step(t: TimedModel) -> None:
+    with loss_parallel() if t.tp > 1 else contextlib.nullcontext():
+        with autocast(t.precision, t.device):
+            logits = t.rest(t.tokens, doc_ids=t.doc_ids)
+        cross_entropy(logits, t.tokens).backward()
+
+
+def embedding_step(t: TimedModel) -> None:
+    with autocast(t.precision, t.device):
+        h = t.rest.tok_embeddings(t.tokens)
+    h.backward(torch.ones_like(h))
+
+
+def time_steps(t: TimedModel, steps, world: int, repeats: int) -> list[float]:
+    """Seconds of each step: per block for `block_step` (the stack's time over its blocks), whole for the others.
+    Every rank runs at once, as in training. The statistic is each rank's fastest repeat (as for every preflight
+    figure: on a shared host the least disturbed run is the one that reproduces), and of those the slowest
+    rank's, since the trainer's collectives wait for it."""
     times = []
-    for step in (block_step, ends_step, embedding_step):
-        step()  # a first call allocates the gradients (and timed() warms up once more)
+    for step in steps:
+        step(t)  # a first call allocates the gradients (and timed() warms up once more)
         if world > 1:
             dist.barrier()
-        times.append(max(_gather(timed(step, device, o.repeats), world)))
-    return times[0] / stack, times[1], times[2]
+        seconds = max(_gather(timed(lambda: step(t), t.device, repeats), world))
+        times.append(seconds / len(t.blocks.layers) if step is block_step else seconds)
+    return times
 
 
 def measure_memory_bound(o: Options, device: torch.device) -> tuple[list[dict], dict]:

@@ -18,6 +18,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                  "(default: 1 and the config's tp)")
     parser.add_argument("--micro-batches", default="", help="micro-batch sizes whose matmul shapes to measure, "
                                                             "e.g. 1,4 (default: the config's micro_batch)")
+    parser.add_argument("--dp", default="", help="data-parallel arrangements to time whole blocks under too, over "
+                                                 "the ranks tensor parallelism leaves: fsdp, zero1, ddp, or none "
+                                                 "(default: the config's)")
     parser.add_argument("--dtypes", default="", help="fp32,bf16 (default: the precision mode's compute dtype)")
     parser.add_argument("--sizes", default="", help="collective sizes in bytes, comma-separated "
                                                     "(default 4 KiB to 16 MiB and the model's own messages)")
@@ -45,7 +48,7 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
 
 def options(args: argparse.Namespace, overrides: list[str]):
     from hlat.train.config import load_config
-    from hlat.train.preflight import Options
+    from hlat.train.preflight import DATA_PARALLEL, Options
 
     if args.model:
         overrides = ["--model.preset", args.model] + overrides
@@ -63,6 +66,12 @@ def options(args: argparse.Namespace, overrides: list[str]):
     for tp in tps:
         if cfg.model.n_heads % tp or cfg.model.ffn_dim % tp or cfg.model.vocab_size % tp:
             raise HlatError(f"--tp: {tp} does not divide the model's heads, ffn_dim or vocab_size")
+    p = cfg.parallel
+    data_parallel = tuple(a for a in args.dp.split(",") if a) or (
+        ("zero1" if p.zero1 else "ddp" if p.dp_shard == 1 else "fsdp"),)
+    data_parallel = () if data_parallel == ("none",) else data_parallel
+    if set(data_parallel) - set(DATA_PARALLEL):
+        raise HlatError(f"--dp: expected {', '.join(DATA_PARALLEL)} or none, got {args.dp!r}")
     delay_rank, delay_ms = -1, 0.0
     if args.debug_delay:
         try:
@@ -78,7 +87,8 @@ def options(args: argparse.Namespace, overrides: list[str]):
                    memory_fraction=args.memory_fraction, delay_rank=delay_rank, delay_ms=delay_ms,
                    perturb_rank=args.debug_perturb, precision=cfg.precision.mode,
                    sequence_parallel=cfg.parallel.sequence_parallel,
-                   recompute=cfg.parallel.activation_checkpoint, sizes=sizes, device=cfg.train.device)
+                   recompute=cfg.parallel.activation_checkpoint, data_parallel=data_parallel, sizes=sizes,
+                   device=cfg.train.device)
 
 
 def default_sizes(model) -> tuple[int, ...]:
