@@ -187,19 +187,22 @@ def main() -> None:
                          "error_after": round(predicted[1].total / measured - 1, 4),
                          "predicted_mean_s": round(mean, 4), "error_mean": round(mean / measured - 1, 4),
                          "breakdown_before": {k: round(v, 4) for k, v in predicted[0].__dict__.items()
-                                             if k != "layer"}, "layer": predicted[0].layer})
+                                             if isinstance(v, float)},
+                         "priced_from": ", ".join(filter(None, [predicted[0].layer, predicted[0].data_parallel and
+                                                                f"DP {predicted[0].data_parallel}"]))})
     meta = {"machine": platform.machine(), "cpus": os.cpu_count(), "preset": args.preset, "seq_len": args.seq_len,
             "global_batch": args.global_batch, "micro_batch": args.micro_batch, "steps": args.steps,
             "timed_steps": args.steps - args.warmup,
             "profiles": kept,
             "figures": before.sources()}
     table = markdown_table(
-        ["layout", "processes", "planner's reading", "measured s/step (fastest)", "median", "waiting for data",
-         "predicted (preflight before)", "error",
-         "predicted (preflight after)", "error", "predicted (geometric mean)", "error"],
+        ["layout", "processes", "planner's reading", "priced from", "measured s/step (fastest)", "median",
+         "waiting for data", "predicted (preflight before)", "error", "predicted (preflight after)", "error",
+         "predicted (geometric mean)", "error"],
         [[r["layout"], r["processes"], r.get("planner_layout", "failed: " + r.get("error", "")),
-          r.get("measured_s", ""), r.get("median_s", ""), r.get("data_wait_s", ""), r.get("predicted_before_s", ""), f"{r['error_before']:+.1%}" if "error_before" in r
-          else "", r.get("predicted_after_s", ""), f"{r['error_after']:+.1%}" if "error_after" in r else "",
+          r.get("priced_from", ""), r.get("measured_s", ""), r.get("median_s", ""), r.get("data_wait_s", ""),
+          r.get("predicted_before_s", ""), f"{r['error_before']:+.1%}" if "error_before" in r else "",
+          r.get("predicted_after_s", ""), f"{r['error_after']:+.1%}" if "error_after" in r else "",
           r.get("predicted_mean_s", ""), f"{r['error_mean']:+.1%}" if "error_mean" in r else ""]
          for r in rows])
     write_results(f"planner_measured_{tag}", meta, rows,

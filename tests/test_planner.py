@@ -471,7 +471,7 @@ def test_blocks_timed_under_the_layouts_data_parallelism_price_its_traffic():
         all_reduce=flat, all_gather=flat, reduce_scatter=flat, overlap=0.0, copy_gbs=1.0))
     plain = model.n_layers * 0.25 + 0.5
     fsdp = step_time(work, Layout.of(dp_shard=2), hw)
-    assert fsdp.compute == pytest.approx(4 * plain)
+    assert fsdp.compute == pytest.approx(4 * plain) and fsdp.data_parallel == "measured blocks"
     assert fsdp.dp_comm == pytest.approx(4 * (model.n_layers * 0.5 + 1.5 - plain))
     zero1 = step_time(work, Layout.of(dp_shard=2, zero1=True), hw).dp_comm
     assert zero1 == pytest.approx(model.n_layers * 0.375 + 1.0 + 3 * (model.n_layers * 0.3125 + 0.625) - 4 * plain)
@@ -480,5 +480,8 @@ def test_blocks_timed_under_the_layouts_data_parallelism_price_its_traffic():
     # any data-parallel timing
     untimed = replace(hw, measured=replace(hw.measured, block_shapes=[shape], block_s=[0.25], ends_s=[0.5]))
     for layout in (Layout.of(dp_shard=4), Layout.of(dp_shard=2, dp_replicate=2)):
-        priced = step_time(replace(work, global_batch=16), layout, hw).dp_comm
-        assert priced > 0 and priced == step_time(replace(work, global_batch=16), layout, untimed).dp_comm
+        priced = step_time(replace(work, global_batch=16), layout, hw)
+        assert priced.data_parallel == "composed"
+        assert priced.dp_comm > 0 and priced.dp_comm == step_time(replace(work, global_batch=16), layout,
+                                                                  untimed).dp_comm
+    assert step_time(work, Layout.of(), hw).data_parallel == ""

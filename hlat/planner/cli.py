@@ -156,9 +156,9 @@ def _row(plan: Plan, tokens: float) -> dict:
         "layout": plan.layout.describe(), "nodes": plan.nodes, **plan.layout.config_sections(plan.work),
         "fits": m.fits, "memory_gib": {k: round(v / GIB, 3) for k, v in asdict(m).items()} | {
             "total": round(m.total / GIB, 3)},
-        "step_time_s": {k: round(v, 4) for k, v in asdict(t).items() if k != "layer"} | {
+        "step_time_s": {k: round(v, 4) for k, v in asdict(t).items() if k not in ("layer", "data_parallel")} | {
             "total": round(t.total, 4)},
-        "layer": t.layer,
+        "layer": t.layer, "data_parallel": t.data_parallel,
         "tokens_per_s": round(plan.tokens_per_s, 1), "mfu": round(plan.mfu, 4),
         "tokens_per_dollar": round(plan.tokens_per_dollar) if plan.tokens_per_dollar else None,
         "budget": {"tokens": tokens, "days": round(days, 2), "dollars": round(dollars) if dollars else None},
@@ -205,7 +205,8 @@ def _show(args: argparse.Namespace, work: Workload, hw: HardwareProfile, plans: 
     console.print(table)
     t, m = plans[0].time, plans[0].memory
     console.print(f"#1 step {t.total:.3g} s = compute {t.compute:.3g} + TP {t.tp_comm:.3g} + PP {t.pp_comm:.3g} "
-                  f"+ bubble {t.bubble:.3g} + DP {t.dp_comm:.3g} + optimizer {t.optimizer:.2g} (layer: {t.layer})")
+                  f"+ bubble {t.bubble:.3g} + DP {t.dp_comm:.3g} + optimizer {t.optimizer:.2g} (layer: {t.layer}"
+                  f"{f'; data parallelism: {t.data_parallel}' if t.data_parallel else ''})")
     console.print(f"#1 memory {m.total / GIB:.1f} of {m.capacity / GIB:.0f} GiB = weights {m.weights / GIB:.1f} "
                   f"+ grads {m.grads / GIB:.1f} + optimizer {m.optimizer / GIB:.1f} + activations "
                   f"{m.activations / GIB:.1f} + FSDP buffers {m.buffers / GIB:.1f} + overhead {m.overhead / GIB:.1f}")

@@ -58,6 +58,9 @@ class StepTime:
     dp_comm: float  # exposed data-parallel (or FSDP) communication
     optimizer: float
     layer: str = "fitted"  # how a layer was priced: "measured block", "composed" (measured operations) or "fitted"
+    # how data parallelism was priced: "measured blocks" (timed under it), "composed" (measured collectives and
+    # copies) or "fitted"; "" without data parallelism
+    data_parallel: str = ""
 
     @property
     def total(self) -> float:
@@ -222,8 +225,10 @@ def step_time(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit | No
         pp = 2 * v * (one + fit.p2p_ms * 1e-3)
 
     dp_comm = measured_data_parallel(work, layout, hw, compute, m) if block else None
+    dp_priced = "measured blocks"
     if dp_comm is None:
         dp_comm = data_parallel_time(work, layout, hw, fit, compute, m)
+        dp_priced = "composed" if me.all_reduce else "fitted"
 
     # AdamW reads weights, gradients and states and writes weights and states, for the parameters it owns.
     owned = stage_params(model, layout) / layout.dp_shard
@@ -236,7 +241,8 @@ def step_time(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit | No
     return StepTime(compute=m * compute, tp_comm=m * tp, pp_comm=m * pp,
                     bubble=bubble * (compute - output_time + embedding + tp + pp),
                     dp_comm=dp_comm, optimizer=optimizer,
-                    layer="measured block" if block else "composed" if measured else "fitted")
+                    layer="measured block" if block else "composed" if measured else "fitted",
+                    data_parallel=dp_priced if layout.dp > 1 else "")
 
 
 def measured_data_parallel(work: Workload, layout: Layout, hw: HardwareProfile, compute: float,
