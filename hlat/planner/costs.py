@@ -12,8 +12,6 @@ import math
 
 from hlat.models.config import ModelConfig
 
-MEMORY_OPS = ("norm", "activation", "rotary", "residual", "loss", "optimizer")
-
 
 def layer_matmuls(model: ModelConfig, tokens: int, tp: int) -> dict[str, tuple[int, int, int]]:
     """Forward matmuls of one layer on one tensor-parallel rank, as (rows, inner, columns)."""
