@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from hlat.models.config import model_config
-from hlat.planner.costs import block_shape, dp_block_shape
+from hlat.planner.costs import block_shape, dp_block_shape, optimizer_bytes
 from hlat.planner.layout import Layout, Workload
 from hlat.planner.profiles import load_profile
 from hlat.planner.timing import step_time
@@ -80,14 +80,23 @@ def test_bad_options_are_one_line_errors(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_a_single_process_preflight_times_the_configs_block_as_the_trainer_runs_it(tmp_path):
+def test_a_single_process_preflight_times_the_configs_block_as_the_trainer_runs_it(tmp_path, capsys):
     from hlat.cli import main
 
     out = tmp_path / "measured.toml"
     assert main(["preflight", "--model", "tiny", "--train.seq_len", "32", "--train.micro_batch", "2", "--repeats",
                  "1", "--dtypes", "fp32", "--parallel.activation_checkpoint", "selective", "--precision.mode",
-                 "bf16_mixed", "--out", str(out)]) == 0
+                 "bf16_mixed", "--json", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    report = json.loads(printed[printed.index("{"):printed.rindex("}") + 1])
     measured = load_profile(str(out)).measured
+    # the update is the trainer's (clipping and AdamW on the fp32 master weights) over every parameter of the
+    # timed blocks and the rest (tiny has 4 layers: the whole model), priced at bf16_mixed's AdamW bytes
+    update = next(row for row in report["compute"] if row["what"].startswith("update"))
+    params = model_config("tiny").num_params()
+    assert (update["what"], update["shape"]) == ("update (clip, AdamW) bf16_mixed", f"{params} params")
+    assert measured.optimizer_gbs == pytest.approx(optimizer_bytes(params, 4, 4, 8) / update["seconds"] / 1e9,
+                                                   rel=1e-3)
     assert measured.block_shapes == [block_shape(model_config("tiny"), 32, 2, "bf16_mixed", 1, False, "selective")]
     assert measured.block_s[0] > 0 and measured.ends_s[0] > 0 and measured.embedding_s[0] > 0
     work = Workload(model_config("tiny"), 32, 4, "bf16_mixed")

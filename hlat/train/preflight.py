@@ -2,7 +2,8 @@
 hardware. One process, or every rank under torchrun (gloo on CPU, NCCL on CUDA):
 
 - compute: matmuls at the shapes the model runs (per tensor-parallel degree), causal attention (SDPA) at the
-  sequence length, and the memory-bound operations (norm, activation, rotary, residual, loss, optimizer) as GB/s;
+  sequence length, the memory-bound operations (norm, activation, rotary, residual, loss) as GB/s, whole blocks
+  of the real model as the trainer runs them, and the trainer's update (clipping and its optimizer);
 - communication: all-reduce, all-gather and reduce-scatter bus bandwidth over a sweep of sizes (as nccl-tests
   report it), send/recv between every pair of neighbouring ranks, and how much of a collective hides behind
   concurrent compute;
@@ -28,15 +29,19 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from hlat.models import build_model, materialize
 from hlat.models.config import ModelConfig
 from hlat.models.layers import apply_rope, document_mask, rope_table
+from hlat.optim import OptimConfig, build_optimizer
+from hlat.optim.modes import MODES
 from hlat.optim.precision import autocast, prepare_model
 from hlat.parallel.checkpointing import apply_activation_checkpointing
 from hlat.parallel.data import apply_data_parallel, sync_gradients
 from hlat.parallel.device import backend_for, pick_device
+from hlat.parallel.grads import clip_grad_norm
 from hlat.parallel.tensor import apply_tensor_parallel
 from hlat.planner.costs import (attention_flops, block_shape, dp_block_shape, layer_matmuls, loss_bytes,
                                 matmul_flops, memory_op_bytes, optimizer_bytes, output_matmul)
@@ -68,6 +73,7 @@ class Options:
     precision: str = "fp32"
     sequence_parallel: bool = True
     recompute: str = "none"
+    optim: OptimConfig = field(default_factory=OptimConfig)  # the update timed after the blocks (`measure_update`)
     device: str = "auto"  # train.device
 
 
@@ -147,14 +153,15 @@ def measure_blocks(o: Options, device: torch.device, world: int) -> tuple[list[d
     """Whole blocks of the real model, forward + backward, and the rest of a micro-batch (embedding, final
     norm, output layer and loss), run as the trainer runs them (`build_timed_model`), for each tensor-parallel
     degree that divides the ranks (over groups of neighbouring ranks, as the trainer's mesh puts tp innermost) and
-    each micro-batch. Recorded under `hlat.planner.costs.block_shape`, which the planner matches exactly.
+    each micro-batch. Recorded under `hlat.planner.costs.block_shape`, which the planner matches exactly. After
+    the first of these, the trainer's update over the same parameters (`measure_update`).
 
     With ranks left over by tensor parallelism (dp = world / tp > 1), the same again under each data-parallel
     arrangement of `o.data_parallel`, wrapped in `fully_shard` by the trainer's own code over those ranks: as the
     last micro-batch of a step runs (gradients reduced) and, for ZeRO-1 and DDP, as the others run (gradients
     accumulated, no reduction). Recorded under `hlat.planner.costs.dp_block_shape`; their excess over the plain
     timing is what the layout's data parallelism costs on this hardware, copies and contention included."""
-    m, rows, out = o.model, [], {"block_shapes": [], "block_s": [], "ends_s": [], "embedding_s": []}
+    m, rows, out, update = o.model, [], {"block_shapes": [], "block_s": [], "ends_s": [], "embedding_s": []}, {}
     for tp in (tp for tp in o.tps if world % tp == 0):
         sp = o.sequence_parallel and tp > 1
         for arrangement in (None, *(o.data_parallel if world > tp else ())):
@@ -166,6 +173,8 @@ def measure_blocks(o: Options, device: torch.device, world: int) -> tuple[list[d
                 if arrangement is None:
                     times = time_steps(timed_model, (block_step, ends_step, embedding_step), world, o.repeats)
                     record_block(out, rows, shape, layout, f"{mb}x{o.seq_len}", times)
+                    if not update:  # the first plain timing: its gradients are a backward's, as the update finds them
+                        update.update(measure_update(o, timed_model, world, rows))
                     continue
                 for accumulate in (False,) if arrangement == "fsdp" else (False, True):
                     timed_model.sync(accumulate)
@@ -174,14 +183,14 @@ def measure_blocks(o: Options, device: torch.device, world: int) -> tuple[list[d
                     record_block(out, rows, dp_shape, f"{layout} {dp_shape.split(' | ')[-1]}", f"{mb}x{o.seq_len}",
                                  (*times, 0.0))
             settle(mesh)
-    return rows, out
+    return rows, {**out, **update}
 
 
 def record_block(out: dict, rows: list[dict], shape: str, layout: str, size: str,
                  times: tuple[float, float, float]) -> None:
     """Add one timing of a block, the ends and the embedding (0: not timed) to the profile's fields and the
     report's rows."""
-    for key, value in zip(out, (shape, *times)):
+    for key, value in zip(("block_shapes", "block_s", "ends_s", "embedding_s"), (shape, *times)):
         out[key].append(value)
     rows.append({"what": f"block (fwd+bwd) {layout}", "shape": size, "seconds": times[0], "rate": ""})
     rows.append({"what": f"embedding, output layer, loss (fwd+bwd) {layout}", "shape": size, "seconds": times[1],
@@ -189,6 +198,32 @@ def record_block(out: dict, rows: list[dict], shape: str, layout: str, size: str
     if times[2]:
         rows.append({"what": f"of which the embedding (fwd+bwd) {layout}", "shape": size, "seconds": times[2],
                      "rate": ""})
+
+
+def measure_update(o: Options, t: TimedModel, world: int, rows: list[dict]) -> dict:
+    """The end of the trainer's step over the timed blocks' and the rest's parameters, with the gradients their
+    backward left: global gradient-norm clipping, then the trainer's optimizer for the precision mode
+    (`build_optimizer`: fused AdamW on CUDA, foreach on the CPU, BF16AdamW in the pure-bf16 modes). As GB/s of
+    the mode's nominal AdamW bytes (`hlat.planner.costs.optimizer_bytes`), the figure the planner prices a
+    device's parameters at. Taken over a few blocks' worth of tensors, not one: on the 2-core CPU host a lone
+    layer-sized tensor's fastest AdamW step ran at 15 GB/s, five times its median, where the trainer's update
+    over the whole `small` model ran at 6-7."""
+    parts = nn.ModuleList([t.blocks, t.rest])
+    params = [p for p in parts.parameters() if p.grad is not None]
+    optimizer = build_optimizer(parts, o.optim, o.precision)
+    seconds = max(_gather(timed(lambda: update_step(params, optimizer, o.optim.clip_grad_norm), t.device,
+                                o.repeats), world))
+    n = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params)
+    mode = MODES[o.precision]
+    gbs = optimizer_bytes(n, mode.weight_bytes, mode.grad_bytes, mode.optimizer_bytes) / seconds / 1e9
+    rows.append({"what": f"update (clip, {type(optimizer).__name__}) {o.precision}", "shape": f"{n} params",
+                 "seconds": seconds, "rate": f"{gbs:.3g} GB/s"})
+    return {"optimizer_gbs": gbs}
+
+
+def update_step(params: list[nn.Parameter], optimizer: torch.optim.Optimizer, max_norm: float) -> None:
+    clip_grad_norm(params, max_norm)
+    optimizer.step()
 
 
 def block_mesh(device: torch.device, world: int, tp: int, arrangement: str | None):
@@ -357,13 +392,6 @@ def measure_memory_bound(o: Options, device: torch.device) -> tuple[list[dict], 
     out["copy_gbs"] = 2 * 4 * n / seconds / 1e9
     rows.append({"what": "copy into a new buffer (fully_shard)", "shape": f"{n} fp32", "seconds": seconds,
                  "rate": f"{out['copy_gbs']:.3g} GB/s"})
-    param = torch.nn.Parameter(torch.randn(n, device=device))
-    param.grad = torch.randn_like(param)
-    opt = torch.optim.AdamW([param], lr=1e-4, foreach=True)
-    seconds = timed(opt.step, device, o.repeats)
-    out["optimizer_gbs"] = optimizer_bytes(n, 4, 4, 8) / seconds / 1e9
-    rows.append({"what": "optimizer (AdamW, fp32)", "shape": f"{n} params", "seconds": seconds,
-                 "rate": f"{out['optimizer_gbs']:.3g} GB/s"})
     return rows, out
 
 

@@ -12,7 +12,7 @@ from hlat import HlatError
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="TOML config: its model, seq_len, micro_batch, precision, tp, sequence "
-                                         "parallelism and recomputation are measured")
+                                         "parallelism, recomputation and optimizer are measured")
     parser.add_argument("--model", help="preset name instead of the config's model")
     parser.add_argument("--tp", default="", help="tensor-parallel degrees whose matmul shapes to measure, e.g. 1,2 "
                                                  "(default: 1 and the config's tp)")
@@ -24,7 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtypes", default="", help="fp32,bf16 (default: the precision mode's compute dtype)")
     parser.add_argument("--sizes", default="", help="collective sizes in bytes, comma-separated "
                                                     "(default 4 KiB to 16 MiB and the model's own messages)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed repetitions per measurement (median)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timed repetitions per measurement (the fastest is kept)")
     parser.add_argument("--threshold", type=float, default=0.8,
                         help="a rank or link below this share of the median fails (default 0.8)")
     parser.add_argument("--memory-fraction", type=float, default=0.9, help="of free device memory to allocate")
@@ -88,7 +89,7 @@ def options(args: argparse.Namespace, overrides: list[str]):
                    perturb_rank=args.debug_perturb, precision=cfg.precision.mode,
                    sequence_parallel=cfg.parallel.sequence_parallel,
                    recompute=cfg.parallel.activation_checkpoint, data_parallel=data_parallel, sizes=sizes,
-                   device=cfg.train.device)
+                   optim=cfg.optim, device=cfg.train.device)
 
 
 def default_sizes(model) -> tuple[int, ...]:
@@ -167,5 +168,5 @@ def show(report) -> None:
         console.print(table)
     console.print("stragglers (slowdown against the median rank): " + ", ".join(
         f"rank {s['rank']} {s['score']:.2f}" for s in report.stragglers))
-    console.print(f"numerics: {'identical on every rank' if not report.mismatched else 'differ on ranks ' + str(report.mismatched)}; "
-                  f"memory: {report.memory}")
+    numerics = f"differ on ranks {report.mismatched}" if report.mismatched else "identical on every rank"
+    console.print(f"numerics: {numerics}; memory: {report.memory}")
