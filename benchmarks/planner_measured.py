@@ -51,6 +51,10 @@ GPU_RUNS = {  # one device: micro-batch, recomputation and precision vary what t
     "mb4_bf16_full_ac": (1, {"train.micro_batch": 4, "precision.mode": "bf16_mixed",
                              "parallel.activation_checkpoint": "full"}),
 }
+# Tokenize in the training process: on a host whose cores the training processes fill (the 2-core CPU host runs
+# two), background tokenizer workers take compute from the steps being timed. In the process, tokenizing a round
+# shows as "waiting for data" in the step it falls in, which the fastest step leaves out.
+DATA_IN_PROCESS = {"data.workers": 0}
 ROOT = Path(__file__).resolve().parents[1]
 REPLAYED = ("gpu", "preset", "steps", "warmup", "seq_len", "global_batch", "micro_batch", "layouts")  # --replan
 
@@ -79,7 +83,7 @@ def train(name: str, nproc: int, overrides: dict, args, workdir: Path, env: dict
     base = {"model.preset": args.preset, **args.model_overrides, "train.run_dir": run_dir,
             "train.steps": args.steps, "train.log_every": 1, "train.global_batch": args.global_batch,
             "train.micro_batch": args.micro_batch, "train.seq_len": args.seq_len, "train.ckpt_every": 0,
-            "data.paths": os.path.join(os.path.dirname(json.__file__), "*.py"), **overrides}
+            "data.paths": os.path.join(os.path.dirname(json.__file__), "*.py"), **DATA_IN_PROCESS, **overrides}
     done = torchrun(nproc, ["train", "--config", "configs/tiny.toml", *flags(base)], env)
     if done.returncode:
         return done.stderr.strip().splitlines()[-1][:200]
@@ -120,8 +124,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpu", action="store_true", help="one GPU: the single-device runs of GPU_RUNS")
     ap.add_argument("--preset", default="small")
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--warmup", type=int, default=2, help="first steps left out of the timing")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=4, help="first steps left out of the timing (on the 2-core "
+                                                          "CPU host the first ran up to twice as long as later ones)")
     ap.add_argument("--seq-len", type=int)
     ap.add_argument("--global-batch", type=int)
     ap.add_argument("--micro-batch", type=int, default=1)
@@ -207,7 +212,8 @@ def main() -> None:
          for r in rows])
     write_results(f"planner_measured_{tag}", meta, rows,
                   f"`{args.preset}` (untied embeddings), seq {args.seq_len}, global batch {args.global_batch}, "
-                  f"micro-batch {args.micro_batch}; fastest (and median) step of steps {args.warmup + 1}-{args.steps}; "
+                  f"micro-batch {args.micro_batch}; fastest (and median) step of steps {args.warmup + 1}-{args.steps} "
+                  f"(data tokenized in the training process); "
                   f"predicted from the `hlat preflight` run just before and the one just after each training run "
                   f"(each with the run's own process count{'' if args.gpu else ', one thread per process'}). "
                   f"{before.sources()}.", table)
