@@ -3,12 +3,13 @@ machine: preflight writes a measured hardware profile, the layouts train back to
 each run from its own config.toml (the layout the trainer resolved) with that profile.
 
 Preflight runs as the training run will: with as many processes, so that on a CPU host, where processes share
-the memory system, a block is timed under whatever contention the run sees. On the CPU it times the blocks under
+the memory system, a block is timed under whatever contention the run sees, and with the run's precision and
+recomputation, so that the run's blocks are timed as it runs them. On the CPU it times the blocks under
 FSDP, ZeRO-1 and DDP over its two processes too (`--dp`), which price the data-parallel layouts.
 
 The machine may be shared and noisy, and its load drifts within minutes: each run is bracketed by a preflight
-just before it and one just after (a run's "after" is the next run's "before" when their process counts
-agree). The table gives the prediction from each and from their geometric mean (the load during the run lies
+just before it and one just after (a run's "after" is the next run's "before" when their process counts,
+precision and recomputation agree). The table gives the prediction from each and from their geometric mean (the load during the run lies
 between the two), so drift is visible and no preflight is chosen after the fact.
 
     .venv/bin/python benchmarks/planner_measured.py                      # CPU: six layouts of `small`, 2 processes
@@ -51,6 +52,7 @@ GPU_RUNS = {  # one device: micro-batch, recomputation and precision vary what t
     "mb4_bf16_full_ac": (1, {"train.micro_batch": 4, "precision.mode": "bf16_mixed",
                              "parallel.activation_checkpoint": "full"}),
 }
+BLOCK_SETTINGS = ("precision.mode", "parallel.activation_checkpoint")  # a run's preflights time its blocks so
 # Tokenize in the training process: on a host whose cores the training processes fill (the 2-core CPU host runs
 # two), background tokenizer workers take compute from the steps being timed. In the process, tokenizing a round
 # shows as "waiting for data" in the step it falls in, which the fastest step leaves out.
@@ -69,8 +71,8 @@ def flags(overrides: dict) -> list[str]:
     return [a for k, v in overrides.items() for a in (f"--{k}", str(v).lower() if isinstance(v, bool) else str(v))]
 
 
-def preflight(args, nproc: int, out: Path, env: dict) -> None:
-    done = torchrun(nproc, ["preflight", "--model", args.preset, *flags(args.model_overrides),
+def preflight(args, nproc: int, timed_as: dict, out: Path, env: dict) -> None:
+    done = torchrun(nproc, ["preflight", "--model", args.preset, *flags(args.model_overrides), *flags(timed_as),
                                  "--train.seq_len", str(args.seq_len), "--micro-batches", args.micro_batches,
                                  "--tp", args.tp, "--dp", args.dp, "--dtypes", args.dtypes, "--repeats", str(args.repeats),
                                  "--threshold", "0.05", "--out", str(out)], env)
@@ -91,21 +93,23 @@ def train(name: str, nproc: int, overrides: dict, args, workdir: Path, env: dict
 
 
 def bracketed_runs(layouts: dict, args, workdir: Path, env: dict) -> dict:
-    """Train each layout between two preflights with its own process count, the one after a run serving as the
-    next run's before where the counts agree. Returns, and writes to workdir/brackets.json (what --replan reads),
+    """Train each layout between two preflights with its own process count, precision and recomputation (so
+    that preflight times its blocks as it runs them), the one after a run serving as the next run's before where
+    those agree. Returns, and writes to workdir/brackets.json (what --replan reads),
     {name: {processes, run (its directory), error, before, after (profiles)}}."""
-    runs, last = {}, None  # last: (processes, the newest preflight's profile)
+    runs, last = {}, None  # last: (processes, what the blocks are timed as, the newest preflight's profile)
     for i, (name, (nproc, overrides)) in enumerate(layouts.items()):
-        if last is None or last[0] != nproc:
-            last = (nproc, workdir / f"preflight{i}_before.toml")
-            preflight(args, nproc, last[1], env)
+        timed_as = {k: v for k, v in overrides.items() if k in BLOCK_SETTINGS}
+        if last is None or last[:2] != (nproc, timed_as):
+            last = (nproc, timed_as, workdir / f"preflight{i}_before.toml")
+            preflight(args, nproc, timed_as, last[2], env)
         done = train(name, nproc, overrides, args, workdir, env)
         print(f"{name}: {'done' if isinstance(done, Path) else done}", flush=True)
         after = workdir / f"preflight{i}_after.toml"
-        preflight(args, nproc, after, env)
+        preflight(args, nproc, timed_as, after, env)
         runs[name] = {"processes": nproc, "run": str(done) if isinstance(done, Path) else "",
-                      "error": "" if isinstance(done, Path) else done, "before": str(last[1]), "after": str(after)}
-        last = (nproc, after)
+                      "error": "" if isinstance(done, Path) else done, "before": str(last[2]), "after": str(after)}
+        last = (nproc, timed_as, after)
     (workdir / "brackets.json").write_text(json.dumps({"args": {k: getattr(args, k) for k in REPLAYED},
                                                        "runs": runs}, indent=1))
     return runs
