@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One GPU, in one go: `hlat preflight` on the `small` model (the measured profile is committed as
-# benchmarks/results/preflight_gpu.toml), then benchmarks/planner_measured.py --gpu: preflight again, four
-# single-GPU hlat runs (micro-batch, precision, recomputation), preflight after them, and the planner's
-# predicted against measured step time (benchmarks/results/planner_measured_gpu.{md,json}).
+# benchmarks/results/preflight_gpu.toml), then benchmarks/planner_measured.py --gpu: four single-GPU hlat runs
+# (micro-batch, precision, recomputation), each between preflights in its own precision and recomputation, and
+# the planner's predicted against measured step time (benchmarks/results/planner_measured_gpu.{md,json}).
 #
 #     PYTHON=.venv/bin/python bash benchmarks/gpu_preflight.sh
 set -euo pipefail
