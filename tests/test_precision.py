@@ -20,6 +20,7 @@ from hlat.optim import OptimConfig, build_optimizer
 from hlat.optim.bf16 import BF16AdamW, stochastic_round
 from hlat.optim.modes import MODES
 from hlat.optim.precision import autocast, prepare_model
+from process_groups import end_process_group
 
 BF16 = torch.bfloat16
 # Across magnitudes and signs, between bf16 neighbours at different fractions, fp32 subnormals (bf16 has them too).
@@ -240,7 +241,7 @@ def _data_parallel_worker(rank: int, world: int, store: str, out: str) -> None:
         results[name] = p.to_local().clone()
         results[name + "_full"] = p.full_tensor()
     torch.save(results, f"{out}/rank{rank}.pt")
-    dist.destroy_process_group()
+    end_process_group()
 
 
 def test_replicas_stay_bit_identical_under_data_parallel_2(tmp_path):
