@@ -9,8 +9,8 @@ FSDP, ZeRO-1 and DDP over its two processes too (`--dp`), which price the data-p
 
 The machine may be shared and noisy, and its load drifts within minutes: each run is bracketed by a preflight
 just before it and one just after (a run's "after" is the next run's "before" when their process counts,
-precision and recomputation agree). The table gives the prediction from each and from their geometric mean (the load during the run lies
-between the two), so drift is visible and no preflight is chosen after the fact.
+precision and recomputation agree). The table gives the prediction from each and from their geometric mean (the
+load during the run lies between the two), so drift is visible and no preflight is chosen after the fact.
 
     .venv/bin/python benchmarks/planner_measured.py                      # CPU: six layouts of `small`, 2 processes
     .venv/bin/python benchmarks/planner_measured.py --gpu                # one GPU: a few single-device runs
@@ -52,7 +52,7 @@ GPU_RUNS = {  # one device: micro-batch, recomputation and precision vary what t
     "mb4_bf16_full_ac": (1, {"train.micro_batch": 4, "precision.mode": "bf16_mixed",
                              "parallel.activation_checkpoint": "full"}),
 }
-BLOCK_SETTINGS = ("precision.mode", "parallel.activation_checkpoint")  # a run's preflights time its blocks so
+BLOCK_SETTINGS = ("precision.mode", "parallel.activation_checkpoint")  # of a run's, its preflights' too
 # Tokenize in the training process: on a host whose cores the training processes fill (the 2-core CPU host runs
 # two), background tokenizer workers take compute from the steps being timed. In the process, tokenizing a round
 # shows as "waiting for data" in the step it falls in, which the fastest step leaves out.
