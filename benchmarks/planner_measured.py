@@ -73,9 +73,9 @@ def flags(overrides: dict) -> list[str]:
 
 def preflight(args, nproc: int, timed_as: dict, out: Path, env: dict) -> None:
     done = torchrun(nproc, ["preflight", "--model", args.preset, *flags(args.model_overrides), *flags(timed_as),
-                                 "--train.seq_len", str(args.seq_len), "--micro-batches", args.micro_batches,
-                                 "--tp", args.tp, "--dp", args.dp, "--dtypes", args.dtypes, "--repeats", str(args.repeats),
-                                 "--threshold", "0.05", "--out", str(out)], env)
+                            "--train.seq_len", str(args.seq_len), "--micro-batches", args.micro_batches,
+                            "--tp", args.tp, "--dp", args.dp, "--dtypes", args.dtypes,
+                            "--repeats", str(args.repeats), "--threshold", "0.05", "--out", str(out)], env)
     if not out.is_file():
         sys.exit(f"preflight failed:\n{done.stderr[-3000:]}")
 
