@@ -174,7 +174,7 @@ def measure_blocks(o: Options, device: torch.device, world: int) -> tuple[list[d
                     times = time_steps(timed_model, (block_step, ends_step, embedding_step), world, o.repeats)
                     record_block(out, rows, shape, layout, f"{mb}x{o.seq_len}", times)
                     if not update:  # the first plain timing: its gradients are a backward's, as the update finds them
-                        update.update(measure_update(o, timed_model, world, rows))
+                        update = measure_update(o, timed_model, world, rows)
                     continue
                 for accumulate in (False,) if arrangement == "fsdp" else (False, True):
                     timed_model.sync(accumulate)
