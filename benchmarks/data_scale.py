@@ -31,7 +31,7 @@ from results_io import markdown_table, write_results
 from hlat.data.config import DataConfig
 from hlat.data.exchange import side_group
 from hlat.data.packing import Ranks, build_stream
-from hlat.data.sources import default_corpus, iter_documents
+from hlat.data.sources import default_corpus, iter_documents, one_source
 from hlat.data.tokenizer import load_tokenizer, train_bpe, training_sample
 
 GPT2 = Path(__file__).resolve().parents[2] / "shared" / "data" / "tokenizers" / "gpt2"
@@ -44,7 +44,7 @@ def _rank(rank: int, dp: int, tmp: str, corpus: str, tokenizer, steps: int, work
                             timeout=timedelta(minutes=30))
     ranks = Ranks(side_group(), dp_rank=rank, dp=dp, accum=GLOBAL_BATCH)
     began = time.perf_counter()
-    stream = build_stream(DataConfig(workers=workers), tokenizer, [corpus], SEQ_LEN, 1, ranks=ranks)
+    stream = build_stream(DataConfig(workers=workers), tokenizer, one_source([corpus]), SEQ_LEN, 1, ranks=ranks)
     tokens = sum(next(stream)["inputs"].numel() for _ in range(steps * GLOBAL_BATCH // dp))
     wall = time.perf_counter() - began
     state = json.dumps(stream.state_dict())

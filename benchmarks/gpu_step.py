@@ -61,7 +61,7 @@ def hlat_step(setting: dict, compile_: bool, device: torch.device):
     from hlat.models import build_model
     from hlat.parallel import ParallelConfig, Topology, parallelize
     from hlat.parallel.grads import clip_grad_norm
-    from hlat.train.loop import cross_entropy
+    from hlat.models.loss import cross_entropy
 
     cfg, mode = hlat_model_config(setting), setting["hlat_mode"]
     pcfg = ParallelConfig(activation_checkpoint=setting["ac"], compile=compile_).resolved(1)
@@ -220,7 +220,7 @@ def trajectory(preset: str, mode: str, device: torch.device, steps: int, batch: 
     from hlat.optim.precision import autocast, prepare_model
     from hlat.parallel import ParallelConfig, Topology, parallelize
     from hlat.parallel.grads import clip_grad_norm
-    from hlat.train.loop import cross_entropy
+    from hlat.models.loss import cross_entropy
 
     cfg, fp64 = model_config(preset), mode == "fp64"
     mode = "fp32" if fp64 else mode

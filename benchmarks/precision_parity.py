@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from hlat.data.config import DataConfig
 from hlat.data.packing import build_stream
-from hlat.data.sources import default_corpus
+from hlat.data.sources import default_corpus, one_source
 from hlat.data.tokenizer import get_tokenizer
 from hlat.models import build_model, materialize
 from hlat.models.config import model_config
@@ -138,7 +138,7 @@ def main() -> None:
     data_cfg = DataConfig(tokenizer_sample_bytes=1_000_000, seed=args.seed)
     files = default_corpus()
     tokenizer = get_tokenizer(data_cfg, files, args.vocab, ROOT / "runs" / f"{args.out}-tokenizer-{args.vocab}")
-    stream = build_stream(data_cfg, tokenizer, files, args.seq_len, args.batch)
+    stream = build_stream(data_cfg, tokenizer, one_source(files), args.seq_len, args.batch)
     batches = [next(stream) for _ in range(args.steps)]  # the same batches for every mode
     print(f"{model_cfg.num_params():,} parameters, {args.steps} steps of {args.batch}x{args.seq_len} tokens, "
           f"torch {torch.__version__} on {torch.get_num_threads()} threads", flush=True)

@@ -19,7 +19,7 @@ import torch
 from hlat.models import build_model, materialize
 from hlat.models.config import model_config
 from hlat.optim.modes import MODES
-from hlat.parallel.checkpointing import apply_activation_checkpointing
+from hlat.parallel.recompute import apply_recomputation
 from hlat.planner.layout import Layout, Workload
 from hlat.planner.memory import layer_activation_bytes, memory, stage_params
 from hlat.planner.profiles import load_profile
@@ -96,7 +96,7 @@ def measure(tp_mesh=None, sequence_parallel: bool = False) -> dict[str, float]:
         model = build_model(cfg)
         if tp_mesh is not None:
             apply_tensor_parallel(model, tp_mesh, sequence_parallel)
-        apply_activation_checkpointing(model, mode)
+        apply_recomputation(model, mode)
         materialize(model, torch.device("cpu"), 0)
         result[mode] = block_bytes(model, tokens, "1")
     return result

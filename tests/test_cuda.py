@@ -12,7 +12,7 @@ def losses(device: str, mode: str = "fp32", steps: int = 4) -> list[float]:
     from hlat.models.config import model_config
     from hlat.optim import OptimConfig, build_optimizer
     from hlat.optim.precision import autocast, prepare_model
-    from hlat.train.loop import cross_entropy
+    from hlat.models.loss import cross_entropy
 
     cfg = model_config("tiny")
     model = materialize(prepare_model(build_model(cfg), mode), device)

@@ -27,7 +27,7 @@ from hlat.data.packing import build_stream
 from hlat.data.rounds import best_fit
 from hlat.data.sources import (
     START, Bad, BadLog, Split, default_corpus, iter_documents, make_splits, read_split, resolve_data_files,
-    resolve_paths, resolve_sources, skipped,
+    one_source, resolve_paths, resolve_sources, skipped,
 )
 from hlat.data.tokenizer import PROBE, train_bpe
 
@@ -70,7 +70,7 @@ def jsonl(path: Path, docs: list[str]) -> Path:
 def stream(files, seq_len=16, batch_size=2, tok=None, **cfg):
     """A stream over `files` in file order, without the row pool unless asked for."""
     cfg = DataConfig(**{"shuffle_files": False, "shuffle_rows": 0, "workers": 0, **cfg})
-    return build_stream(cfg, tok or CharTokenizer(), files, seq_len, batch_size)
+    return build_stream(cfg, tok or CharTokenizer(), one_source(files), seq_len, batch_size)
 
 
 def take(s, n):
@@ -404,7 +404,8 @@ def test_best_fit_pads_and_splits_fewer_documents_than_concat(tmp_path):
 
 def test_doc_ids_and_positions(tmp_path):
     files = [jsonl(tmp_path / "a.jsonl", ["abc", "de", "fghijklmn"])]
-    b = next(build_stream(DataConfig(shuffle_files=False, shuffle_rows=0, workers=0), CharTokenizer(), files,
+    b = next(build_stream(DataConfig(shuffle_files=False, shuffle_rows=0, workers=0), CharTokenizer(),
+                          one_source(files),
                           seq_len=8, batch_size=2, doc_mask=True))
     # row 0: a b c EOS d e EOS f | row 1: (f) g h i j k l m n — its start continues a document
     assert b["doc_ids"].tolist() == [[0, 0, 0, 0, 1, 1, 1, 2], [0, 0, 0, 0, 0, 0, 0, 0]]
@@ -420,7 +421,7 @@ def test_mixing_proportions_over_a_million_tokens(tmp_path):
             jsonl(tmp_path / name / f"{i}.jsonl", [f"{name} {i} {j} " + name[0] * (j * 7 % 300) for j in range(n)])
     cfg = DataConfig(sources=[f"prose:5:{tmp_path}/prose", f"code:3:{tmp_path}/code", f"math:2:{tmp_path}/math"],
                      workers=0, shuffle_rows=64, round_bytes=4096)
-    s = build_stream(cfg, CharTokenizer(), [], seq_len=512, batch_size=8)
+    s = build_stream(cfg, CharTokenizer(), resolve_sources(cfg), seq_len=512, batch_size=8)
     counts = Counter()
     for b in take(s, 250):  # 1,024,000 tokens
         for row in b["inputs"].tolist():
@@ -429,8 +430,9 @@ def test_mixing_proportions_over_a_million_tokens(tmp_path):
     assert total >= 1_000_000
     for name, weight in (("prose", 0.5), ("code", 0.3), ("math", 0.2)):
         assert abs(counts[name] / total - weight) < 0.02, counts
-    again = build_stream(cfg, CharTokenizer(), [], seq_len=512, batch_size=8)
-    assert same(take(again, 3), take(build_stream(cfg, CharTokenizer(), [], seq_len=512, batch_size=8), 3))
+    again = build_stream(cfg, CharTokenizer(), resolve_sources(cfg), seq_len=512, batch_size=8)
+    assert same(take(again, 3), take(build_stream(cfg, CharTokenizer(), resolve_sources(cfg), seq_len=512, batch_size=8),
+                                     3))
 
 
 def _source_of(row) -> str:
@@ -457,7 +459,7 @@ def test_ranks_read_disjoint_shares_that_cover_the_data(tmp_path, small_splits):
     seen = []
     for rank in range(3):
         cfg = DataConfig(shuffle_rows=0, workers=0, round_bytes=64)
-        s = build_stream(cfg, CharTokenizer(), [*files, big], seq_len=8, batch_size=1, shard=(rank, 3))
+        s = build_stream(cfg, CharTokenizer(), one_source([*files, big]), seq_len=8, batch_size=1, shard=(rank, 3))
         mine = set(_epoch_docs(s)) & set(docs)  # whole documents
         assert len(mine) >= 30  # balanced by bytes
         seen.append(mine)
@@ -467,19 +469,19 @@ def test_ranks_read_disjoint_shares_that_cover_the_data(tmp_path, small_splits):
 
 def test_a_rank_never_runs_out_and_resume_needs_the_same_ranks(tmp_path):
     files = [write(tmp_path / "a.txt", "a" * 500), write(tmp_path / "b.txt", "b")]
-    small = build_stream(DataConfig(shuffle_rows=0, workers=0), CharTokenizer(), files, 8, 2, shard=(1, 2))
+    small = build_stream(DataConfig(shuffle_rows=0, workers=0), CharTokenizer(), one_source(files), 8, 2, shard=(1, 2))
     take(small, 50)  # 50 epochs of its one short file: it keeps step with the rank holding the long one
     assert small.epoch > 20
     state = small.state_dict()
     with pytest.raises(HlatError, match="a position in the files of data-parallel rank 1 of 2, and this run reads "
                                         "the files of data-parallel rank 1 of 3"):
         more = [*files, write(tmp_path / "c.txt", "c")]
-        build_stream(DataConfig(workers=0), CharTokenizer(), more, 8, 2, shard=(1, 3)).load_state_dict(state)
+        build_stream(DataConfig(workers=0), CharTokenizer(), one_source(more), 8, 2, shard=(1, 3)).load_state_dict(state)
     with pytest.raises(HlatError, match="a position in the files of data-parallel rank 1 of 2, and this run reads "
                                         "the global stream"):
-        build_stream(DataConfig(workers=0), CharTokenizer(), files, 8, 2).load_state_dict(state)
+        build_stream(DataConfig(workers=0), CharTokenizer(), one_source(files), 8, 2).load_state_dict(state)
     with pytest.raises(HlatError, match="2 files cannot be shared among 3 data-parallel ranks"):
-        build_stream(DataConfig(workers=0), CharTokenizer(), files, 8, 2, shard=(0, 3))
+        build_stream(DataConfig(workers=0), CharTokenizer(), one_source(files), 8, 2, shard=(0, 3))
 
 
 # --- exact resume ----------------------------------------------------------------------------------------
@@ -583,9 +585,11 @@ import os
 from hlat.data.cli import tokenize
 from hlat.data.config import DataConfig
 from hlat.data.packing import build_stream
+from hlat.data.sources import one_source
 from hlat.data.tokenizer import train_bpe
 files = {[str(f) for f in files]!r}
-s = build_stream(DataConfig(workers=2, round_bytes=100), train_bpe(["abc def"] * 10, 300), files, 8, 2)
+s = build_stream(DataConfig(workers=2, round_bytes=100), train_bpe(["abc def"] * 10, 300), one_source(files), 8,
+                 2)
 next(s)
 print(*(p.pid for p in s._fetcher.procs))
 """  # exits with the workers busy and the stream never closed

@@ -32,7 +32,7 @@ def data(tmp_path):
 
 def test_inspect_counts_documents_tokens_and_bad_records(data, capsys):
     d, tok, tok_path = data
-    assert run(parse(["inspect", str(d), "--tokenizer", str(tok_path), "--json"])) == 0
+    assert run(parse(["inspect", str(d), "--tokenizer", str(tok_path), "--json"]), []) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["documents"] == 21 and result["characters"] == sum(map(len, DOCS[:21]))
     assert result["tokens"] == sum(map(len, tok.encode_batch(DOCS[:21])))
@@ -40,7 +40,7 @@ def test_inspect_counts_documents_tokens_and_bad_records(data, capsys):
     (a, b, c) = result["files"]
     assert a["first_bad"] == {"malformed JSON": f"{d / 'a.jsonl'}:21", "no string field 'text'": f"{d / 'a.jsonl'}:22"}
     assert (b["documents"], c["documents"], c["bad"]) == (1, 0, {"invalid UTF-8": 1})
-    assert run(parse(["inspect", str(d)])) == 0  # no tokenizer: no token counts
+    assert run(parse(["inspect", str(d)]), []) == 0  # no tokenizer: no token counts
     table = capsys.readouterr().out
     assert "total" in table and f"1 x malformed JSON, first at {d / 'a.jsonl'}:21" in table and " - " in table
 
@@ -49,19 +49,19 @@ def test_bench_reports_the_tokenizer_and_the_loader(data, capsys):
     d, tok, tok_path = data
     argv = ["bench", str(d), "--tokenizer", str(tok_path), "--workers", "1", "--mb", "0.001", "--seq-len", "16",
             "--batch-size", "2", "--json"]
-    assert run(parse(argv)) == 0
+    assert run(parse(argv), []) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["tokens"] == sum(len(ids) + 1 for ids in tok.encode_batch(DOCS[:21]))  # the same text
     (loader,) = result["loader"]
     assert loader["workers"] == 1 and loader["tokens_per_s"] > 0 and loader["tokenizer_tokens_per_s"] > 0
     with pytest.raises(HlatError, match="--workers: worker counts must be >= 0"):
-        run(parse(["bench", str(d), "--workers", "-1"]))
+        run(parse(["bench", str(d), "--workers", "-1"]), [])
 
 
 def test_tokenize_writes_a_token_file_the_loader_reads(data, tmp_path, capsys):
     d, tok, tok_path = data
     out = tmp_path / "out" / "corpus"
-    assert run(parse(["tokenize", str(d), "--tokenizer", str(tok_path), "--out", str(out), "--json"])) == 0
+    assert run(parse(["tokenize", str(d), "--tokenizer", str(tok_path), "--out", str(out), "--json"]), []) == 0
     result = json.loads(capsys.readouterr().out)
     ids = np.memmap(f"{out}.tokens.bin", dtype=np.uint16, mode="r")  # a vocabulary of 300 fits in 16 bits
     ends = np.load(f"{out}.tokens.idx.npy")
@@ -69,8 +69,8 @@ def test_tokenize_writes_a_token_file_the_loader_reads(data, tmp_path, capsys):
     assert result["documents"] == len(ends) == 21 and ends[-1] == len(ids) == sum(map(len, expected))
     assert [ids[a:b].tolist() for a, b in zip([0, *ends[:-1]], ends)] == expected
     assert sum(result["bad"].values()) == 3 and not list(out.parent.glob("*.partial"))
-    assert run(parse(["inspect", f"{out}.tokens.bin", "--tokenizer", str(tok_path), "--json"])) == 0
+    assert run(parse(["inspect", f"{out}.tokens.bin", "--tokenizer", str(tok_path), "--json"]), []) == 0
     inspected = json.loads(capsys.readouterr().out)  # the token file read back: its documents and tokens
     assert (inspected["documents"], inspected["tokens"], inspected["characters"]) == (21, result["tokens"], 0)
     with pytest.raises(HlatError, match="--tokenizer is required"):
-        run(parse(["tokenize", str(d), "--out", str(out)]))
+        run(parse(["tokenize", str(d), "--out", str(out)]), [])

@@ -13,6 +13,7 @@ from hlat.data.config import DataConfig
 from hlat.data.exchange import side_group
 from hlat.data import packing as packing_module
 from hlat.data.packing import Ranks, build_stream
+from hlat.data.sources import one_source
 
 WORLD, ACCUM, SEQ, MICRO = 4, 4, 12, 2  # 4 ranks; steps of 4 micro-batches of 2 rows of 12 tokens
 PACKINGS = ("concat", "best_fit")
@@ -30,9 +31,9 @@ def _rank_main(rank: int, tmp: str, files: list[str], states: dict) -> None:
         # best_fit learns rounds in blocks of 3, fewer than the ranks: which rank has a round in a block varies
         packing_module.BLOCK = 3 if packing == "best_fit" else 64
         ranks = Ranks(group, dp_rank=rank, dp=WORLD, accum=ACCUM)
-        s = build_stream(_cfg(packing), CharTokenizer(), files, SEQ, MICRO, ranks=ranks)
+        s = build_stream(_cfg(packing), CharTokenizer(), one_source(files), SEQ, MICRO, ranks=ranks)
         fresh = take(s, 3 * ACCUM // WORLD)  # 3 steps
-        resumed = build_stream(_cfg(packing), CharTokenizer(), files, SEQ, MICRO, ranks=ranks)
+        resumed = build_stream(_cfg(packing), CharTokenizer(), one_source(files), SEQ, MICRO, ranks=ranks)
         resumed.load_state_dict(states[packing])
         out[packing] = {"fresh": fresh, "state": s.state_dict(), "tokenized": s.tokenized,
                         "received": s.exchanged_bytes, "resumed": take(resumed, 2 * ACCUM // WORLD)}
@@ -45,7 +46,7 @@ def test_ranks_share_the_work_and_train_on_the_single_process_rows(tmp_path):
              for i in range(3)]
     reference, states, tokenized = {}, {}, {}
     for packing in PACKINGS:
-        single = build_stream(_cfg(packing), CharTokenizer(), files, SEQ, MICRO)  # one micro-batch at a time
+        single = build_stream(_cfg(packing), CharTokenizer(), one_source(files), SEQ, MICRO)  # one micro-batch at a time
         reference[packing] = take(single, ACCUM)
         states[packing] = single.state_dict()  # after one step
         reference[packing] += take(single, 2 * ACCUM)
@@ -67,10 +68,10 @@ def test_ranks_share_the_work_and_train_on_the_single_process_rows(tmp_path):
         # the state is the same on every rank and is the single process's; it resumes one process
         state = got[0][packing]["state"]
         assert all(json.dumps(g[packing]["state"]) == json.dumps(state) for g in got)
-        single = build_stream(_cfg(packing), CharTokenizer(), files, SEQ, MICRO)
+        single = build_stream(_cfg(packing), CharTokenizer(), one_source(files), SEQ, MICRO)
         take(single, 3 * ACCUM)
         assert single.state_dict() == state
-        resumed = build_stream(_cfg(packing), CharTokenizer(), files, SEQ, MICRO)
+        resumed = build_stream(_cfg(packing), CharTokenizer(), one_source(files), SEQ, MICRO)
         resumed.load_state_dict(state)
         assert same(take(resumed, 2 * ACCUM), ref[3 * ACCUM : 5 * ACCUM])
         # rounds are made round robin: together the ranks tokenized what one process did (and the rest of the
@@ -85,7 +86,8 @@ def test_files_sharding_gives_each_data_parallel_rank_its_own_files(tmp_path):
     from hlat.parallel.config import ParallelConfig
     from hlat.parallel.mesh import Topology
     from hlat.train.config import build_config
-    from hlat.train.loop import Batches, open_stream
+    from hlat.train.loop import open_stream
+    from hlat.train.trainer import Batches
 
     files = [jsonl(tmp_path / f"{letter}.jsonl", [letter * 30] * 4) for letter in "abcd"]
     cfg = build_config({"data": {"workers": 0, "shuffle_rows": 0},
@@ -93,14 +95,15 @@ def test_files_sharding_gives_each_data_parallel_rank_its_own_files(tmp_path):
     letters, keys = [], []
     for rank in (0, 1):
         topo = Topology(ParallelConfig(dp_shard=2, data_sharding="files"), None, rank=rank, dp_rank=rank)
-        batches = Batches(open_stream(cfg, topo, CharTokenizer(), files), topo, cfg.train.grad_accum())
+        per_rank = topo.cfg.microbatches(cfg.train.global_batch, cfg.train.micro_batch)
+        batches = Batches(open_stream(cfg, topo, CharTokenizer(), one_source(files)), topo, per_rank)
         seen = set()
         for _ in range(8):  # a few epochs of its share
             micro = batches.next_step(torch.device("cpu"))
             assert len(micro) == 2  # 4 micro-batches a step, 2 per data-parallel rank
             seen |= {chr(t - 1) for b in micro for t in b["inputs"].flatten().tolist() if t}
         letters.append(seen)
-        keys.append(batches.trainer_key)
+        keys.append(batches.state_key)
         assert batches.stream.state_dict()["shard"] == [rank, 2]
     assert len(letters[0]) == len(letters[1]) == 2 and not letters[0] & letters[1]
     assert keys == ["trainer_rank0", "trainer_rank1"]

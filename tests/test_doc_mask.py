@@ -7,6 +7,7 @@ import torch
 
 from hlat.data.config import DataConfig
 from hlat.data.packing import build_stream
+from hlat.data.sources import one_source
 from hlat.data.tokenizer import train_bpe
 from hlat.models import build_model
 from hlat.models.config import model_config
@@ -22,7 +23,7 @@ def batches(tmp_path_factory):
     out = {}
     for packing in ("best_fit", "concat"):
         cfg = DataConfig(packing=packing, workers=0, shuffle_rows=0, shuffle_files=False)
-        out[packing] = next(build_stream(cfg, tok, [path], seq_len=48, batch_size=3, doc_mask=True))
+        out[packing] = next(build_stream(cfg, tok, one_source([path]), seq_len=48, batch_size=3, doc_mask=True))
     return out
 
 

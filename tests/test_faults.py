@@ -407,7 +407,7 @@ def test_sigterm_to_torchrun_checkpoints_and_exits_0(tmp_path):
 
 
 def test_a_stop_is_clean_only_when_every_local_trainer_returned(tmp_path, monkeypatch):
-    from hlat.train.elastic import FINISHED_DIR, all_finished, mark_finished
+    from hlat.jobs.torchrun import FINISHED_DIR, all_finished, mark_finished
 
     monkeypatch.setenv(FINISHED_DIR, str(tmp_path))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")

@@ -19,7 +19,7 @@ from hlat.models.generate import generate, next_token
 from hlat.models.hf import write_hf_dir
 from hlat.models.kv_cache import KVCache
 from hlat.train.config import build_config
-from hlat.train.inference import load_trained
+from hlat.tools.inference import load_trained
 from hlat.train.loop import train
 
 CORPUS_DIR = os.path.dirname(json.__file__)

@@ -198,7 +198,7 @@ def test_selective_checkpointing_recomputes_only_attention():
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from hlat.models import build_model, materialize
-    from hlat.parallel.checkpointing import apply_activation_checkpointing
+    from hlat.parallel.recompute import apply_recomputation
 
     class Count(TorchDispatchMode):
         def __init__(self):
@@ -214,7 +214,7 @@ def test_selective_checkpointing_recomputes_only_attention():
     counts = {}
     for mode in ("none", "selective", "full"):
         model = materialize(build_model(cfg), "cpu")
-        apply_activation_checkpointing(model, mode)
+        apply_recomputation(model, mode)
         tokens = torch.randint(0, cfg.vocab_size, (2, 16))
         with Count() as counter:
             model(tokens).sum().backward()

@@ -16,7 +16,8 @@ from hlat.models.config import model_config
 from hlat.planner.cli import add_arguments, run
 from hlat.planner.layout import Layout, Workload, layout_problem
 from hlat.planner.memory import layer_activation_bytes, memory, stage_params
-from hlat.planner.profiles import FACTORS, Fit, Sample, fit_factors, load_profile, nnls, profile_names
+from hlat.planner.calibration import Sample, fit_factors, nnls
+from hlat.planner.profiles import FACTORS, Fit, load_profile, profile_names
 from hlat.planner.search import candidates, evaluate, search
 from hlat.planner.timing import collective, step_time
 from hlat.planner.validation import VALIDATION_DIR
@@ -214,7 +215,7 @@ def test_llama2_70b_on_64_trn1_nodes_is_a_large_tp_deep_pp_zero1_layout():
     hlat = evaluate(work, Layout.of(tp=32, pp=8, dp_shard=8, zero1=True, activation_checkpoint="selective"), TRN1, 64)
     assert hlat.memory.fits and hlat.time.total > result.plans[0].time.total
     with pytest.raises(HlatError, match="no layout"):
-        run(plan_args("--model", "llama2-70b", "--hardware", "trn1.32xlarge", "--nodes", "1", "--seq-len", "4096"))
+        run(plan_args("--model", "llama2-70b", "--hardware", "trn1.32xlarge", "--nodes", "1", "--seq-len", "4096"), [])
 
 
 def test_candidates_are_valid_and_ties_rank_the_simplest_first():
@@ -263,7 +264,7 @@ def test_tokens_per_dollar_objective_tries_smaller_clusters():
 def test_cli_json_and_emit(tmp_path, capsys):
     out = tmp_path / "parallel.toml"
     assert run(plan_args("--model", "llama2-7b", "--hardware", "trn1.32xlarge", "--nodes", "64", "--global-batch",
-                         "1024", "--seq-len", "4096", "--json", "--top", "3", "--emit", str(out))) == 0
+                         "1024", "--seq-len", "4096", "--json", "--top", "3", "--emit", str(out)), []) == 0
     report = json.loads(capsys.readouterr().out)
     assert len(report["plans"]) == 3 and report["plans"][0]["parallel"]["tp"] == 8
     emitted = load_toml(out)
@@ -277,15 +278,15 @@ def test_cli_json_and_emit(tmp_path, capsys):
 
 def test_cli_given_layout_and_table(capsys, tmp_path):
     assert run(plan_args("--model", "llama2-70b", "--hardware", "trn1.32xlarge", "--nodes", "64", "--seq-len",
-                         "4096", "--tp", "32", "--pp", "8", "--zero1")) == 0
+                         "4096", "--tp", "32", "--pp", "8", "--zero1"), []) == 0
     assert "TP32 PP8 DP8" in capsys.readouterr().out
     emit = tmp_path / "never.toml"
     assert run(plan_args("--model", "llama2-70b", "--hardware", "trn1.32xlarge", "--nodes", "64", "--seq-len",
-                         "4096", "--tp", "8", "--recompute", "none", "--emit", str(emit))) == 1
+                         "4096", "--tp", "8", "--recompute", "none", "--emit", str(emit)), []) == 1
     assert "does not fit" in capsys.readouterr().out and not emit.exists()  # says so, exits 1, writes nothing
     config = tmp_path / "model.toml"
     config.write_text('[model]\npreset = "tiny"\nn_layers = 6\n[train]\nseq_len = 512\nglobal_batch = 16\n')
-    assert run(plan_args("--model", str(config), "--hardware", "cpu")) == 0
+    assert run(plan_args("--model", str(config), "--hardware", "cpu"), []) == 0
     assert "seq 512, batch 16" in capsys.readouterr().out
 
 
@@ -298,7 +299,7 @@ def test_cli_given_layout_and_table(capsys, tmp_path):
 ])
 def test_cli_rejects_bad_input_in_one_line(argv, message):
     with pytest.raises(HlatError, match=message):
-        run(plan_args(*argv))
+        run(plan_args(*argv), [])
 
 
 # --- profiles and calibration ---------------------------------------------------------------------------------------
@@ -337,12 +338,12 @@ def test_calibrate_recovers_the_factor_of_a_run(tmp_path, capsys):
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "step_time_s": step * (9 if i == 1 else 1)})
                                                    + "\n" for i in range(1, 6)))
     out = tmp_path / "calibrated.toml"
-    assert run(plan_args("--hardware", "cpu", "--calibrate", str(run_dir), "--emit", str(out))) == 0
+    assert run(plan_args("--hardware", "cpu", "--calibrate", str(run_dir), "--emit", str(out)), []) == 0
     assert "predicted" in capsys.readouterr().out
     fitted = load_profile(str(out))
     assert fitted.fit.flops_factor == pytest.approx(3.5, rel=1e-3) and "calibrated" in fitted.fit.source
     with pytest.raises(HlatError, match="not an hlat run directory"):
-        run(plan_args("--hardware", "cpu", "--calibrate", str(tmp_path)))
+        run(plan_args("--hardware", "cpu", "--calibrate", str(tmp_path)), [])
 
 
 # --- validation against measurements (needs the steering checkout's shared/validation) ----------------------------

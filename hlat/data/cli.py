@@ -21,6 +21,12 @@ from hlat import HlatError
 BENCH_ROUND_BYTES = 1 << 18
 
 
+def register(commands) -> None:
+    parser = commands.add_parser("data", help="inspect data files, write token files, or benchmark the loader")
+    add_arguments(parser)
+    parser.set_defaults(func=run, overrides=False)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="data_command", required=True)
     common = argparse.ArgumentParser(add_help=False)
@@ -44,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab-size", type=int, default=8192, help="of the BPE trained when no --tokenizer is given")
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, overrides: list[str]) -> int:
     from hlat.data.sources import resolve_paths
 
     files = resolve_paths(args.paths)
@@ -189,7 +195,7 @@ def bench(files, tokenizer, workers: list[int], text_bytes: int, seq_len: int = 
     what the loader costs beyond tokenizing, whatever else the machine is doing."""
     from hlat.data.config import DataConfig
     from hlat.data.packing import build_stream
-    from hlat.data.sources import iter_documents
+    from hlat.data.sources import iter_documents, one_source
 
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread, as in each worker
     # small rounds, so that the timing covers many of them and hardly depends on the first ones
@@ -213,7 +219,7 @@ def bench(files, tokenizer, workers: list[int], text_bytes: int, seq_len: int = 
         with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
             tokens, wall_s, cpu_s = pool.submit(_encode, tokenizer, chunks).result()
         own, own_cpu = tokens / wall_s, tokens / cpu_s
-        stream = build_stream(replace(cfg, workers=n), tokenizer, files, seq_len, batch_size)
+        stream = build_stream(replace(cfg, workers=n), tokenizer, one_source(files), seq_len, batch_size)
         next(stream)
         pids = stream.worker_pids
         began, cpu, emitted = time.perf_counter(), _cpu_s(pids), 0

@@ -30,7 +30,7 @@ from hlat import HlatError
 from hlat.data.config import DataConfig
 from hlat.data.exchange import Segment, all_gather, exchange_rows
 from hlat.data.rounds import ORIGIN, Packing, Position, Round, RoundInfo, RoundMaker, SourceSpec, worker_main
-from hlat.data.sources import BadLog, Source, file_format, make_splits, resolve_sources, share_of, token_meta
+from hlat.data.sources import BadLog, Source, file_format, make_splits, share_of, token_meta
 from hlat.data.tokenizer import Tokenizer, tokenizer_digest
 
 log = logging.getLogger(__name__)
@@ -134,6 +134,18 @@ def doc_ids_and_positions(inputs: torch.Tensor, eos: int) -> tuple[torch.Tensor,
     index = torch.arange(inputs.shape[1]).expand_as(inputs)
     first = torch.where(starts, index, 0).cummax(1).values
     return doc_ids, index - first
+
+
+def rows_to_batch(rows: torch.Tensor, eos: int, doc_mask: bool) -> dict[str, torch.Tensor]:
+    """A micro-batch from rows of seq_len + 1 token ids (-1: padding): inputs are each row's first seq_len, targets
+    its last seq_len; padding becomes EOS in the inputs and IGNORE in the targets. With `doc_mask`, the
+    "doc_ids" and "positions" of the inputs too."""
+    pad = rows < 0
+    inputs = torch.where(pad[:, :-1], eos, rows[:, :-1])
+    batch = {"inputs": inputs, "targets": torch.where(pad[:, 1:], IGNORE, rows[:, 1:])}
+    if doc_mask:
+        batch["doc_ids"], batch["positions"] = doc_ids_and_positions(inputs, eos)
+    return batch
 
 
 @dataclass
@@ -320,16 +332,8 @@ class DataStream:
         live = {(s, info.index) for s, table in enumerate(self._tables) for _, info in table} | self._infos.keys()
         self._tokens = {key: tokens for key, tokens in self._tokens.items() if key in live}
         for i in range(0, len(mine), self.batch_size):
-            self._batches.append(self._batch(np.stack(mine[i : i + self.batch_size])))
-
-    def _batch(self, rows: np.ndarray) -> dict[str, torch.Tensor]:
-        rows = torch.from_numpy(rows).long()
-        pad = rows < 0
-        inputs = torch.where(pad[:, :-1], self.packing.eos, rows[:, :-1])
-        batch = {"inputs": inputs, "targets": torch.where(pad[:, 1:], IGNORE, rows[:, 1:])}
-        if self.doc_mask:
-            batch["doc_ids"], batch["positions"] = doc_ids_and_positions(inputs, self.packing.eos)
-        return batch
+            rows = torch.from_numpy(np.stack(mine[i : i + self.batch_size])).long()
+            self._batches.append(rows_to_batch(rows, self.packing.eos, self.doc_mask))
 
     def __iter__(self) -> "DataStream":
         return self
@@ -435,18 +439,16 @@ def check_token_files(tokenizer: Tokenizer, digest: str, files: list[Path | str]
                             f"{tokenizer.vocab_size:,}); set data.tokenizer to the one it was written with")
 
 
-def build_stream(cfg: DataConfig, tokenizer: Tokenizer, files: list[Path | str], seq_len: int, batch_size: int,
+def build_stream(cfg: DataConfig, tokenizer: Tokenizer, sources: list[Source], seq_len: int, batch_size: int,
                  ranks: Ranks | None = None, shard: tuple[int, int] | None = None, doc_mask: bool = False,
                  holdout: float = 0.0) -> DataStream:
-    """The configured stream: `files` are the one source of data.paths (or the default corpus); named
-    data.sources resolve their own; documents held out for validation (a `holdout` fraction, by hash) are
-    skipped. The global stream, shared by `ranks` (a single process when None); or, with `shard` = (rank,
+    """The configured stream over `sources` (`resolve_sources`: data.sources, or data.paths or the default corpus as
+    one source); documents held out for validation (a `holdout` fraction, by hash) are skipped. The global stream, shared by `ranks` (a single process when None); or, with `shard` = (rank,
     world_size), data-parallel `rank`'s own stream of its share of the files (data_sharding = "files"). Checks,
     before any training, that every source has a readable document (in this rank's share)."""
     rank, world_size = shard or (0, 1)
     if not 0 <= rank < world_size:
         raise HlatError(f"data: rank {rank} is outside world_size {world_size}")
-    sources = resolve_sources(cfg) if cfg.sources else [Source("default", 1.0, list(files))]
     specs, fingerprint = [], {"sources": {}}
     for source in sources:
         splits = make_splits(source.files, world_size)

@@ -203,10 +203,15 @@ class Source:
     files: list[File]
 
 
+def one_source(files: list[File]) -> list[Source]:
+    """`files` as the one source "default"."""
+    return [Source("default", 1.0, list(files))]
+
+
 def resolve_sources(cfg: DataConfig) -> list[Source]:
     """The named sources of `data.sources`, or one source "default" of `data.paths` or the default corpus."""
     if not cfg.sources:
-        return [Source("default", 1.0, resolve_paths(cfg.paths) if cfg.paths else default_corpus())]
+        return one_source(resolve_paths(cfg.paths) if cfg.paths else default_corpus())
     sources = []
     for name, (weight, patterns) in cfg.source_patterns().items():
         try:
@@ -216,9 +221,14 @@ def resolve_sources(cfg: DataConfig) -> list[Source]:
     return sources
 
 
+def source_files(sources: list[Source]) -> list[File]:
+    """Every file of the sources, sorted (what a trained tokenizer samples from)."""
+    return sorted({f for source in sources for f in source.files}, key=str)
+
+
 def resolve_data_files(cfg: DataConfig) -> list[File]:
-    """Every file of the run's data, sorted (what a trained tokenizer samples from)."""
-    return sorted({f for source in resolve_sources(cfg) for f in source.files}, key=str)
+    """Every file of the run's data, sorted."""
+    return source_files(resolve_sources(cfg))
 
 
 # --- splitting among ranks -------------------------------------------------------------------------------

@@ -204,7 +204,7 @@ def _looks_like_tiktoken(path: Path) -> bool:
     return re.fullmatch(rb"[A-Za-z0-9+/=]+ \d+\r?\n?", first) is not None
 
 
-def _tokenizer_file_in(directory: Path) -> Path | None:
+def tokenizer_file_in(directory: Path) -> Path | None:
     for name in ("tokenizer.json", "tokenizer.model", "tokenizer.tiktoken", "vocab.bpe"):
         if (directory / name).is_file():
             return directory / name
@@ -215,7 +215,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     """Load a tokenizer.json, *.tiktoken, SentencePiece *.model or GPT-2 vocab.bpe, or a directory holding one."""
     path = Path(path).expanduser()
     if path.is_dir():
-        found = _tokenizer_file_in(path)
+        found = tokenizer_file_in(path)
         if found is None:
             raise HlatError(f"tokenizer {path}: no tokenizer.json, tokenizer.model, *.tiktoken or vocab.bpe in it")
         path = found
@@ -268,7 +268,7 @@ def get_tokenizer(cfg: DataConfig, files: Sequence[Path], vocab_size: int, run_d
     """The run's tokenizer: the one saved in `run_dir` when resuming (whatever the config says now), else
     `cfg.tokenizer`, else a byte-level BPE trained on a sample of `files`; saved into `run_dir` when new."""
     run_dir = Path(run_dir)
-    saved = _tokenizer_file_in(run_dir) if run_dir.is_dir() else None
+    saved = tokenizer_file_in(run_dir) if run_dir.is_dir() else None
     if saved is not None:
         tok = load_tokenizer(saved)
     elif cfg.tokenizer:

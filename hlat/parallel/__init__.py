@@ -34,7 +34,7 @@ def parallelize(model: nn.Module, topo: Topology, device: torch.device, seed: in
     Without pipeline parallelism that is [(0, model)]; a single process (no mesh) still gets activation
     checkpointing and compilation."""
     from hlat.models import materialize
-    from hlat.parallel.checkpointing import apply_activation_checkpointing
+    from hlat.parallel.recompute import apply_recomputation
     from hlat.parallel.data import apply_data_parallel
     from hlat.parallel.pipeline import split_model
     from hlat.parallel.tensor import apply_tensor_parallel
@@ -44,7 +44,7 @@ def parallelize(model: nn.Module, topo: Topology, device: torch.device, seed: in
     for _, part in parts:
         if cfg.tp > 1:
             apply_tensor_parallel(part, topo.mesh["tp"], cfg.sequence_parallel)
-        apply_activation_checkpointing(part, cfg.activation_checkpoint)
+        apply_recomputation(part, cfg.activation_checkpoint)
         if cfg.compile:
             # HLAT moved the compile cache to each node's local disk: a shared file system became the bottleneck
             if cfg.compile_cache_dir:

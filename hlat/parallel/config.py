@@ -61,6 +61,13 @@ class ParallelConfig:
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
 
+    def microbatches(self, global_batch: int, micro_batch: int) -> int:
+        """Micro-batches each data-parallel rank (each pipeline) runs per optimizer step."""
+        if global_batch % (micro_batch * self.dp):
+            raise ConfigError(f"train.global_batch: {global_batch} is not divisible by micro_batch {micro_batch} x "
+                              f"data-parallel size {self.dp}")
+        return global_batch // (micro_batch * self.dp)
+
     def validate(self, model: ModelConfig, world_size: int, doc_mask: bool = False) -> "ParallelConfig":
         """Everything about the model and the world size that can be checked before any process group exists;
         returns the resolved config. `check_layout` adds the batch."""
@@ -93,10 +100,7 @@ def check_layout(parallel: ParallelConfig, model: ModelConfig, world_size: int, 
     """The one check of a layout, for the trainer (before any process group starts) and for the planner (for
     every candidate): raises ConfigError naming the field, or returns the resolved config."""
     p = parallel.validate(model, world_size, doc_mask)
-    if global_batch % (micro_batch * p.dp):
-        raise ConfigError(f"train.global_batch: {global_batch} is not divisible by micro_batch {micro_batch} x "
-                          f"data-parallel size {p.dp}")
-    accum = global_batch // (micro_batch * p.dp)
+    accum = p.microbatches(global_batch, micro_batch)
     if p.sequence_parallel and p.tp > 1 and seq_len % p.tp:
         raise ConfigError(f"parallel.sequence_parallel: tp {p.tp} does not divide train.seq_len {seq_len}")
     if p.pp > 1 and accum < p.pp:

@@ -11,9 +11,10 @@ import torch.distributed as dist
 from hlat import HlatError
 
 
-def pick_device(name: str) -> torch.device:
-    """`train.device`: 'auto' is the current accelerator if one is available, else the CPU; 'cpu'; or an
-    accelerator type by name ('cuda', 'xpu', 'neuron', ...), which must be the one available."""
+def pick_device(name: str, setting: str = "train.device") -> torch.device:
+    """`name` (the value of `setting`, for the error): 'auto' is the current accelerator if one is available, else
+    the CPU; 'cpu'; or an accelerator type by name ('cuda', 'xpu', 'neuron', ...), which must be the one
+    available."""
     if name == "cpu":
         return torch.device("cpu")
     accelerator = torch.accelerator.current_accelerator(check_available=True)
@@ -21,7 +22,7 @@ def pick_device(name: str) -> torch.device:
         return local_device(accelerator.type if accelerator is not None else "cpu")
     if accelerator is None or accelerator.type != name:
         found = f"the available accelerator is {accelerator.type!r}" if accelerator else "no accelerator is available"
-        raise HlatError(f"train.device: {name!r} was asked for but {found}")
+        raise HlatError(f"{setting}: {name!r} was asked for but {found}")
     return local_device(name)
 
 

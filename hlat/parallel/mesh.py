@@ -31,6 +31,10 @@ class Topology:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def world_size(self) -> int:
+        return self.mesh.size() if self.mesh is not None else 1
+
     def group(self, dim: str) -> dist.ProcessGroup:
         return self.mesh.get_group(dim)
 

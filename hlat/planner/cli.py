@@ -14,12 +14,19 @@ from hlat.optim.modes import MODES
 from hlat.parallel.config import ParallelConfig
 from hlat.planner.layout import Layout, Workload, layout_problem
 from hlat.planner.memory import GIB
-from hlat.planner.profiles import HardwareProfile, Sample, fit_factors, load_profile, profile_names, read_run
+from hlat.planner.calibration import Sample, fit_factors, read_run
+from hlat.planner.profiles import HardwareProfile, load_profile, profile_names
 from hlat.planner.search import OBJECTIVES, RECOMPUTE, TOLERANCE, Plan, evaluate, search
 from hlat.resources import config_path, recipe_names
 
 HLAT_TOKENS = 1.8e12  # HLAT's training budget
 LAYOUT_FLAGS = ("tp", "pp", "dp_shard", "microbatch", "schedule", "virtual_stages", "recompute", "zero1", "no_sp")
+
+
+def register(commands) -> None:
+    parser = commands.add_parser("plan", help="choose a parallel layout and predict memory, step time and cost")
+    add_arguments(parser)
+    parser.set_defaults(func=run, overrides=False)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     layout.add_argument("--no-sp", action="store_true", help="no sequence parallelism")
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, overrides: list[str]) -> int:
     job = _job_config(args.model) if args.model and not args.calibrate else {}
     cluster = job.get("cluster", {})
     args.hardware = args.hardware or cluster.get("hardware")

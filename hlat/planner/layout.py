@@ -119,7 +119,7 @@ class Layout:
 
     def microbatches(self, global_batch: int) -> int:
         """Micro-batches each pipeline (data-parallel replica) runs per optimizer step."""
-        return global_batch // (self.dp * self.micro_batch)
+        return self.parallel.microbatches(global_batch, self.micro_batch)
 
     @property
     def sharding(self) -> str:

@@ -72,10 +72,10 @@ def candidates(work: Workload, hw: HardwareProfile, nodes: int) -> Iterator[Layo
     """Every valid layout: tp within a node (or whole nodes), pp dividing the layers, dp the rest; every
     micro-batch size; 1F1B, and interleaved 1F1B where it applies (GPipe never beats 1F1B: same time, more
     memory); sequence parallelism whenever tp > 1 (never worse); every recomputation; DDP, ZeRO-1 and FSDP."""
-    model, dpn = work.model, hw.devices_per_node
-    devices = nodes * dpn
+    model, per_node = work.model, hw.devices_per_node
+    devices = nodes * per_node
     for tp in _divisors(devices):
-        if (dpn % tp and tp % dpn) or model.n_heads % tp or (model.kv_heads % tp and tp % model.kv_heads):
+        if (per_node % tp and tp % per_node) or model.n_heads % tp or (model.kv_heads % tp and tp % model.kv_heads):
             continue
         if model.ffn_dim % tp or model.vocab_size % tp or work.seq_len % tp:
             continue
@@ -89,11 +89,9 @@ def candidates(work: Workload, hw: HardwareProfile, nodes: int) -> Iterator[Layo
             for mb in _divisors(work.global_batch // dp):
                 if mb > MAX_MICRO_BATCH:
                     break
-                m = work.global_batch // (dp * mb)
                 schedules = [("1f1b", 1)]
-                if pp > 1:
-                    schedules += [("interleaved_1f1b", v) for v in VIRTUAL_STAGES
-                                  if model.n_layers % (pp * v) == 0 and m % pp == 0]
+                if pp > 1:  # the trainer's check refuses an interleaving its micro-batches cannot fill
+                    schedules += [("interleaved_1f1b", v) for v in VIRTUAL_STAGES if model.n_layers % (pp * v) == 0]
                 for (schedule, v), (shard, zero1), recompute in (
                         (s, z, r) for s in schedules for z in shardings for r in RECOMPUTE):
                     layout = Layout.of(tp=tp, pp=pp, dp_replicate=dp // shard, dp_shard=shard, micro_batch=mb,

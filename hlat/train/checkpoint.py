@@ -206,6 +206,22 @@ def _commit(final: Path, own: dict | str, config_toml: str, rank: int) -> None:
 
 
 @dataclass
+class Snapshot:
+    """What a checkpoint holds of a run at a step: the model parts and their optimizers (their states are read
+    when it is saved) and the JSON-able trainer state (step, data position, RNG...) under `state_key` (one for all
+    ranks, or one per rank when ranks hold different data positions)."""
+
+    parts: list[nn.Module]
+    optimizers: list[torch.optim.Optimizer]
+    trainer_state: dict
+    state_key: str = "trainer"
+
+    def state_dict(self) -> dict:
+        return {"model": model_state(self.parts), "optim": optimizer_state(self.parts, self.optimizers),
+                self.state_key: json.dumps(self.trainer_state)}
+
+
+@dataclass
 class _InFlight:
     final: Path
     config_toml: str
@@ -235,13 +251,10 @@ class Checkpointer:
         # training loop's collectives on the default group
         self.group = dist.new_group(backend="gloo") if asynchronous and dist.is_initialized() else None
 
-    def save(self, step: int, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
-             trainer_state: dict, trainer_key: str, config_toml: str) -> Path | None:
-        """Save model, optimizer and the JSON-serialisable trainer state (step, data position, RNG...) under
-        `trainer_key` (one per rank when ranks hold different data positions, else one shared key). Returns the
-        checkpoint, or None while an asynchronous save is still being written."""
-        state = {"model": model_state(parts), "optim": optimizer_state(parts, optimizers),
-                 trainer_key: json.dumps(trainer_state)}
+    def save(self, step: int, snapshot: Snapshot, config_toml: str) -> Path | None:
+        """Save `snapshot` as step `step`'s checkpoint. Returns it, or None while an asynchronous save is still
+        being written."""
+        state = snapshot.state_dict()
         final = self.root / f"step_{step:08d}"
         if self.staging is None:
             write_checkpoint(final, state, config_toml, self.rank)

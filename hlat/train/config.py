@@ -66,13 +66,6 @@ class TrainConfig:
             raise ConfigError(f"train.device: {self.device!r} is not 'auto', 'cpu' or a device type such as 'cuda'")
         return self
 
-    def grad_accum(self, dp: int = 1) -> int:
-        """Micro-batches each data-parallel rank runs per optimizer step."""
-        if self.global_batch % (self.micro_batch * dp):
-            raise ConfigError(f"train.global_batch: {self.global_batch} is not divisible by micro_batch "
-                              f"{self.micro_batch} x data-parallel size {dp}")
-        return self.global_batch // (self.micro_batch * dp)
-
 
 @dataclass
 class ClusterConfig:

@@ -1,19 +1,26 @@
-"""Fault handling in the training loop: the bad-step policy and the hang watchdog (docs/fault-tolerance.md)."""
+"""Fault handling in the training loop: the bad-step policy, the hang watchdog and stop signals
+(docs/fault-tolerance.md)."""
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import math
 import os
+import signal
 import socket
 import sys
 import threading
 import time
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.distributed as dist
+
+from hlat import HlatError
+from hlat.train.config import TrainConfig
 
 
 class BadSteps:
@@ -55,6 +62,21 @@ class BadSteps:
         delta = loss - self.mean
         self.mean += self.DECAY * delta
         self.var = (1 - self.DECAY) * (self.var + self.DECAY * delta * delta)
+
+
+def bad_step_action(tc: TrainConfig, bad: BadSteps, reason: str, step: int, last: Path | None
+                    ) -> Literal["skip", "rollback"]:
+    """What train.on_bad_step does with bad step `step` (its update already dropped): skip it, or roll back to
+    checkpoint `last`; a one-line HlatError where the run stops (the policy says so, too many bad steps in a row,
+    or nothing to roll back to)."""
+    if tc.on_bad_step == "stop" or bad.in_a_row >= tc.max_bad_steps:
+        why = ("train.on_bad_step = 'stop'" if tc.on_bad_step == "stop"
+               else f"{bad.in_a_row} bad steps in a row, train.max_bad_steps = {tc.max_bad_steps}")
+        raise HlatError(f"step {step}: {reason}; stopped ({why}); last good checkpoint: {last or 'none'}")
+    if tc.on_bad_step == "rollback" and last is None:
+        raise HlatError(f"step {step}: {reason}; no checkpoint to roll back to yet (train.on_bad_step = "
+                        "'rollback'; save one earlier with train.ckpt_every)")
+    return tc.on_bad_step
 
 
 def weights_finite(params: list[torch.Tensor]) -> bool:
@@ -133,3 +155,23 @@ class Watchdog:
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
         print(line, file=sys.stderr, flush=True)
+
+
+class StopRequest:
+    """SIGTERM/SIGINT ask the loop to checkpoint and stop after the current step instead of dying mid-step;
+    ranks agree on it each step (with the loss: `hlat.train.trainer.reduce_step`), so they all save the same step."""
+
+    def __init__(self):
+        self.requested = False
+
+    @contextlib.contextmanager
+    def installed(self):
+        def handler(signum, frame):
+            self.requested = True
+
+        previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield self
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from rich.console import Console
 
-from hlat.train.config import CostConfig
+from hlat.train.config import Config, CostConfig
 
 # Peak dense bf16 FLOP/s per device (vendor figures; dense, no sparsity). CPUs get a nominal figure (cores x
 # 2.5 GHz x fp32 FLOP/cycle of two FMA units: 64 with AVX-512, 32 with AVX2), only to make CPU MFU comparable.
@@ -112,6 +113,11 @@ def projected_seconds(elapsed_s: float, step_time_s: float, step: int, total_ste
     return elapsed_s + step_time_s * (total_steps - step)
 
 
+def format_duration(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
 def json_safe(value):
     """NaN and infinities become null, so every line of metrics.jsonl is valid JSON."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -174,3 +180,95 @@ TENSORBOARD_TAGS = {
     "data_wait_s": "speed/data_wait_s", "peak_memory_gb": "memory/peak_gb", "cost_usd": "cost/usd",
     "tokens_per_usd": "cost/tokens_per_usd", "projected_cost_usd": "cost/projected_usd",
 }
+
+
+class StepReport:
+    """The run's metrics as it trains: each step's loss and gradient norm kept on the device (`Interval`); every
+    `train.log_every` steps, and at the first and last step, a stop and a validation, one record to
+    metrics.jsonl and TensorBoard (main rank) and one console line."""
+
+    def __init__(self, cfg: Config, device: torch.device, devices: int, is_main: bool, console: Console):
+        self.cfg, self.device, self.is_main, self.console = cfg, device, is_main, console
+        tc = cfg.train
+        self.tokens_per_step = tc.global_batch * tc.seq_len
+        self.peak = peak_flops(device, tc.peak_flops) * devices
+        self.flops_per_token = cfg.model.flops_per_token(tc.seq_len)
+        self.cost = resolve_cost(cfg.cost, devices)
+        self.metrics = MetricsLog(tc.run_dir)
+        self.losses: list[float] = []  # the mean loss of each record written by this process
+
+    def begin(self, step: int, resumed: bool, stream) -> None:
+        """Training starts at `step`: records past it are dropped (those steps run again), and the run's earlier
+        wall time is carried on. `stream`: the data stream, whose `wait_time_s` is the time spent waiting for it."""
+        if self.is_main:
+            self.metrics.truncate_after(step if resumed else -1)
+        if self.cost:
+            self.console.print(f"cost: ${self.cost.usd_per_device_hour:.4g} per device-hour x {self.cost.devices} "
+                               f"devices ({self.cost.source})", highlight=False)
+        records = self.metrics.records() if resumed else []
+        self.elapsed_before = float(records[-1].get("elapsed_s") or 0.0) if records else 0.0
+        self.start, self.stream = step, stream
+        self.run_start = time.perf_counter()
+        self.interval = Interval(self.device, stream.wait_time_s)
+
+    def add(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        self.interval.add(loss, grad_norm)
+
+    def due(self, step: int, stopping: bool) -> bool:
+        return step % self.cfg.train.log_every == 0 or step in (self.start + 1, self.cfg.train.steps) or stopping
+
+    def rolled_back(self, step: int) -> None:
+        """The run went back to `step`'s checkpoint: its later records and the interval's steps are dropped."""
+        if self.is_main:
+            self.metrics.truncate_after(step)
+        self.interval.reset(self.stream.wait_time_s)
+
+    def log(self, step: int, lr: float, bad_steps: int, validate=None) -> None:
+        """Write the record of the steps since the last one (with `validate()`'s figures when given) and print its
+        line."""
+        stats = self.interval.close(self.stream.wait_time_s)  # means over the steps since the last record
+        record = self.record(step, lr, bad_steps, stats)
+        if validate is not None:
+            record.update(validate())
+            self.interval.reset(self.stream.wait_time_s)  # the evaluation's time is not a training step's
+        if self.is_main:
+            self.metrics.write(record)
+        self.losses.append(stats["loss"])
+        self.console.print(self.line(record, stats), soft_wrap=True, highlight=False)
+
+    def record(self, step: int, lr: float, bad_steps: int, stats: dict) -> dict:
+        tc = self.cfg.train
+        tokens_per_s, step_time = self.speed(stats)
+        elapsed = self.elapsed_before + time.perf_counter() - self.run_start
+        projected = projected_seconds(elapsed, step_time, step, tc.steps)
+        return {
+            "step": step, "time": round(time.time(), 3), "loss": stats["loss"],
+            "grad_norm": stats["grad_norm"], "grad_norm_mean": stats["grad_norm_mean"],
+            "grad_norm_max": stats["grad_norm_max"], "lr": lr,
+            "tokens_seen": step * self.tokens_per_step, "tokens_per_s": round(tokens_per_s, 1),
+            "step_time_s": round(step_time, 4),
+            "mfu": round(self.flops_per_token * tokens_per_s / self.peak, 5) if self.peak else None,
+            "peak_memory_gb": round(peak_memory_gb(self.device), 3),
+            "data_wait_s": round(stats["data_wait_s"], 4),  # the steps waiting for data
+            "bad_steps": bad_steps,  # dropped updates so far in this process (train.on_bad_step)
+            "elapsed_s": round(elapsed, 3), "projected_time_s": round(projected, 3),
+            **(self.cost.figures(elapsed, step * self.tokens_per_step, projected) if self.cost else {}),
+        }
+
+    def speed(self, stats: dict) -> tuple[float, float]:
+        """Tokens per second and seconds per step over an interval."""
+        return stats["steps"] * self.tokens_per_step / stats["seconds"], stats["seconds"] / stats["steps"]
+
+    def line(self, record: dict, stats: dict) -> str:
+        tc, step = self.cfg.train, record["step"]
+        tokens_per_s, step_time = self.speed(stats)
+        # the first step carries the start-up (data pool, compilation): too early to tell
+        eta = "-" if step == self.start + 1 else format_duration(step_time * (tc.steps - step))
+        spent = f"  ${record['cost_usd']:,.2f}" if self.cost else ""
+        val = f"  val_loss {record['val_loss']:7.4f}" if "val_loss" in record else ""
+        return (f"step {step:>6}/{tc.steps}  loss {stats['loss']:7.4f}  grad_norm {stats['grad_norm']:6.3f}  "
+                f"lr {record['lr']:.2e}  {tokens_per_s:>9,.0f} tok/s  mfu {record['mfu'] or 0:6.2%}  "
+                f"eta {eta}{spent}{val}")
+
+    def close(self) -> None:
+        self.metrics.close()

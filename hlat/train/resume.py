@@ -11,9 +11,9 @@ from torch import nn
 
 from hlat import HlatError
 from hlat.config import to_dict
-from hlat.models import build_model
 from hlat.optim.schedule import lr_at
-from hlat.train.checkpoint import CONFIG_FILE, resolve_checkpoint
+from hlat.train.checkpoint import (CONFIG_FILE, DamagedCheckpoint, complete_checkpoints, latest_checkpoint,
+                                   resolve_checkpoint, verify_checkpoint)
 from hlat.train.config import Config, load_config
 
 # What a resume may change without a word: where and how it runs, not what it computes.
@@ -63,14 +63,45 @@ def schedule_changes(saved: Config, current: Config, step: int) -> bool:
     return any(schedule(saved, s) != schedule(current, s) for s in range(step, last + 1))
 
 
-def check_start(cfg: Config, resume_from: Path | None) -> list[str]:
-    """Before any process group: the weights the run starts from fit its model, and a resume's changes to the
-    config (returned, for the log) are allowed."""
+def find_resume_checkpoint(cfg: Config) -> tuple[Path | None, list[DamagedCheckpoint]]:
+    """The checkpoint to resume from, and the damaged checkpoints passed over to find it.
+
+    `--resume auto` takes the newest checkpoint that verifies against its manifest (none: start fresh if the
+    run has no checkpoint at all); a checkpoint named explicitly is verified and refused if damaged."""
+    resume = cfg.train.resume
+    if not resume:
+        if latest_checkpoint(cfg.train.run_dir):  # never overwrite a run's checkpoints by starting afresh
+            raise HlatError(f"train.run_dir: {cfg.train.run_dir} already holds checkpoints; continue it with "
+                            "--resume auto or choose another --train.run_dir")
+        return None, []
+    if resume != "auto":
+        path = resolve_checkpoint(resume)
+        try:
+            verify_checkpoint(path)
+        except DamagedCheckpoint as e:
+            raise HlatError(f"{e}; refusing to resume from it (--resume auto falls back to the previous good "
+                            "checkpoint)") from None
+        return path, []
+    passed_over = []
+    for _, path in reversed(complete_checkpoints(cfg.train.run_dir)):
+        try:
+            verify_checkpoint(path)
+            return path, passed_over
+        except DamagedCheckpoint as e:
+            passed_over.append(e)
+    if passed_over:
+        raise HlatError(f"train.run_dir: {cfg.train.run_dir}: every checkpoint is damaged ({passed_over[0]})")
+    return None, []
+
+
+def check_start(cfg: Config, resume_from: Path | None, model: nn.Module) -> list[str]:
+    """Before any process group: the weights the run starts from fit `model` (on meta), and a resume's changes to
+    the config (returned, for the log) are allowed."""
     if resume_from is not None:
-        check_model_shapes(resume_from, build_model(cfg.model))
+        check_model_shapes(resume_from, model)
         return check_resume(resume_from, cfg)
     if cfg.train.init_from:
-        check_model_shapes(resolve_checkpoint(cfg.train.init_from), build_model(cfg.model))
+        check_model_shapes(resolve_checkpoint(cfg.train.init_from), model)
     return []
 
 

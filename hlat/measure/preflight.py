@@ -35,10 +35,11 @@ from torch.distributed.tensor.parallel import loss_parallel
 from hlat.models import build_model, materialize
 from hlat.models.config import ModelConfig
 from hlat.models.layers import apply_rope, document_mask, rope_table
+from hlat.models.loss import cross_entropy
 from hlat.optim import OptimConfig, build_optimizer
 from hlat.optim.modes import MODES
 from hlat.optim.precision import autocast, prepare_model
-from hlat.parallel.checkpointing import apply_activation_checkpointing
+from hlat.parallel.recompute import apply_recomputation
 from hlat.parallel.data import apply_data_parallel, sync_gradients
 from hlat.parallel.device import backend_for, pick_device
 from hlat.parallel.grads import clip_grad_norm
@@ -46,7 +47,6 @@ from hlat.parallel.tensor import apply_tensor_parallel
 from hlat.planner.costs import (attention_flops, block_shape, dp_block_shape, layer_matmuls, loss_bytes,
                                 matmul_flops, memory_op_bytes, optimizer_bytes, output_matmul)
 from hlat.planner.profiles import HardwareProfile, Measured
-from hlat.train.loop import cross_entropy
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 BLOCKS_TIMED = 4  # distinct blocks in a row per whole-block timing (fewer when the model has fewer)
@@ -299,7 +299,7 @@ def build_timed_model(o: Options, device: torch.device, mesh, sp: bool, mb: int,
     tp = mesh["tp"].size() if mesh is not None else 1
     if tp > 1:
         apply_tensor_parallel(model, mesh["tp"], sp)
-    apply_activation_checkpointing(model, o.recompute)
+    apply_recomputation(model, o.recompute)
     materialize(model, device)
     blocks = BlockStack([model.layers.pop(str(i)) for i in range(stack)])  # what is left: the rest
     if arrangement is not None:

@@ -8,11 +8,12 @@ from pathlib import Path
 import tokenizers
 
 from hlat import HlatError
-from hlat.data.tokenizer import Tokenizer, load_tokenizer
-from hlat.models import build_model, materialize
+from hlat.data.tokenizer import Tokenizer
+from hlat.models import build_model
 from hlat.models.hf import read_hf_dir, write_hf_dir
-from hlat.train.checkpoint import CONFIG_FILE, load_checkpoint, model_state, resolve_checkpoint, write_checkpoint
-from hlat.train.config import Config, load_config
+from hlat.tools.inference import load_trained_model, saved_tokenizer
+from hlat.train.checkpoint import model_state, write_checkpoint
+from hlat.train.config import Config
 
 
 def import_hf(hf_dir: str | Path, out: str | Path) -> Path:
@@ -30,22 +31,11 @@ def export_hf(ckpt: str | Path, out: str | Path) -> tuple[Path, str]:
     """Write an hlat checkpoint (or a run directory's latest) as a transformers directory: config.json,
     generation_config.json, safetensors weights and, when the run's tokenizer has a transformers form, its
     tokenizer files. Returns the directory and a note on the tokenizer."""
-    path = resolve_checkpoint(ckpt)
-    if not (path / CONFIG_FILE).is_file():
-        raise HlatError(f"{path}: has no {CONFIG_FILE}, so its model shape is unknown")
-    cfg = load_config(path / CONFIG_FILE)
-    model = materialize(build_model(cfg.model), "cpu")
-    load_checkpoint(path, [model])
-    tokenizer = _run_tokenizer(path)
+    path, cfg, model = load_trained_model(ckpt)
+    tokenizer = saved_tokenizer(path)
     tokens = _special_tokens(tokenizer) if tokenizer else {}
     write_hf_dir(cfg.model, model.state_dict(), out, special_tokens=tokens)
     return Path(out), _write_tokenizer_files(tokenizer, Path(out), cfg.model.max_seq_len)
-
-
-def _run_tokenizer(ckpt: Path) -> Tokenizer | None:
-    """The tokenizer the run saved beside its checkpoints (<run>/checkpoints/step_N -> <run>), if any."""
-    run_dir = ckpt.parent.parent
-    return load_tokenizer(run_dir) if any(run_dir.glob("tokenizer.*")) or (run_dir / "vocab.bpe").exists() else None
 
 
 def _special_tokens(tokenizer: Tokenizer) -> dict[str, int]:

@@ -1,4 +1,4 @@
-"""`hlat preflight`'s command line (torch is imported only when it runs)."""
+"""`hlat preflight` (torch is imported only when it runs)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,15 @@ import sys
 from pathlib import Path
 
 from hlat import HlatError
+
+
+def register(commands) -> None:
+    parser = commands.add_parser("preflight", help="burn-in: measure compute, links and numerics on every rank; "
+                                                   "write a measured hardware profile for the planner",
+                                 description="Run alone or under torchrun (every rank). Config overrides "
+                                             "(--section.key value) are accepted.")
+    add_arguments(parser)
+    parser.set_defaults(func=run, overrides=True)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,7 +58,7 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
 
 def options(args: argparse.Namespace, overrides: list[str]):
     from hlat.train.config import load_config
-    from hlat.train.preflight import DATA_PARALLEL, Options
+    from hlat.measure.preflight import DATA_PARALLEL, Options
 
     if args.model:
         overrides = ["--model.preset", args.model] + overrides
@@ -98,7 +107,7 @@ def default_sizes(model) -> tuple[int, ...]:
     `fully_shard` unit at a time, and the rate at 16 MiB need not hold at a 200 MB embedding."""
     from hlat.planner.layout import Layout
     from hlat.planner.memory import sharded_units
-    from hlat.train.preflight import Options
+    from hlat.measure.preflight import Options
 
     units = {min(int(params) * 4, 2 ** 30) for _, params in sharded_units(model, Layout.of())}
     return tuple(sorted(set(Options.sizes) | {u for u in units if u > 0}))
@@ -119,7 +128,7 @@ def base_profile(name: str | None, device_type: str):
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
     from hlat.parallel.device import pick_device
-    from hlat.train.preflight import measured_profile, report_json, run_preflight
+    from hlat.measure.preflight import measured_profile, report_json, run_preflight
 
     o = options(args, overrides)
     report = run_preflight(o)

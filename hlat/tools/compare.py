@@ -9,7 +9,6 @@ gradient norm, `grad_norm_mean`; runs from before it existed give their last ste
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from dataclasses import dataclass
@@ -91,46 +90,3 @@ def plot(runs: list[Run], out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)
     plt.close(fig)
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("runs", nargs="+", help="run directories (or metrics.jsonl files); the first is the reference")
-    p.add_argument("--out", help="PNG file for the overlaid curves")
-    p.add_argument("--labels", help="comma-separated names for the runs (default: their directory names)")
-    p.add_argument("--json", action="store_true", help="print the deviations as JSON")
-
-
-def run(args: argparse.Namespace) -> int:
-    labels = args.labels.split(",") if args.labels else [Path(r).name or str(r) for r in args.runs]
-    if len(labels) != len(args.runs):
-        raise HlatError(f"--labels: {len(labels)} names for {len(args.runs)} runs")
-    runs = [read_run(path, label) for path, label in zip(args.runs, labels)]
-    if args.out:
-        if Path(args.out).suffix.lower() != ".png":
-            raise HlatError(f"--out: {args.out} should be a .png file")
-        plot(runs, Path(args.out))
-    table = [{"run": r.label, "reference": runs[0].label, **deviations(runs[0], r)} for r in runs[1:]]
-    if args.json:
-        print(json.dumps({"runs": labels, "deviations": table, "figure": args.out}, indent=2))
-        return 0
-    from rich.console import Console
-    from rich.table import Table
-
-    out = Table(title=f"relative deviation from {runs[0].label} over the steps both logged")
-    out.add_column("run")
-    for metric in METRICS:
-        out.add_column(f"{metric} max", justify="right")
-        out.add_column(f"{metric} mean", justify="right")
-    out.add_column("steps", justify="right")
-    for row in table:
-        cells = [f"{row[m]['max']:.2%}" if m in row else "-" for m in METRICS]
-        means = [f"{row[m]['mean']:.2%}" if m in row else "-" for m in METRICS]
-        steps = row["loss"]["steps"] if "loss" in row else 0
-        out.add_row(row["run"], *[c for pair in zip(cells, means) for c in pair], str(steps))
-    console = Console()
-    console.print(out)
-    if len(runs) == 1:
-        console.print("one run: nothing to compare it with")
-    if args.out:
-        console.print(f"wrote {args.out}")
-    return 0

@@ -1,8 +1,8 @@
-"""Activation checkpointing per block: `full` recomputes the whole block in backward; `selective` keeps the
-outputs of the matrix multiplications (and of tensor-parallel collectives, so no communication is repeated)
-and recomputes the rest: the attention core (scaled dot-product attention), as HLAT did (after Korthikanti et
-al. 2022), and the cheap elementwise work around it. Parameter names are unchanged, so checkpoints do not
-depend on this setting."""
+"""Recomputation (activation checkpointing) per block: `full` recomputes the whole block in backward;
+`selective` keeps the outputs of the matrix multiplications (and of tensor-parallel collectives, so no
+communication is repeated) and recomputes the rest: the attention core (scaled dot-product attention), as HLAT
+did (after Korthikanti et al. 2022), and the cheap elementwise work around it. Parameter names are unchanged, so
+checkpoints do not depend on this setting."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def _checkpointed(forward, selective: bool, *args, **kwargs):
     return checkpoint(forward, *args, use_reentrant=False, **extra, **kwargs)
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
+def apply_recomputation(model: nn.Module, mode: str) -> None:
     if mode == "none":
         return
     for block in model.layers.values():

@@ -1,0 +1,150 @@
+"""Post-run tools: `hlat eval`, `hlat generate`, `hlat compare`, `hlat import-hf` and `hlat export-hf`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from hlat import HlatError
+
+
+def register(commands) -> None:
+    p = commands.add_parser("import-hf", help="convert a transformers Llama/GPT-NeoX directory into an hlat checkpoint")
+    p.add_argument("hf_dir")
+    p.add_argument("--out", required=True, help="checkpoint directory to write")
+    p.set_defaults(func=run_import_hf, overrides=False)
+
+    p = commands.add_parser("export-hf", help="convert an hlat checkpoint (or run dir) into a transformers directory")
+    p.add_argument("ckpt_dir")
+    p.add_argument("--out", required=True, help="directory for config.json, generation_config.json, "
+                                                "model.safetensors and the tokenizer files")
+    p.set_defaults(func=run_export_hf, overrides=False)
+
+    p = commands.add_parser("eval", help="validation loss and perplexity of a checkpoint on held-out text")
+    p.add_argument("checkpoint", help="checkpoint directory, or a run directory (its latest checkpoint)")
+    p.add_argument("--data", nargs="+", help="files, directories or globs (default: the run's [eval] data)")
+    p.add_argument("--max-batches", type=int, default=0, help="evaluate at most this many batches (0: all the data)")
+    p.add_argument("--batch-size", type=int, help="sequences per batch (default: train.micro_batch)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: train.seq_len)")
+    add_model_arguments(p)
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    p.set_defaults(func=run_eval, overrides=False)
+
+    p = commands.add_parser("generate", help="continue a prompt with a trained model (KV cache)")
+    p.add_argument("checkpoint", help="checkpoint directory, or a run directory (its latest checkpoint)")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy (default 0.8)")
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (default 0.95)")
+    p.add_argument("--samples", type=int, default=1, help="how many continuations to print")
+    p.add_argument("--seed", type=int, default=0)
+    add_model_arguments(p)
+    p.set_defaults(func=run_generate, overrides=False)
+
+    p = commands.add_parser("compare", help="overlay the loss and gradient-norm curves of runs; their deviations")
+    p.add_argument("runs", nargs="+", help="run directories (or metrics.jsonl files); the first is the reference")
+    p.add_argument("--out", help="PNG file for the overlaid curves")
+    p.add_argument("--labels", help="comma-separated names for the runs (default: their directory names)")
+    p.add_argument("--json", action="store_true", help="print the deviations as JSON")
+    p.set_defaults(func=run_compare, overrides=False)
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokenizer", help="tokenizer file or directory (default: the one saved in the run)")
+    p.add_argument("--device", default="auto", help="auto (the available accelerator, else cpu), cpu, or an "
+                                                    "accelerator type such as cuda")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float64"), default="float32")
+
+
+def run_import_hf(args: argparse.Namespace, overrides: list[str]) -> int:
+    from hlat.tools.interop import import_hf
+
+    print(f"wrote {import_hf(args.hf_dir, args.out)}")
+    return 0
+
+
+def run_export_hf(args: argparse.Namespace, overrides: list[str]) -> int:
+    from hlat.tools.interop import export_hf
+
+    out, tokenizer_note = export_hf(args.ckpt_dir, args.out)
+    print(f"wrote {out} ({tokenizer_note})")
+    return 0
+
+
+def run_eval(args: argparse.Namespace, overrides: list[str]) -> int:
+    from hlat.parallel.device import pick_device
+    from hlat.tools.inference import load_trained
+    from hlat.train.validation import evaluate, validation_batches, validation_documents
+
+    for name in ("max_batches", "batch_size", "seq_len"):
+        if (getattr(args, name) or 0) < 0:
+            raise HlatError(f"--{name.replace('_', '-')}: must be >= 0, got {getattr(args, name)}")
+    device = pick_device(args.device, "--device")
+    cfg, model, tokenizer = load_trained(args.checkpoint, device, args.dtype, args.tokenizer)
+    if not args.data and not cfg.eval.paths and not cfg.eval.holdout:
+        raise HlatError("--data: give the files to evaluate on (the run has no [eval] paths or holdout)")
+    seq_len = args.seq_len or cfg.train.seq_len
+    if seq_len > cfg.model.max_seq_len:
+        raise HlatError(f"--seq-len: {seq_len} exceeds the model's max_seq_len {cfg.model.max_seq_len}")
+    batch_size = args.batch_size or cfg.train.micro_batch
+    batches = validation_batches(validation_documents(cfg, paths=args.data), tokenizer, seq_len, batch_size,
+                                 args.max_batches or 2**62, cfg.model.doc_mask)
+    result = evaluate(model, batches, device)
+    figures = {"loss": result.loss, "perplexity": result.perplexity, "tokens": result.tokens}
+    print(json.dumps(figures) if args.json else
+          f"loss {result.loss:.4f}  perplexity {result.perplexity:.2f}  tokens {result.tokens:,}")
+    return 0
+
+
+def run_generate(args: argparse.Namespace, overrides: list[str]) -> int:
+    from hlat.parallel.device import pick_device
+    from hlat.tools.inference import load_trained, sample_text
+
+    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.max_new_tokens < 1:
+        raise HlatError("--temperature must be >= 0, --top-p in (0, 1] and --max-new-tokens >= 1")
+    device = pick_device(args.device, "--device")
+    _, model, tokenizer = load_trained(args.checkpoint, device, args.dtype, args.tokenizer)
+    for i in range(args.samples):
+        text = sample_text(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_p,
+                           args.seed + i)
+        print(args.prompt + text)
+    return 0
+
+
+def run_compare(args: argparse.Namespace, overrides: list[str]) -> int:
+    from hlat.tools.compare import METRICS, deviations, plot, read_run
+
+    labels = args.labels.split(",") if args.labels else [Path(r).name or str(r) for r in args.runs]
+    if len(labels) != len(args.runs):
+        raise HlatError(f"--labels: {len(labels)} names for {len(args.runs)} runs")
+    runs = [read_run(path, label) for path, label in zip(args.runs, labels)]
+    if args.out:
+        if Path(args.out).suffix.lower() != ".png":
+            raise HlatError(f"--out: {args.out} should be a .png file")
+        plot(runs, Path(args.out))
+    table = [{"run": r.label, "reference": runs[0].label, **deviations(runs[0], r)} for r in runs[1:]]
+    if args.json:
+        print(json.dumps({"runs": labels, "deviations": table, "figure": args.out}, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    out = Table(title=f"relative deviation from {runs[0].label} over the steps both logged")
+    out.add_column("run")
+    for metric in METRICS:
+        out.add_column(f"{metric} max", justify="right")
+        out.add_column(f"{metric} mean", justify="right")
+    out.add_column("steps", justify="right")
+    for row in table:
+        cells = [f"{row[m]['max']:.2%}" if m in row else "-" for m in METRICS]
+        means = [f"{row[m]['mean']:.2%}" if m in row else "-" for m in METRICS]
+        steps = row["loss"]["steps"] if "loss" in row else 0
+        out.add_row(row["run"], *[c for pair in zip(cells, means) for c in pair], str(steps))
+    console = Console()
+    console.print(out)
+    if len(runs) == 1:
+        console.print("one run: nothing to compare it with")
+    if args.out:
+        console.print(f"wrote {args.out}")
+    return 0

@@ -1,0 +1,69 @@
+"""When a run checkpoints and commits: every `train.ckpt_every` steps, at the last step and on a stop signal, each
+save accounted in the run's goodput. The writing itself is `hlat.train.checkpoint.Checkpointer`'s."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from hlat import HlatError
+from hlat.parallel import Topology
+from hlat.train.checkpoint import Checkpointer, Snapshot, latest_checkpoint
+from hlat.train.config import Config
+from hlat.train.faults import weights_finite
+from hlat.train.goodput import Goodput
+
+
+class Checkpoints:
+    """A run's checkpoints: when to save, and committing asynchronous saves once every rank has written its part
+    (which the trainer learns from the step's all-reduce: `written`, then `commit` on every rank at that step).
+    `saved` is the newest committed checkpoint of this process."""
+
+    def __init__(self, cfg: Config, topo: Topology, device: torch.device, goodput: Goodput):
+        tc = cfg.train
+        self.every, self.last, self.run_dir, self.goodput = tc.ckpt_every, tc.steps, Path(tc.run_dir), goodput
+        self.config_toml = cfg.to_toml()
+        self.writer = Checkpointer(self.run_dir, tc.keep_checkpoints, topo.rank, tc.async_checkpoint,
+                                   pinned=device.type == "cuda")
+        self.saved: Path | None = None
+
+    def due(self, step: int, stopping: bool) -> bool:
+        return bool(self.every and step % self.every == 0) or step == self.last or stopping
+
+    def save(self, step: int, snapshot: Snapshot, commit_now: bool) -> None:
+        """Checkpoint `snapshot` at `step`: training stalls for the whole write, or (asynchronous) for the copy to
+        host memory; `commit_now` waits for an asynchronous write too. Never from non-finite weights (they would
+        replace a good checkpoint)."""
+        started = time.perf_counter()
+        if not weights_finite([p for part in snapshot.parts for p in part.parameters()]):
+            raise HlatError(f"step {step}: the weights are not finite; not checkpointing them; last good checkpoint: "
+                            f"{self.latest() or 'none'}")
+        saved = self.writer.save(step, snapshot, self.config_toml)
+        self.goodput.checkpointed(time.perf_counter() - started)
+        if saved is not None:
+            self.committed(saved)
+        elif commit_now:
+            self.commit()
+
+    def written(self) -> bool:
+        """Whether this rank has written its part of the asynchronous save in flight."""
+        return self.writer.written()
+
+    def commit(self) -> None:
+        """Commit the asynchronous save in flight, if any (a collective: every rank at the same step)."""
+        saved = self.writer.finish()
+        if saved is not None:
+            self.committed(saved)
+
+    def committed(self, path: Path) -> None:
+        self.saved = path
+        self.goodput.committed()
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint of the run (of any process)."""
+        return latest_checkpoint(self.run_dir)
+
+    def close(self) -> None:
+        self.writer.close()
