@@ -1,0 +1,147 @@
+"""The package's shape, checked from its source: imports flow one way with no cycle, each package imports only the
+layers below it, config modules import no torch, and no function grows past what one reading takes in."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "hlat"
+
+# What each package may import of hlat's other packages (hlat/__init__.py, hlat/config.py and hlat/resources.py
+# are below them all). Commands -> tools, measurement, job control -> train -> {models, parallel, data, optim};
+# the planner reads model, parallel and precision configs. A package's cli.py is a command and may import what
+# any command may.
+ALLOWED = {
+    "models": set(),
+    "optim": set(),
+    "parallel": {"models"},
+    "data": set(),
+    "planner": {"models", "parallel", "optim"},
+    "train": {"models", "parallel", "data", "optim", "planner"},
+    "measure": {"models", "parallel", "data", "optim", "planner", "train"},
+    "tools": {"models", "parallel", "data", "optim", "train"},
+    "jobs": {"train"},
+}
+COMMANDS = {"models", "parallel", "data", "optim", "planner", "train", "measure", "tools", "jobs"}
+TORCH_FREE = ["hlat.config", "hlat.resources", "hlat.cli", "hlat.models.config", "hlat.data.config",
+              "hlat.optim.config", "hlat.optim.modes", "hlat.parallel.config", "hlat.train.config"]
+MAX_LINES = 60
+LONG_FUNCTIONS = {  # "module:function": why it stays long
+    "hlat.planner.timing:step_time": "to be split with the planner's GPU pricing (issue #27)",
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imports(path: Path, known: set[str]) -> set[str]:
+    """The hlat modules `path` imports anywhere in it (at its top or inside a function: both are dependencies)."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            # `from hlat.data import packing` imports the submodule; `from hlat.parallel import Topology` the package
+            found |= {f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names}
+    return {m for m in found if m in known and m != name}
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    return {name: imports(path, set(mods)) for name, path in mods.items()}
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while (w := stack.pop()) != v:
+                on_stack.discard(w)
+                component.append(w)
+            on_stack.discard(v)
+            if component:
+                found.append(sorted(component + [v]))
+
+    sys.setrecursionlimit(10_000)
+    for v in edges:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def package_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and (PACKAGE / parts[1]).is_dir()) else None
+
+
+def test_no_import_cycle():
+    assert cycles(graph()) == []
+
+
+def test_cycle_finder_finds_a_cycle():  # the check above could not fail if this one did
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_imports_flow_one_way():
+    wrong = []
+    for module, imported in graph().items():
+        source = package_of(module)
+        if source is None:
+            continue
+        allowed = ALLOWED[source] | ({*COMMANDS} if module.endswith(".cli") else set()) | {source}
+        wrong += [f"{module} imports {m}" for m in imported if package_of(m) and package_of(m) not in allowed]
+    assert wrong == []
+
+
+def test_training_imports_no_measurement_tools_or_job_control():
+    train = {m: i for m, i in graph().items() if package_of(m) == "train"}
+    assert train and all(package_of(i) not in ("measure", "tools", "jobs") for imported in train.values()
+                         for i in imported)
+
+
+def test_config_modules_import_no_torch():
+    code = (f"import sys, importlib; [importlib.import_module(m) for m in {TORCH_FREE!r}]; "
+            "assert 'torch' not in sys.modules, [m for m in sys.modules if m.startswith('hlat')]")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                          env={"PYTHONPATH": str(ROOT), "PATH": ""})
+    assert done.returncode == 0, done.stderr
+
+
+def long_functions() -> list[str]:
+    found = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_LINES and f"{name}:{node.name}" not in LONG_FUNCTIONS:
+                    found.append(f"{name}:{node.name} ({lines} lines)")
+    return found
+
+
+def test_no_function_over_60_lines():
+    assert long_functions() == []
