@@ -1,7 +1,18 @@
 """hlat: pretrain large language models at low cost per token."""
 
+import importlib
+from types import ModuleType
+
 __version__ = "0.1.0"
 
 
 class HlatError(Exception):
     """A user-facing error: the CLI prints it as one line and exits non-zero, without a traceback."""
+
+
+def optional_import(module: str, what: str, install: str = "'hlat[formats]'") -> ModuleType:
+    """Import a package hlat does not require, or fail in one line saying what needs it and how to install it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise HlatError(f"{what} needs the optional package {module.split('.')[0]!r}: pip install {install}") from None

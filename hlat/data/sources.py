@@ -15,7 +15,6 @@ import glob
 import gzip
 import hashlib
 import heapq
-import importlib
 import io
 import json
 import logging
@@ -28,11 +27,11 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
-from hlat import HlatError
+from hlat import HlatError, optional_import
 from hlat.data.config import DataConfig
 
 TEXT_SUFFIXES = (".txt", ".py", ".md")
@@ -50,12 +49,6 @@ File = Path | str  # a local path, or an fsspec URL kept as a string
 
 # --- finding files ---------------------------------------------------------------------------------------
 
-
-def _optional(module: str, what: str, install: str = "'hlat[formats]'") -> Any:
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        raise HlatError(f"{what} needs the optional package {module.split('.')[0]!r}: pip install {install}") from None
 
 
 # the optional package each format needs
@@ -75,7 +68,7 @@ def is_url(file: File) -> bool:
 
 
 def _fs(url: str):
-    fsspec = _optional("fsspec", url, "fsspec (and s3fs for s3://, gcsfs for gs://)")
+    fsspec = optional_import("fsspec", url, "fsspec (and s3fs for s3://, gcsfs for gs://)")
     try:
         return fsspec.core.url_to_fs(url)
     except (ImportError, ValueError) as e:  # e.g. s3:// without s3fs
@@ -262,7 +255,7 @@ def make_splits(files: list[File], world_size: int) -> list[Split]:
     couple of them."""
     sizes = {f: _size_or_zero(f) for f in files}
     for fmt in {file_format(str(f)) for f in files} & READERS.keys():
-        _optional(READERS[fmt], f"reading .{fmt} files")
+        optional_import(READERS[fmt], f"reading .{fmt} files")
     piece = min(SPLIT_BYTES, max(MIN_SPLIT_BYTES, sum(sizes.values()) // (2 * world_size)))
     splits = []
     for f, size in sizes.items():
@@ -327,7 +320,7 @@ class _ZstdReader(io.RawIOBase):
     zstandard's own stream reader silently ends a truncated file."""
 
     def __init__(self, raw: io.BufferedIOBase):
-        self._zstd = _optional(READERS["jsonl.zst"], "reading .jsonl.zst files")
+        self._zstd = optional_import(READERS["jsonl.zst"], "reading .jsonl.zst files")
         self._raw, self._out = raw, b""
         self._d = self._zstd.ZstdDecompressor().decompressobj()
 
@@ -429,7 +422,7 @@ def _column_rows(split: Split, schema, chunks, cursor: Cursor, text_field: str):
 
 
 def _parquet_rows(split: Split, f: io.BufferedIOBase, cursor: Cursor, text_field: str):
-    pq = _optional(READERS["parquet"], f"Parquet file {split.file}")
+    pq = optional_import(READERS["parquet"], f"Parquet file {split.file}")
     pf = pq.ParquetFile(f)
     chunks = ((pf.metadata.row_group(g).num_rows, lambda g=g: pf.read_row_group(g, columns=[text_field]).column(0))
               for g in range(pf.num_row_groups))
@@ -439,7 +432,7 @@ def _parquet_rows(split: Split, f: io.BufferedIOBase, cursor: Cursor, text_field
 def _arrow_rows(split: Split, f: io.BufferedIOBase, cursor: Cursor, text_field: str):
     """An Arrow IPC file (random access: batches before the cursor are not read) or stream (as written by HF
     datasets: read through)."""
-    ipc = _optional(READERS["arrow"], f"Arrow file {split.file}")
+    ipc = optional_import(READERS["arrow"], f"Arrow file {split.file}")
     pa = sys.modules["pyarrow"]
     try:
         reader = ipc.open_file(f)

@@ -10,17 +10,16 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import importlib
 import random
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from hlat import HlatError
+from hlat import HlatError, optional_import
 from hlat.data.config import DataConfig
 from hlat.data.sources import iter_documents
 
@@ -49,12 +48,6 @@ def tokenizer_digest(tokenizer: Tokenizer) -> str:
     key = json.dumps([tokenizer.kind, tokenizer.vocab_size, tokenizer.eos_id, ids])
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
-
-def _optional(module: str, what: str) -> Any:
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        raise HlatError(f"{what} needs the optional package {module!r}: pip install 'hlat[formats]'") from None
 
 
 class HFTokenizer:
@@ -109,7 +102,7 @@ class TiktokenTokenizer:
     file_name = "tokenizer.tiktoken"
 
     def __init__(self, ranks: dict[bytes, int], source: str):
-        tiktoken = _optional("tiktoken", f"tokenizer {source}")
+        tiktoken = optional_import("tiktoken", f"tokenizer {source}")
         from tiktoken_ext.openai_public import r50k_pat_str
 
         self._ranks = ranks
@@ -143,7 +136,7 @@ class SentencePieceTokenizer:
     file_name = "tokenizer.model"
 
     def __init__(self, path: Path):
-        spm = _optional("sentencepiece", f"tokenizer {path}")
+        spm = optional_import("sentencepiece", f"tokenizer {path}")
         try:
             self._sp = spm.SentencePieceProcessor(model_file=str(path))
         except (RuntimeError, OSError) as e:
@@ -229,7 +222,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         except Exception as e:  # the Rust side raises plain Exception for any parse error
             raise HlatError(f"tokenizer {path}: not a tokenizers tokenizer.json ({e})") from None
     if path.suffix == ".tiktoken" or (path.suffix == ".model" and _looks_like_tiktoken(path)):
-        tiktoken_load = _optional("tiktoken.load", f"tokenizer {path}")
+        tiktoken_load = optional_import("tiktoken.load", f"tokenizer {path}")
         # tiktoken caches local files by path; the content hash makes it notice when the file has changed.
         digest = hashlib.sha256(path.read_bytes()).hexdigest()
         try:
