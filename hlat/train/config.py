@@ -180,9 +180,9 @@ class Config:
 
     def resolved_parallel(self, world_size: int | None = None) -> ParallelConfig:
         """The parallel layout with dp_shard filled in, checked against the model and the batch."""
-        tc = self.train
-        p = check_layout(self.parallel, self.model, world_size or world_size_from_env(), tc.global_batch,
-                         tc.micro_batch, tc.seq_len, self.model.doc_mask)
+        train = self.train
+        p = check_layout(self.parallel, self.model, world_size or world_size_from_env(), train.global_batch,
+                         train.micro_batch, train.seq_len, self.model.doc_mask)
         if self.eval.every and p.pp > 1:
             raise ConfigError("eval.every: validation during training is not supported with pipeline parallelism "
                               "(parallel.pp > 1); evaluate checkpoints with `hlat eval` instead")

@@ -64,19 +64,19 @@ class BadSteps:
         self.var = (1 - self.DECAY) * (self.var + self.DECAY * delta * delta)
 
 
-def bad_step_action(tc: TrainConfig, bad: BadSteps, reason: str, step: int, last: Path | None
+def bad_step_action(train: TrainConfig, bad: BadSteps, reason: str, step: int, last: Path | None
                     ) -> Literal["skip", "rollback"]:
     """What train.on_bad_step does with bad step `step` (its update already dropped): skip it, or roll back to
     checkpoint `last`; a one-line HlatError where the run stops (the policy says so, too many bad steps in a row,
     or nothing to roll back to)."""
-    if tc.on_bad_step == "stop" or bad.in_a_row >= tc.max_bad_steps:
-        why = ("train.on_bad_step = 'stop'" if tc.on_bad_step == "stop"
-               else f"{bad.in_a_row} bad steps in a row, train.max_bad_steps = {tc.max_bad_steps}")
+    if train.on_bad_step == "stop" or bad.in_a_row >= train.max_bad_steps:
+        why = ("train.on_bad_step = 'stop'" if train.on_bad_step == "stop"
+               else f"{bad.in_a_row} bad steps in a row, train.max_bad_steps = {train.max_bad_steps}")
         raise HlatError(f"step {step}: {reason}; stopped ({why}); last good checkpoint: {last or 'none'}")
-    if tc.on_bad_step == "rollback" and last is None:
+    if train.on_bad_step == "rollback" and last is None:
         raise HlatError(f"step {step}: {reason}; no checkpoint to roll back to yet (train.on_bad_step = "
                         "'rollback'; save one earlier with train.ckpt_every)")
-    return tc.on_bad_step
+    return train.on_bad_step
 
 
 def weights_finite(params: list[torch.Tensor]) -> bool:

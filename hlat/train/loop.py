@@ -182,13 +182,13 @@ def build_parts(cfg: Config, inputs: RunInputs, topo: Topology) -> Model:
 def open_stream(cfg: Config, topo: Topology, tokenizer, sources: list[Source]) -> DataStream:
     """This rank's data stream: its part of the global stream, shared with all ranks over a CPU side group, or
     (data_sharding = "files") a stream of its data-parallel rank's own files."""
-    train, layout = cfg.train, topo.cfg
-    args = (cfg.data, tokenizer, sources, train.seq_len, train.micro_batch)
+    settings, layout = cfg.train, topo.cfg
+    args = (cfg.data, tokenizer, sources, settings.seq_len, settings.micro_batch)
     # documents held out for validation (a hash split, when no eval.paths are given) are skipped in training
     common = dict(doc_mask=cfg.model.doc_mask, holdout=0.0 if cfg.eval.paths else cfg.eval.holdout)
     if layout.data_sharding == "files":
         return build_stream(*args, shard=(topo.dp_rank, layout.dp), **common)
-    per_step = train.global_batch // train.micro_batch  # micro-batches of the whole step, over all ranks
+    per_step = settings.global_batch // settings.micro_batch  # micro-batches of the whole step, over all ranks
     return build_stream(*args, ranks=Ranks(side_group(), topo.dp_rank, layout.dp, per_step), **common)
 
 
@@ -214,11 +214,11 @@ def run_steps(trainer: Trainer) -> None:
 
 
 def summary(trainer: Trainer, resume_from: Path | None) -> Summary:
-    tc, report = trainer.cfg.train, trainer.report
-    tokens_per_step = tc.global_batch * tc.seq_len
+    settings, report = trainer.cfg.train, trainer.report
+    tokens_per_step = settings.global_batch * settings.seq_len
     elapsed = time.perf_counter() - report.run_start
     ran = trainer.step - trainer.start
-    return Summary(run_dir=str(Path(tc.run_dir)), steps=trainer.step, tokens_seen=trainer.step * tokens_per_step,
+    return Summary(run_dir=str(Path(settings.run_dir)), steps=trainer.step, tokens_seen=trainer.step * tokens_per_step,
                    tokens_per_s=ran * tokens_per_step / elapsed if elapsed > 0 else 0.0,
                    first_loss=report.losses[0] if report.losses else float("nan"),
                    last_loss=report.losses[-1] if report.losses else float("nan"),

@@ -189,12 +189,12 @@ class StepReport:
 
     def __init__(self, cfg: Config, device: torch.device, devices: int, is_main: bool, console: Console):
         self.cfg, self.device, self.is_main, self.console = cfg, device, is_main, console
-        tc = cfg.train
-        self.tokens_per_step = tc.global_batch * tc.seq_len
-        self.peak = peak_flops(device, tc.peak_flops) * devices
-        self.flops_per_token = cfg.model.flops_per_token(tc.seq_len)
+        settings = cfg.train
+        self.tokens_per_step = settings.global_batch * settings.seq_len
+        self.peak = peak_flops(device, settings.peak_flops) * devices
+        self.flops_per_token = cfg.model.flops_per_token(settings.seq_len)
         self.cost = resolve_cost(cfg.cost, devices)
-        self.metrics = MetricsLog(tc.run_dir)
+        self.metrics = MetricsLog(settings.run_dir)
         self.losses: list[float] = []  # the mean loss of each record written by this process
 
     def begin(self, step: int, resumed: bool, stream) -> None:
@@ -237,10 +237,10 @@ class StepReport:
         self.console.print(self.line(record, stats), soft_wrap=True, highlight=False)
 
     def record(self, step: int, lr: float, bad_steps: int, stats: dict) -> dict:
-        tc = self.cfg.train
+        settings = self.cfg.train
         tokens_per_s, step_time = self.speed(stats)
         elapsed = self.elapsed_before + time.perf_counter() - self.run_start
-        projected = projected_seconds(elapsed, step_time, step, tc.steps)
+        projected = projected_seconds(elapsed, step_time, step, settings.steps)
         return {
             "step": step, "time": round(time.time(), 3), "loss": stats["loss"],
             "grad_norm": stats["grad_norm"], "grad_norm_mean": stats["grad_norm_mean"],
@@ -260,13 +260,13 @@ class StepReport:
         return stats["steps"] * self.tokens_per_step / stats["seconds"], stats["seconds"] / stats["steps"]
 
     def line(self, record: dict, stats: dict) -> str:
-        tc, step = self.cfg.train, record["step"]
+        settings, step = self.cfg.train, record["step"]
         tokens_per_s, step_time = self.speed(stats)
         # the first step carries the start-up (data pool, compilation): too early to tell
-        eta = "-" if step == self.start + 1 else format_duration(step_time * (tc.steps - step))
+        eta = "-" if step == self.start + 1 else format_duration(step_time * (settings.steps - step))
         spent = f"  ${record['cost_usd']:,.2f}" if self.cost else ""
         val = f"  val_loss {record['val_loss']:7.4f}" if "val_loss" in record else ""
-        return (f"step {step:>6}/{tc.steps}  loss {stats['loss']:7.4f}  grad_norm {stats['grad_norm']:6.3f}  "
+        return (f"step {step:>6}/{settings.steps}  loss {stats['loss']:7.4f}  grad_norm {stats['grad_norm']:6.3f}  "
                 f"lr {record['lr']:.2e}  {tokens_per_s:>9,.0f} tok/s  mfu {record['mfu'] or 0:6.2%}  "
                 f"eta {eta}{spent}{val}")
 

@@ -56,8 +56,8 @@ def schedule_changes(saved: Config, current: Config, step: int) -> bool:
     """Whether the learning rate of any step from `step` on differs (the decay horizon is optim.decay_steps, or
     train.steps when that is 0, so a longer run reshapes the schedule)."""
     def schedule(cfg: Config, at: int) -> float:
-        o = cfg.optim
-        return lr_at(at, o.lr, o.min_lr, o.warmup_steps, o.decay_steps or cfg.train.steps)
+        optim = cfg.optim
+        return lr_at(at, optim.lr, optim.min_lr, optim.warmup_steps, optim.decay_steps or cfg.train.steps)
 
     last = max(saved.train.steps, current.train.steps, saved.optim.decay_steps, current.optim.decay_steps)
     return any(schedule(saved, s) != schedule(current, s) for s in range(step, last + 1))
@@ -115,6 +115,6 @@ def check_resume(path: Path, cfg: Config) -> list[str]:
     changes = config_changes(saved, cfg)
     if changes and schedule_changes(saved, cfg, step) and not cfg.train.allow_schedule_change:
         raise HlatError(f"resuming {path} changes the learning-rate schedule from step {step} on "
-                        f"({'; '.join(changes)}); pass --train.allow_schedule_change true to accept that, or keep the old values (set "
-                        "optim.decay_steps to fix the schedule's length while changing train.steps)")
+                        f"({'; '.join(changes)}); pass --train.allow_schedule_change true to accept that, or keep the "
+                        "old values (set optim.decay_steps to fix the schedule's length while changing train.steps)")
     return changes

@@ -22,10 +22,10 @@ class Checkpoints:
     `saved` is the newest committed checkpoint of this process."""
 
     def __init__(self, cfg: Config, topo: Topology, device: torch.device, goodput: Goodput):
-        tc = cfg.train
-        self.every, self.last, self.run_dir, self.goodput = tc.ckpt_every, tc.steps, Path(tc.run_dir), goodput
-        self.config_toml = cfg.to_toml()
-        self.writer = Checkpointer(self.run_dir, tc.keep_checkpoints, topo.rank, tc.async_checkpoint,
+        settings = cfg.train
+        self.every, self.last, self.run_dir = settings.ckpt_every, settings.steps, Path(settings.run_dir)
+        self.goodput, self.config_toml = goodput, cfg.to_toml()
+        self.writer = Checkpointer(self.run_dir, settings.keep_checkpoints, topo.rank, settings.async_checkpoint,
                                    pinned=device.type == "cuda")
         self.saved: Path | None = None
 

@@ -101,9 +101,11 @@ class Validation:
 
     def __init__(self, cfg: Config, tokenizer: Tokenizer, sources: list[Source]):
         self.every, self.last = cfg.eval.every, cfg.train.steps
-        tc = cfg.train
-        self.batches = (validation_batches(validation_documents(cfg, sources), tokenizer, tc.seq_len, tc.micro_batch,
-                                           cfg.eval.batches, cfg.model.doc_mask) if self.every else [])
+        self.batches = []
+        if self.every:
+            documents = validation_documents(cfg, sources)
+            self.batches = validation_batches(documents, tokenizer, cfg.train.seq_len, cfg.train.micro_batch,
+                                              cfg.eval.batches, cfg.model.doc_mask)
 
     def due(self, step: int) -> bool:
         return bool(self.every) and (step % self.every == 0 or step == self.last)
