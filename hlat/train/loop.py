@@ -64,6 +64,7 @@ class RunInputs:
     device: torch.device
     sources: list[Source]  # the data, resolved once for the run
     model: nn.Module  # on the meta device, not yet split or sharded
+    n_params: int  # the whole model's, counted before it is split
     resume_from: Path | None
     passed_over: list[DamagedCheckpoint]  # damaged checkpoints newer than `resume_from`
     changes: list[str]  # what the config changes against the checkpoint's
@@ -96,7 +97,7 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
         cleanup.callback(trainer.checkpoints.close)
         cleanup.callback(trainer.report.close)
         trainer.restore(inputs.resume_from)
-        announce(trainer, count_params(inputs.model))
+        announce(trainer, inputs.n_params)
         goodput.start_up_done()
         run_steps(trainer)
         trainer.checkpoints.commit()
@@ -112,7 +113,7 @@ def check_inputs(cfg: Config) -> RunInputs:
     resume_from, passed_over = find_resume_checkpoint(cfg)
     model = build_model(cfg.model)
     changes = check_start(cfg, resume_from, model)
-    return RunInputs(layout, device, sources, model, resume_from, passed_over, changes)
+    return RunInputs(layout, device, sources, model, count_params(model), resume_from, passed_over, changes)
 
 
 def report_inputs(inputs: RunInputs, topo: Topology, console: Console) -> None:
