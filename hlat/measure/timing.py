@@ -1,0 +1,43 @@
+"""How every preflight figure is taken: the fastest of a few calls, on each rank, and gathered across ranks."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+
+def sync_device(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Seconds of the fastest of `repeats` calls of fn() after one warm-up call: the least disturbed, on a host
+    whose cores other work shares."""
+    fn()
+    sync_device(device)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync_device(device)
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def gather_from_ranks(value, world: int) -> list:
+    """`value` from every rank, in rank order (a collective: every rank calls it)."""
+    if world == 1:
+        return [value]
+    values = [None] * world
+    dist.all_gather_object(values, value)
+    return values
+
+
+def timed_on_every_rank(fn: Callable[[], object], device: torch.device, repeats: int, world: int) -> float:
+    """The slowest rank's fastest repeat of fn(), every rank timing at once: the trainer's collectives wait for
+    the slowest rank."""
+    return max(gather_from_ranks(timed(fn, device, repeats), world))
