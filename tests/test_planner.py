@@ -19,7 +19,8 @@ from hlat.planner.memory import layer_activation_bytes, memory, stage_params
 from hlat.planner.calibration import Sample, fit_factors, nnls
 from hlat.planner.profiles import FACTORS, Fit, load_profile, profile_names
 from hlat.planner.search import candidates, evaluate, search
-from hlat.planner.timing import collective, step_time
+from hlat.planner.comms import collective
+from hlat.planner.timing import step_time
 from hlat.planner.validation import VALIDATION_DIR
 from hlat.train.config import build_config
 
