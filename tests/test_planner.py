@@ -512,9 +512,10 @@ def test_cited_collectives_follow_nccl_tests_bus_bandwidth_and_share_the_nodes_n
     assert link_time(hw, fit, "all_reduce", 1e9, 2, 1) == pytest.approx(2 * 1 / 2 * 1e9 / (200e9 / 8))
 
 
-def _run_order(orders: list[list[tuple[str, int, int]]], cost, chunks: int) -> float:
+def _run_order(orders: list[list[tuple[str, int, int]]], cost, chunks: int, delay: float = 0.0) -> float:
     """The time to run each rank's list of (F or B, model chunk, micro-batch) in order, one at a time per rank,
-    a forward after the previous chunk's and a backward after its own forward and the next chunk's backward."""
+    a forward after the previous chunk's and a backward after its own forward and the next chunk's backward;
+    what another rank computed arrives `delay` later (chunk c is on rank c mod ranks)."""
     done, free, at = {}, [0.0] * len(orders), [0] * len(orders)
     moved = True
     while moved:
@@ -528,7 +529,8 @@ def _run_order(orders: list[list[tuple[str, int, int]]], cost, chunks: int) -> f
                     needs = [("F", chunk, mb)] + ([("B", chunk + 1, mb)] if chunk < chunks - 1 else [])
                 if any(n not in done for n in needs):
                     break
-                free[rank] = done[(kind, chunk, mb)] = max([free[rank]] + [done[n] for n in needs]) + cost(kind, chunk)
+                ready = [done[n] + (delay if n[1] % len(orders) != rank else 0.0) for n in needs]
+                free[rank] = done[(kind, chunk, mb)] = max([free[rank]] + ready) + cost(kind, chunk)
                 at[rank] += 1
                 moved = True
     assert at == [len(order) for order in orders], "the schedule deadlocked"
@@ -583,6 +585,28 @@ def test_pipeline_bubble_is_the_trainers_schedule(pp, v):
 
     orders = _schedule_interleaved(pp, m, v) if v > 1 else _schedule_1f1b(pp, m)
     simulated = _run_order(orders, cost, pp * v)
+    assert t.compute + t.tp_comm + t.pp_comm + t.bubble == pytest.approx(simulated, rel=1e-9)
+
+
+@pytest.mark.parametrize("pp, v", [(8, 2), (8, 4), (16, 2)])
+def test_interleaved_pipeline_sends_hide_as_the_trainers_schedule_hides_them(pp, v):
+    """With hlat's own communication (the p5 profile's cited links), ScheduleInterleaved1F1B posts its receives
+    early: run with each send's time as the delay between ranks, its step is the planner's."""
+    from hlat.planner.comms import pipeline_send_time
+    from hlat.planner.timing import micro_batch
+
+    p5 = load_profile("p5.48xlarge")
+    work = Workload(model_config("llama2-7b"), 4096, 8 * 2 * pp, "bf16_mixed")
+    layout = Layout.of(pp=pp, dp_replicate=8, virtual_stages=v, activation_checkpoint="full")
+    t, mb = step_time(work, layout, p5), micro_batch(work, layout, p5, p5.fit)
+    sends = pipeline_send_time(work, layout, p5, p5.fit)
+    assert 0 < t.pp_comm < layout.microbatches(work.global_batch) * sends  # fewer than every micro-batch's
+
+    def cost(kind: str, chunk: int) -> float:
+        seconds = (mb.compute - mb.output + mb.tp) / v + (mb.output if chunk == pp * v - 1 else 0.0)
+        return seconds * (1 / 3 if kind == "F" else 2 / 3)
+
+    simulated = _run_order(_schedule_interleaved(pp, 2 * pp, v), cost, pp * v, delay=sends / (2 * v))
     assert t.compute + t.tp_comm + t.pp_comm + t.bubble == pytest.approx(simulated, rel=1e-9)
 
 

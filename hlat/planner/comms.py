@@ -6,9 +6,10 @@ a node, and across nodes at the run's node count); else the nominal link figures
 latency) times the profile's fitted `intra_factor` / `inter_factor`.
 
 What the trainer overlaps decides what is charged. Tensor-parallel collectives sit between a layer's matmuls and
-are charged in full. Pipeline sends are charged per micro-batch (and in the bubble). FSDP prefetches the next
-block's gather and reduce-scatters during backward, every micro-batch; replicated layouts and ZeRO-1 reduce during
-the last micro-batch's backward (ZeRO-1 gathers once, during the first forward). The share of that traffic which
+are charged in full. Pipeline sends are charged per micro-batch (and in the bubble), except under the trainer's
+interleaved schedule, which posts its receives early (`sends_overlap`; see `hlat.planner.timing`). FSDP
+prefetches the next block's gather and reduce-scatters during backward, every micro-batch; replicated layouts and
+ZeRO-1 reduce during the last micro-batch's backward (ZeRO-1 gathers once, during the first forward). The share of that traffic which
 hides behind the compute it runs beside is the overlap preflight measured; with cited collectives it is the
 whole of it, up to that compute (the trainer issues them on their own stream); with neither, FSDP hides fully and
 the rest is priced by the fitted `dp_factor`.
@@ -166,6 +167,12 @@ def dp_overlap(hw: HardwareProfile) -> float | None:
     if hw.measured.all_reduce and hw.measured.overlap >= 0:
         return hw.measured.overlap
     return 1.0 if hw.links.source and not hw.measured.all_reduce else None
+
+
+def sends_overlap(hw: HardwareProfile) -> bool:
+    """Whether the trainer's own overlap prices this profile's communication (measured beside compute, or taken
+    from the trainer's streams with cited collectives), rather than factors fitted to another trainer's runs."""
+    return (dp_overlap(hw) or 0.0) > 0
 
 
 def data_parallel_time(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit, compute: float,

@@ -32,7 +32,9 @@ recomputation and the backward pass); their cost grows with seq^2 where the matm
 Communication (tensor-parallel collectives, pipeline sends, data-parallel traffic and what of it overlaps) is
 priced in `hlat.planner.comms`. The pipeline bubble is that of torch.distributed.pipelining's Schedule1F1B and
 ScheduleInterleaved1F1B, as the trainer runs them: (p - 1) / v micro-batches of a stage without the output layer
-(tests/test_planner.py simulates both schedules' order of work and checks it).
+(tests/test_planner.py simulates both schedules' order of work and checks it). Pipeline sends are charged per
+micro-batch, except where the profile's communication is hlat's own (measured with overlap, or cited) and the
+schedule interleaves: the trainer's interleaved schedule hides them in its steady state.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from dataclasses import dataclass
 
 from hlat.models.config import ModelConfig
 from hlat.planner.comms import (data_parallel_time, measured_data_parallel, pipeline_send_time, rate,
-                                tensor_parallel_time)
+                                sends_overlap, tensor_parallel_time)
 from hlat.planner.costs import (attention_flops, block_shape, layer_matmuls, loss_bytes, matmul_flops,
                                 memory_op_bytes, optimizer_bytes, output_matmul)
 from hlat.planner.layout import Layout, Workload
@@ -192,7 +194,13 @@ def step_time(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit | No
     # Filling and draining the pipeline runs through the stages before the last, which lack the output layer (the
     # first has the embedding instead).
     bubble = (layout.pp - 1) / layout.virtual_stages
-    return StepTime(compute=m * mb.compute, tp_comm=m * mb.tp, pp_comm=m * pp,
-                    bubble=bubble * (mb.compute - mb.output + mb.embedding + mb.tp + pp),
+    pp_comm, bubble_pp = m * pp, pp
+    if layout.pp_schedule == "interleaved_1f1b" and sends_overlap(hw):
+        # the trainer's interleaved schedule posts each receive as early as it can: in the steady state the
+        # transfers hide behind other chunks' work, and only the chain through every chunk, forward and back,
+        # waits for them (vp - 1 hops each way)
+        pp_comm, bubble_pp = pp / layout.virtual_stages * (layout.virtual_stages * layout.pp - 1), 0.0
+    return StepTime(compute=m * mb.compute, tp_comm=m * mb.tp, pp_comm=pp_comm,
+                    bubble=bubble * (mb.compute - mb.output + mb.embedding + mb.tp + bubble_pp),
                     dp_comm=dp_comm, optimizer=optimizer_time(work, layout, hw), layer=mb.layer,
                     data_parallel=dp_priced if layout.dp > 1 else "")
