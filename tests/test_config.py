@@ -79,7 +79,7 @@ def test_recipe_states_the_published_run(name):
 
 @pytest.mark.parametrize("name", RECIPES)
 def test_plan_prices_each_recipe_as_it_stands(name, capsys):
-    assert main(["plan", "--model", f"{name}.toml", "--json"]) == 0
+    assert main(["plan", "--config", f"{name}.toml", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     (plan,) = out["plans"]
     tp, pp, dp_replicate, dp_shard, zero1 = RECIPES[name]["layout"]

@@ -64,7 +64,7 @@ def test_wheel_trains_and_plans_in_a_fresh_venv(tmp_path):
                 "--train.log_every", "1", "--data.paths", CORPUS, "--train.run_dir", work / "run"], work)
     assert "step      2/2" in out
     assert len((work / "run" / "metrics.jsonl").read_text().splitlines()) == 2
-    plan = json.loads(_run([hlat, "plan", "--model", "hlat-7b", "--json"], work))  # a shipped recipe and profile
+    plan = json.loads(_run([hlat, "plan", "--config", "hlat-7b", "--json"], work))  # a shipped recipe and profile
     assert (plan["hardware"], plan["nodes"], len(plan["plans"])) == ("trn1.32xlarge", 64, 1)
     assert "6,738,415,616" in _run([hlat, "describe", "--config", "hlat-7b"], work)
 

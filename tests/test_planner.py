@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 from dataclasses import asdict, replace
 
@@ -19,7 +20,8 @@ from hlat.planner.memory import layer_activation_bytes, memory, stage_params
 from hlat.planner.calibration import Sample, fit_factors, nnls
 from hlat.planner.profiles import FACTORS, Fit, load_profile, profile_names
 from hlat.planner.search import candidates, evaluate, search
-from hlat.planner.timing import collective, step_time
+from hlat.planner.comms import collective
+from hlat.planner.timing import step_time
 from hlat.planner.validation import VALIDATION_DIR
 from hlat.train.config import build_config
 
@@ -286,7 +288,7 @@ def test_cli_given_layout_and_table(capsys, tmp_path):
     assert "does not fit" in capsys.readouterr().out and not emit.exists()  # says so, exits 1, writes nothing
     config = tmp_path / "model.toml"
     config.write_text('[model]\npreset = "tiny"\nn_layers = 6\n[train]\nseq_len = 512\nglobal_batch = 16\n')
-    assert run(plan_args("--model", str(config), "--hardware", "cpu"), []) == 0
+    assert run(plan_args("--config", str(config), "--hardware", "cpu"), []) == 0
     assert "seq 512, batch 16" in capsys.readouterr().out
 
 
@@ -486,3 +488,201 @@ def test_blocks_timed_under_the_layouts_data_parallelism_price_its_traffic():
         assert priced.dp_comm > 0 and priced.dp_comm == step_time(replace(work, global_batch=16), layout,
                                                                   untimed).dp_comm
     assert step_time(work, Layout.of(), hw).data_parallel == ""
+
+
+# --- GPU profiles: cited collectives, the pipeline schedules, guard rails, plans of a config -------------------------
+
+def test_cited_collectives_follow_nccl_tests_bus_bandwidth_and_share_the_nodes_network():
+    """With [links], a collective takes the cited bus bandwidth at its size: within a node the intra rows, across
+    nodes the rows at the node count (interpolated between cited counts), shared by the groups of a node."""
+    from hlat.planner.comms import link_time
+    from hlat.planner.profiles import Links
+
+    links = Links(source="test", intra_all_reduce=[[1e6, 100.0], [1e9, 400.0]],
+                  inter_all_reduce=[[2, 1e9, 200.0], [8, 1e9, 50.0]], inter_all_gather=[[2, 1e9, 300.0]])
+    hw = replace(load_profile("p5.48xlarge"), links=links, measured=replace(load_profile("cpu").measured))
+    fit = hw.fit
+    assert link_time(hw, fit, "all_reduce", 1e9, 8, 8) == pytest.approx(2 * 7 / 8 * 1e9 / 400e9)
+    assert link_time(hw, fit, "all_gather", 1e9, 8, 8) == pytest.approx(7 / 8 * 1e9 / 400e9)  # all_reduce's rows
+    assert link_time(hw, fit, "all_reduce", 1e9, 16, 8) == pytest.approx(2 * 15 / 16 * 1e9 / 200e9)
+    # 4 nodes: halfway between 2 and 8 in log nodes
+    assert link_time(hw, fit, "all_reduce", 1e9, 32, 8) == pytest.approx(2 * 31 / 32 * 1e9 / 125e9)
+    assert link_time(hw, fit, "reduce_scatter", 1e9, 16, 8) == pytest.approx(15 / 16 * 1e9 / 300e9)  # mirror
+    # two nodes, one member each: the node's 8 such groups share its network
+    assert link_time(hw, fit, "all_reduce", 1e9, 2, 1) == pytest.approx(2 * 1 / 2 * 1e9 / (200e9 / 8))
+
+
+def _run_order(orders: list[list[tuple[str, int, int]]], cost, chunks: int, delay: float = 0.0) -> float:
+    """The time to run each rank's list of (F or B, model chunk, micro-batch) in order, one at a time per rank,
+    a forward after the previous chunk's and a backward after its own forward and the next chunk's backward;
+    what another rank computed arrives `delay` later (chunk c is on rank c mod ranks)."""
+    done, free, at = {}, [0.0] * len(orders), [0] * len(orders)
+    moved = True
+    while moved:
+        moved = False
+        for rank, order in enumerate(orders):
+            while at[rank] < len(order):
+                kind, chunk, mb = order[at[rank]]
+                if kind == "F":
+                    needs = [("F", chunk - 1, mb)] if chunk else []
+                else:
+                    needs = [("F", chunk, mb)] + ([("B", chunk + 1, mb)] if chunk < chunks - 1 else [])
+                if any(n not in done for n in needs):
+                    break
+                ready = [done[n] + (delay if n[1] % len(orders) != rank else 0.0) for n in needs]
+                free[rank] = done[(kind, chunk, mb)] = max([free[rank]] + ready) + cost(kind, chunk)
+                at[rank] += 1
+                moved = True
+    assert at == [len(order) for order in orders], "the schedule deadlocked"
+    return max(free)
+
+
+def _schedule_1f1b(p: int, m: int) -> list[list[tuple[str, int, int]]]:
+    """Schedule1F1B's order as its step runs it: stage s runs min(m, p - s) forwards, then one backward and one
+    forward in turn while forwards remain, then the remaining backwards."""
+    orders = []
+    for s in range(p):
+        warmup = min(m, p - s)
+        steady = [step for i in range(m - warmup) for step in (("B", s, i), ("F", s, warmup + i))]
+        orders.append([("F", s, i) for i in range(warmup)] + steady
+                      + [("B", s, i) for i in range(m - warmup, m)])
+    return orders
+
+
+def _schedule_interleaved(p: int, m: int, v: int) -> list[list[tuple[str, int, int]]]:
+    """ScheduleInterleaved1F1B's own order of work (its `pipeline_order`), built over stand-in stages."""
+    from unittest import mock
+
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
+
+    stage = mock.create_autospec(PipelineStage, instance=True)
+    stage.group_rank, stage.group_size, stage.num_stages, stage.submod = 0, p, p * v, None
+    order = ScheduleInterleaved1F1B([stage] * v, n_microbatches=m).pipeline_order
+    return [[("F" if a.computation_type.name == "FORWARD" else "B", a.stage_index, a.microbatch_index)
+             for a in order[rank] if a is not None] for rank in range(p)]
+
+
+@pytest.mark.parametrize("pp, v", [(8, 1), (16, 1), (8, 2), (8, 4), (16, 2), (16, 4)])
+def test_pipeline_bubble_is_the_trainers_schedule(pp, v):
+    """The planner's pipelined step (micro-batches x the busiest stage, plus (p - 1) / v micro-batches of a stage
+    without the output layer) against the trainer's schedules run with the planner's own per-micro-batch times:
+    a backward twice its forward, the last model chunk carrying the output layer."""
+    from hlat.planner.comms import pipeline_send_time
+    from hlat.planner.timing import micro_batch
+
+    work = Workload(model_config("llama2-70b"), 4096, 2 * pp * 8, "bf16_mixed")
+    schedule = "interleaved_1f1b" if v > 1 else "1f1b"
+    layout = Layout.of(tp=8, pp=pp, dp_replicate=8, pp_schedule=schedule, virtual_stages=v,
+                       activation_checkpoint="selective")
+    m = layout.microbatches(work.global_batch)
+    t, mb = step_time(work, layout, TRN1), micro_batch(work, layout, TRN1, TRN1.fit)
+    stage = mb.compute - mb.output + mb.tp + pipeline_send_time(work, layout, TRN1, TRN1.fit)
+
+    def cost(kind: str, chunk: int) -> float:
+        seconds = stage / v + (mb.output if chunk == pp * v - 1 else 0.0)
+        return seconds * (1 / 3 if kind == "F" else 2 / 3)
+
+    orders = _schedule_interleaved(pp, m, v) if v > 1 else _schedule_1f1b(pp, m)
+    simulated = _run_order(orders, cost, pp * v)
+    assert t.compute + t.tp_comm + t.pp_comm + t.bubble == pytest.approx(simulated, rel=1e-9)
+
+
+@pytest.mark.parametrize("pp, v", [(8, 2), (8, 4), (16, 2)])
+def test_interleaved_pipeline_sends_hide_as_the_trainers_schedule_hides_them(pp, v):
+    """With hlat's own communication (the p5 profile's cited links), ScheduleInterleaved1F1B posts its receives
+    early: run with each send's time as the delay between ranks, its step is the planner's."""
+    from hlat.planner.comms import pipeline_send_time
+    from hlat.planner.timing import micro_batch
+
+    p5 = load_profile("p5.48xlarge")
+    work = Workload(model_config("llama2-7b"), 4096, 8 * 2 * pp, "bf16_mixed")
+    layout = Layout.of(pp=pp, dp_replicate=8, virtual_stages=v, activation_checkpoint="full")
+    t, mb = step_time(work, layout, p5), micro_batch(work, layout, p5, p5.fit)
+    sends = pipeline_send_time(work, layout, p5, p5.fit)
+    assert 0 < t.pp_comm < layout.microbatches(work.global_batch) * sends  # fewer than every micro-batch's
+
+    def cost(kind: str, chunk: int) -> float:
+        seconds = (mb.compute - mb.output + mb.tp) / v + (mb.output if chunk == pp * v - 1 else 0.0)
+        return seconds * (1 / 3 if kind == "F" else 2 / 3)
+
+    simulated = _run_order(_schedule_interleaved(pp, 2 * pp, v), cost, pp * v, delay=sends / (2 * v))
+    assert t.compute + t.tp_comm + t.pp_comm + t.bubble == pytest.approx(simulated, rel=1e-9)
+
+
+def test_shipped_gpu_profiles_carry_hlats_measurements_and_say_where_each_figure_comes_from():
+    p5, p5e = load_profile("p5.48xlarge"), load_profile("p5e.48xlarge")
+    assert "preflight_gpu.json" in p5.measured.source and not p5.measured.derived_from
+    assert p5.fit.source.startswith("nominal") and "A100" not in p5.fit.source + p5e.fit.source
+    assert p5.links.inter_all_reduce and p5.links.intra_all_reduce and "nccl-tests" in p5.links.source
+    # p5e: the H100's rates, memory-bound ones scaled by the HBM ratio (4.8 / 3.35 TB/s), compute ones not
+    ratio = p5e.hbm_gbs / p5.hbm_gbs
+    assert (p5e.peak_tflops, p5e.measured.matmul_bf16, p5e.measured.attention_bf16) == (
+        p5.peak_tflops, p5.measured.matmul_bf16, p5.measured.attention_bf16)
+    for name in ("norm_gbs", "activation_gbs", "rotary_gbs", "residual_gbs", "loss_gbs", "optimizer_gbs"):
+        assert getattr(p5e.measured, name) == pytest.approx(getattr(p5.measured, name) * ratio, abs=0.06)
+    assert "4.8/3.35" in p5e.measured.derived_from and p5e.sources().startswith("derived")
+    for name in profile_names():  # every profile states its price with a date and a source
+        hw = load_profile(name)
+        assert hw.price_date and hw.price_source, name
+
+
+def _flag_plan(argv: list[str], capsys) -> dict:
+    from hlat.cli import main
+
+    assert main(["plan", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_a_plan_above_the_best_mfu_hlat_measured_is_marked(tmp_path, capsys):
+    argv = ["--config", "hlat-7b", "--search", "--nodes", "8", "--top", "3"]
+    out = _flag_plan([*argv, "--hardware", "p5e.48xlarge"], capsys)
+    assert out["price_per_node_hour"] == 43.26 and "no on-demand price" in out["price_source"]
+    assert out["measured_best_mfu"] == 0.544 and "gpu_step.md" in out["measured_best_source"]
+    assert all(p["above_measured_best"] == (p["mfu"] > 0.544) for p in out["plans"])
+    # a profile made to promise more: matmuls twice as fast as measured
+    p5e = load_profile("p5e.48xlarge")
+    doubled = [[size, 2 * rate] for size, rate in p5e.measured.matmul_bf16]
+    faster = tmp_path / "faster.toml"
+    faster.write_text(replace(p5e, measured=replace(p5e.measured, matmul_bf16=doubled)).to_toml())
+    out = _flag_plan([*argv, "--hardware", str(faster)], capsys)
+    assert all(p["mfu"] > 0.544 and p["above_measured_best"] for p in out["plans"])
+    from hlat.cli import main
+
+    assert main(["plan", *argv, "--hardware", str(faster), "--price-per-node-hour", "50"]) == 0
+    table = capsys.readouterr().out
+    assert "%*" in table and "above the best MFU hlat has measured on p5e.48xlarge in bf16 (54.4%" in table
+    assert "$50/node-hour, --price-per-node-hour" in table
+
+
+def test_a_plan_of_a_recipe_prices_its_cluster_precision_and_token_budget(tmp_path, capsys):
+    out = _flag_plan(["--config", "neox-20b"], capsys)
+    (plan,) = out["plans"]
+    assert (out["hardware"], out["nodes"], out["precision"]) == ("trn1.32xlarge", 64, "bf16_sr")
+    assert out["tokens"] == 150_000 * 1536 * 2048 and out["price_per_node_hour"] == 21.50  # 472B tokens
+    hours = out["tokens"] / plan["tokens_per_s"] / 3600
+    assert plan["budget"]["days"] == pytest.approx(hours / 24, abs=0.01)
+    assert plan["budget"]["dollars"] == pytest.approx(hours * 64 * 21.50, rel=1e-3)
+    assert (plan["parallel"]["tp"], plan["parallel"]["pp"]) == (8, 4)
+    # what `hlat train --config` takes: merged files and --section.key overrides
+    out = _flag_plan(["--config", "neox-20b", "--train.steps", "1000", "--cluster.nodes", "4"], capsys)
+    assert out["tokens"] == 1000 * 1536 * 2048 and out["nodes"] == 4
+    # a measured profile that lacks the config's precision says so in one line
+    p5 = load_profile("p5.48xlarge")
+    bf16_only = tmp_path / "bf16_only.toml"
+    bf16_only.write_text(replace(p5, measured=replace(p5.measured, matmul_fp32=[])).to_toml())
+    out = _flag_plan(["--config", "neox-20b", "--precision.mode", "fp32", "--hardware", str(bf16_only),
+                      "--nodes", "2", "--search"], capsys)
+    assert out["notes"] == ["the profile measured no fp32 operations: fp32 is priced from its fitted factors"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "hlat-7b", "--hardware", "cpu"], "--model names a model preset .*use --config hlat-7b"),
+    (["--model", "llama2-7b", "--hardware", "cpu", "--train.steps", "5"], "overrides apply to a --config"),
+    (["--config", "neox-20b", "--price-per-node-hour", "-1"], "--price-per-node-hour: must be >= 0"),
+])
+def test_plan_names_a_preset_with_model_and_a_config_with_config(argv, message, capsys):
+    from hlat.cli import main
+
+    assert main(["plan", *argv]) == 2
+    assert re.search(message, capsys.readouterr().err)

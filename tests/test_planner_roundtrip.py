@@ -49,9 +49,10 @@ def test_emit_train_calibrate_keeps_every_layout_field(tmp_path, capsys):
 
     model = tmp_path / "model.toml"
     model.write_text('[model]\npreset = "tiny"\nn_layers = 2\ndim = 64\nn_heads = 2\nffn_dim = 128\n'
-                     'vocab_size = 512\n[train]\nseq_len = 32\nglobal_batch = 4\n[precision]\nmode = "fp32"\n')
+                     'vocab_size = 512\n[train]\nseq_len = 32\nglobal_batch = 4\nmicro_batch = 2\n'
+                     '[precision]\nmode = "fp32"\n')
     emitted = tmp_path / "emitted.toml"
-    assert main(["plan", "--model", str(model), "--hardware", "cpu", "--microbatch", "2", "--recompute", "full",
+    assert main(["plan", "--config", str(model), "--hardware", "cpu", "--microbatch", "2", "--recompute", "full",
                  "--emit", str(emitted)]) == 0
     tables = load_toml(emitted)
     assert set(tables) == {"model", "precision", "parallel", "train"}

@@ -1,48 +1,65 @@
-"""`hlat plan`: rank parallel layouts for a model on a cluster, predict one layout, or calibrate a profile."""
+"""`hlat plan`: rank parallel layouts for a model on a cluster, predict one layout, or calibrate a profile.
+
+`--config` takes what `hlat train --config` takes (recipes, files, repeated and merged in order, then
+`--section.key value` overrides), and the plan prices what that config would train: its model, precision mode,
+compilation, batch and sequence, token budget (steps x global_batch x seq_len), cluster and `[parallel]` layout
+(unless `--search`). `--model` names a preset."""
 
 from __future__ import annotations
 
 import argparse
-import json
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 
 from hlat import HlatError
-from hlat.config import ConfigError, load_toml, to_toml, update
+from hlat.config import ConfigError, update
 from hlat.models.config import PRESETS, model_config
 from hlat.optim.modes import MODES
 from hlat.parallel.config import ParallelConfig
-from hlat.planner.layout import Layout, Workload, layout_problem
-from hlat.planner.memory import GIB
 from hlat.planner.calibration import Sample, fit_factors, read_run
+from hlat.planner.layout import Layout, Workload, layout_problem
 from hlat.planner.profiles import HardwareProfile, load_profile, profile_names
-from hlat.planner.search import OBJECTIVES, RECOMPUTE, TOLERANCE, Plan, evaluate, search
-from hlat.resources import config_path, recipe_names
+from hlat.planner.report import Request, show
+from hlat.planner.search import OBJECTIVES, RECOMPUTE, TOLERANCE, evaluate, search
+from hlat.resources import recipe_names
 
-HLAT_TOKENS = 1.8e12  # HLAT's training budget
+HLAT_TOKENS = 1.8e12  # HLAT's training budget: the default for a preset
 LAYOUT_FLAGS = ("tp", "pp", "dp_shard", "microbatch", "schedule", "virtual_stages", "recompute", "zero1", "no_sp")
 
 
 def register(commands) -> None:
     parser = commands.add_parser("plan", help="choose a parallel layout and predict memory, step time and cost")
     add_arguments(parser)
-    parser.set_defaults(func=run, overrides=False)
+    parser.set_defaults(func=run, overrides=True)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="preset name (e.g. llama2-7b), or a recipe (e.g. hlat-7b) or TOML config: its "
-                                        "[train] seq_len/global_batch, [precision] mode and [cluster] are defaults, "
-                                        "and its [parallel] layout is priced as it stands (unless --search)")
-    parser.add_argument("--hardware", help=f"profile name ({', '.join(profile_names())}) or a profile TOML path")
+    parser.add_argument("--config", action="append",
+                        help="a recipe (e.g. hlat-7b) or TOML config, as `hlat train --config` takes it (repeatable, "
+                             "merged in order; then --section.key value overrides): the plan prices what it would "
+                             "train, on its [cluster], with its [parallel] layout unless --search")
+    parser.add_argument("--model", help=f"a model preset ({', '.join(PRESETS)}); with --config it replaces the "
+                                        "config's model")
+    parser.add_argument("--hardware", help=f"profile name ({', '.join(profile_names())}) or a profile TOML path "
+                                           "(default: the config's [cluster] hardware)")
     parser.add_argument("--nodes", type=int, help="number of nodes (default: the config's [cluster] nodes, or 1)")
     parser.add_argument("--search", action="store_true", help="rank layouts even when the config states one")
-    parser.add_argument("--global-batch", type=int, help="sequences per optimizer step (default 1024)")
-    parser.add_argument("--seq-len", type=int, help="sequence length (default: the model's max_seq_len)")
-    parser.add_argument("--precision", choices=sorted(MODES), help="training precision mode (default bf16_mixed)")
+    parser.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: the config's, "
+                                                         "else 1024)")
+    parser.add_argument("--seq-len", type=int, help="sequence length (default: the config's, else the model's "
+                                                    "max_seq_len)")
+    parser.add_argument("--precision", choices=sorted(MODES), help="training precision mode (default: the "
+                                                                   "config's, else bf16_mixed)")
+    parser.add_argument("--compile", action="store_true", help="compiled blocks (parallel.compile; default: the "
+                                                               "config's)")
     parser.add_argument("--objective", choices=OBJECTIVES, default="tokens_per_s",
                         help="rank by throughput, or by tokens per dollar (then smaller clusters are tried too)")
-    parser.add_argument("--price", choices=("on_demand", "reserved"), default="on_demand", help="node-hour price")
-    parser.add_argument("--tokens", type=float, default=HLAT_TOKENS, help="token budget to cost (default 1.8e12)")
+    parser.add_argument("--price", choices=("on_demand", "reserved"),
+                        help="which of the profile's node-hour prices (default: the config's cost.pricing, else "
+                             "on_demand; a profile without it takes its other price and says so)")
+    parser.add_argument("--price-per-node-hour", type=float, help="USD per node-hour, instead of the profile's")
+    parser.add_argument("--tokens", type=float, help="token budget to cost (default: the config's train.steps x "
+                                                     "global_batch x seq_len, else 1.8e12)")
     parser.add_argument("--top", type=int, default=5, help="how many layouts to show (default 5)")
     parser.add_argument("--tolerance", type=float, default=TOLERANCE,
                         help=f"predictions this close to the best count as equal, and the simplest of them ranks "
@@ -52,6 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                        "--calibrate, write the fitted profile")
     parser.add_argument("--calibrate", nargs="+", metavar="RUN_DIR",
                         help="fit the profile's factors to hlat runs (config.toml + metrics.jsonl)")
+    add_layout_arguments(parser)
+
+
+def add_layout_arguments(parser: argparse.ArgumentParser) -> None:
     layout = parser.add_argument_group("a given layout (predict it alone)")
     layout.add_argument("--tp", type=int)
     layout.add_argument("--pp", type=int)
@@ -65,85 +86,125 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
-    job = _job_config(args.model) if args.model and not args.calibrate else {}
-    cluster = job.get("cluster", {})
-    args.hardware = args.hardware or cluster.get("hardware")
-    if not args.hardware:
-        raise HlatError("hlat plan: --hardware is required")
-    hw = load_profile(args.hardware)
-    args.nodes = cluster.get("nodes", 1) if args.nodes is None else args.nodes
-    if args.nodes < 1:
-        raise HlatError(f"--nodes: must be >= 1, got {args.nodes}")
+    cfg = _load_config(args, overrides)
+    hardware = args.hardware or (cfg.cluster.hardware if cfg else "")
+    if not hardware:
+        raise HlatError("hlat plan: --hardware is required" + (" (the config states no [cluster] hardware)"
+                                                               if cfg else ""))
+    hw = load_profile(hardware)
+    nodes = args.nodes if args.nodes is not None else cfg.cluster.nodes if cfg else 1
+    if nodes < 1:
+        raise HlatError(f"--nodes: must be >= 1, got {nodes}")
     if args.calibrate:
         return _calibrate(args, hw)
-    work = _workload(args, job)
-    price = hw.price(args.price)
-    given = any(getattr(args, f) not in (None, False) for f in LAYOUT_FLAGS)
-    if given or ("parallel" in job and not args.search):
-        layout = _given_layout(args, hw) if given else _config_layout(job, args.nodes * hw.devices_per_node)
-        plan = evaluate(work, layout, hw, args.nodes, price)
-        _show(args, work, hw, [plan], f"layout {'given' if given else 'of ' + args.model}, {plan.layout.describe()}",
-              args.emit if plan.memory.fits else None)
+    req = _request(args, cfg, hw, nodes)
+    if req.layout:
+        plan = evaluate(req.work, req.layout, hw, nodes, req.price)
+        origin = "given" if _layout_flags_given(args) else "of the config"
+        show(req, [plan], f"layout {origin}, {plan.layout.describe()}", args.json,
+             args.emit if plan.memory.fits else None)
         if not plan.memory.fits:
             print(f"does not fit: {plan.memory.shortfall()}")
             return 1
         return 0
+    return _search(args, req)
+
+
+def _search(args: argparse.Namespace, req: Request) -> int:
     if not 0 <= args.tolerance < 1:
         raise HlatError(f"--tolerance: must be in [0, 1), got {args.tolerance}")
-    result = search(work, hw, args.nodes, args.objective, price, args.tolerance)
+    work, hw = req.work, req.hw
+    result = search(work, hw, req.nodes, args.objective, req.price, args.tolerance)
     if not result.plans:
         nearest = result.nearest
         why = f"; the closest, {nearest.layout.describe()}, {nearest.memory.shortfall()}" if nearest else ""
-        raise HlatError(f"no layout of {work.model.preset or 'the model'} fits {args.nodes} x {hw.name}{why}")
-    _show(args, work, hw, result.plans[:args.top],
-          f"{result.considered:,} layouts considered in {result.seconds:.2f} s, {len(result.plans):,} fit; "
-          f"within {args.tolerance:.0%} of the best counts as equal, simplest first", args.emit)
+        raise HlatError(f"no layout of {work.model.preset or 'the model'} fits {req.nodes} x {hw.name}{why}")
+    show(req, result.plans[:args.top],
+         f"{result.considered:,} layouts considered in {result.seconds:.2f} s, {len(result.plans):,} fit; "
+         f"within {args.tolerance:.0%} of the best counts as equal, simplest first", args.json, args.emit)
     return 0
 
 
-def _job_config(model: str) -> dict:
-    """The TOML tables of a recipe or config file; {} for a preset name."""
-    if model in PRESETS:
-        return {}
-    if not model.endswith(".toml") and model not in recipe_names() and not Path(model).is_file():
-        model_config(model)  # names neither a preset nor a recipe: the unknown-preset error lists the presets
-    data = load_toml(config_path(model))
-    if not isinstance(data.get("model"), dict):
-        raise HlatError(f"--model {model}: no [model] table")
-    return data
+def _load_config(args: argparse.Namespace, overrides: list[str]):
+    """The config `hlat train --config` would run (None without --config); `--model` must name a preset."""
+    if args.model and args.model not in PRESETS:
+        if args.model in recipe_names() or args.model.endswith(".toml") or Path(args.model).is_file():
+            raise HlatError(f"--model {args.model}: --model names a model preset ({', '.join(PRESETS)}); for a "
+                            f"recipe or config file use --config {args.model}")
+        model_config(args.model)  # the unknown-preset error, listing the presets
+    if not args.config:
+        if overrides:
+            raise HlatError(f"hlat plan: {overrides[0]}: --section.key overrides apply to a --config")
+        return None
+    from hlat.train.config import load_config
+
+    return load_config(args.config, (["--model.preset", args.model] if args.model else []) + overrides)
 
 
-def _config_layout(job: dict, devices: int) -> Layout:
-    """The config's own `[parallel]` layout (absent keys: the trainer's defaults) resolved on `devices`."""
-    try:
-        parallel = update(ParallelConfig(), job["parallel"], "parallel.").resolved(devices)
-    except ConfigError as e:
-        raise HlatError(f"--model: {e}") from None
-    return Layout(parallel, job.get("train", {}).get("micro_batch", 1))
+def _request(args: argparse.Namespace, cfg, hw: HardwareProfile, nodes: int) -> Request:
+    work = _workload(args, cfg)
+    price, price_note = _price(args, cfg, hw)
+    tokens = args.tokens or (cfg.train.steps * work.tokens_per_step if cfg else HLAT_TOKENS)
+    if tokens <= 0:
+        raise HlatError(f"--tokens: must be positive, got {tokens}")
+    notes = [line for line in (hw.measured.mismatch(work.precision),) if line]
+    return Request(work, hw, nodes, price, price_note, tokens, _layout(args, cfg, work, nodes * hw.devices_per_node),
+                   notes)
 
 
-def _workload(args: argparse.Namespace, job: dict) -> Workload:
-    if not args.model:
-        raise HlatError("hlat plan: --model is required (a preset name, a recipe or a TOML config)")
-    train, precision = job.get("train", {}), job.get("precision", {}).get("mode", "bf16_mixed")
-    if job:
-        table = dict(job["model"])
-        model = model_config(table.pop("preset", ""), **table)
-    else:
+def _workload(args: argparse.Namespace, cfg) -> Workload:
+    if cfg:
+        model, train = cfg.model, cfg.train
+        seq_len, batch, precision = train.seq_len, train.global_batch, cfg.precision.mode
+        compiled = cfg.parallel.compile
+    elif args.model:
         model = model_config(args.model)
-    seq_len = args.seq_len or train.get("seq_len") or model.max_seq_len
-    batch = args.global_batch or train.get("global_batch") or 1024
-    precision = args.precision or precision
-    if precision not in MODES:
-        raise HlatError(f"precision {precision!r} is not one of {', '.join(MODES)}")
+        seq_len, batch, precision, compiled = model.max_seq_len, 1024, "bf16_mixed", False
+    else:
+        raise HlatError("hlat plan: give --model PRESET or --config RECIPE_OR_FILE")
+    seq_len, batch = args.seq_len or seq_len, args.global_batch or batch
     if seq_len < 1 or batch < 1:
         raise HlatError(f"--seq-len and --global-batch must be positive, got {seq_len} and {batch}")
-    return Workload(model, seq_len, batch, precision)
+    return Workload(model, seq_len, batch, args.precision or precision, args.compile or compiled)
 
 
-def _given_layout(args: argparse.Namespace, hw: HardwareProfile) -> Layout:
+def _price(args: argparse.Namespace, cfg, hw: HardwareProfile) -> tuple[float, str]:
+    """USD per node-hour and where it comes from: --price-per-node-hour, the config's cost.price_per_device_hour,
+    else the profile's price of the kind asked for (or its other price, said so)."""
+    if args.price_per_node_hour is not None:
+        if args.price_per_node_hour < 0:
+            raise HlatError(f"--price-per-node-hour: must be >= 0, got {args.price_per_node_hour}")
+        return args.price_per_node_hour, "--price-per-node-hour"
+    if cfg and cfg.cost.price_per_device_hour:
+        return cfg.cost.price_per_device_hour * hw.devices_per_node, "the config's cost.price_per_device_hour"
+    kind = args.price or (cfg.cost.pricing if cfg else "on_demand")
+    other = "reserved" if kind == "on_demand" else "on_demand"
+    source = f" ({hw.price_note()})" if hw.price_note() else ""
+    if hw.price(kind):
+        return hw.price(kind), f"{hw.name} {kind.replace('_', '-')}{source}"
+    if hw.price(other):
+        return hw.price(other), (f"{hw.name} has no {kind.replace('_', '-')} price: its "
+                                 f"{other.replace('_', '-')} price{source}")
+    return 0.0, f"{hw.name} states no price{source}: pass --price-per-node-hour"
+
+
+def _layout_flags_given(args: argparse.Namespace) -> bool:
+    return any(getattr(args, f) not in (None, False) for f in LAYOUT_FLAGS)
+
+
+def _layout(args: argparse.Namespace, cfg, work: Workload, devices: int) -> Layout | None:
+    """The layout to price alone: the flags' (data parallelism takes the remaining devices), else the config's
+    `[parallel]` resolved on `devices` (unless --search); None to search."""
+    if _layout_flags_given(args):
+        return _given_layout(args, work, devices)
+    if cfg and not args.search:
+        parallel = replace(cfg.parallel, compile=work.compile).resolved(devices)
+        return Layout(parallel, cfg.train.micro_batch)
+    return None
+
+
+def _given_layout(args: argparse.Namespace, work: Workload, devices: int) -> Layout:
     tp, pp, shard = args.tp or 1, args.pp or 1, args.dp_shard or 1
-    devices = args.nodes * hw.devices_per_node
     if devices % (tp * pp * shard):
         raise HlatError(f"tp {tp} x pp {pp} x dp_shard {shard} does not divide the {devices} devices")
     v = args.virtual_stages or 1
@@ -153,76 +214,7 @@ def _given_layout(args: argparse.Namespace, hw: HardwareProfile) -> Layout:
         shard = dp
     return Layout.of(tp=tp, pp=pp, dp_replicate=dp // shard, dp_shard=shard, micro_batch=args.microbatch or 1,
                      pp_schedule=schedule, virtual_stages=v, sequence_parallel=not args.no_sp, zero1=args.zero1,
-                     activation_checkpoint=args.recompute or "selective")
-
-
-def _row(plan: Plan, tokens: float) -> dict:
-    days, dollars = plan.budget(tokens)
-    m, t = plan.memory, plan.time
-    return {
-        "layout": plan.layout.describe(), "nodes": plan.nodes, **plan.layout.config_sections(plan.work),
-        "fits": m.fits, "memory_gib": {k: round(v / GIB, 3) for k, v in asdict(m).items()} | {
-            "total": round(m.total / GIB, 3)},
-        "step_time_s": {k: round(v, 4) for k, v in asdict(t).items() if k not in ("layer", "data_parallel")} | {
-            "total": round(t.total, 4)},
-        "layer": t.layer, "data_parallel": t.data_parallel,
-        "tokens_per_s": round(plan.tokens_per_s, 1), "mfu": round(plan.mfu, 4),
-        "tokens_per_dollar": round(plan.tokens_per_dollar) if plan.tokens_per_dollar else None,
-        "budget": {"tokens": tokens, "days": round(days, 2), "dollars": round(dollars) if dollars else None},
-    }
-
-
-def _show(args: argparse.Namespace, work: Workload, hw: HardwareProfile, plans: list[Plan], note: str,
-          emit: str | None) -> None:
-    """Print the plans (a table, or JSON with --json); write the first as config tables to `emit`."""
-    if emit:
-        best = plans[0]
-        header = (f"# hlat plan: {work.model.preset or work.model.family} on {best.nodes} x {hw.name}: "
-                  f"{best.layout.describe()}, predicted {best.time.total:.3g} s/step, "
-                  f"{best.tokens_per_s:,.0f} tokens/s, {best.memory.total / GIB:.1f} GiB/device\n")
-        Path(emit).write_text(header + to_toml(best.layout.run_config(work)))
-    if args.json:
-        print(json.dumps({"model": work.model.preset, "hardware": hw.name, "nodes": args.nodes,
-                          "seq_len": work.seq_len, "global_batch": work.global_batch, "precision": work.precision,
-                          "fit": hw.fit.source, "figures": hw.sources(), "note": note, "plans": [_row(p, args.tokens) for p in plans]},
-                         indent=2))
-        return
-    from rich import box
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console()
-    console.width = max(console.width, 120)  # one line per layout, numbers unclipped
-    devices = args.nodes * hw.devices_per_node
-    budget = f"{args.tokens / 1e12:g}T"
-    table = Table(title=f"{work.model.preset or work.model.family} on {args.nodes} x {hw.name} ({devices:,} "
-                        f"device{'s' if devices > 1 else ''}): seq {work.seq_len}, batch {work.global_batch} "
-                        f"({_si(work.tokens_per_step)} tokens), {work.precision}, {args.price.replace('_', '-')} "
-                        "price", caption=f"{note}. Figures: {hw.sources()}.", box=box.SIMPLE_HEAD)
-    show_nodes = any(p.nodes != args.nodes for p in plans)
-    for col in ("#", "layout", *(["nodes"] if show_nodes else []), "GiB", "s/step", "tok/s", "MFU", "tok/$",
-                f"days/{budget}", f"$/{budget}"):
-        table.add_column(col, justify="left" if col == "layout" else "right", no_wrap=True)
-    for i, p in enumerate(plans, 1):
-        days, dollars = p.budget(args.tokens)
-        table.add_row(str(i), p.layout.describe(), *([str(p.nodes)] if show_nodes else []),
-                      f"{p.memory.total / GIB:.1f}", f"{p.time.total:.3g}", _si(p.tokens_per_s), f"{p.mfu:.1%}",
-                      _si(p.tokens_per_dollar) if p.tokens_per_dollar else "-", f"{days:,.1f}",
-                      f"${_si(dollars)}" if dollars else "-")
-    console.print(table)
-    t, m = plans[0].time, plans[0].memory
-    console.print(f"#1 step {t.total:.3g} s = compute {t.compute:.3g} + TP {t.tp_comm:.3g} + PP {t.pp_comm:.3g} "
-                  f"+ bubble {t.bubble:.3g} + DP {t.dp_comm:.3g} + optimizer {t.optimizer:.2g} (layer: {t.layer}"
-                  f"{f'; data parallelism: {t.data_parallel}' if t.data_parallel else ''})")
-    console.print(f"#1 memory {m.total / GIB:.1f} of {m.capacity / GIB:.0f} GiB = weights {m.weights / GIB:.1f} "
-                  f"+ grads {m.grads / GIB:.1f} + optimizer {m.optimizer / GIB:.1f} + activations "
-                  f"{m.activations / GIB:.1f} + FSDP buffers {m.buffers / GIB:.1f} + overhead {m.overhead / GIB:.1f}")
-    if emit:
-        console.print(f"wrote {emit}")
-
-
-def _si(x: float) -> str:
-    return f"{x / 1e6:.3g}M" if x >= 1e6 else f"{x / 1e3:.3g}k" if x >= 1e3 else f"{x:.3g}"
+                     activation_checkpoint=args.recompute or "selective", compile=work.compile)
 
 
 def run_sample(run_dir: str, hw: HardwareProfile) -> Sample:
@@ -234,7 +226,8 @@ def run_sample(run_dir: str, hw: HardwareProfile) -> Sample:
         model = model_config(table.pop("preset", ""), **table)
         parallel = update(ParallelConfig(), config.get("parallel", {}), "parallel.")
         train = config["train"]
-        work = Workload(model, train["seq_len"], train["global_batch"], config["precision"]["mode"])
+        work = Workload(model, train["seq_len"], train["global_batch"], config["precision"]["mode"],
+                        parallel.compile)
     except (ConfigError, KeyError, TypeError) as e:
         raise HlatError(f"--calibrate {run_dir}: config.toml: {e}") from None
     if parallel.dp_shard == -1:

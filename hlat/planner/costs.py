@@ -60,16 +60,16 @@ def optimizer_bytes(params: float, weight_bytes: int, grad_bytes: int, optimizer
 
 
 def block_shape(model: ModelConfig, seq_len: int, micro_batch: int, precision: str, tp: int, sp: bool,
-                recompute: str) -> str:
+                recompute: str, compiled: bool = False) -> str:
     """What a whole-block measurement depends on, as one string: the model's shape, the tensor-parallel degree
-    (and sequence parallelism), the recomputation mode, the micro-batch, the sequence and the precision mode.
-    Preflight records a block's time under this key and the planner uses it only for a workload with the same
-    key."""
+    (and sequence parallelism), the recomputation mode, the micro-batch, the sequence, the precision mode and
+    whether the block was compiled (`parallel.compile`). Preflight records a block's time under this key and the
+    planner uses it only for a workload with the same key."""
     m = model
     return (f"{m.family} dim{m.dim} layers{m.n_layers} heads{m.n_heads}/{m.kv_heads} ffn{m.ffn_dim} "
             f"vocab{m.vocab_size} rotary{m.rotary_pct:g} tied{int(m.tie_embeddings)} docmask{int(m.doc_mask)} "
             f"parallel_residual{int(m.parallel_residual and m.family == 'neox')} | tp{tp} sp{int(sp and tp > 1)} "
-            f"ac:{recompute} mb{micro_batch} seq{seq_len} {precision}")
+            f"ac:{recompute} mb{micro_batch} seq{seq_len} {precision}{' compiled' if compiled else ''}")
 
 
 def dp_block_shape(shape: str, sharding: str, dp: int, accumulate: bool) -> str:

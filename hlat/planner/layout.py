@@ -17,6 +17,7 @@ class Workload:
     seq_len: int
     global_batch: int  # sequences per optimizer step
     precision: str = "bf16_mixed"  # a key of hlat.optim.modes.MODES
+    compile: bool = False  # the layouts a search proposes compile each block (`parallel.compile`), as the run will
 
     @property
     def mode(self):

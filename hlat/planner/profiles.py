@@ -1,6 +1,8 @@
 """Hardware profiles (`hardware/*.toml`): public figures (devices, memory, peak FLOP/s, link bandwidths and
-latencies, prices), what `hlat preflight` measured (`Measured`), and a `[fit]` table of factors that turn nominal
-times into predicted ones where nothing was measured (`hlat.planner.calibration` fits them)."""
+latencies, prices with their date and source), what `hlat preflight` measured (`Measured`, or derived from
+another device's measurement by stated spec ratios), collective bandwidths cited from published nccl-tests runs
+(`Links`), the best MFU hlat has measured on the device (`BestMFU`), and a `[fit]` table of factors that turn
+nominal times into predicted ones where nothing was measured or cited (`hlat.planner.calibration` fits them)."""
 
 from __future__ import annotations
 
@@ -55,6 +57,9 @@ class Measured:
     all_gather: list[list[float]] = field(default_factory=list)
     reduce_scatter: list[list[float]] = field(default_factory=list)
     send_recv: list[list[float]] = field(default_factory=list)
+    # the nominal bytes of the update preflight timed (0: unknown): a larger update pays the measured time for
+    # these and streams the rest at HBM bandwidth (a small update is bound by its launches, a large one by HBM)
+    optimizer_measured_bytes: float = 0.0
     overlap: float = -1.0  # share of a collective that hides behind concurrent compute (-1: not measured)
     # Whole blocks of the real model, timed forward + backward as the trainer runs them (tensor-parallel
     # collectives, recomputation and precision included), one entry per `hlat.planner.costs.block_shape`;
@@ -64,6 +69,9 @@ class Measured:
     block_s: list[float] = field(default_factory=list)
     ends_s: list[float] = field(default_factory=list)
     embedding_s: list[float] = field(default_factory=list)
+    # not measured on this device but derived from another's measurement: how (e.g. "H100 preflight, memory-bound
+    # rates x 4.8/3.35 HBM"); "" for a measurement
+    derived_from: str = ""
 
     def block(self, shape: str) -> tuple[float, float, float] | None:
         """Seconds of one block, of the ends of a micro-batch and of its embedding (0 where a profile predates
@@ -82,6 +90,57 @@ class Measured:
                 "optimizer": self.optimizer_gbs > 0,
                 "collectives": bool(self.all_reduce), "send/recv": bool(self.send_recv), "overlap": self.overlap >= 0}
 
+    def mismatch(self, precision: str) -> str:
+        """One line on what a plan in `precision` cannot take from these measurements ('' when nothing is
+        missing, or nothing was measured)."""
+        if not self.source:
+            return ""
+        compute = "fp32" if precision == "fp32" else "bf16"
+        if not getattr(self, f"matmul_{compute}"):
+            return f"the profile measured no {compute} operations: {precision} is priced from its fitted factors"
+        if self.block_shapes and not any(f" {precision}" in shape for shape in self.block_shapes):
+            return (f"the profile timed no whole block in {precision}: its layers are composed from the measured "
+                    "operations")
+        return ""
+
+
+@dataclass
+class Links:
+    """Bus bandwidth (GB/s, as nccl-tests reports it) against message size (bytes, nccl-tests' `size`) per
+    collective, cited from published runs on the instance until a multi-node preflight measures them: within a
+    node (NVLink/NVSwitch), [bytes, busbw] rows, and across nodes (EFA/InfiniBand) with every device of each node
+    in the collective, [nodes, bytes, busbw] rows. A reduce-scatter without its own rows takes the all-gather's
+    (the same ring run backwards), and either without rows the all-reduce's (a ring all-reduce is a
+    reduce-scatter then an all-gather, each at the same bus bandwidth)."""
+
+    source: str = ""
+    intra_all_reduce: list[list[float]] = field(default_factory=list)
+    intra_all_gather: list[list[float]] = field(default_factory=list)
+    intra_reduce_scatter: list[list[float]] = field(default_factory=list)
+    inter_all_reduce: list[list[float]] = field(default_factory=list)
+    inter_all_gather: list[list[float]] = field(default_factory=list)
+    inter_reduce_scatter: list[list[float]] = field(default_factory=list)
+    inter_latency_us: float = 0.0  # the least time of a collective across nodes (its smallest messages')
+
+    def table(self, op: str, across: bool) -> list[list[float]]:
+        where = "inter" if across else "intra"
+        mirror = getattr(self, f"{where}_all_gather") if op == "reduce_scatter" else []
+        return getattr(self, f"{where}_{op}") or mirror or getattr(self, f"{where}_all_reduce")
+
+
+@dataclass
+class BestMFU:
+    """The best MFU hlat has measured on this device, per compute precision (bf16: every bf16 mode, which run
+    the same bf16 matmuls and differ only in the optimizer; fp32), with the results file it comes from. A plan
+    predicted above it is marked: no hlat run has reached it. 0: none measured."""
+
+    bf16: float = 0.0
+    fp32: float = 0.0
+    source: str = ""
+
+    def of(self, precision: str) -> float:
+        return self.fp32 if precision == "fp32" else self.bf16
+
 
 @dataclass
 class HardwareProfile:
@@ -98,6 +157,8 @@ class HardwareProfile:
     overhead_gib: float = 2.0  # runtime, communication buffers and fragmentation, per device
     price_on_demand: float = 0.0  # USD per node-hour; 0 = unknown
     price_reserved: float = 0.0
+    price_date: str = ""  # when the prices were read (YYYY-MM)
+    price_source: str = ""  # where they were read, and what "reserved" means for this instance
     flash_attention: bool = True  # the attention scores are never stored (fused attention kernels)
     supports_fsdp: bool = True  # whether the search considers FSDP on this hardware's software stack
     # what a layer keeps for backward: hlat's trainer (torch autograd, as tests/test_activation_memory.py counts
@@ -105,16 +166,25 @@ class HardwareProfile:
     activations: Literal["hlat", "megatron"] = "hlat"
     fit: Fit = field(default_factory=Fit)
     measured: Measured = field(default_factory=Measured)
+    links: Links = field(default_factory=Links)
+    best_mfu: BestMFU = field(default_factory=BestMFU)
 
     def sources(self) -> str:
-        """Which figures of the step-time model are measured and which fall back to the fitted factors."""
+        """Which figures of the step-time model are measured (or derived from a measurement), which are cited
+        from published runs, and which fall back to the fitted factors (a layer without a measured whole block
+        is composed from the measured operations, so blocks are not listed as fitted)."""
         figures = self.measured.figures()
+        cited = self.links.source and not figures["collectives"]
         measured = [k for k, v in figures.items() if v]
-        if not measured:
+        fitted = [k for k, v in figures.items() if not v and "block" not in k
+                  and not (cited and k in ("collectives", "overlap"))]
+        if not measured and not cited:
             return f"all figures fitted ({self.fit.source})"
-        fitted = [k for k, v in figures.items() if not v]
-        return (f"measured: {', '.join(measured)} ({self.measured.source})"
-                + (f"; fitted: {', '.join(fitted)} ({self.fit.source})" if fitted else ""))
+        kind = f"derived ({self.measured.derived_from})" if self.measured.derived_from else "measured"
+        parts = [f"{kind}: {', '.join(measured)} ({self.measured.source})"] if measured else []
+        if cited:
+            parts.append(f"cited: collectives ({self.links.source}), overlapped as the trainer overlaps them")
+        return "; ".join(parts + ([f"fitted: {', '.join(fitted)} ({self.fit.source})"] if fitted else []))
 
     def validate(self) -> "HardwareProfile":
         for name in ("devices_per_node", "memory_gib", "peak_tflops", "hbm_gbs", "intra_gbs", "inter_gbps"):
@@ -129,6 +199,10 @@ class HardwareProfile:
 
     def price(self, kind: str) -> float:
         return {"on_demand": self.price_on_demand, "reserved": self.price_reserved}[kind]
+
+    def price_note(self) -> str:
+        """Where the prices come from, and when: '' for a profile that states none."""
+        return ", ".join(x for x in (self.price_source, self.price_date) if x)
 
     def to_toml(self) -> str:
         return to_toml(asdict(self))

@@ -52,6 +52,16 @@ class Plan:
         hours = tokens / self.tokens_per_s / 3600
         return hours / 24, (hours * self.dollars_per_hour if self.price else None)
 
+    @property
+    def measured_best(self) -> float:
+        """The best MFU hlat has measured on this hardware in this precision's compute dtype (0: none)."""
+        return self.hw.best_mfu.of(self.work.precision)
+
+    @property
+    def above_measured_best(self) -> bool:
+        """Predicted above any MFU hlat has measured on this hardware: nothing has shown it reachable."""
+        return bool(self.measured_best) and self.mfu > self.measured_best
+
     def score(self, objective: str) -> float:
         return self.tokens_per_s if objective == "tokens_per_s" else (self.tokens_per_dollar or 0.0)
 
@@ -71,7 +81,8 @@ def _divisors(n: int) -> list[int]:
 def candidates(work: Workload, hw: HardwareProfile, nodes: int) -> Iterator[Layout]:
     """Every valid layout: tp within a node (or whole nodes), pp dividing the layers, dp the rest; every
     micro-batch size; 1F1B, and interleaved 1F1B where it applies (GPipe never beats 1F1B: same time, more
-    memory); sequence parallelism whenever tp > 1 (never worse); every recomputation; DDP, ZeRO-1 and FSDP."""
+    memory); sequence parallelism whenever tp > 1 (never worse); every recomputation; DDP, ZeRO-1 and FSDP; each
+    block compiled or not as the workload says."""
     model, per_node = work.model, hw.devices_per_node
     devices = nodes * per_node
     for tp in _divisors(devices):
@@ -96,7 +107,7 @@ def candidates(work: Workload, hw: HardwareProfile, nodes: int) -> Iterator[Layo
                         (s, z, r) for s in schedules for z in shardings for r in RECOMPUTE):
                     layout = Layout.of(tp=tp, pp=pp, dp_replicate=dp // shard, dp_shard=shard, micro_batch=mb,
                                        pp_schedule=schedule, virtual_stages=v, sequence_parallel=tp > 1,
-                                       zero1=zero1, activation_checkpoint=recompute)
+                                       zero1=zero1, activation_checkpoint=recompute, compile=work.compile)
                     if layout_problem(work, layout, devices) is None:  # the trainer's own check
                         yield layout
 
