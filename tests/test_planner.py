@@ -639,19 +639,22 @@ def test_a_plan_above_the_best_mfu_hlat_measured_is_marked(tmp_path, capsys):
     out = _flag_plan([*argv, "--hardware", "p5e.48xlarge"], capsys)
     assert out["price_per_node_hour"] == 43.26 and "no on-demand price" in out["price_source"]
     assert out["measured_best_mfu"] == 0.544 and "gpu_step.md" in out["measured_best_source"]
-    assert all(p["above_measured_best"] == (p["mfu"] > 0.544) for p in out["plans"])
+    assert all(p["above_measured_best"] == (p["predicted_mfu"] > 0.544) for p in out["plans"])
+    assert all(p["mfu"] <= 0.544 for p in out["plans"])  # never promised above what hlat has measured
     # a profile made to promise more: matmuls twice as fast as measured
     p5e = load_profile("p5e.48xlarge")
     doubled = [[size, 2 * rate] for size, rate in p5e.measured.matmul_bf16]
     faster = tmp_path / "faster.toml"
     faster.write_text(replace(p5e, measured=replace(p5e.measured, matmul_bf16=doubled)).to_toml())
     out = _flag_plan([*argv, "--hardware", str(faster)], capsys)
-    assert all(p["mfu"] > 0.544 and p["above_measured_best"] for p in out["plans"])
+    assert all(p["predicted_mfu"] > 0.544 and p["above_measured_best"] for p in out["plans"])
+    # ...is marked, and promises no more than the best measured: its days and dollars follow from that
+    assert all(p["mfu"] == 0.544 and p["tokens_per_s"] < p["predicted_tokens_per_s"] for p in out["plans"])
     from hlat.cli import main
 
     assert main(["plan", *argv, "--hardware", str(faster), "--price-per-node-hour", "50"]) == 0
     table = capsys.readouterr().out
-    assert "%*" in table and "above the best MFU hlat has measured on p5e.48xlarge in bf16 (54.4%" in table
+    assert "%*" in table and "predicted above the best MFU hlat has measured on p5e.48xlarge in bf16 (54.4%" in table
     assert "$50/node-hour, --price-per-node-hour" in table
 
 

@@ -37,8 +37,9 @@ def ceiling_note(req: Request) -> str:
     """The line that explains the mark on an MFU above the best hlat has measured on the hardware."""
     best, hw = req.hw.best_mfu.of(req.work.precision), req.hw
     dtype = "fp32" if req.work.precision == "fp32" else "bf16"
-    return (f"* above the best MFU hlat has measured on {hw.name} in {dtype} ({best:.1%}, "
-            f"{hw.best_mfu.source}): no hlat run has reached it")
+    return (f"* predicted above the best MFU hlat has measured on {hw.name} in {dtype} ({best:.1%}, "
+            f"{hw.best_mfu.source}): no hlat run has reached more, so the plan promises that best (its step time, "
+            "days and cost follow from it; --json gives the uncapped prediction)")
 
 
 def plan_row(plan: Plan, tokens: float) -> dict:
@@ -52,7 +53,8 @@ def plan_row(plan: Plan, tokens: float) -> dict:
             "total": round(t.total, 4)},
         "layer": t.layer, "data_parallel": t.data_parallel,
         "tokens_per_s": round(plan.tokens_per_s, 1), "mfu": round(plan.mfu, 4),
-        "above_measured_best": plan.above_measured_best,
+        "above_measured_best": plan.above_measured_best,  # then tokens_per_s and mfu are capped at that best
+        "predicted_tokens_per_s": round(plan.predicted_tokens_per_s, 1), "predicted_mfu": round(plan.predicted_mfu, 4),
         "tokens_per_dollar": round(plan.tokens_per_dollar) if plan.tokens_per_dollar else None,
         "budget": {"tokens": tokens, "days": round(days, 2), "dollars": round(dollars) if dollars else None},
     }
@@ -103,7 +105,7 @@ def print_table(req: Request, plans: list[Plan], note: str) -> None:
     for i, p in enumerate(plans, 1):
         days, dollars = p.budget(req.tokens)
         table.add_row(str(i), p.layout.describe(), *([str(p.nodes)] if show_nodes else []),
-                      f"{p.memory.total / GIB:.1f}", f"{p.time.total:.3g}", si(p.tokens_per_s),
+                      f"{p.memory.total / GIB:.1f}", f"{p.step_s:.3g}", si(p.tokens_per_s),
                       f"{p.mfu:.1%}{'*' if p.above_measured_best else ''}",
                       si(p.tokens_per_dollar) if p.tokens_per_dollar else "-", f"{days:,.1f}",
                       f"${si(dollars)}" if dollars else "-")

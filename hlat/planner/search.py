@@ -30,14 +30,36 @@ class Plan:
     time: StepTime
 
     @property
-    def tokens_per_s(self) -> float:
+    def predicted_tokens_per_s(self) -> float:
         return self.work.tokens_per_step / self.time.total
 
     @property
+    def tokens_per_s(self) -> float:
+        """What the plan promises: the prediction, but never more than the best MFU hlat has measured on this
+        hardware gives (`above_measured_best` says when that cap applies); days and dollars follow from it."""
+        capped = self.measured_best * self.peak_flops / self.flops_per_token
+        return min(self.predicted_tokens_per_s, capped) if self.measured_best else self.predicted_tokens_per_s
+
+    @property
+    def step_s(self) -> float:
+        return self.work.tokens_per_step / self.tokens_per_s
+
+    @property
+    def peak_flops(self) -> float:
+        return self.nodes * self.hw.devices_per_node * self.hw.peak_tflops * 1e12
+
+    @property
+    def flops_per_token(self) -> float:
+        return self.work.model.flops_per_token(self.work.seq_len)
+
+    @property
     def mfu(self) -> float:
-        """Model FLOPs (no recomputation) per second over the cluster's peak."""
-        peak = self.nodes * self.hw.devices_per_node * self.hw.peak_tflops * 1e12
-        return self.work.model.flops_per_token(self.work.seq_len) * self.tokens_per_s / peak
+        """Model FLOPs (no recomputation) per second over the cluster's peak, at the promised throughput."""
+        return self.flops_per_token * self.tokens_per_s / self.peak_flops
+
+    @property
+    def predicted_mfu(self) -> float:
+        return self.flops_per_token * self.predicted_tokens_per_s / self.peak_flops
 
     @property
     def dollars_per_hour(self) -> float:
@@ -60,7 +82,7 @@ class Plan:
     @property
     def above_measured_best(self) -> bool:
         """Predicted above any MFU hlat has measured on this hardware: nothing has shown it reachable."""
-        return bool(self.measured_best) and self.mfu > self.measured_best
+        return bool(self.measured_best) and self.predicted_mfu > self.measured_best
 
     def score(self, objective: str) -> float:
         return self.tokens_per_s if objective == "tokens_per_s" else (self.tokens_per_dollar or 0.0)
