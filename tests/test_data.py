@@ -321,7 +321,7 @@ def test_bad_files_are_skipped_and_counted_in_the_stream(tmp_path, caplog):
         tokens = concat_tokens(take(s, 60))
     assert docs_in(tokens)[: len(DOCS)] == DOCS
     reasons = ("unreadable file", "Parquet file with no column 'text'", "invalid UTF-8")
-    assert s.epoch == 1 and s.state[0].bad == {reason: 2 for reason in reasons}  # met in each of two epochs
+    assert s.epoch == 1 and s.sources[0].state.bad == {reason: 2 for reason in reasons}  # met in each of two epochs
     assert s.stats()["data_bad"] == 6 and str(gone) in caplog.text and str(no_column) in caplog.text
     assert caplog.text.count("skipped a bad record") == 3  # rate-limited; checking the data first does not warn
     assert good in files
@@ -365,7 +365,7 @@ def test_concat_rows_are_the_packed_token_stream(tmp_path):
     # inside of is counted once as split
     ends = list(accumulate(len(d) + 1 for d in docs * 3))
     cut = sum(any(a < b < e for b in range(16, 90 * 16 + 1, 16)) for a, e in zip([0] + ends, ends))
-    assert s.state[0].split_docs == cut > 20
+    assert s.sources[0].state.split_docs == cut > 20
 
 
 def test_best_fit_is_best_fit_decreasing():
