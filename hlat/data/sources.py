@@ -358,8 +358,9 @@ def _corrupt_errors() -> tuple[type[BaseException], ...]:
     packages are looked up only if they were loaded to read the file."""
     errors: tuple[type[BaseException], ...] = (EOFError, OSError, zlib.error)
     for module, name in (("zstandard", "ZstdError"), ("pyarrow", "ArrowException")):
-        if module in sys.modules:
-            errors += (getattr(sys.modules[module], name),)
+        loaded = sys.modules.get(module)
+        if loaded is not None:  # None: never loaded, blocked, or torn down at exit (a generator closed then)
+            errors += (getattr(loaded, name),)
     return errors
 
 
