@@ -27,7 +27,7 @@ from hlat.data.packing import build_stream
 from hlat.data.rounds import best_fit
 from hlat.data.sources import (
     START, Bad, BadLog, Split, default_corpus, iter_documents, make_splits, read_split, resolve_data_files,
-    one_source, resolve_paths, resolve_sources, skipped,
+    Source, one_source, resolve_paths, resolve_sources, skipped,
 )
 from hlat.data.tokenizer import PROBE, train_bpe
 
@@ -321,7 +321,7 @@ def test_bad_files_are_skipped_and_counted_in_the_stream(tmp_path, caplog):
         tokens = concat_tokens(take(s, 60))
     assert docs_in(tokens)[: len(DOCS)] == DOCS
     reasons = ("unreadable file", "Parquet file with no column 'text'", "invalid UTF-8")
-    assert s.epoch == 1 and s.state[0].bad == {reason: 2 for reason in reasons}  # met in each of two epochs
+    assert s.epoch == 1 and s.sources[0].state.bad == {reason: 2 for reason in reasons}  # met in each of two epochs
     assert s.stats()["data_bad"] == 6 and str(gone) in caplog.text and str(no_column) in caplog.text
     assert caplog.text.count("skipped a bad record") == 3  # rate-limited; checking the data first does not warn
     assert good in files
@@ -365,7 +365,7 @@ def test_concat_rows_are_the_packed_token_stream(tmp_path):
     # inside of is counted once as split
     ends = list(accumulate(len(d) + 1 for d in docs * 3))
     cut = sum(any(a < b < e for b in range(16, 90 * 16 + 1, 16)) for a, e in zip([0] + ends, ends))
-    assert s.state[0].split_docs == cut > 20
+    assert s.sources[0].state.split_docs == cut > 20
 
 
 def test_best_fit_is_best_fit_decreasing():
@@ -520,6 +520,42 @@ def test_exact_resume_mid_document_and_mid_round(tmp_path, packing):
         assert tok.encoded[0] == PROBE  # what the fingerprint encodes to tell tokenizers apart
         again = len(tok.encoded) - 1 - (len(full_tok.encoded) - encoded[k - 1])
         assert 0 <= again <= 25 and tok.encoded[1:] == full_tok.encoded[len(full_tok.encoded) - len(tok.encoded) + 1 :]
+
+
+def _two_sources(packing: str):
+    """A stream of two sources, one with a bad record, over files named relative to the working directory (so
+    that its fingerprint does not depend on where they are)."""
+    prose, code = Path("prose.jsonl"), Path("code.jsonl")
+    prose.write_bytes(b"{oops\n" + lines([f"prose {j} " + "p" * (j * 7 % 31) for j in range(20)]))
+    code.write_bytes(lines([f"def f{j}(): return {j}\n" * (1 + j % 3) for j in range(20)]))
+    cfg = DataConfig(packing=packing, round_bytes=80, shuffle_rows=5, seed=1, workers=0, max_bad_fraction=0.5)
+    sources = [Source("prose", 0.7, [prose]), Source("code", 0.3, [code])]
+    return build_stream(cfg, CharTokenizer(), sources, 12, 2)
+
+
+# What _two_sources(packing) saved after 7 micro-batches, as hlat wrote it before the stream's state was grouped
+# by source (commit e594610, STATE_VERSION 3), with the values that differ between packings filled in:
+# checkpoints of that version must keep resuming.
+SAVED_STATE = """{"version": 3, "fingerprint": {"sources": {"prose": {"weight": 0.7, "files": "9c23840e3d07178f"},
+    "code": {"weight": 0.3, "files": "a9e96441d0d4742f"}}, "tokenizer": "7331116fd4a63b6f", "seq_len": 12,
+    "packing": "%(packing)s", "round_bytes": 80, "text_field": "text", "max_doc_bytes": 100000000, "seed": 1,
+    "shuffle_files": true, "shuffle_rows": 5}, "rows": 14, "sources": [{"round": 1, "start": [0, 0, 90, 5],
+    "at": %(at)d, "rows": 7, "counted": 2, "mid": %(mid)s, "docs": 5, "bad": {"malformed JSON": 1}, "docs_epoch": 0,
+    "pad": %(pad)d, "split_docs": 4}, {"round": 0, "start": [0, 0, -1, 0], "at": 0, "rows": 3, "counted": 1,
+    "mid": %(mid)s, "docs": 2, "bad": {}, "docs_epoch": 0, "pad": 0, "split_docs": 2}]}"""
+SAVED_VALUES = {"concat": {"at": 48, "mid": "true", "pad": 0}, "best_fit": {"at": 52, "mid": "false", "pad": 4}}
+
+
+@pytest.mark.parametrize("packing", ["concat", "best_fit"])
+def test_a_state_saved_by_an_earlier_hlat_resumes(tmp_path, monkeypatch, packing):
+    monkeypatch.chdir(tmp_path)
+    saved = json.loads(SAVED_STATE % {"packing": packing, **SAVED_VALUES[packing]})
+    s = _two_sources(packing)
+    take(s, 7)
+    assert s.state_dict() == saved  # the same format and position
+    resumed = _two_sources(packing)
+    resumed.load_state_dict(saved)
+    assert same(take(resumed, 12), take(s, 12))
 
 
 @pytest.mark.parametrize("packing", ["concat", "best_fit"])

@@ -2,18 +2,32 @@
 each rank made (so that every rank cuts the same rows), and once per step the token ids of the rows, each
 sent by the rank that made its round to the ranks that train on it.
 
-Every call here is a collective: all ranks of the group make the same calls in the same order.
+Every function here but `rank_and_world` is a collective: all ranks of the group make the same calls in the same
+order.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
+from typing import NamedTuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-Segment = tuple[int, int, int, int]  # (source, round, first, end): a slice of a round's tokens
+
+class Segment(NamedTuple):
+    """A slice of a round's tokens: [first, end) of round `round` of source `source`."""
+
+    source: int
+    round: int
+    first: int
+    end: int
+
+    @property
+    def length(self) -> int:
+        return self.end - self.first
 
 
 def side_group() -> dist.ProcessGroup | None:
@@ -22,6 +36,11 @@ def side_group() -> dist.ProcessGroup | None:
     if not dist.is_initialized():
         return None
     return dist.new_group(backend="gloo", timeout=timedelta(minutes=10))
+
+
+def rank_and_world(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """This process's rank in `group` and the group's size; (0, 1) in a single process."""
+    return (dist.get_rank(group), dist.get_world_size(group)) if group else (0, 1)
 
 
 def all_gather(obj, group: dist.ProcessGroup | None) -> list:
@@ -33,41 +52,52 @@ def all_gather(obj, group: dist.ProcessGroup | None) -> list:
     return out
 
 
-def exchange_rows(rows: list[list[Segment]], takers: list[set[int]], owner, tokens: dict[tuple[int, int], np.ndarray],
-                  rank: int, world: int, group: dist.ProcessGroup | None) -> tuple[list[np.ndarray], int]:
+def exchange_rows(rows: list[list[Segment]], takers: list[set[int]], holder: Callable[[Segment], int],
+                  tokens: dict[tuple[int, int], np.ndarray], group: dist.ProcessGroup | None
+                  ) -> tuple[list[np.ndarray], int]:
     """The rows this rank takes, assembled from their segments, and the bytes it received from other ranks.
 
-    rows[q] are row q's segments; takers[q] the ranks that take row q; owner(segment) the rank that holds a
+    rows[i] are row i's segments; takers[i] the ranks that take row i; holder(segment) the rank that holds a
     segment's round, in `tokens` by (source, round). Every rank computes the same plan from the same rows, so
-    all the sizes are known without asking: one all-to-all moves every segment from its owner to its takers."""
-    send: list[list[np.ndarray]] = [[] for _ in range(world)]
-    receive = [0] * world
-    mine = []  # (row, its segments' owners and lengths) for the rows this rank takes
-    for q, segments in enumerate(rows):
-        owners = [owner(seg) for seg in segments]
-        for seg, o in zip(segments, owners):
-            if o == rank:
-                piece = tokens[seg[0], seg[1]][seg[2] : seg[3]]
-                for d in takers[q]:
-                    send[d].append(piece)
-            if rank in takers[q]:
-                receive[o] += seg[3] - seg[2]
-        if rank in takers[q]:
-            mine.append(list(zip(owners, (seg[3] - seg[2] for seg in segments))))
+    all the sizes are known without asking: one all-to-all moves every segment from its holder to its takers."""
+    rank, world = rank_and_world(group)
+    send: list[list[np.ndarray]] = [[] for _ in range(world)]  # the pieces for each rank, in row order
+    receive = [0] * world  # the tokens to come from each rank
+    wanted = []  # per row this rank takes: (holder, length) of each of its segments
+    for segments, row_takers in zip(rows, takers):
+        holders = [holder(segment) for segment in segments]
+        for segment, segment_holder in zip(segments, holders):
+            if segment_holder == rank:
+                piece = tokens[segment.source, segment.round][segment.first : segment.end]
+                for taker in row_takers:
+                    send[taker].append(piece)
+            if rank in row_takers:
+                receive[segment_holder] += segment.length
+        if rank in row_takers:
+            wanted.append([(segment_holder, segment.length) for segment, segment_holder in zip(segments, holders)])
+    inbox = _all_to_all(send, receive, group)
+    return _assemble(wanted, inbox), 4 * (sum(receive) - receive[rank])
+
+
+def _all_to_all(send: list[list[np.ndarray]], receive: list[int], group: dist.ProcessGroup | None
+                ) -> list[np.ndarray]:
+    """What every rank sent this one (send[r]: the pieces for rank r; receive[r]: the tokens from rank r)."""
     sent = [np.concatenate(pieces) if pieces else np.zeros(0, np.int32) for pieces in send]
     if group is None:
-        inbox = [sent[0]]
-    else:
-        out = torch.empty(sum(receive), dtype=torch.int32)
-        dist.all_to_all_single(out, torch.from_numpy(np.concatenate(sent)), receive, [len(x) for x in sent],
-                               group=group)
-        inbox = np.split(out.numpy(), np.cumsum(receive)[:-1])
-    cursor = [0] * world
-    assembled = []
-    for parts in mine:
+        return sent
+    out = torch.empty(sum(receive), dtype=torch.int32)
+    dist.all_to_all_single(out, torch.from_numpy(np.concatenate(sent)), receive, [len(x) for x in sent], group=group)
+    return np.split(out.numpy(), np.cumsum(receive)[:-1])
+
+
+def _assemble(wanted: list[list[tuple[int, int]]], inbox: list[np.ndarray]) -> list[np.ndarray]:
+    """The rows from the pieces received, each rank's pieces in row order."""
+    cursor = [0] * len(inbox)
+    rows = []
+    for segments in wanted:
         pieces = []
-        for o, n in parts:
-            pieces.append(inbox[o][cursor[o] : cursor[o] + n])
-            cursor[o] += n
-        assembled.append(np.concatenate(pieces))
-    return assembled, 4 * (sum(receive) - receive[rank])
+        for holder, length in segments:
+            pieces.append(inbox[holder][cursor[holder] : cursor[holder] + length])
+            cursor[holder] += length
+        rows.append(np.concatenate(pieces))
+    return rows

@@ -21,15 +21,15 @@ import time
 import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from hlat import HlatError
 from hlat.data.config import DataConfig
-from hlat.data.exchange import Segment, all_gather, exchange_rows
-from hlat.data.rounds import ORIGIN, Packing, Position, Round, RoundInfo, RoundMaker, SourceSpec, worker_main
+from hlat.data.exchange import Segment, all_gather, exchange_rows, rank_and_world
+from hlat.data.rounds import ORIGIN, MakerSetup, Packing, Position, Round, RoundInfo, SourceSpec, worker_main
 from hlat.data.sources import BadLog, Source, file_format, make_splits, share_of, token_meta
 from hlat.data.tokenizer import Tokenizer, tokenizer_digest
 
@@ -41,6 +41,7 @@ PREFETCH = 2  # rounds requested ahead per source and worker
 # the block must have made it, so at the start a bigger block would make ranks read further into the data.
 BLOCK = 64
 STATE_VERSION = 3
+
 
 @dataclass
 class SourceState:
@@ -60,13 +61,144 @@ class SourceState:
     split_docs: int = 0  # documents cut across rows
 
 
+class PlacedRound(NamedTuple):
+    """A round a source's next rows are cut from, and where its tokens start in the source's token stream."""
+
+    at: int
+    info: RoundInfo
+
+    @property
+    def end(self) -> int:
+        return self.at + self.info.size
+
+    def overlaps(self, first: int, end: int) -> bool:
+        """Whether tokens [first, end) of the source's token stream include some of this round's."""
+        return self.at < end and first < self.end
+
+
+class SourceStream:
+    """One source's part of the stream: its spec, its `state` (and `window_start`, that state where the current
+    shuffle window starts: what a checkpoint holds), its bad-record log, and `rounds`, the rounds in use (back
+    to back in its token stream, the next row's first). Rows are cut by counting, the same on every rank;
+    the DataStream learns the rounds a row needs (`needs_round`, `next_round`) and places them here."""
+
+    def __init__(self, index: int, spec: SourceSpec, packing: Packing, max_bad_fraction: float, warn: bool):
+        self.index, self.spec, self.packing, self.max_bad_fraction = index, spec, packing, max_bad_fraction
+        self.state = SourceState()
+        self.window_start = copy.deepcopy(self.state)
+        self.bad_log = BadLog(spec.name, warn)
+        self.rounds: list[PlacedRound] = []
+
+    def restore(self, saved: dict) -> None:
+        """Resume where a checkpoint's window started (`saved`: a SourceState as a dict)."""
+        self.state = SourceState(**saved)
+        self.window_start = copy.deepcopy(self.state)
+        self.bad_log.counts.update(self.state.bad)
+
+    def start_window(self) -> None:
+        """Forget the rounds before the next row, so that the state starts at the first round still needed; that
+        is where the current window starts."""
+        state = self.state
+        while self.rounds and self.rounds[0].end <= self._row_start():
+            done = self.rounds.pop(0)
+            state.round, state.start, state.at = done.info.index + 1, done.info.end, done.end
+        if self.rounds:
+            first = self.rounds[0]
+            state.round, state.start, state.at = first.info.index, first.info.start, first.at
+        self.window_start = copy.deepcopy(state)
+
+    # --- rounds ----------------------------------------------------------------------------------------------
+
+    def needs_round(self) -> bool:
+        """Whether the next row runs past the rounds placed."""
+        return not self.rounds or self.rounds[-1].end < self._row_start() + self.packing.width
+
+    def next_round(self) -> int:
+        """The number of the round to place next."""
+        return self.rounds[-1].info.index + 1 if self.rounds else self.state.round
+
+    def place(self, info: RoundInfo) -> None:
+        """Append round `next_round()` to the rounds in use, and count it the first time."""
+        at = self.rounds[-1].end if self.rounds else self.state.at
+        self.rounds.append(PlacedRound(at, info))
+        if info.index >= self.state.counted:
+            self.state.counted = info.index + 1
+            self._count(info)
+
+    def _count(self, info: RoundInfo) -> None:
+        """Add a round's documents and bad records to the counters; a whole epoch without a document is an
+        error, and so are too many bad records."""
+        state = self.state
+        state.docs += info.docs
+        state.split_docs += info.split_docs
+        for bad, where in info.bad:
+            self.bad_log.add(bad, where)
+        state.bad = dict(self.bad_log.counts)
+        if info.docs:
+            state.docs_epoch = info.start[0]
+        elif info.end[0] >= state.docs_epoch + 2:
+            raise HlatError(f"data source {self.spec.name!r}: a whole epoch went by without a readable document")
+        self._check_bad_fraction(epoch=info.start[0])
+
+    def _check_bad_fraction(self, epoch: int) -> None:
+        """From 100 records on, or after the first epoch: at most data.max_bad_fraction of them may be bad."""
+        n_bad = sum(self.state.bad.values())
+        records = self.state.docs + n_bad
+        if n_bad > self.max_bad_fraction * records and (records >= 100 or epoch > 0):
+            reasons = ", ".join(f"{count} {reason}" for reason, count in self.bad_log.counts.most_common())
+            raise HlatError(f"data source {self.spec.name!r}: {n_bad} of {records} records are bad ({reasons}), "
+                            f"more than data.max_bad_fraction = {self.max_bad_fraction}")
+
+    # --- rows ------------------------------------------------------------------------------------------------
+
+    def _row_start(self) -> int:
+        """Where the next row starts in the token stream."""
+        return self.state.rows * self.packing.stride
+
+    def cut_row(self) -> list[Segment]:
+        """The next row (its rounds placed), as the slices of rounds it is made of; counts its padding and split
+        documents."""
+        first = self._row_start()
+        end = first + self.packing.width
+        segments = [Segment(self.index, placed.info.index, max(first, placed.at) - placed.at,
+                            min(end, placed.end) - placed.at) for placed in self.rounds if placed.overlaps(first, end)]
+        if self.packing.mode == "best_fit":
+            placed = next(placed for placed in self.rounds if placed.at <= first < placed.end)
+            self.state.pad += int(placed.info.row_padding[(first - placed.at) // self.packing.width])
+        else:
+            self._count_split(first, end)
+        self.state.rows += 1
+        return segments
+
+    def _count_split(self, first: int, end: int) -> None:
+        """concat: note whether the row [first, end) ends inside a document, and count that document as split
+        (once)."""
+        state = self.state
+        starts_inside, state.mid = state.mid, not self._eos_count(end - 2, end - 1)
+        # the document running into the next row began in this one: count it as split once
+        if state.mid and (not starts_inside or self._eos_count(first, end - 2)):
+            state.split_docs += 1
+
+    def _eos_count(self, first: int, end: int) -> int:
+        """How many EOS tokens (concat) the token stream has in [first, end)."""
+        return sum(int(np.searchsorted(placed.info.eos_at, end - placed.at)
+                       - np.searchsorted(placed.info.eos_at, first - placed.at))
+                   for placed in self.rounds if placed.overlaps(first, end))
+
+    def counters(self) -> dict[str, int]:
+        """Counters of the rows cut so far, for DataStream.stats()."""
+        state = self.state
+        return {"docs": state.docs, "bad": sum(state.bad.values()), "rows": state.rows, "pad": state.pad,
+                "split_docs": state.split_docs}
+
+
 class _Inline:
     """Rounds made in the training process (data.workers = 0)."""
 
     procs: list = []
 
-    def __init__(self, specs, packing, tokenizer, starts, offset=0, stride=1):
-        self.makers = [RoundMaker(s, spec, packing, tokenizer, *starts[s]) for s, spec in enumerate(specs)]
+    def __init__(self, setup: MakerSetup):
+        self.makers = setup.makers()
 
     def get(self, source: int, index: int) -> Round:
         return self.makers[source].make(index)
@@ -76,10 +208,10 @@ class _Inline:
 
 
 def _stop_workers(procs) -> None:
-    for p in procs:
-        p.kill()  # they hold nothing to clean up, ignore SIGTERM, and may be busy with rounds nobody will read
-    for p in procs:
-        p.join(timeout=5)
+    for proc in procs:
+        proc.kill()  # they hold nothing to clean up, ignore SIGTERM, and may be busy with rounds nobody will read
+    for proc in procs:
+        proc.join(timeout=5)
 
 
 class _Workers:
@@ -87,26 +219,27 @@ class _Workers:
     ... of every source; the j-th of them goes to worker j % n, which makes its rounds in order. Each source
     keeps PREFETCH rounds per worker requested ahead."""
 
-    def __init__(self, n, specs, packing, tokenizer, starts, offset=0, stride=1):
+    def __init__(self, n: int, setup: MakerSetup, offset: int = 0, stride: int = 1):
         ctx = mp.get_context("spawn")
         self.n, self.offset, self.stride = n, offset, stride
         self.tasks = [ctx.Queue() for _ in range(n)]
         self.results = [ctx.Queue() for _ in range(n)]
-        self.procs = [ctx.Process(target=worker_main, args=(specs, packing, tokenizer, starts, t, r), daemon=True,
-                                  name=f"hlat-data-{i}") for i, (t, r) in enumerate(zip(self.tasks, self.results))]
-        for p in self.procs:
-            p.start()
-        for q in self.tasks:
-            q.cancel_join_thread()  # never block the process's exit on a dead worker's queue
-        self.requested = [max(0, -((offset - index) // stride)) for index, _ in starts]  # this rank's next, per source
+        self.procs = [ctx.Process(target=worker_main, args=(setup, tasks, results), daemon=True, name=f"hlat-data-{i}")
+                      for i, (tasks, results) in enumerate(zip(self.tasks, self.results))]
+        for proc in self.procs:
+            proc.start()
+        for tasks in self.tasks:
+            tasks.cancel_join_thread()  # never block the process's exit on a dead worker's queue
+        # per source, j of the next round to request (this rank's j-th: offset + j * stride)
+        self.requested = [max(0, -((offset - index) // stride)) for index, _ in setup.starts]
         self.ready: dict[tuple[int, int], Round] = {}
         self._stop = weakref.finalize(self, _stop_workers, self.procs)  # also run at exit
 
     def get(self, source: int, index: int) -> Round:
-        j = (index - self.offset) // self.stride
+        j = (index - self.offset) // self.stride  # the round is this rank's j-th
         while self.requested[source] < j + PREFETCH * self.n:
-            k = self.requested[source]
-            self.tasks[k % self.n].put((source, self.offset + k * self.stride))
+            ahead = self.requested[source]
+            self.tasks[ahead % self.n].put((source, self.offset + ahead * self.stride))
             self.requested[source] += 1
         worker = j % self.n
         while (source, index) not in self.ready:
@@ -160,6 +293,13 @@ class Ranks:
     accum: int = 1
 
 
+class Window(NamedTuple):
+    """A shuffle window of the global row sequence: its number, and its rows in shuffled order."""
+
+    index: int
+    rows: list[list[Segment]]
+
+
 class DataStream:
     """Endless micro-batches {"inputs", "targets"} (LongTensor [batch_size, seq_len]), plus "positions" and
     "doc_ids" with doc_mask.
@@ -172,7 +312,11 @@ class DataStream:
     step (accum micro-batches) one all-to-all sends each row's tokens from the ranks that made them to the
     ranks that train on it. None of this depends on the number of ranks or workers; `state_dict()` between
     steps (the start of the current window, and the rows taken since) is small, the same on every rank, and
-    restores the stream at any number of ranks."""
+    restores the stream at any number of ranks.
+
+    `sources` (a SourceStream each) cut the rows; the stream holds what they share: the rows taken, the current
+    window, the rounds learnt but not yet placed, this rank's rounds' tokens and its micro-batches left of the
+    step."""
 
     def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, specs: list[SourceSpec], seq_len: int,
                  batch_size: int, fingerprint: dict, doc_mask: bool = False, ranks: Ranks | None = None,
@@ -183,18 +327,16 @@ class DataStream:
         self.seq_len, self.batch_size, self.doc_mask = seq_len, batch_size, doc_mask
         self.fingerprint, self.shard = fingerprint, shard
         self.packing = Packing(cfg.packing, seq_len, cfg.round_bytes, tokenizer.eos_id)
-        self.width = seq_len + 1
-        self.stride = self.width if cfg.packing == "best_fit" else seq_len  # concat rows share a token
-        self.window = max(cfg.shuffle_rows, 1)
+        self.window_size = max(cfg.shuffle_rows, 1)
         total = sum(spec.weight for spec in specs)
         self.weights = [spec.weight / total for spec in specs]
         self.ranks = ranks = ranks or Ranks()
         if ranks.accum % ranks.dp:
             raise HlatError(f"data: {ranks.accum} micro-batches per step cannot be shared by {ranks.dp} ranks")
-        group = ranks.group
-        self.rank, self.world = (dist.get_rank(group), dist.get_world_size(group)) if group else (0, 1)
-        dp_ranks = all_gather(ranks.dp_rank, group)
-        self.takers = [{r for r, d in enumerate(dp_ranks) if d == i} for i in range(ranks.dp)]
+        self.rank, self.world = rank_and_world(ranks.group)
+        dp_ranks = all_gather(ranks.dp_rank, ranks.group)
+        # the ranks that take each data-parallel rank's micro-batches
+        self.takers = [{rank for rank, dp_rank in enumerate(dp_ranks) if dp_rank == i} for i in range(ranks.dp)]
         self.wait_time_s = 0.0  # time spent inside __next__: the training loop waiting for data
         self.exchanged_bytes = 0  # token ids received from other ranks
         self.tokenized = 0  # tokens this rank's workers made (padding not counted)
@@ -203,159 +345,119 @@ class DataStream:
 
     def _reset(self) -> None:
         self.close()
-        self.state = [SourceState() for _ in self.specs]
-        self.bad = [BadLog(spec.name, warn=self.rank == 0) for spec in self.specs]  # all ranks count the same
-        self.emitted = 0  # rows of the global sequence taken (by all ranks together)
-        self._snapshot = copy.deepcopy(self.state)  # the state where the current window starts
-        self._window: tuple[int, list] | None = None  # (index, its rows' segments in shuffled order)
-        self._tables: list[list[tuple[int, RoundInfo]]] = [[] for _ in self.specs]  # (at, round) per source
-        self._infos: dict[tuple[int, int], RoundInfo] = {}  # rounds learnt, not yet in a table
-        self._tokens: dict[tuple[int, int], np.ndarray] = {}  # the tokens of this rank's rounds in use
-        self._batches: list[dict[str, torch.Tensor]] = []  # this rank's micro-batches of the step not yet given
+        # every rank counts the same bad records: rank 0 warns of them
+        self.sources = [SourceStream(index, spec, self.packing, self.cfg.max_bad_fraction, warn=self.rank == 0)
+                        for index, spec in enumerate(self.specs)]
+        self.rows_taken = 0  # rows of the global sequence taken (by all ranks together)
+        self._window: Window | None = None
+        self._learnt: dict[tuple[int, int], RoundInfo] = {}  # rounds learnt, not yet placed, by (source, round)
+        self._my_tokens: dict[tuple[int, int], np.ndarray] = {}  # the tokens of this rank's rounds in use
+        self._batches_left: list[dict[str, torch.Tensor]] = []  # this rank's micro-batches of the step not yet given
 
     # --- rounds ----------------------------------------------------------------------------------------------
 
-    def _learn(self, s: int, k: int) -> RoundInfo:
-        """Round k of source s: the ranks that make the rounds of k's block make them, and all tell each other."""
-        if (s, k) not in self._infos:
+    def _learn(self, source: int, index: int) -> RoundInfo:
+        """Round `index` of a source: the ranks that make the rounds of its block make them, and all tell each
+        other."""
+        if (source, index) not in self._learnt:
             if self._fetcher is None:
-                starts = [(st.round, st.start) for st in self.state]
-                self._first = [st.round for st in self.state]  # the first rounds the fetcher can make
-                args = (self.specs, self.packing, self.tokenizer, starts, self.rank, self.world)
-                self._fetcher = _Workers(self.cfg.workers, *args) if self.cfg.workers else _Inline(*args)
-            size = min(self.world, BLOCK)
-            first = k - k % size
-            mine = first + (self.rank - first) % self.world  # this rank's round in the block, if it has one
-            made = self._fetcher.get(s, mine) if self._first[s] <= mine < first + size else None
+                self._start_fetcher()
+            block_size = min(self.world, BLOCK)
+            block = index - index % block_size
+            mine = block + (self.rank - block) % self.world  # this rank's round in the block, if it has one
+            made = self._fetcher.get(source, mine) if self._first_rounds[source] <= mine < block + block_size else None
             if made is not None:
-                self._tokens[s, mine] = made.tokens.reshape(-1)
+                self._my_tokens[source, mine] = made.tokens.reshape(-1)
                 self.tokenized += int((made.tokens >= 0).sum())
             for info in all_gather(made and made.info(), self.ranks.group):
                 if info is not None:
-                    self._infos[s, info.index] = info
-        return self._infos.pop((s, k))
+                    self._learnt[source, info.index] = info
+        return self._learnt.pop((source, index))
 
-    def _extend(self, s: int) -> None:
-        """Append source s's next round to its table (and count it, the first time)."""
-        st, table = self.state[s], self._tables[s]
-        k, at = (table[-1][1].index + 1, table[-1][0] + table[-1][1].size) if table else (st.round, st.at)
-        info = self._learn(s, k)
-        table.append((at, info))
-        if k >= st.counted:
-            st.counted = k + 1
-            self._count(s, info)
-
-    def _count(self, s: int, r: RoundInfo) -> None:
-        st, spec, bad = self.state[s], self.specs[s], self.bad[s]
-        st.docs += r.docs
-        st.split_docs += r.split_docs
-        for b, where in r.bad:
-            bad.add(b, where)
-        st.bad = dict(bad.counts)
-        if r.docs:
-            st.docs_epoch = r.start[0]
-        elif r.end[0] >= st.docs_epoch + 2:
-            raise HlatError(f"data source {spec.name!r}: a whole epoch went by without a readable document")
-        n_bad = sum(st.bad.values())
-        records = st.docs + n_bad
-        if n_bad > self.cfg.max_bad_fraction * records and (records >= 100 or r.start[0] > 0):
-            reasons = ", ".join(f"{n} {reason}" for reason, n in bad.counts.most_common())
-            raise HlatError(f"data source {spec.name!r}: {n_bad} of {records} records are bad ({reasons}), more "
-                            f"than data.max_bad_fraction = {self.cfg.max_bad_fraction}")
-
-    def _eos(self, s: int, a: int, b: int) -> int:
-        """How many EOS tokens (concat) source s's stream has in [a, b)."""
-        return sum(int(np.searchsorted(info.marks, b - at) - np.searchsorted(info.marks, a - at))
-                   for at, info in self._tables[s] if at < b and a < at + info.size)
+    def _start_fetcher(self) -> None:
+        """Start making this rank's rounds, from the round where each source's state starts on."""
+        starts = [(source.state.round, source.state.start) for source in self.sources]
+        self._first_rounds = [index for index, _ in starts]  # the fetcher makes none before these
+        setup = MakerSetup(self.specs, self.packing, self.tokenizer, starts)
+        self._fetcher = _Workers(self.cfg.workers, setup, self.rank, self.world) if self.cfg.workers else _Inline(setup)
 
     # --- rows ------------------------------------------------------------------------------------------------
 
-    def _row(self, s: int) -> list[Segment]:
-        """Source s's next row, as the slices of rounds it is made of; counts its padding and split documents."""
-        st, width = self.state[s], self.width
-        p = st.rows * self.stride
-        table = self._tables[s]
-        while not table or table[-1][0] + table[-1][1].size < p + width:
-            self._extend(s)
-        segments = [(s, info.index, max(p, at) - at, min(p + width, at + info.size) - at)
-                    for at, info in table if at < p + width and p < at + info.size]
-        if self.packing.mode == "best_fit":
-            at, info = next((at, info) for at, info in table if at <= p < at + info.size)
-            st.pad += int(info.marks[(p - at) // width])
-        else:
-            starts_mid, st.mid = st.mid, not self._eos(s, p + width - 2, p + width - 1)
-            # the document running into the next row began in this one: count it as split once
-            if st.mid and (not starts_mid or self._eos(s, p, p + width - 2)):
-                st.split_docs += 1
-        st.rows += 1
-        return segments
+    def _next_row(self, source: SourceStream) -> list[Segment]:
+        """A source's next row, the rounds it needs learnt first."""
+        while source.needs_round():
+            source.place(self._learn(source.index, source.next_round()))
+        return source.cut_row()
 
     def _mixed_row(self) -> list[Segment]:
         """The next row of the source furthest behind its weight: exact proportions, by counting alone."""
-        total = sum(st.rows for st in self.state) + 1
-        s = max(range(len(self.specs)), key=lambda i: (self.weights[i] * total - self.state[i].rows, -i))
-        return self._row(s)
+        total = sum(source.state.rows for source in self.sources) + 1
+        behind = max(self.sources,
+                     key=lambda source: (self.weights[source.index] * total - source.state.rows, -source.index))
+        return self._next_row(behind)
 
-    def _trim(self) -> None:
-        """Forget the rounds before every source's next row; the state then starts at the first round needed."""
-        for st, table in zip(self.state, self._tables):
-            p = st.rows * self.stride
-            while table and table[0][0] + table[0][1].size <= p:
-                at, info = table.pop(0)
-                st.round, st.start, st.at = info.index + 1, info.end, at + info.size
-            if table:
-                st.round, st.start, st.at = table[0][1].index, table[0][1].start, table[0][0]
+    def _start_window(self) -> None:
+        for source in self.sources:
+            source.start_window()
 
-    def _cut_window(self, w: int) -> None:
-        """Window w: its rows cut, then put in a seeded order that depends only on (seed, w)."""
-        self._trim()
-        self._snapshot = copy.deepcopy(self.state)
-        rows = [self._mixed_row() for _ in range(self.window)]
+    def _cut_window(self, index: int) -> None:
+        """Window `index`: its rows cut, then put in a seeded order that depends only on (seed, index)."""
+        self._start_window()
+        rows = [self._mixed_row() for _ in range(self.window_size)]
         if self.cfg.shuffle_rows:
-            random.Random(f"{self.cfg.seed}:{w}").shuffle(rows)
-        self._window = (w, rows)
+            random.Random(f"{self.cfg.seed}:{index}").shuffle(rows)
+        self._window = Window(index, rows)
+
+    def _row_at(self, position: int) -> list[Segment]:
+        """Row `position` of the global sequence: from the current window, or from the next, cut here."""
+        window, offset = divmod(position, self.window_size)
+        if self._window is None or self._window.index != window:
+            self._cut_window(window)
+        return self._window.rows[offset]
 
     def _step(self) -> None:
-        """The next step's rows, exchanged: this rank's micro-batches of it into self._batches."""
-        r = self.ranks
-        rows = []
-        for t in range(self.emitted, self.emitted + r.accum * self.batch_size):
-            w, i = divmod(t, self.window)
-            if self._window is None or self._window[0] != w:
-                self._cut_window(w)
-            rows.append(self._window[1][i])
-        takers = [self.takers[q // self.batch_size % r.dp] for q in range(len(rows))]
-        mine, received = exchange_rows(rows, takers, lambda seg: seg[1] % self.world, self._tokens, self.rank,
-                                       self.world, r.group)
-        self.emitted += len(rows)
+        """The next step's rows, exchanged: this rank's micro-batches of it into self._batches_left."""
+        ranks, first = self.ranks, self.rows_taken
+        rows = [self._row_at(position) for position in range(first, first + ranks.accum * self.batch_size)]
+        takers = [self.takers[i // self.batch_size % ranks.dp] for i in range(len(rows))]  # by micro-batch
+        mine, received = exchange_rows(rows, takers, self._maker, self._my_tokens, ranks.group)
+        self.rows_taken += len(rows)
         self.exchanged_bytes += received
-        live = {(s, info.index) for s, table in enumerate(self._tables) for _, info in table} | self._infos.keys()
-        self._tokens = {key: tokens for key, tokens in self._tokens.items() if key in live}
+        self._forget_tokens()
         for i in range(0, len(mine), self.batch_size):
-            rows = torch.from_numpy(np.stack(mine[i : i + self.batch_size])).long()
-            self._batches.append(rows_to_batch(rows, self.packing.eos, self.doc_mask))
+            batch_rows = torch.from_numpy(np.stack(mine[i : i + self.batch_size])).long()
+            self._batches_left.append(rows_to_batch(batch_rows, self.packing.eos, self.doc_mask))
+
+    def _maker(self, segment: Segment) -> int:
+        """The rank that made a segment's round, and holds its tokens."""
+        return segment.round % self.world
+
+    def _forget_tokens(self) -> None:
+        """Drop the tokens of this rank's rounds that are neither in use nor learnt to be placed."""
+        in_use = {(source.index, placed.info.index) for source in self.sources for placed in source.rounds}
+        keep = in_use | self._learnt.keys()
+        self._my_tokens = {key: tokens for key, tokens in self._my_tokens.items() if key in keep}
 
     def __iter__(self) -> "DataStream":
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
         began = time.perf_counter()
-        if not self._batches:
+        if not self._batches_left:
             self._step()
         self.wait_time_s += time.perf_counter() - began
-        return self._batches.pop(0)
+        return self._batches_left.pop(0)
 
     # --- state ---------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
         """The stream's position between steps: where the current window starts and how many rows were taken."""
-        if self._batches:
+        if self._batches_left:
             raise RuntimeError("data: state_dict() in the middle of a step (this rank has micro-batches left)")
-        if self._window is None or self._window[0] != self.emitted // self.window:
-            self._trim()  # the next step starts a window: its state is the present one
-            self._snapshot = copy.deepcopy(self.state)
-        state = {"version": STATE_VERSION, "fingerprint": self.fingerprint, "rows": self.emitted,
-                 "sources": [asdict(st) for st in self._snapshot]}
+        if self._window is None or self._window.index != self.rows_taken // self.window_size:
+            self._start_window()  # the next step starts a window: its state is the present one
+        state = {"version": STATE_VERSION, "fingerprint": self.fingerprint, "rows": self.rows_taken,
+                 "sources": [asdict(source.window_start) for source in self.sources]}
         return {**state, "shard": list(self.shard)} if self.shard else state
 
     def load_state_dict(self, state: dict) -> None:
@@ -367,24 +469,20 @@ class DataStream:
         if problem:
             raise HlatError(f"data: {problem}; resume with the same data settings, or set data.force_resume = true "
                             "to start the data stream afresh")
-        self.state = [SourceState(**st) for st in state["sources"]]
-        self._snapshot = copy.deepcopy(self.state)
-        for st, bad in zip(self.state, self.bad):
-            bad.counts.update(st.bad)
-        self.emitted = state["rows"]
+        for source, saved in zip(self.sources, state["sources"]):
+            source.restore(saved)
+        self.rows_taken = state["rows"]
 
     def _mismatch(self, state: dict) -> str:
         if state.get("version") != STATE_VERSION:
             return f"the saved data state has format version {state.get('version')}, this hlat reads {STATE_VERSION}"
         saved = tuple(state.get("shard") or ())
         if saved != (self.shard or ()):
-            def name(shard: tuple) -> str:
-                return f"the files of data-parallel rank {shard[0]} of {shard[1]}" if shard else "the global stream"
-
-            return f"the checkpoint holds a position in {name(saved)}, and this run reads {name(self.shard or ())}"
+            return (f"the checkpoint holds a position in {_stream_of(saved)}, and this run reads "
+                    f"{_stream_of(self.shard or ())}")
         old, new = _flatten(state["fingerprint"]), _flatten(self.fingerprint)
-        changed = [f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(old.keys() | new.keys())
-                   if old.get(k) != new.get(k)]
+        changed = [f"{key} {old.get(key)!r} -> {new.get(key)!r}" for key in sorted(old.keys() | new.keys())
+                   if old.get(key) != new.get(key)]
         return f"the data settings changed since the checkpoint: {'; '.join(changed)}" if changed else ""
 
     # --- metrics and shutdown ------------------------------------------------------------------------------
@@ -392,25 +490,24 @@ class DataStream:
     @property
     def worker_pids(self) -> list[int]:
         """Process ids of the running tokenizer workers, for monitoring (none before the first batch)."""
-        return [p.pid for p in self._fetcher.procs] if self._fetcher else []
+        return [proc.pid for proc in self._fetcher.procs] if self._fetcher else []
 
     @property
     def epoch(self) -> int:
         """The lowest epoch being read among the sources."""
-        return min(st.start[0] for st in self.state)
+        return min(source.state.start[0] for source in self.sources)
 
     def stats(self) -> dict[str, float]:
         """Counters of the rows cut so far (up to a shuffle window ahead of those taken), for the metrics log."""
         out: dict[str, float] = {"data_wait_s": round(self.wait_time_s, 4), "data_epoch": self.epoch}
-        totals = {"docs": 0, "bad": 0, "rows": 0, "pad": 0, "split_docs": 0}
-        for spec, st in zip(self.specs, self.state):
-            counts = {"docs": st.docs, "bad": sum(st.bad.values()), "rows": st.rows, "pad": st.pad,
-                      "split_docs": st.split_docs}
-            for k, v in counts.items():
-                totals[k] += v
-            if len(self.specs) > 1:
-                out.update({f"data_{spec.name}_{k}": v for k, v in counts.items()})
-        out.update({f"data_{k}": v for k, v in totals.items()})
+        totals = dict.fromkeys(("docs", "bad", "rows", "pad", "split_docs"), 0)
+        for source in self.sources:
+            counts = source.counters()
+            for name, count in counts.items():
+                totals[name] += count
+            if len(self.sources) > 1:
+                out.update({f"data_{source.spec.name}_{name}": count for name, count in counts.items()})
+        out.update({f"data_{name}": count for name, count in totals.items()})
         out["data_padding_fraction"] = totals["pad"] / max(totals["rows"] * self.seq_len, 1)
         out["data_split_fraction"] = totals["split_docs"] / max(totals["docs"], 1)
         return out
@@ -422,19 +519,25 @@ class DataStream:
             self._fetcher = None
 
 
-def _flatten(d: dict, prefix: str = "") -> dict:
+def _stream_of(shard: tuple) -> str:
+    """What a stream reads: a data-parallel rank's files (`shard` = (rank, world_size)) or the global stream."""
+    return f"the files of data-parallel rank {shard[0]} of {shard[1]}" if shard else "the global stream"
+
+
+def _flatten(nested: dict, prefix: str = "") -> dict:
+    """A nested dict as one level, its keys joined with dots."""
     out = {}
-    for k, v in d.items():
-        out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    for key, value in nested.items():
+        out.update(_flatten(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
     return out
 
 
 def check_token_files(tokenizer: Tokenizer, digest: str, files: list[Path | str]) -> None:
     """Pre-tokenized files must have been made by the run's tokenizer (`digest`): their ids mean nothing to
     another."""
-    for f in files:
-        if file_format(str(f)) == "tokens" and (meta := token_meta(f))["tokenizer"] != digest:
-            raise HlatError(f"token file {f}: written by another tokenizer ({meta['tokenizer_kind']}, vocabulary "
+    for file in files:
+        if file_format(str(file)) == "tokens" and (meta := token_meta(file))["tokenizer"] != digest:
+            raise HlatError(f"token file {file}: written by another tokenizer ({meta['tokenizer_kind']}, vocabulary "
                             f"{meta['vocab_size']:,}) than this run's ({tokenizer.kind}, vocabulary "
                             f"{tokenizer.vocab_size:,}); set data.tokenizer to the one it was written with")
 
@@ -443,16 +546,17 @@ def build_stream(cfg: DataConfig, tokenizer: Tokenizer, sources: list[Source], s
                  ranks: Ranks | None = None, shard: tuple[int, int] | None = None, doc_mask: bool = False,
                  holdout: float = 0.0) -> DataStream:
     """The configured stream over `sources` (`resolve_sources`: data.sources, or data.paths or the default corpus as
-    one source); documents held out for validation (a `holdout` fraction, by hash) are skipped. The global stream, shared by `ranks` (a single process when None); or, with `shard` = (rank,
-    world_size), data-parallel `rank`'s own stream of its share of the files (data_sharding = "files"). Checks,
-    before any training, that every source has a readable document (in this rank's share)."""
+    one source); documents held out for validation (a `holdout` fraction, by hash) are skipped. The global
+    stream, shared by `ranks` (a single process when None); or, with `shard` = (rank, world_size),
+    data-parallel `rank`'s own stream of its share of the files (data_sharding = "files"). Checks, before any
+    training, that every source has a readable document (in this rank's share)."""
     rank, world_size = shard or (0, 1)
     if not 0 <= rank < world_size:
         raise HlatError(f"data: rank {rank} is outside world_size {world_size}")
     specs, fingerprint = [], {"sources": {}}
     for source in sources:
         splits = make_splits(source.files, world_size)
-        listing = json.dumps([[str(s.file), s.start, s.size] for s in splits])
+        listing = json.dumps([[str(split.file), split.start, split.size] for split in splits])
         fingerprint["sources"][source.name] = {"weight": source.weight,
                                                "files": hashlib.sha256(listing.encode()).hexdigest()[:16]}
         mine = share_of(splits, rank, world_size, f"data source {source.name!r}")
@@ -461,9 +565,10 @@ def build_stream(cfg: DataConfig, tokenizer: Tokenizer, sources: list[Source], s
     if holdout:  # absent when 0, so checkpoints from before eval.holdout existed still resume
         fingerprint["holdout"] = holdout
     fingerprint.update(tokenizer=tokenizer_digest(tokenizer), seq_len=seq_len,
-                       **{k: getattr(cfg, k) for k in ("packing", "round_bytes", "text_field", "max_doc_bytes",
-                                                       "seed", "shuffle_files", "shuffle_rows")})
-    check_token_files(tokenizer, fingerprint["tokenizer"], [f for source in sources for f in source.files])
+                       **{name: getattr(cfg, name) for name in ("packing", "round_bytes", "text_field",
+                                                                "max_doc_bytes", "seed", "shuffle_files",
+                                                                "shuffle_rows")})
+    check_token_files(tokenizer, fingerprint["tokenizer"], [file for source in sources for file in source.files])
     for spec in specs:
         spec.check(f" on data-parallel rank {rank}" if world_size > 1 else "")
     return DataStream(cfg, tokenizer, specs, seq_len, batch_size, fingerprint, doc_mask, ranks, shard)

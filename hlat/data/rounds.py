@@ -85,6 +85,17 @@ class Packing:
     round_bytes: int
     eos: int
 
+    @property
+    def width(self) -> int:
+        """Tokens in a row: inputs are its first seq_len, targets its last seq_len."""
+        return self.seq_len + 1
+
+    @property
+    def stride(self) -> int:
+        """Where row i starts in a source's token stream, over i: concat rows share a token with the next,
+        best_fit rounds are whole rows already."""
+        return self.width if self.mode == "best_fit" else self.seq_len
+
 
 @dataclass
 class Round:
@@ -100,25 +111,26 @@ class Round:
 
     def info(self) -> "RoundInfo":
         """What the other ranks need of this round to cut rows and count: its place, size and counters."""
-        if self.tokens.ndim == 2:  # best_fit rows: the padding of each
-            marks = (self.tokens[:, 1:] < 0).sum(1).astype(np.int32)
+        none = np.zeros(0, dtype=np.int32)
+        if self.tokens.ndim == 2:  # best_fit rows
+            eos_at, row_padding = none, (self.tokens[:, 1:] < 0).sum(1).astype(np.int32)
         else:
-            marks = np.flatnonzero(self.tokens == self.eos).astype(np.int32)
-        return RoundInfo(self.source, self.index, self.start, self.end, self.tokens.size, marks, self.docs,
-                         self.split_docs, self.bad)
+            eos_at, row_padding = np.flatnonzero(self.tokens == self.eos).astype(np.int32), none
+        return RoundInfo(self.source, self.index, self.start, self.end, self.tokens.size, eos_at, row_padding,
+                         self.docs, self.split_docs, self.bad)
 
 
 @dataclass
 class RoundInfo:
-    """A round without its tokens. `size` is its length in the source's token stream (best_fit: rows x
-    (seq_len + 1)); `marks` are, for concat, where in it the EOS tokens are, for best_fit the padding of each row."""
+    """A round without its tokens: what every rank needs to cut rows from it and count them."""
 
     source: int
     index: int
     start: Position
     end: Position
-    size: int
-    marks: np.ndarray
+    size: int  # its length in the source's token stream (best_fit: rows x (seq_len + 1))
+    eos_at: np.ndarray  # concat: where in it the EOS tokens are, ascending (best_fit: empty)
+    row_padding: np.ndarray  # best_fit: each row's padding targets (concat: empty)
     docs: int
     split_docs: int
     bad: list[tuple[Bad, str]]
@@ -181,17 +193,17 @@ def best_fit(ids: list[list[int]], eos: int, capacity: int) -> tuple[np.ndarray,
     for piece in pieces:
         i = bisect.bisect_left(rooms, (len(piece), -1))
         if i == len(rooms):
-            room, r = capacity, len(rows)
+            room, row = capacity, len(rows)
             rows.append([])
         else:
-            room, r = rooms.pop(i)
-        rows[r].append(piece)
+            room, row = rooms.pop(i)
+        rows[row].append(piece)
         if room > len(piece):
-            bisect.insort(rooms, (room - len(piece), r))
+            bisect.insort(rooms, (room - len(piece), row))
     out = np.full((len(rows), capacity), -1, dtype=np.int32)
-    for r, row in enumerate(rows):
-        flat = list(chain.from_iterable(row))
-        out[r, : len(flat)] = flat
+    for row, row_pieces in enumerate(rows):
+        flat = list(chain.from_iterable(row_pieces))
+        out[row, : len(flat)] = flat
     return out, cut
 
 
@@ -242,12 +254,27 @@ class RoundMaker:
             elif not (self.spec.holdout and held_out(doc, self.spec.holdout)):
                 docs.append(doc)
         ids = encode(self.tokenizer, docs)
-        p = self.packing
-        if p.mode == "best_fit":
-            tokens, cut = best_fit(ids, p.eos, p.seq_len + 1)
+        packing = self.packing
+        if packing.mode == "best_fit":
+            tokens, cut = best_fit(ids, packing.eos, packing.width)
         else:
-            tokens, cut = concat(ids, p.eos), 0
-        return Round(self.source, index, start, list(self.position), p.eos, tokens, len(docs), cut, bad)
+            tokens, cut = concat(ids, packing.eos), 0
+        return Round(self.source, index, start, list(self.position), packing.eos, tokens, len(docs), cut, bad)
+
+
+@dataclass
+class MakerSetup:
+    """What a process (a worker, or the trainer itself) needs to make the rounds of every source: from round
+    starts[source] = (its number, where its records start) on."""
+
+    specs: list[SourceSpec]
+    packing: Packing
+    tokenizer: object
+    starts: list[tuple[int, Position]]
+
+    def makers(self) -> list[RoundMaker]:
+        return [RoundMaker(source, spec, self.packing, self.tokenizer, *self.starts[source])
+                for source, spec in enumerate(self.specs)]
 
 
 def _exit_with_parent(parent) -> None:
@@ -257,8 +284,7 @@ def _exit_with_parent(parent) -> None:
     os._exit(0)
 
 
-def worker_main(specs: list[SourceSpec], packing: Packing, tokenizer, starts: list[tuple[int, Position]],
-                tasks, results) -> None:
+def worker_main(setup: MakerSetup, tasks, results) -> None:
     """A tokenizer worker: answers (source, round) requests in order until it is terminated, or its parent is
     gone. An error is sent back (HlatError as itself, anything else with its traceback) and ends the worker."""
     # Ctrl-C, and the SIGTERM a scheduler sends every process of the job, are for the trainer: it finishes its
@@ -269,7 +295,7 @@ def worker_main(specs: list[SourceSpec], packing: Packing, tokenizer, starts: li
     parent = mp.parent_process()
     if parent is not None:
         threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
-    makers = [RoundMaker(s, spec, packing, tokenizer, *starts[s]) for s, spec in enumerate(specs)]
+    makers = setup.makers()
     while True:
         source, index = tasks.get()
         try:

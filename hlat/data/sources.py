@@ -253,26 +253,33 @@ def make_splits(files: list[File], world_size: int) -> list[Split]:
     """Files as splits, uncompressed JSONL (at lines) and token files (at documents) cut into pieces of at most
     SPLIT_BYTES, and smaller ones (down to MIN_SPLIT_BYTES) when the data would not otherwise give every rank a
     couple of them."""
-    sizes = {f: _size_or_zero(f) for f in files}
-    for fmt in {file_format(str(f)) for f in files} & READERS.keys():
+    sizes = {file: _size_or_zero(file) for file in files}
+    for fmt in {file_format(str(file)) for file in files} & READERS.keys():
         optional_import(READERS[fmt], f"reading .{fmt} files")
     piece = min(SPLIT_BYTES, max(MIN_SPLIT_BYTES, sum(sizes.values()) // (2 * world_size)))
     splits = []
-    for f, size in sizes.items():
-        fmt = file_format(str(f))
+    for file, size in sizes.items():
+        fmt = file_format(str(file))
         if fmt not in ("jsonl", "tokens") or size <= piece:
-            splits.append(Split(f, size))
+            splits.append(Split(file, size))
             continue
-        cuts = list(range(0, size, math.ceil(size / math.ceil(size / piece)))) + [size]
-        if fmt == "tokens":  # documents [a, b) of the file; the cut is the first document ending past it
-            _, ends = _token_arrays(f)
-            itemsize = size // max(int(ends[-1]), 1) if len(ends) else 1
-            docs = sorted({0, len(ends), *np.searchsorted(ends, [c // itemsize for c in cuts[1:-1]], "right")})
-            at = [int(ends[d - 1]) * itemsize if d else 0 for d in docs]
-            splits.extend(Split(f, y - x, a, b) for a, b, x, y in zip(docs, docs[1:], at, at[1:]) if b > a)
+        cuts = list(range(0, size, math.ceil(size / math.ceil(size / piece)))) + [size]  # byte offsets
+        if fmt == "tokens":
+            splits.extend(_token_file_splits(file, size, cuts))
         else:
-            splits.extend(Split(f, b - a, a, b) for a, b in zip(cuts, cuts[1:]))
+            splits.extend(Split(file, stop - start, start, stop) for start, stop in zip(cuts, cuts[1:]))
     return splits
+
+
+def _token_file_splits(file: File, size: int, cuts: list[int]) -> list[Split]:
+    """A token file cut near the byte offsets `cuts` (0 and `size` first and last): pieces of whole documents,
+    each cut at the first document that ends past the offset."""
+    _, ends = _token_arrays(file)
+    itemsize = size // max(int(ends[-1]), 1) if len(ends) else 1
+    docs = sorted({0, len(ends), *np.searchsorted(ends, [cut // itemsize for cut in cuts[1:-1]], "right")})
+    offsets = [int(ends[doc - 1]) * itemsize if doc else 0 for doc in docs]  # where each of those starts
+    return [Split(file, stop_byte - start_byte, first, stop)
+            for first, stop, start_byte, stop_byte in zip(docs, docs[1:], offsets, offsets[1:]) if stop > first]
 
 
 def share_of(splits: list[Split], rank: int, world_size: int, what: str) -> list[Split]:
@@ -282,12 +289,12 @@ def share_of(splits: list[Split], rank: int, world_size: int, what: str) -> list
         raise HlatError(f"{what}: {len(splits)} files cannot be shared among {world_size} data-parallel ranks "
                         "(only uncompressed JSONL files are split; others are read whole by one rank): split the data "
                         "into more files")
-    loads = [(0, r) for r in range(world_size)]
+    loads = [(0, owner) for owner in range(world_size)]
     mine = []
     for split in sorted(splits, key=lambda s: (-s.size, str(s.file), s.start)):
-        load, r = heapq.heappop(loads)
-        heapq.heappush(loads, (load + split.size, r))
-        if r == rank:
+        load, owner = heapq.heappop(loads)
+        heapq.heappush(loads, (load + split.size, owner))
+        if owner == rank:
             mine.append(split)
     return sorted(mine, key=lambda s: (str(s.file), s.start))
 
@@ -322,21 +329,21 @@ class _ZstdReader(io.RawIOBase):
     def __init__(self, raw: io.BufferedIOBase):
         self._zstd = optional_import(READERS["jsonl.zst"], "reading .jsonl.zst files")
         self._raw, self._out = raw, b""
-        self._d = self._zstd.ZstdDecompressor().decompressobj()
+        self._decompressor = self._zstd.ZstdDecompressor().decompressobj()
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer) -> int:
         while not self._out:
-            chunk = self._d.unused_data or self._raw.read(1 << 20)
+            chunk = self._decompressor.unused_data or self._raw.read(1 << 20)
             if not chunk:
-                if not self._d.eof:
+                if not self._decompressor.eof:
                     raise EOFError("zstd data ends inside a frame")
                 return 0
-            if self._d.eof:  # the next frame
-                self._d = self._zstd.ZstdDecompressor().decompressobj()
-            self._out = self._d.decompress(chunk)
+            if self._decompressor.eof:  # the next frame
+                self._decompressor = self._zstd.ZstdDecompressor().decompressobj()
+            self._out = self._decompressor.decompress(chunk)
         n = min(len(buffer), len(self._out))
         buffer[:n], self._out = self._out[:n], self._out[n:]
         return n
@@ -351,8 +358,9 @@ def _corrupt_errors() -> tuple[type[BaseException], ...]:
     packages are looked up only if they were loaded to read the file."""
     errors: tuple[type[BaseException], ...] = (EOFError, OSError, zlib.error)
     for module, name in (("zstandard", "ZstdError"), ("pyarrow", "ArrowException")):
-        if module in sys.modules:
-            errors += (getattr(sys.modules[module], name),)
+        loaded = sys.modules.get(module)
+        if loaded is not None:  # None: never loaded, blocked, or torn down at exit (a generator closed then)
+            errors += (getattr(loaded, name),)
     return errors
 
 
@@ -449,8 +457,8 @@ def _token_docs(split: Split, f: io.BufferedIOBase, cursor: Cursor, text_field: 
     tokens, ends = _token_arrays(split.file)
     stop = len(ends) if split.stop < 0 else split.stop
     for i in range(max(cursor[0], split.start), stop):
-        a = int(ends[i - 1]) if i else 0
-        yield np.array(tokens[a : ends[i]], dtype=np.int32), where(split, i, 0), (i + 1, 0)
+        first = int(ends[i - 1]) if i else 0
+        yield np.array(tokens[first : ends[i]], dtype=np.int32), where(split, i, 0), (i + 1, 0)
 
 
 _TABLES = {"parquet": _parquet_rows, "arrow": _arrow_rows, "tokens": _token_docs}  # records by row or document
