@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from hlat import HlatError
+from hlat.data.changes import LISTING, fingerprint_changes, split_listing
 from hlat.data.config import DataConfig
 from hlat.data.exchange import Segment, all_gather, exchange_rows
 from hlat.data.rounds import ORIGIN, Packing, Position, Round, RoundInfo, RoundMaker, SourceSpec, worker_main
@@ -382,9 +383,7 @@ class DataStream:
                 return f"the files of data-parallel rank {shard[0]} of {shard[1]}" if shard else "the global stream"
 
             return f"the checkpoint holds a position in {name(saved)}, and this run reads {name(self.shard or ())}"
-        old, new = _flatten(state["fingerprint"]), _flatten(self.fingerprint)
-        changed = [f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(old.keys() | new.keys())
-                   if old.get(k) != new.get(k)]
+        changed = fingerprint_changes(state["fingerprint"], self.fingerprint)
         return f"the data settings changed since the checkpoint: {'; '.join(changed)}" if changed else ""
 
     # --- metrics and shutdown ------------------------------------------------------------------------------
@@ -422,13 +421,6 @@ class DataStream:
             self._fetcher = None
 
 
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
-
-
 def check_token_files(tokenizer: Tokenizer, digest: str, files: list[Path | str]) -> None:
     """Pre-tokenized files must have been made by the run's tokenizer (`digest`): their ids mean nothing to
     another."""
@@ -449,12 +441,12 @@ def build_stream(cfg: DataConfig, tokenizer: Tokenizer, sources: list[Source], s
     rank, world_size = shard or (0, 1)
     if not 0 <= rank < world_size:
         raise HlatError(f"data: rank {rank} is outside world_size {world_size}")
-    specs, fingerprint = [], {"sources": {}}
+    specs, fingerprint = [], {"sources": {}, LISTING: {}}
     for source in sources:
         splits = make_splits(source.files, world_size)
-        listing = json.dumps([[str(s.file), s.start, s.size] for s in splits])
-        fingerprint["sources"][source.name] = {"weight": source.weight,
-                                               "files": hashlib.sha256(listing.encode()).hexdigest()[:16]}
+        listing = fingerprint[LISTING][source.name] = split_listing(splits)  # to say which files change
+        digest = hashlib.sha256(json.dumps(listing).encode()).hexdigest()[:16]
+        fingerprint["sources"][source.name] = {"weight": source.weight, "files": digest}
         mine = share_of(splits, rank, world_size, f"data source {source.name!r}")
         specs.append(SourceSpec(source.name, source.weight, mine, cfg.text_field, cfg.max_doc_bytes, cfg.seed,
                                 cfg.shuffle_files, holdout))
