@@ -36,6 +36,7 @@ from hlat.train.checkpoint import DamagedCheckpoint, quarantine
 from hlat.train.config import Config
 from hlat.train.faults import StopRequest, Watchdog
 from hlat.train.goodput import Goodput
+from hlat.train.health import Health
 from hlat.train.metrics import StepReport
 from hlat.train.resume import check_start, find_resume_checkpoint
 from hlat.train.saving import Checkpoints
@@ -93,7 +94,8 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
             checkpoints=Checkpoints(cfg, topo, inputs.device, goodput),
             report=StepReport(cfg, inputs.device, topo.world_size, topo.is_main, console),
             validation=Validation(cfg, tokenizer, inputs.sources),
-            watchdog=Watchdog(cfg.train.hang_timeout_s, Path(cfg.train.run_dir), topo.rank, topo.world_size))
+            watchdog=Watchdog(cfg.train.hang_timeout_s, Path(cfg.train.run_dir), topo.rank, topo.world_size),
+            health=Health(cfg.health, topo, inputs.device, model.parts, console))
         cleanup.callback(trainer.checkpoints.close)
         cleanup.callback(trainer.report.close)
         trainer.restore(inputs.resume_from)

@@ -179,6 +179,9 @@ TENSORBOARD_TAGS = {
     "tokens_per_s": "speed/tokens_per_s", "step_time_s": "speed/step_time_s", "mfu": "speed/mfu",
     "data_wait_s": "speed/data_wait_s", "peak_memory_gb": "memory/peak_gb", "cost_usd": "cost/usd",
     "tokens_per_usd": "cost/tokens_per_usd", "projected_cost_usd": "cost/projected_usd",
+    "rank_compute_s": "health/rank_compute_s", "rank_compute_max_s": "health/rank_compute_max_s",
+    "slowest_rank": "health/slowest_rank", "slowest_rank_ratio": "health/slowest_rank_ratio",
+    "collective_wait_s": "health/collective_wait_s", "collective_wait_max_s": "health/collective_wait_max_s",
 }
 
 
@@ -223,11 +226,11 @@ class StepReport:
             self.metrics.truncate_after(step)
         self.interval.reset(self.stream.wait_time_s)
 
-    def log(self, step: int, lr: float, bad_steps: int, validate=None) -> None:
-        """Write the record of the steps since the last one (with `validate()`'s figures when given) and print its
-        line."""
+    def log(self, step: int, lr: float, bad_steps: int, validate=None, extra: dict | None = None) -> None:
+        """Write the record of the steps since the last one (with `validate()`'s figures when given, and `extra`
+        fields) and print its line."""
         stats = self.interval.close(self.stream.wait_time_s)  # means over the steps since the last record
-        record = self.record(step, lr, bad_steps, stats)
+        record = {**self.record(step, lr, bad_steps, stats), **(extra or {})}
         if validate is not None:
             record.update(validate())
             self.interval.reset(self.stream.wait_time_s)  # the evaluation's time is not a training step's
