@@ -40,6 +40,7 @@ from hlat.train.health import Health
 from hlat.train.metrics import StepReport
 from hlat.train.resume import check_start, find_resume_checkpoint
 from hlat.train.saving import Checkpoints
+from hlat.train.tracking import require_backends
 from hlat.train.trainer import Batches, Model, Trainer
 from hlat.train.validation import Validation
 
@@ -107,12 +108,13 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
 
 
 def check_inputs(cfg: Config) -> RunInputs:
-    """The layout against the world size, the device, the data sources, the checkpoint to resume from, and that
-    its weights fit the model and its config changes are allowed."""
+    """The layout against the world size, the device, the data sources, the checkpoint to resume from, the
+    tracking packages, and that the checkpoint's weights fit the model and its config changes are allowed."""
     layout = cfg.resolved_parallel()
     device = pick_device(cfg.train.device)
     sources = resolve_sources(cfg.data)
     resume_from, passed_over = find_resume_checkpoint(cfg)
+    require_backends(cfg.tracking)
     model = build_model(cfg.model)
     changes = check_start(cfg, resume_from, model)
     return RunInputs(layout, device, sources, model, count_params(model), resume_from, passed_over, changes)

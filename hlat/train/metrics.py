@@ -16,6 +16,7 @@ import torch
 from rich.console import Console
 
 from hlat.train.config import Config, CostConfig
+from hlat.train.tracking import open_trackers
 
 # Peak dense bf16 FLOP/s per device (vendor figures; dense, no sparsity). CPUs get a nominal figure (cores x
 # 2.5 GHz x fp32 FLOP/cycle of two FMA units: 64 with AVX-512, 32 with AVX2), only to make CPU MFU comparable.
@@ -127,12 +128,14 @@ def json_safe(value):
 
 class MetricsLog:
     """Appends one JSON object per logged step to metrics.jsonl (kept across resumes) and, on the main rank,
-    the same scalars to TensorBoard event files in the run directory."""
+    the same scalars to TensorBoard event files in the run directory, and the same records to the experiment
+    trackers given (hlat.train.tracking)."""
 
-    def __init__(self, run_dir: str | Path):
+    def __init__(self, run_dir: str | Path, trackers: list | None = None):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
         self._writer = None
+        self.trackers = trackers or []
 
     def records(self) -> list[dict]:
         if not self.path.exists():
@@ -151,6 +154,8 @@ class MetricsLog:
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         self._tensorboard(record)
+        for tracker in self.trackers:
+            tracker.log(record)
 
     def _tensorboard(self, record: dict) -> None:
         step, wall = record["step"], record.get("time")
@@ -168,6 +173,9 @@ class MetricsLog:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []
 
 
 # Grouped so TensorBoard shows related curves together.
@@ -188,7 +196,7 @@ TENSORBOARD_TAGS = {
 class StepReport:
     """The run's metrics as it trains: each step's loss and gradient norm kept on the device (`Interval`); every
     `train.log_every` steps, and at the first and last step, a stop and a validation, one record to
-    metrics.jsonl and TensorBoard (main rank) and one console line."""
+    metrics.jsonl, TensorBoard and the experiment trackers (main rank) and one console line."""
 
     def __init__(self, cfg: Config, device: torch.device, devices: int, is_main: bool, console: Console):
         self.cfg, self.device, self.is_main, self.console = cfg, device, is_main, console
@@ -197,7 +205,7 @@ class StepReport:
         self.peak = peak_flops(device, settings.peak_flops) * devices
         self.flops_per_token = cfg.model.flops_per_token(settings.seq_len)
         self.cost = resolve_cost(cfg.cost, devices)
-        self.metrics = MetricsLog(settings.run_dir)
+        self.metrics = MetricsLog(settings.run_dir, open_trackers(cfg) if is_main else [])
         self.losses: list[float] = []  # the mean loss of each record written by this process
 
     def begin(self, step: int, resumed: bool, stream) -> None:
