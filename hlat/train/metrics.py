@@ -166,7 +166,7 @@ class MetricsLog:
             self._writer = SummaryWriter(log_dir=str(self.run_dir), purge_step=step)
         for key, value in record.items():
             if key not in ("step", "time") and isinstance(value, (int, float)) and not isinstance(value, bool):
-                self._writer.add_scalar(TENSORBOARD_TAGS.get(key, f"other/{key}"), value, step, walltime=wall)
+                self._writer.add_scalar(tensorboard_tag(key), value, step, walltime=wall)
         self._writer.flush()
 
     def close(self) -> None:
@@ -176,6 +176,13 @@ class MetricsLog:
         for tracker in self.trackers:
             tracker.close()
         self.trackers = []
+
+
+def tensorboard_tag(key: str) -> str:
+    """A record field's TensorBoard tag: grouped with related curves; a named validation set's under eval/."""
+    if key in TENSORBOARD_TAGS:
+        return TENSORBOARD_TAGS[key]
+    return f"eval/{key.removeprefix('val_')}" if key.startswith("val_") else f"other/{key}"
 
 
 # Grouped so TensorBoard shows related curves together.
@@ -276,7 +283,7 @@ class StepReport:
         # the first step carries the start-up (data pool, compilation): too early to tell
         eta = "-" if step == self.start + 1 else format_duration(step_time * (settings.steps - step))
         spent = f"  ${record['cost_usd']:,.2f}" if self.cost else ""
-        val = f"  val_loss {record['val_loss']:7.4f}" if "val_loss" in record else ""
+        val = "".join(f"  {k} {v:7.4f}" for k, v in record.items() if k.startswith("val_") and k.endswith("loss"))
         return (f"step {step:>6}/{settings.steps}  loss {stats['loss']:7.4f}  grad_norm {stats['grad_norm']:6.3f}  "
                 f"lr {record['lr']:.2e}  {tokens_per_s:>9,.0f} tok/s  mfu {record['mfu'] or 0:6.2%}  "
                 f"eta {eta}{spent}{val}")

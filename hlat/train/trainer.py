@@ -204,6 +204,8 @@ class Trainer:
             self.report.log(self.step, result.lr, self.bad_steps.total, self.validate if validate else None,
                             self.health.check())
             self.goodput.save()
+        if validate:
+            self.checkpoints.keep_best(self.step, self.validation.latest, self.snapshot)
         if self.checkpoints.due(self.step, result.stopping):
             self.checkpoints.save(self.step, self.snapshot(), commit_now=result.stopping)
         self.watchdog.beat(self.step)
