@@ -32,17 +32,26 @@ from hlat.train.config import HealthConfig
 
 
 class Stopwatch:
-    """Marks on the timeline of the work: the host clock on a CPU, timing events on an accelerator's stream."""
+    """Marks on the timeline of the work: the host clock on a CPU, timing events on an accelerator's stream (reused
+    from step to step once read: creating an event costs more than recording one)."""
 
     def __init__(self, device: torch.device):
         self.device = None if device.type == "cpu" else device
+        self.events: list[torch.Event] = []
+        self.used = 0
 
     def mark(self):
         if self.device is None:
             return time.perf_counter()
-        event = torch.Event(device=self.device, enable_timing=True)
-        event.record()
-        return event
+        if self.used == len(self.events):
+            self.events.append(torch.Event(device=self.device, enable_timing=True))
+        self.used += 1
+        self.events[self.used - 1].record()
+        return self.events[self.used - 1]
+
+    def rewind(self) -> None:
+        """Every mark so far has been read: their events may be recorded again."""
+        self.used = 0
 
     def seconds(self, start, end) -> float:
         if self.device is None:
@@ -117,13 +126,13 @@ class Health:
                 block.register_forward_hook(self.block_ended)
 
     def block_started(self, module: nn.Module, args) -> None:
-        if self.timing:
+        if self.timing and self.checking:
             self.started = self.clock.mark()
-            if self.delay_s and module is self.first:
-                time.sleep(self.delay_s)
+        if self.timing and self.delay_s and module is self.first:
+            time.sleep(self.delay_s)
 
     def block_ended(self, module: nn.Module, args, output) -> None:
-        if self.timing:
+        if self.timing and self.checking:
             self.spans.append((self.started, self.clock.mark()))
 
     @contextlib.contextmanager
@@ -146,6 +155,7 @@ class Health:
             self.totals[1] += self.clock.seconds(start, self.clock.mark())
             self.totals[2] += 1
         self.spans.clear()
+        self.clock.rewind()
 
     def check(self) -> dict:
         """At a record, on every rank (an all-gather): the health fields of the steps since the last one."""
