@@ -591,7 +591,7 @@ def test_changed_settings_are_refused_unless_forced(tmp_path):
     with pytest.raises(HlatError, match=r"data settings changed since the checkpoint: packing 'concat' -> "
                                         r"'best_fit'.*data.force_resume"):
         stream(files, packing="best_fit").load_state_dict(state)
-    with pytest.raises(HlatError, match=r"sources.default.files '\w+' -> '\w+'"):
+    with pytest.raises(HlatError, match=r"the files of source 'default': removed \S*t.txt \(185 bytes\);"):
         stream(files[:3]).load_state_dict(state)
     other_tok = CharTokenizer()
     other_tok.vocab_size += 1
@@ -600,6 +600,27 @@ def test_changed_settings_are_refused_unless_forced(tmp_path):
     forced = stream(files[:3], force_resume=True)
     forced.load_state_dict(state)
     assert same(take(forced, 3), take(stream(files[:3]), 3))  # afresh
+
+
+def test_a_changed_data_set_is_reported_as_files(tmp_path):
+    """A resume over changed files names the files added, removed and resized (not two hashes); a checkpoint
+    from before file listings were kept says which source changed and that it cannot say which files."""
+    files = _corpus(tmp_path)
+    s = stream(files[:3])
+    take(s, 2)
+    state = s.state_dict()
+    old = {**state, "fingerprint": {k: v for k, v in state["fingerprint"].items() if k != "listing"}}
+    stream(files[:3]).load_state_dict(old)  # the same files: a checkpoint without listings resumes
+    sizes = [f.stat().st_size for f in files]
+    files[0].write_text(files[0].read_text() + '{"text": "one more"}\n')
+    with pytest.raises(HlatError) as e:
+        stream([files[0], files[2], files[3]]).load_state_dict(state)  # 0 grown, 1 removed, 2 kept, t.txt added
+    assert (f"the files of source 'default': added {files[3]} ({sizes[3]:,} bytes); removed {files[1]} "
+            f"({sizes[1]:,} bytes)") in str(e.value)
+    assert f"; resized {files[0]} {sizes[0]:,} -> {sizes[0] + 21:,} bytes; resume with" in str(e.value)
+    with pytest.raises(HlatError, match=r"the files of source 'default' \(listing hash '\w{16}' -> '\w{16}'; the "
+                                        r"checkpoint predates file listings"):
+        stream(files[:2]).load_state_dict(old)
 
 
 def test_build_stream_with_a_trained_tokenizer(tmp_path):

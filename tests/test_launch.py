@@ -59,6 +59,40 @@ def test_slurm_on_gpus_with_preflight(capsys):
     assert preflight.endswith(" || exit 1") and script.index(preflight) < script.index("--max-restarts=3")
 
 
+@pytest.mark.parametrize("failures", [1, 3])
+def test_slurm_runs_the_preflight_again_before_each_restart(failures, capsys, tmp_path):
+    """cluster.preflight_restarts: the script starts torchrun itself (which restarts nothing), each start after a
+    preflight, until training succeeds or max_restarts restarts have failed (srun stands in for the cluster)."""
+    script = render(capsys, "--target", "slurm", "--cluster.preflight", "true", "--cluster.preflight_restarts",
+                    "true", "--cluster.max_restarts", "2")
+    lines = script.splitlines()
+    tail = "\n".join(lines[lines.index("trap stop_and_requeue USR1") + 1:])
+    # training runs in the background (a subshell): its starts are counted in a file
+    srun = ('srun() { for a in "$@"; do case $a in preflight) echo preflight; return 0;; train) echo >> "$starts"; '
+            f'echo "train $*"; [ "$(wc -l < "$starts")" -gt {failures} ]; return;; esac; done; }}')
+    done = subprocess.run(["bash", "-c", f"set -uo pipefail\nstarts={tmp_path / 'starts'}\nSLURM_JOB_ID=7\n"
+                           f"head_node=h\n{srun}\n{tail}"], capture_output=True, text=True, timeout=60)
+    steps = [line.split()[0] for line in done.stdout.splitlines() if line.split()[0] in ("preflight", "train")]
+    starts = min(failures + 1, 3)
+    assert steps == ["preflight", "train"] * starts
+    assert done.returncode == (0 if failures < 3 else 1), done.stdout + done.stderr
+    trains = [line for line in done.stdout.splitlines() if line.startswith("train ")]
+    assert all("--max-restarts=0" in t for t in trains) and '--rdzv-id=7-1' in trains[1]
+    assert "hlat: training failed (start 1 of 3): preflight, then resume" in done.stdout
+    # a restart's preflight needs the preflight itself
+    assert main(["launch", "--config", "configs/hlat-7b.toml", "--target", "slurm", "--cluster.preflight_restarts",
+                 "true"]) == 2
+    assert "cluster.preflight_restarts: runs the preflight again before a restart" in capsys.readouterr().err
+
+
+def test_kubernetes_pods_restart_through_the_preflight(capsys):
+    job = json.loads(render(capsys, "--target", "k8s", "--cluster.preflight", "true", "--cluster.preflight_restarts",
+                            "true"))["items"][1]
+    (container,) = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"]
+    preflight, train = container["command"][2].split(" && exec ")
+    assert "--max-restarts=0" in train and job["spec"]["runPolicy"]["backoffLimit"] == 3  # the pods restart
+
+
 def test_kubernetes_job_keeps_runs_on_a_volume(capsys):
     objects = json.loads(render(capsys, "--target", "k8s", "--image", "reg/hlat:1", "--cluster.run_volume", "fsx",
                                 "--optim.lr", "1e-4"))["items"]

@@ -4,13 +4,16 @@
 import json
 import math
 import os
+import re
 import time
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from hlat.cli import main
+from hlat.config import ConfigError
 from hlat.data.sources import held_out, iter_documents
 from hlat.data.tokenizer import load_tokenizer
 from hlat.models import build_model, materialize
@@ -18,6 +21,7 @@ from hlat.models.config import model_config
 from hlat.models.generate import generate, next_token
 from hlat.models.hf import write_hf_dir
 from hlat.models.kv_cache import KVCache
+from hlat.train.checkpoint import verify_checkpoint
 from hlat.train.config import build_config
 from hlat.tools.inference import load_trained
 from hlat.train.loop import train
@@ -233,3 +237,53 @@ def test_validation_under_tensor_parallelism_matches_one_process(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     one, tp = ([r["val_loss"] for r in records(tmp_path / name) if "val_loss" in r] for name in ("one", "tp"))
     assert len(one) == 1 and tp == pytest.approx(one, rel=1e-4)
+
+
+def test_named_validation_sets_and_the_best_checkpoint(tmp_path, capsys):
+    """Two named sets beside the holdout set, each logged under its name and equal to `hlat eval` of the
+    checkpoint on its files; the best checkpoint by one of them is where that loss was lowest, outside the
+    rotation, verified, and evaluates and resumes like any other."""
+    prose = tmp_path / "prose.txt"
+    prose.write_text("The river runs past the mill and under the old stone bridge. " * 40)
+    code = [os.path.join(CORPUS_DIR, name) for name in ("scanner.py", "tool.py")]
+    run = tmp_path / "run"
+    cfg = build_config({"model": dict(TINY), "data": {"paths": [CORPUS]}, "optim": {"lr": 0.05, "warmup_steps": 1},
+                        "train": {"steps": 6, "global_batch": 4, "micro_batch": 2, "seq_len": 32, "log_every": 1,
+                                  "ckpt_every": 1, "keep_checkpoints": 1, "run_dir": str(run)},
+                        "eval": {"holdout": 0.3, "every": 1, "batches": 2, "keep_best": "val_prose_loss",
+                                 "sets": [f"code:{code[1]}", f"prose:{prose}", f"code:{code[0]}"]}})
+    train(cfg)
+    logged = records(run)
+    for r in logged:
+        for name in ("", "code_", "prose_"):
+            assert r[f"val_{name}perplexity"] == pytest.approx(math.exp(r[f"val_{name}loss"]))
+            assert r[f"val_{name}tokens"] == 2 * 2 * 32
+    best = json.loads((run / "checkpoints" / "best.json").read_text())
+    losses = [r["val_prose_loss"] for r in logged]
+    assert best == {"step": logged[losses.index(min(losses))]["step"], "metric": "val_prose_loss",
+                    "value": min(losses), "checkpoint": f"best_step_{best['step']:08d}"}
+    assert {p.name for p in (run / "checkpoints").iterdir()} == {best["checkpoint"], "best.json", "step_00000006"}
+    best_dir = run / "checkpoints" / best["checkpoint"]
+    verify_checkpoint(best_dir)
+
+    def evaluated(checkpoint, *files):
+        assert main(["eval", str(checkpoint), "--data", *files, "--json", "--max-batches", "2"]) == 0
+        return json.loads(capsys.readouterr().out.splitlines()[-1])["loss"]
+
+    assert evaluated(best_dir, str(prose)) == pytest.approx(best["value"], rel=1e-5)
+    assert evaluated(run, *code) == pytest.approx(logged[-1]["val_code_loss"], rel=1e-5)
+    train(replace(cfg, train=replace(cfg.train, run_dir=str(tmp_path / "again"), resume=str(best_dir),
+                                     steps=best["step"] + 1)))
+    assert [r["step"] for r in records(tmp_path / "again")] == [best["step"] + 1]
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"sets": ["Code:x.py"]}, "eval.sets[0]: 'Code:x.py' is not NAME:PATTERN"),
+    ({"sets": ["code"]}, "eval.sets[0]: 'code' is not NAME:PATTERN"),
+    ({"sets": ["code:x.py"], "keep_best": "val_loss"},
+     "eval.keep_best: 'val_loss' is not a validation loss of this run (it has: val_code_loss)"),
+    ({"holdout": 0.1, "keep_best": "val_loss", "every": 0}, "eval.keep_best: needs validation during training"),
+])
+def test_validation_sets_and_keep_best_are_checked(fields, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        build_config({"eval": {"every": 1, **fields}})

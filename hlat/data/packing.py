@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from hlat import HlatError
+from hlat.data.changes import LISTING, fingerprint_changes, split_listing
 from hlat.data.config import DataConfig
 from hlat.data.exchange import Segment, all_gather, exchange_rows, rank_and_world
 from hlat.data.rounds import ORIGIN, MakerSetup, Packing, Position, Round, RoundInfo, SourceSpec, worker_main
@@ -480,9 +481,7 @@ class DataStream:
         if saved != (self.shard or ()):
             return (f"the checkpoint holds a position in {_stream_of(saved)}, and this run reads "
                     f"{_stream_of(self.shard or ())}")
-        old, new = _flatten(state["fingerprint"]), _flatten(self.fingerprint)
-        changed = [f"{key} {old.get(key)!r} -> {new.get(key)!r}" for key in sorted(old.keys() | new.keys())
-                   if old.get(key) != new.get(key)]
+        changed = fingerprint_changes(state["fingerprint"], self.fingerprint)
         return f"the data settings changed since the checkpoint: {'; '.join(changed)}" if changed else ""
 
     # --- metrics and shutdown ------------------------------------------------------------------------------
@@ -524,14 +523,6 @@ def _stream_of(shard: tuple) -> str:
     return f"the files of data-parallel rank {shard[0]} of {shard[1]}" if shard else "the global stream"
 
 
-def _flatten(nested: dict, prefix: str = "") -> dict:
-    """A nested dict as one level, its keys joined with dots."""
-    out = {}
-    for key, value in nested.items():
-        out.update(_flatten(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
-    return out
-
-
 def check_token_files(tokenizer: Tokenizer, digest: str, files: list[Path | str]) -> None:
     """Pre-tokenized files must have been made by the run's tokenizer (`digest`): their ids mean nothing to
     another."""
@@ -553,12 +544,12 @@ def build_stream(cfg: DataConfig, tokenizer: Tokenizer, sources: list[Source], s
     rank, world_size = shard or (0, 1)
     if not 0 <= rank < world_size:
         raise HlatError(f"data: rank {rank} is outside world_size {world_size}")
-    specs, fingerprint = [], {"sources": {}}
+    specs, fingerprint = [], {"sources": {}, LISTING: {}}
     for source in sources:
         splits = make_splits(source.files, world_size)
-        listing = json.dumps([[str(split.file), split.start, split.size] for split in splits])
-        fingerprint["sources"][source.name] = {"weight": source.weight,
-                                               "files": hashlib.sha256(listing.encode()).hexdigest()[:16]}
+        listing = fingerprint[LISTING][source.name] = split_listing(splits)  # to say which files change
+        digest = hashlib.sha256(json.dumps(listing).encode()).hexdigest()[:16]
+        fingerprint["sources"][source.name] = {"weight": source.weight, "files": digest}
         mine = share_of(splits, rank, world_size, f"data source {source.name!r}")
         specs.append(SourceSpec(source.name, source.weight, mine, cfg.text_field, cfg.max_doc_bytes, cfg.seed,
                                 cfg.shuffle_files, holdout))

@@ -46,9 +46,9 @@ def render_slurm(configs: list[str], cfg: Config, overrides: list[str]) -> str:
     config_args = [arg for path in configs for arg in ("--config", path)]
     train = ["-m", "hlat", "train", *config_args, *overrides, "--resume", "auto"]
     endpoint = f'"$head_node:{RDZV_PORT}"'
-    torchrun = _torchrun(c, '"$SLURM_JOB_ID"', endpoint, c.max_restarts)
     # every rank of the job, as training will run: devices, links, numerics and stragglers across nodes
     preflight = _torchrun(c, '"$SLURM_JOB_ID-preflight"', endpoint, 0)
+    check = f"srun {' '.join(preflight)} {shlex.join(['-m', 'hlat', 'preflight', *config_args, *overrides])} || exit 1"
     gpus = [f"#SBATCH --gpus-per-node={c.devices_per_node or c.nproc_per_node}"] if c.accelerator == "gpu" else []
     lines = [
         "#!/bin/bash",
@@ -76,13 +76,24 @@ def render_slurm(configs: list[str], cfg: Config, overrides: list[str]) -> str:
         "    exit 0",
         "}",
         "trap stop_and_requeue USR1",
-        *([f"srun {' '.join(preflight)} {shlex.join(['-m', 'hlat', 'preflight', *config_args, *overrides])} || exit 1"]
-          if c.preflight else []),
-        "srun " + " ".join(torchrun) + " " + shlex.join(train) + " &",
-        "train_pid=$!",
-        'wait "$train_pid"',
+        *_slurm_training(c, check, train, endpoint),
     ]
     return "\n".join(lines) + "\n"
+
+
+def _slurm_training(c: ClusterConfig, preflight: str, train: list[str], endpoint: str) -> list[str]:
+    """The preflight (cluster.preflight), then training in the background, for the stop handler to signal. With
+    cluster.preflight_restarts the script itself starts torchrun (which then restarts nothing) up to
+    1 + max_restarts times, with the preflight before each start."""
+    if not c.preflight_restarts:
+        torchrun = _torchrun(c, '"$SLURM_JOB_ID"', endpoint, c.max_restarts)
+        return [*([preflight] if c.preflight else []), f"srun {' '.join(torchrun)} {shlex.join(train)} &",
+                "train_pid=$!", 'wait "$train_pid"']
+    torchrun = _torchrun(c, '"$SLURM_JOB_ID-$attempt"', endpoint, 0)
+    return [f"for attempt in $(seq 0 {c.max_restarts}); do  # the preflight before each start", f"    {preflight}",
+            f"    srun {' '.join(torchrun)} {shlex.join(train)} &", "    train_pid=$!", '    wait "$train_pid" && exit 0',
+            f'    echo "hlat: training failed (start $((attempt + 1)) of {c.max_restarts + 1}): preflight, then resume"',
+            "done", "exit 1"]
 
 
 def render_k8s(configs: list[str], cfg: Config, image: str) -> str:
@@ -94,7 +105,9 @@ def render_k8s(configs: list[str], cfg: Config, image: str) -> str:
         raise ConfigError(f"train.run_dir: {cfg.train.run_dir} is outside the volume mounted at {K8S_RUNS}: a "
                           f"restarted pod would not find its checkpoints; use a relative path such as runs/{name}")
     endpoint = "$(PET_MASTER_ADDR):$(PET_MASTER_PORT)"
-    command = [*_torchrun(c, name, endpoint, c.max_restarts), "-m", "hlat", "train", "--config", K8S_CONFIG,
+    # with cluster.preflight_restarts the pods restart (runPolicy.backoffLimit), each start after its preflight
+    restarts = 0 if c.preflight_restarts else c.max_restarts
+    command = [*_torchrun(c, name, endpoint, restarts), "-m", "hlat", "train", "--config", K8S_CONFIG,
                "--resume", "auto"]
     if c.preflight:  # exec: the training torchrun stays PID 1 and receives the pod's SIGTERM
         preflight = [*_torchrun(c, f"{name}-preflight", endpoint, 0), "-m", "hlat", "preflight", "--config", K8S_CONFIG]

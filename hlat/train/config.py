@@ -85,8 +85,14 @@ class ClusterConfig:
     run_volume: str = "hlat-runs"  # Kubernetes: ReadWriteMany PersistentVolumeClaim that holds the run directories
     shm_gib: int = 64  # Kubernetes: memory-backed /dev/shm per pod (data workers, collectives)
     preflight: bool = False  # run `hlat preflight` on every node before training starts
+    # and again before each restart after a failure (the job file restarts torchrun, up to max_restarts times,
+    # rather than torchrun restarting its workers)
+    preflight_restarts: bool = False
 
     def validate(self) -> "ClusterConfig":
+        if self.preflight_restarts and not self.preflight:
+            raise ConfigError("cluster.preflight_restarts: runs the preflight again before a restart; set "
+                              "cluster.preflight = true too")
         for name in ("nodes", "nproc_per_node", "stop_grace_s", "shm_gib"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"cluster.{name}: must be >= 1, got {getattr(self, name)}")
@@ -134,8 +140,15 @@ class EvalConfig:
     # fraction of the training documents set aside by a hash of their text (the training stream skips them,
     # validation reads only them); used when eval.paths is empty
     holdout: float = 0.0
+    # named validation sets, "NAME:PATTERN" (a file, directory or glob as data.paths; a name given twice gathers
+    # both patterns), each logged as val_NAME_loss, val_NAME_perplexity, val_NAME_tokens; beside the val_loss of
+    # eval.paths or eval.holdout, or on their own
+    sets: list[str] = field(default_factory=list)
     every: int = 0  # optimizer steps between evaluations (also at the last step); 0 = no validation
     batches: int = 8  # micro-batches (train.micro_batch x train.seq_len tokens) per evaluation, at most
+    # a validation loss to keep the best checkpoint by ("val_loss", or "val_NAME_loss" of a set): where it is lowest
+    # so far, the run saves checkpoints/best_step_N (apart from rotation; best.json says which); "" = not kept
+    keep_best: str = ""
 
     def validate(self) -> "EvalConfig":
         if not 0.0 <= self.holdout <= 0.5:
@@ -144,12 +157,86 @@ class EvalConfig:
             if getattr(self, name) < 0 or (name == "batches" and self.batches == 0):
                 raise ConfigError(f"eval.{name}: must be {'>= 0' if name == 'every' else 'positive'}, got "
                                   f"{getattr(self, name)}")
-        if self.every and not self.paths and not self.holdout:
-            raise ConfigError("eval.every: validation needs held-out data: set eval.paths, or eval.holdout to the "
-                              "fraction of training documents to set aside (e.g. 0.01)")
+        if self.every and not self.paths and not self.holdout and not self.sets:
+            raise ConfigError("eval.every: validation needs held-out data: set eval.paths, eval.sets, or eval.holdout "
+                              "to the fraction of training documents to set aside (e.g. 0.01)")
         if self.paths and self.holdout:
             raise ConfigError("eval.holdout: set eval.paths (held-out files) or eval.holdout (a split of the "
                               "training data), not both")
+        self.named_sets()
+        self.check_keep_best()
+        return self
+
+    def named_sets(self) -> dict[str, list[str]]:
+        """eval.sets as {name: patterns}, in the order first named."""
+        out: dict[str, list[str]] = {}
+        for i, entry in enumerate(self.sets):
+            name, _, pattern = entry.partition(":")
+            if not re.fullmatch(r"[a-z0-9_]+", name) or not pattern:
+                raise ConfigError(f"eval.sets[{i}]: {entry!r} is not NAME:PATTERN with a name of lowercase letters, "
+                                  "digits and _ (e.g. \"code:heldout/*.py\")")
+            out.setdefault(name, []).append(pattern)
+        return out
+
+    def check_keep_best(self) -> None:
+        if not self.keep_best:
+            return
+        known = ["val_loss"] * bool(self.paths or self.holdout) + [f"val_{n}_loss" for n in self.named_sets()]
+        if self.keep_best not in known:
+            raise ConfigError(f"eval.keep_best: {self.keep_best!r} is not a validation loss of this run (it has: "
+                              f"{', '.join(known) or 'none'})")
+        if not self.every:
+            raise ConfigError("eval.keep_best: needs validation during training (set eval.every)")
+
+
+@dataclass
+class HealthConfig:
+    """A rank slower than its peers while the run trains (docs/monitoring.md): each rank's own compute per step (the
+    forward of its model blocks, timed apart from the collectives between them) and its wait at the step's
+    all-reduce are gathered every train.log_every steps and compared with the other ranks of its pipeline stage."""
+
+    slow_margin: float = 0.25  # a rank whose compute per step exceeds the median of its peers' by this fraction...
+    slow_intervals: int = 3  # ...in this many log intervals in a row is named (rank and host); 0 = no check
+    debug_delay: str = ""  # "RANK:MS": rank RANK's forward takes MS ms longer each micro-batch (tests the check)
+
+    def validate(self) -> "HealthConfig":
+        if self.slow_margin <= 0:
+            raise ConfigError(f"health.slow_margin: must be positive, got {self.slow_margin}")
+        if self.slow_intervals < 0:
+            raise ConfigError(f"health.slow_intervals: must be >= 0, got {self.slow_intervals}")
+        self.delay()
+        return self
+
+    def delay(self) -> tuple[int, float]:
+        """(rank, seconds) of health.debug_delay; (-1, 0.0) when unset."""
+        if not self.debug_delay:
+            return -1, 0.0
+        rank, _, ms = self.debug_delay.partition(":")
+        try:
+            if int(rank) >= 0 and float(ms) >= 0:
+                return int(rank), float(ms) / 1e3
+        except ValueError:
+            pass
+        raise ConfigError(f"health.debug_delay: expected RANK:MS (e.g. \"2:100\"), got {self.debug_delay!r}")
+
+
+@dataclass
+class TrackingConfig:
+    """Experiment tracking beside metrics.jsonl and TensorBoard: the same records, sent to Weights & Biases and/or
+    MLflow by the main rank (docs/monitoring.md). Both work offline; each needs its optional package."""
+
+    backends: list[str] = field(default_factory=list)  # any of "wandb", "mlflow"; empty = no tracking
+    project: str = "hlat"  # the W&B project, and the MLflow experiment
+    run_name: str = ""  # "" = the run directory's name
+    wandb_mode: Literal["offline", "online"] = "offline"  # offline: files under <run>/wandb (`wandb sync` uploads)
+    mlflow_uri: str = ""  # "" = a file store in <run>/mlruns (`mlflow ui --backend-store-uri` it); or a server's URI
+
+    def validate(self) -> "TrackingConfig":
+        for i, backend in enumerate(self.backends):
+            if backend not in ("wandb", "mlflow"):
+                raise ConfigError(f"tracking.backends[{i}]: {backend!r} is not one of 'wandb', 'mlflow'")
+        if not self.project:
+            raise ConfigError("tracking.project: must not be empty")
         return self
 
 
@@ -164,6 +251,8 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     cost: CostConfig = field(default_factory=CostConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def validate(self) -> "Config":
         """Check every section; the parallel layout is checked by `resolved_parallel` once the world size is
@@ -176,6 +265,8 @@ class Config:
         self.eval.validate()
         self.cost.validate()
         self.cluster.validate()
+        self.health.validate()
+        self.tracking.validate()
         return self
 
     def resolved_parallel(self, world_size: int | None = None) -> ParallelConfig:

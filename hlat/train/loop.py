@@ -36,9 +36,11 @@ from hlat.train.checkpoint import DamagedCheckpoint, quarantine
 from hlat.train.config import Config
 from hlat.train.faults import StopRequest, Watchdog
 from hlat.train.goodput import Goodput
+from hlat.train.health import Health
 from hlat.train.metrics import StepReport
 from hlat.train.resume import check_start, find_resume_checkpoint
 from hlat.train.saving import Checkpoints
+from hlat.train.tracking import require_backends
 from hlat.train.trainer import Batches, Model, Trainer
 from hlat.train.validation import Validation
 
@@ -93,7 +95,8 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
             checkpoints=Checkpoints(cfg, topo, inputs.device, goodput),
             report=StepReport(cfg, inputs.device, topo.world_size, topo.is_main, console),
             validation=Validation(cfg, tokenizer, inputs.sources),
-            watchdog=Watchdog(cfg.train.hang_timeout_s, Path(cfg.train.run_dir), topo.rank, topo.world_size))
+            watchdog=Watchdog(cfg.train.hang_timeout_s, Path(cfg.train.run_dir), topo.rank, topo.world_size),
+            health=Health(cfg.health, topo, inputs.device, model.parts, console))
         cleanup.callback(trainer.checkpoints.close)
         cleanup.callback(trainer.report.close)
         trainer.restore(inputs.resume_from)
@@ -105,12 +108,13 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
 
 
 def check_inputs(cfg: Config) -> RunInputs:
-    """The layout against the world size, the device, the data sources, the checkpoint to resume from, and that
-    its weights fit the model and its config changes are allowed."""
+    """The layout against the world size, the device, the data sources, the checkpoint to resume from, the
+    tracking packages, and that the checkpoint's weights fit the model and its config changes are allowed."""
     layout = cfg.resolved_parallel()
     device = pick_device(cfg.train.device)
     sources = resolve_sources(cfg.data)
     resume_from, passed_over = find_resume_checkpoint(cfg)
+    require_backends(cfg.tracking)
     model = build_model(cfg.model)
     changes = check_start(cfg, resume_from, model)
     return RunInputs(layout, device, sources, model, count_params(model), resume_from, passed_over, changes)

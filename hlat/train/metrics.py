@@ -16,6 +16,7 @@ import torch
 from rich.console import Console
 
 from hlat.train.config import Config, CostConfig
+from hlat.train.tracking import open_trackers
 
 # Peak dense bf16 FLOP/s per device (vendor figures; dense, no sparsity). CPUs get a nominal figure (cores x
 # 2.5 GHz x fp32 FLOP/cycle of two FMA units: 64 with AVX-512, 32 with AVX2), only to make CPU MFU comparable.
@@ -127,12 +128,14 @@ def json_safe(value):
 
 class MetricsLog:
     """Appends one JSON object per logged step to metrics.jsonl (kept across resumes) and, on the main rank,
-    the same scalars to TensorBoard event files in the run directory."""
+    the same scalars to TensorBoard event files in the run directory, and the same records to the experiment
+    trackers given (hlat.train.tracking)."""
 
-    def __init__(self, run_dir: str | Path):
+    def __init__(self, run_dir: str | Path, trackers: list | None = None):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
         self._writer = None
+        self.trackers = trackers or []
 
     def records(self) -> list[dict]:
         if not self.path.exists():
@@ -151,6 +154,8 @@ class MetricsLog:
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         self._tensorboard(record)
+        for tracker in self.trackers:
+            tracker.log(record)
 
     def _tensorboard(self, record: dict) -> None:
         step, wall = record["step"], record.get("time")
@@ -161,13 +166,23 @@ class MetricsLog:
             self._writer = SummaryWriter(log_dir=str(self.run_dir), purge_step=step)
         for key, value in record.items():
             if key not in ("step", "time") and isinstance(value, (int, float)) and not isinstance(value, bool):
-                self._writer.add_scalar(TENSORBOARD_TAGS.get(key, f"other/{key}"), value, step, walltime=wall)
+                self._writer.add_scalar(tensorboard_tag(key), value, step, walltime=wall)
         self._writer.flush()
 
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []
+
+
+def tensorboard_tag(key: str) -> str:
+    """A record field's TensorBoard tag: grouped with related curves; a named validation set's under eval/."""
+    if key in TENSORBOARD_TAGS:
+        return TENSORBOARD_TAGS[key]
+    return f"eval/{key.removeprefix('val_')}" if key.startswith("val_") else f"other/{key}"
 
 
 # Grouped so TensorBoard shows related curves together.
@@ -179,13 +194,16 @@ TENSORBOARD_TAGS = {
     "tokens_per_s": "speed/tokens_per_s", "step_time_s": "speed/step_time_s", "mfu": "speed/mfu",
     "data_wait_s": "speed/data_wait_s", "peak_memory_gb": "memory/peak_gb", "cost_usd": "cost/usd",
     "tokens_per_usd": "cost/tokens_per_usd", "projected_cost_usd": "cost/projected_usd",
+    "rank_compute_s": "health/rank_compute_s", "rank_compute_max_s": "health/rank_compute_max_s",
+    "slowest_rank": "health/slowest_rank", "slowest_rank_ratio": "health/slowest_rank_ratio",
+    "collective_wait_s": "health/collective_wait_s", "collective_wait_max_s": "health/collective_wait_max_s",
 }
 
 
 class StepReport:
     """The run's metrics as it trains: each step's loss and gradient norm kept on the device (`Interval`); every
     `train.log_every` steps, and at the first and last step, a stop and a validation, one record to
-    metrics.jsonl and TensorBoard (main rank) and one console line."""
+    metrics.jsonl, TensorBoard and the experiment trackers (main rank) and one console line."""
 
     def __init__(self, cfg: Config, device: torch.device, devices: int, is_main: bool, console: Console):
         self.cfg, self.device, self.is_main, self.console = cfg, device, is_main, console
@@ -194,7 +212,7 @@ class StepReport:
         self.peak = peak_flops(device, settings.peak_flops) * devices
         self.flops_per_token = cfg.model.flops_per_token(settings.seq_len)
         self.cost = resolve_cost(cfg.cost, devices)
-        self.metrics = MetricsLog(settings.run_dir)
+        self.metrics = MetricsLog(settings.run_dir, open_trackers(cfg) if is_main else [])
         self.losses: list[float] = []  # the mean loss of each record written by this process
 
     def begin(self, step: int, resumed: bool, stream) -> None:
@@ -223,11 +241,11 @@ class StepReport:
             self.metrics.truncate_after(step)
         self.interval.reset(self.stream.wait_time_s)
 
-    def log(self, step: int, lr: float, bad_steps: int, validate=None) -> None:
-        """Write the record of the steps since the last one (with `validate()`'s figures when given) and print its
-        line."""
+    def log(self, step: int, lr: float, bad_steps: int, validate=None, extra: dict | None = None) -> None:
+        """Write the record of the steps since the last one (with `validate()`'s figures when given, and `extra`
+        fields) and print its line."""
         stats = self.interval.close(self.stream.wait_time_s)  # means over the steps since the last record
-        record = self.record(step, lr, bad_steps, stats)
+        record = {**self.record(step, lr, bad_steps, stats), **(extra or {})}
         if validate is not None:
             record.update(validate())
             self.interval.reset(self.stream.wait_time_s)  # the evaluation's time is not a training step's
@@ -265,7 +283,7 @@ class StepReport:
         # the first step carries the start-up (data pool, compilation): too early to tell
         eta = "-" if step == self.start + 1 else format_duration(step_time * (settings.steps - step))
         spent = f"  ${record['cost_usd']:,.2f}" if self.cost else ""
-        val = f"  val_loss {record['val_loss']:7.4f}" if "val_loss" in record else ""
+        val = "".join(f"  {k} {v:7.4f}" for k, v in record.items() if k.startswith("val_") and k.endswith("loss"))
         return (f"step {step:>6}/{settings.steps}  loss {stats['loss']:7.4f}  grad_norm {stats['grad_norm']:6.3f}  "
                 f"lr {record['lr']:.2e}  {tokens_per_s:>9,.0f} tok/s  mfu {record['mfu'] or 0:6.2%}  "
                 f"eta {eta}{spent}{val}")

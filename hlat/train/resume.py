@@ -17,9 +17,9 @@ from hlat.train.checkpoint import (CONFIG_FILE, DamagedCheckpoint, complete_chec
 from hlat.train.config import Config, load_config
 
 # What a resume may change without a word: where and how it runs, not what it computes.
-_UNWATCHED = {"data", "parallel", "cluster", "eval", "cost", "train.run_dir", "train.resume", "train.init_from",
-              "train.log_every", "train.ckpt_every", "train.keep_checkpoints", "train.device", "train.peak_flops",
-              "train.allow_schedule_change"}
+_UNWATCHED = {"data", "parallel", "cluster", "eval", "cost", "health", "tracking", "train.run_dir", "train.resume",
+              "train.init_from", "train.log_every", "train.ckpt_every", "train.keep_checkpoints", "train.device",
+              "train.peak_flops", "train.allow_schedule_change"}
 
 
 def check_model_shapes(path: Path, model: nn.Module) -> None:

@@ -1,15 +1,18 @@
-"""When a run checkpoints and commits: every `train.ckpt_every` steps, at the last step and on a stop signal, each
-save accounted in the run's goodput. The writing itself is `hlat.train.checkpoint.Checkpointer`'s."""
+"""When a run checkpoints and commits: every `train.ckpt_every` steps, at the last step and on a stop signal, and
+(eval.keep_best) at a validation with the lowest loss so far; each save accounted in the run's goodput. The
+writing itself is `hlat.train.checkpoint.Checkpointer`'s, the best checkpoint's `hlat.train.best`'s."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from hlat import HlatError
 from hlat.parallel import Topology
+from hlat.train.best import BestCheckpoint
 from hlat.train.checkpoint import Checkpointer, Snapshot, latest_checkpoint
 from hlat.train.config import Config
 from hlat.train.faults import weights_finite
@@ -28,6 +31,7 @@ class Checkpoints:
         self.writer = Checkpointer(self.run_dir, settings.keep_checkpoints, topo.rank, settings.async_checkpoint,
                                    pinned=device.type == "cuda")
         self.saved: Path | None = None
+        self.best = BestCheckpoint(cfg.eval.keep_best, self.run_dir, topo.rank, device) if cfg.eval.keep_best else None
 
     def due(self, step: int, stopping: bool) -> bool:
         return bool(self.every and step % self.every == 0) or step == self.last or stopping
@@ -46,6 +50,13 @@ class Checkpoints:
             self.committed(saved)
         elif commit_now:
             self.commit()
+
+    def keep_best(self, step: int, figures: dict, snapshot: Callable[[], Snapshot]) -> None:
+        """After a validation (on every rank): eval.keep_best's checkpoint of `snapshot()`, if `figures` hold the
+        lowest loss so far. Written synchronously, apart from any asynchronous save in flight."""
+        started = time.perf_counter()
+        if self.best is not None and self.best.offer(step, figures, snapshot, self.config_toml) is not None:
+            self.goodput.checkpointed(time.perf_counter() - started)
 
     def written(self) -> bool:
         """Whether this rank has written its part of the asynchronous save in flight."""

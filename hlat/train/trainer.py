@@ -1,6 +1,7 @@
 """One rank's training run: its state in one object, `train_step()` (forward and backward over this rank's
 micro-batches, one all-reduce, clipping, the update) and `after_step()`, where each of the run's services acts at
-its own cadence: the bad-step policy, the metrics report (with validation), checkpoints and the watchdog.
+its own cadence: the bad-step policy, the metrics report (with validation and the ranks' health), checkpoints and
+the watchdog.
 
 `hlat.train.loop.train` builds a Trainer and drives it; the order of work inside a step is docs/architecture.md's.
 """
@@ -28,6 +29,7 @@ from hlat.train.checkpoint import Snapshot, load_checkpoint, resolve_checkpoint
 from hlat.train.config import Config
 from hlat.train.faults import BadSteps, Watchdog, bad_step_action, poison_gradients
 from hlat.train.goodput import Goodput
+from hlat.train.health import Health
 from hlat.train.metrics import StepReport
 from hlat.train.saving import Checkpoints
 from hlat.train.validation import Validation
@@ -112,6 +114,7 @@ class Trainer:
     report: StepReport
     validation: Validation
     watchdog: Watchdog
+    health: Health
     bad_steps: BadSteps = field(init=False)
     step: int = 0  # optimizer steps done
     start: int = 0  # the step this process started at
@@ -146,11 +149,14 @@ class Trainer:
         agreed in one all-reduce, the gradient norm clipped, and the update unless the step is bad."""
         started, waited = time.perf_counter(), self.batches.stream.wait_time_s
         lr = self.set_lr()
-        local_loss = forward_backward(self.model, self.batches.next_step(self.device), self.device)
+        micro = self.batches.next_step(self.device)
+        with self.health.computing():
+            local_loss = forward_backward(self.model, micro, self.device)
         if self.step + 1 == self.cfg.train.debug_nan_step and not self.bad_steps.injected:
             local_loss = self.inject_nan(local_loss)
-        loss, stopping, save_written = reduce_step(self.topo, local_loss, stop_requested,
-                                                   self.checkpoints.written())
+        with self.health.at_collective():
+            loss, stopping, save_written = reduce_step(self.topo, local_loss, stop_requested,
+                                                       self.checkpoints.written())
         if save_written:  # an asynchronous save is on disk on every rank: commit it
             self.checkpoints.commit()
         grad_norm = clip_grad_norm(self.model.params, self.cfg.optim.clip_grad_norm, self.pp_group)
@@ -195,8 +201,11 @@ class Trainer:
         self.report.add(result.loss, result.grad_norm)
         validate = self.validation.due(self.step)
         if self.report.due(self.step, result.stopping) or validate:
-            self.report.log(self.step, result.lr, self.bad_steps.total, self.validate if validate else None)
+            self.report.log(self.step, result.lr, self.bad_steps.total, self.validate if validate else None,
+                            self.health.check())
             self.goodput.save()
+        if validate:
+            self.checkpoints.keep_best(self.step, self.validation.latest, self.snapshot)
         if self.checkpoints.due(self.step, result.stopping):
             self.checkpoints.save(self.step, self.snapshot(), commit_now=result.stopping)
         self.watchdog.beat(self.step)

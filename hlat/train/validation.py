@@ -1,4 +1,5 @@
-"""Validation loss: during training (every `eval.every` steps) and for `hlat eval`.
+"""Validation loss: during training (every `eval.every` steps, on the default set of eval.paths or eval.holdout
+and on each named set of eval.sets) and for `hlat eval`.
 
 Validation reads its documents in a fixed order (no shuffling, no workers), tokenizes them, puts EOS after each
 and cuts the token stream into rows of seq_len + 1 tokens, consecutive rows sharing one token as in training
@@ -72,9 +73,10 @@ class Evaluation:
     def perplexity(self) -> float:
         return math.exp(self.loss) if self.loss < 700 else float("inf")
 
-    def figures(self) -> dict:
-        """The metrics record's validation fields."""
-        return {"val_loss": self.loss, "val_perplexity": self.perplexity, "val_tokens": self.tokens}
+    def figures(self, name: str = "") -> dict:
+        """The metrics record's validation fields: val_loss... for the default set, val_NAME_loss... for set NAME."""
+        prefix = f"val_{name}_" if name else "val_"
+        return {f"{prefix}loss": self.loss, f"{prefix}perplexity": self.perplexity, f"{prefix}tokens": self.tokens}
 
 
 @torch.no_grad()
@@ -96,19 +98,33 @@ def evaluate(model: nn.Module, batches: list[dict[str, torch.Tensor]], device: t
 
 
 class Validation:
-    """Validation during training: the batches, built once before the first step, and when to evaluate them
-    (every `eval.every` steps and at the last step; never without `eval.every`)."""
+    """Validation during training: each set's batches, built once before the first step, and when to evaluate
+    them (every `eval.every` steps and at the last step; never without `eval.every`). `latest` holds the figures
+    of the last evaluation."""
 
     def __init__(self, cfg: Config, tokenizer: Tokenizer, sources: list[Source]):
         self.every, self.last = cfg.eval.every, cfg.train.steps
-        self.batches = []
-        if self.every:
-            documents = validation_documents(cfg, sources)
-            self.batches = validation_batches(documents, tokenizer, cfg.train.seq_len, cfg.train.micro_batch,
-                                              cfg.eval.batches, cfg.model.doc_mask)
+        self.sets: dict[str, list[dict]] = {}  # by name; "" is the default set
+        self.latest: dict = {}
+        for name, documents in (validation_sets(cfg, sources) if self.every else {}).items():
+            try:
+                self.sets[name] = validation_batches(documents, tokenizer, cfg.train.seq_len,
+                                                     cfg.train.micro_batch, cfg.eval.batches, cfg.model.doc_mask)
+            except HlatError as e:
+                raise HlatError(f"eval.sets: {name!r}: {e}" if name else str(e)) from None
 
     def due(self, step: int) -> bool:
         return bool(self.every) and (step % self.every == 0 or step == self.last)
 
     def run(self, model: nn.Module, device: torch.device, autocast, loss_context: Callable) -> dict:
-        return evaluate(model, self.batches, device, autocast, loss_context).figures()
+        self.latest = {}
+        for name, batches in self.sets.items():
+            self.latest.update(evaluate(model, batches, device, autocast, loss_context).figures(name))
+        return self.latest
+
+
+def validation_sets(cfg: Config, sources: list[Source]) -> dict[str, Iterator[str]]:
+    """The documents of each validation set: the default set ("") of eval.paths or eval.holdout, if either is set,
+    and each named set of eval.sets."""
+    named = {name: validation_documents(cfg, paths=patterns) for name, patterns in cfg.eval.named_sets().items()}
+    return ({"": validation_documents(cfg, sources)} if cfg.eval.paths or cfg.eval.holdout else {}) | named
