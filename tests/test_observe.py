@@ -71,7 +71,8 @@ def test_metrics_grad_norm_statistics_and_cost(runs):
     rounding = PRICE / 3600 * 5e-4 + 1e-6  # times are logged to the millisecond, dollars to 1e-6
     for r in a:  # $3600 per device-hour from the profile (7200 per node of 2): one dollar per second
         assert r["cost_usd"] == pytest.approx(PRICE / 3600 * r["elapsed_s"], abs=rounding)
-        assert r["tokens_per_usd"] == pytest.approx(r["tokens_seen"] / r["cost_usd"], rel=1e-3)
+        # logged to 0.1 tokens per dollar: a slow first step under load makes that rounding show beyond 1e-3
+        assert r["tokens_per_usd"] == pytest.approx(r["tokens_seen"] / r["cost_usd"], rel=1e-3, abs=0.05)
         assert r["projected_cost_usd"] == pytest.approx(PRICE / 3600 * r["projected_time_s"], abs=rounding)
         assert r["projected_time_s"] == pytest.approx(r["elapsed_s"] + r["step_time_s"] * (6 - r["step"]), abs=2e-3)
     assert "cost_usd" not in b[0]  # no price, no cost figures
