@@ -7,6 +7,7 @@ always fail with it (a small tmpfs is not available to tests)."""
 
 import contextlib
 import errno
+import io
 import json
 import os
 import subprocess
@@ -87,9 +88,24 @@ def test_full_disk_between_checkpoints_is_one_line_and_exit_2(target, tmp_path, 
     only_step_2_intact(tmp_path / "run")
 
 
+class NearlyFullFile(io.FileIO):
+    """A file on a disk with 512 KB left: the small entries DCP writes first fit, the tensors that torch.save writes
+    after them meet the kernel's own ENOSPC (/dev/full's)."""
+
+    room = 512 * 1024
+
+    def write(self, data) -> int:
+        size = memoryview(data).nbytes
+        if size > self.room:
+            with open("/dev/full", "wb", buffering=0) as full:
+                return full.write(data)
+        self.room -= size
+        return super().write(data)
+
+
 @contextlib.contextmanager
-def full_stream(self, path, mode):  # FileSystem.create_stream, on /dev/full for the step-4 checkpoint's files
-    with open("/dev/full" if "step_00000004" in str(path) else path, mode) as stream:
+def nearly_full_stream(self, path, mode):  # FileSystem.create_stream: the step-4 checkpoint's files fill the disk
+    with (NearlyFullFile(path, mode) if "step_00000004" in str(path) else open(path, mode)) as stream:
         yield stream
 
 
@@ -99,7 +115,7 @@ def test_full_disk_in_torch_save_names_the_disk_not_the_zip_writer(tmp_path, cap
     from torch.distributed.checkpoint.filesystem import FileSystem
 
     cfg_file = two_step_run(tmp_path)
-    monkeypatch.setattr(FileSystem, "create_stream", full_stream)
+    monkeypatch.setattr(FileSystem, "create_stream", nearly_full_stream)
     assert main(["train", "--config", str(cfg_file)]) == 2
     err = one_line(capsys)
     assert f"cannot write checkpoint {tmp_path}/run/checkpoints/step_00000004.partial: No space left on device; " \
