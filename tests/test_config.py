@@ -95,7 +95,7 @@ def test_recipe_turns_on_what_a_long_run_needs(name, capsys):
     predicted step time for the recipe's layout (its comment says how it was derived), below the collective timeout
     so that a hung rank is named before a collective gives up."""
     cfg = load_config(name)
-    assert main(["plan", "--model", f"{name}.toml", "--json"]) == 0
+    assert main(["plan", "--config", name, "--json"]) == 0
     step = json.loads(capsys.readouterr().out)["plans"][0]["step_time_s"]["total"]
     assert cfg.train.async_checkpoint
     assert 20 * step <= cfg.train.hang_timeout_s < cfg.train.collective_timeout_s

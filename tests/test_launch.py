@@ -68,7 +68,7 @@ def test_slurm_runs_the_preflight_again_before_each_restart(failures, capsys, tm
     """cluster.preflight_restarts: the script starts torchrun itself (which restarts nothing), each start after a
     preflight, until training succeeds or max_restarts restarts have failed (srun stands in for the cluster)."""
     script = render(capsys, "--target", "slurm", "--cluster.preflight", "true", "--cluster.preflight_restarts",
-                    "true", "--cluster.max_restarts", "2")
+                    "true", "--cluster.max_restarts", "2", *TRN2)
     lines = script.splitlines()
     tail = "\n".join(lines[lines.index("trap stop_and_requeue USR1") + 1:])
     # training runs in the background (a subshell): its starts are counted in a file
@@ -91,7 +91,7 @@ def test_slurm_runs_the_preflight_again_before_each_restart(failures, capsys, tm
 
 def test_kubernetes_pods_restart_through_the_preflight(capsys):
     job = json.loads(render(capsys, "--target", "k8s", "--cluster.preflight", "true", "--cluster.preflight_restarts",
-                            "true"))["items"][1]
+                            "true", *TRN2))["items"][1]
     (container,) = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"]
     preflight, train = container["command"][2].split(" && exec ")
     assert "--max-restarts=0" in train and job["spec"]["runPolicy"]["backoffLimit"] == 3  # the pods restart

@@ -116,15 +116,17 @@ class Checkpoints:
 
     def slots(self, step: int) -> tuple[int, int]:
         """How many more checkpoints the disk must hold at once from `step` on (the rotation, less those already
-        there), and how many the run will have written by its end when it keeps them all."""
+        there; with eval.keep_best, the best and its successor while it is written, less a best already there), and
+        how many the run will have written by its end when it keeps them all."""
+        best = 2 - len(list(self.writer.root.glob("best_step_*"))) if self.best is not None else 0
         if self.keep:
-            return max(1, self.keep + 1 - len(complete_checkpoints(self.run_dir))), 0
+            return max(1, self.keep + 1 - len(complete_checkpoints(self.run_dir))) + best, 0
         ahead = self.last // self.every - step // self.every + (self.last % self.every > 0) if self.every else 1
-        return 1, max(1, ahead)
+        return 1 + best, max(1, ahead)
 
     def rotation_text(self) -> str:
-        return (f"train.keep_checkpoints = {self.keep}, and the one being written" if self.keep else
-                "train.keep_checkpoints = 0 keeps every checkpoint")
+        return ((f"train.keep_checkpoints = {self.keep}, and the one being written" if self.keep else
+                 "train.keep_checkpoints = 0 keeps every checkpoint") + ("; the best" if self.best is not None else ""))
 
 
 def checkpoint_bytes(resume_from: Path | None, n_params: int, mode: str) -> int:
