@@ -89,6 +89,20 @@ def test_slurm_runs_the_preflight_again_before_each_restart(failures, capsys, tm
     assert "cluster.preflight_restarts: runs the preflight again before a restart" in capsys.readouterr().err
 
 
+def test_slurm_does_not_restart_an_hlat_error(capsys, tmp_path):
+    """With cluster.preflight_restarts the script restarts torchrun itself: not after exit code 2 (`hlat torchrun`
+    passes on a trainer's full disk or other hlat error), which the same start would meet again."""
+    script = render(capsys, "--target", "slurm", "--cluster.preflight", "true", "--cluster.preflight_restarts",
+                    "true", *TRN2)
+    lines = script.splitlines()
+    tail = "\n".join(lines[lines.index("trap stop_and_requeue USR1") + 1:])
+    srun = 'srun() { for a in "$@"; do case $a in preflight) echo preflight; return 0;; train) echo train; return 2;; esac; done; }'
+    done = subprocess.run(["bash", "-c", f"set -uo pipefail\nSLURM_JOB_ID=7\nhead_node=h\n{srun}\n{tail}"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stdout.split()[:2] == ["preflight", "train"]
+    assert done.stdout.splitlines().count("train") == 1 and "not restarted" in done.stdout
+
+
 def test_kubernetes_pods_restart_through_the_preflight(capsys):
     job = json.loads(render(capsys, "--target", "k8s", "--cluster.preflight", "true", "--cluster.preflight_restarts",
                             "true", *TRN2))["items"][1]

@@ -115,7 +115,10 @@ def _slurm_training(c: ClusterConfig, preflight: str, train: list[str], endpoint
                 "train_pid=$!", 'wait "$train_pid"']
     torchrun = _torchrun(c, '"$SLURM_JOB_ID-$attempt"', endpoint, 0)
     return [f"for attempt in $(seq 0 {c.max_restarts}); do  # the preflight before each start", f"    {preflight}",
-            f"    srun {' '.join(torchrun)} {shlex.join(train)} &", "    train_pid=$!", '    wait "$train_pid" && exit 0',
+            f"    srun {' '.join(torchrun)} {shlex.join(train)} &", "    train_pid=$!", '    wait "$train_pid"; code=$?',
+            '    [ "$code" -eq 0 ] && exit 0',
+            '    [ "$code" -eq 2 ] && { echo "hlat: training failed with an hlat error (exit code 2): not restarted"; '
+            'exit 2; }  # a full disk, a bad config: the same start would fail the same way',
             f'    echo "hlat: training failed (start $((attempt + 1)) of {c.max_restarts + 1}): preflight, then resume"',
             "done", "exit 1"]
 
