@@ -8,6 +8,7 @@ import pytest
 from hlat.cli import main
 from hlat.config import ConfigError
 from hlat.optim import lr_at
+from hlat.planner.profiles import load_profile
 from hlat.train.config import Config, build_config, load_config
 
 
@@ -66,7 +67,7 @@ def test_recipe_states_the_published_run(name):
     want, cfg = RECIPES[name], load_config(name)
     assert cfg.model.num_params() == want["params"] and cfg.precision.mode == want["precision"]
     c = cfg.cluster
-    assert (c.hardware, c.nodes, c.nproc_per_node, c.accelerator) == want["cluster"]
+    assert (c.hardware, c.nodes, c.nproc_per_node, load_profile(c.hardware).accelerator) == want["cluster"]
     p = cfg.resolved_parallel(c.world_size)  # the layout runs as is on the stated cluster
     assert (p.tp, p.pp, p.dp_replicate, p.dp_shard, p.zero1) == want["layout"]
     assert p.sequence_parallel and p.activation_checkpoint == "selective"
@@ -86,6 +87,18 @@ def test_plan_prices_each_recipe_as_it_stands(name, capsys):
     assert (out["hardware"], out["nodes"]) == RECIPES[name]["cluster"][:2] and out["precision"] == RECIPES[name]["precision"]
     assert plan["parallel"]["tp"] == tp and plan["parallel"]["pp"] == pp and plan["parallel"]["zero1"] == zero1
     assert plan["fits"] and plan["tokens_per_dollar"] > 0 and plan["budget"]["days"] > 0
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_recipe_turns_on_what_a_long_run_needs(name, capsys):
+    """Asynchronous checkpoints, and the hang watchdog at a timeout suited to the step: at least 20x the planner's
+    predicted step time for the recipe's layout (its comment says how it was derived), below the collective timeout
+    so that a hung rank is named before a collective gives up."""
+    cfg = load_config(name)
+    assert main(["plan", "--config", name, "--json"]) == 0
+    step = json.loads(capsys.readouterr().out)["plans"][0]["step_time_s"]["total"]
+    assert cfg.train.async_checkpoint
+    assert 20 * step <= cfg.train.hang_timeout_s < cfg.train.collective_timeout_s
 
 
 def test_recipe_without_its_data_stops_at_once(capsys):

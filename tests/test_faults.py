@@ -268,32 +268,28 @@ def two_ranks_training(tmp_path: Path, launcher: list[str], **fields) -> subproc
     return job
 
 
-def test_hang_watchdog_names_the_stopped_rank(tmp_path):
-    """One rank of a 2-rank torchrun job stopped with SIGSTOP: the other rank's watchdog notices that no step
+def test_hang_watchdog_names_the_stopped_rank_and_the_job_exits_3(tmp_path):
+    """One rank of a 2-rank `hlat torchrun` job stopped with SIGSTOP: the other rank's watchdog notices that no step
     finished within train.hang_timeout_s (long before the collective timeout), writes its stacks into the run
-    directory, names the rank that stopped answering and exits non-zero."""
-    job = two_ranks_training(tmp_path, ["-m", "torch.distributed.run"], hang_timeout_s=4, collective_timeout_s=300)
+    directory, names the rank that stopped answering and kills it (it cannot act on torchrun's SIGTERM; torchrun
+    would wait 30 s before killing it), so the job ends at once with the watchdog's exit code 3, not torchrun's 1."""
+    job = two_ranks_training(tmp_path, ["-m", "hlat", "torchrun"], hang_timeout_s=4, collective_timeout_s=300)
     try:
         ranks = {v: p for p in children(job.pid)
                  for v in Path(f"/proc/{p}/environ").read_bytes().split(b"\0") if v.startswith(b"RANK=")}
         hung = ranks[b"RANK=1"]
         os.kill(hung, signal.SIGSTOP)
-        stacks = tmp_path / "run" / "hang" / "rank0.txt"
-        deadline = time.time() + 120
-        while job.poll() is None and time.time() < deadline and not stacks.exists():
-            time.sleep(0.1)
-        time.sleep(1)
-        os.kill(hung, signal.SIGKILL)  # as the scheduler would, once the job is declared failed
-        out, _ = job.communicate(timeout=120)
+        out, _ = job.communicate(timeout=120)  # nobody kills the stopped rank but the watchdog
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
-    assert job.returncode != 0
-    report = stacks.read_text()
+    assert job.returncode == 3, out
+    report = (tmp_path / "run" / "hang" / "rank0.txt").read_text()
     first = report.splitlines()[0]
     assert "rank 0 on" in first and "no step finished for 4 s" in first and "ranks not responding: 1" in first
+    assert "(killed on this node: 1)" in first and not alive(hung)
     assert "torch/distributed" in report and "train/loop.py" in report  # rank 0 waits in a collective
-    assert first in out
+    assert first in out and "hlat: a trainer exited with code 3; so does the job" in out
 
 
 def test_long_documents_are_tokenized_in_pieces_to_the_same_tokens(tmp_path, monkeypatch):

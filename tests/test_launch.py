@@ -8,26 +8,32 @@ import pytest
 from hlat.cli import main
 
 
+# hlat-7b's 2,048 processes on trn2 (hlat cannot train on the recipe's trn1: test_trn1_is_priced_not_launched)
+TRN2 = ["--cluster.hardware", "trn2.48xlarge", "--nodes", "32", "--nproc-per-node", "64"]
+P5 = ["--cluster.hardware", "p5.48xlarge", "--nproc-per-node", "8"]
+
+
 def render(capsys, *args, config="configs/hlat-7b.toml"):
     assert main(["launch", "--config", config, *args]) == 0
     return capsys.readouterr().out
 
 
 def test_slurm_script_stops_before_the_time_limit_and_requeues(capsys):
-    script = render(capsys, "--target", "slurm", "--nodes", "4", "--cluster.time_limit", "2-00:00:00",
-                    "--cluster.stop_grace_s", "1200")
+    script = render(capsys, "--target", "slurm", "--cluster.hardware", "trn2.48xlarge", "--nodes", "4",
+                    "--nproc-per-node", "64", "--cluster.time_limit", "2-00:00:00", "--cluster.stop_grace_s", "1200")
     lines = script.splitlines()
     for line in ("#SBATCH --nodes=4", "#SBATCH --time=2-00:00:00", "#SBATCH --requeue", "trap stop_and_requeue USR1",
                  'kill -TERM "$train_pid"', 'scontrol requeue "$SLURM_JOB_ID"', "export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=1200"):
         assert line in script, line
     assert "#SBATCH --signal=B:USR1@1200" in lines
-    assert not any("--gpus-per-node" in line for line in lines)  # trn1: Neuron devices, not GPUs
+    assert not any("--gpus-per-node" in line for line in lines)  # trn2: Neuron devices, not GPUs
     torchrun = next(line for line in lines if line.startswith("srun hlat torchrun"))
-    for flag in ("--nnodes=4", "--nproc-per-node=32", "--max-restarts=3", "--rdzv-backend=c10d",
+    for flag in ("--nnodes=4", "--nproc-per-node=64", "--max-restarts=3", "--rdzv-backend=c10d",
                  '--rdzv-endpoint="$head_node:29500"', '--rdzv-id="$SLURM_JOB_ID"'):
         assert flag in torchrun
-    assert torchrun.endswith("-m hlat train --config configs/hlat-7b.toml --cluster.nodes 4 "
-                             "--cluster.time_limit 2-00:00:00 --cluster.stop_grace_s 1200 --resume auto &")
+    assert torchrun.endswith("-m hlat train --config configs/hlat-7b.toml --cluster.nodes 4 --cluster.nproc_per_node "
+                             "64 --cluster.hardware trn2.48xlarge --cluster.time_limit 2-00:00:00 "
+                             "--cluster.stop_grace_s 1200 --resume auto &")
     assert not any("preflight" in line for line in lines)
 
 
@@ -35,7 +41,7 @@ def test_slurm_script_stops_before_the_time_limit_and_requeues(capsys):
 def test_slurm_stop_handler_requeues_during_preflight_and_training(training, capsys, tmp_path):
     """The USR1 handler under the script's `set -u`: before training starts (preflight) it only requeues; once
     training runs it stops the trainers, waits for them, then requeues."""
-    script = render(capsys, "--target", "slurm", "--cluster.preflight", "true")
+    script = render(capsys, "--target", "slurm", "--cluster.preflight", "true", *TRN2)
     lines = script.splitlines()
     handler = "\n".join(lines[lines.index(next(x for x in lines if x.startswith("stop_and_requeue() {"))):][:9])
     assert handler.endswith("}")
@@ -48,9 +54,7 @@ def test_slurm_stop_handler_requeues_during_preflight_and_training(training, cap
 
 
 def test_slurm_on_gpus_with_preflight(capsys):
-    script = render(capsys, "--target", "slurm", "--cluster.accelerator", "gpu", "--cluster.devices_per_node", "0",
-                    "--nproc-per-node", "8",
-                    "--nodes", "32", "--cluster.preflight", "true")
+    script = render(capsys, "--target", "slurm", *P5, "--nodes", "32", "--cluster.preflight", "true")
     assert "#SBATCH --gpus-per-node=8" in script and "#SBATCH --time" not in script
     preflight = next(line for line in script.splitlines() if "hlat preflight" in line)
     assert preflight.startswith("srun hlat torchrun --nnodes=32 --nproc-per-node=8 --max-restarts=0 --rdzv-backend=c10d "
@@ -64,7 +68,7 @@ def test_slurm_runs_the_preflight_again_before_each_restart(failures, capsys, tm
     """cluster.preflight_restarts: the script starts torchrun itself (which restarts nothing), each start after a
     preflight, until training succeeds or max_restarts restarts have failed (srun stands in for the cluster)."""
     script = render(capsys, "--target", "slurm", "--cluster.preflight", "true", "--cluster.preflight_restarts",
-                    "true", "--cluster.max_restarts", "2")
+                    "true", "--cluster.max_restarts", "2", *TRN2)
     lines = script.splitlines()
     tail = "\n".join(lines[lines.index("trap stop_and_requeue USR1") + 1:])
     # training runs in the background (a subshell): its starts are counted in a file
@@ -85,9 +89,23 @@ def test_slurm_runs_the_preflight_again_before_each_restart(failures, capsys, tm
     assert "cluster.preflight_restarts: runs the preflight again before a restart" in capsys.readouterr().err
 
 
+def test_slurm_does_not_restart_an_hlat_error(capsys, tmp_path):
+    """With cluster.preflight_restarts the script restarts torchrun itself: not after exit code 2 (`hlat torchrun`
+    passes on a trainer's full disk or other hlat error), which the same start would meet again."""
+    script = render(capsys, "--target", "slurm", "--cluster.preflight", "true", "--cluster.preflight_restarts",
+                    "true", *TRN2)
+    lines = script.splitlines()
+    tail = "\n".join(lines[lines.index("trap stop_and_requeue USR1") + 1:])
+    srun = 'srun() { for a in "$@"; do case $a in preflight) echo preflight; return 0;; train) echo train; return 2;; esac; done; }'
+    done = subprocess.run(["bash", "-c", f"set -uo pipefail\nSLURM_JOB_ID=7\nhead_node=h\n{srun}\n{tail}"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stdout.split()[:2] == ["preflight", "train"]
+    assert done.stdout.splitlines().count("train") == 1 and "not restarted" in done.stdout
+
+
 def test_kubernetes_pods_restart_through_the_preflight(capsys):
     job = json.loads(render(capsys, "--target", "k8s", "--cluster.preflight", "true", "--cluster.preflight_restarts",
-                            "true"))["items"][1]
+                            "true", *TRN2))["items"][1]
     (container,) = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"]
     preflight, train = container["command"][2].split(" && exec ")
     assert "--max-restarts=0" in train and job["spec"]["runPolicy"]["backoffLimit"] == 3  # the pods restart
@@ -95,24 +113,29 @@ def test_kubernetes_pods_restart_through_the_preflight(capsys):
 
 def test_kubernetes_job_keeps_runs_on_a_volume(capsys):
     objects = json.loads(render(capsys, "--target", "k8s", "--image", "reg/hlat:1", "--cluster.run_volume", "fsx",
-                                "--optim.lr", "1e-4"))["items"]
+                                "--optim.lr", "1e-4", *TRN2))["items"]
     config_map, job = objects
-    assert (job["apiVersion"], job["kind"], job["spec"]["nprocPerNode"]) == ("kubeflow.org/v1", "PyTorchJob", "32")
+    assert (job["apiVersion"], job["kind"], job["spec"]["nprocPerNode"]) == ("kubeflow.org/v1", "PyTorchJob", "64")
     assert 'lr = 0.0001' in config_map["data"]["config.toml"]  # the resolved config, overrides included
     replicas = job["spec"]["pytorchReplicaSpecs"]
-    assert replicas["Master"]["replicas"] + replicas["Worker"]["replicas"] == 64
+    assert replicas["Master"]["replicas"] + replicas["Worker"]["replicas"] == 32
     pod = replicas["Worker"]["template"]["spec"]
     assert replicas["Worker"]["restartPolicy"] == "OnFailure" and pod["terminationGracePeriodSeconds"] == 900
     (container,) = pod["containers"]
-    assert container["image"] == "reg/hlat:1" and container["resources"]["limits"] == {"aws.amazon.com/neuron": 16}
+    assert container["image"] == "reg/hlat:1"
+    # the Trainium2 chips that hold 64 NeuronCores, the node's 16 EFA interfaces, 90% of its 192 CPUs and 2 TiB
+    assert container["resources"] == {"limits": {"aws.amazon.com/neuron": 16, "vpc.amazonaws.com/efa": 16},
+                                      "requests": {"cpu": "172", "memory": "1843Gi"}}
     volumes = {v["name"]: v for v in pod["volumes"]}
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
     assert volumes["runs"]["persistentVolumeClaim"] == {"claimName": "fsx"} and mounts["runs"] == "/workspace/runs"
     assert container["workingDir"] == "/workspace"  # so the relative runs/hlat-7b is on the claim
     assert volumes["shm"]["emptyDir"]["medium"] == "Memory" and mounts["shm"] == "/dev/shm"
     assert volumes["config"]["configMap"]["name"] == config_map["metadata"]["name"]
+    assert volumes["data"]["persistentVolumeClaim"] == {"claimName": "hlat-data", "readOnly": True}
+    assert mounts["data"] == "/data"  # where the recipes' data.paths and tokenizer are
     command = container["command"]
-    for flag in ("--nnodes=64", "--max-restarts=3", "--rdzv-backend=c10d",
+    for flag in ("--nnodes=32", "--max-restarts=3", "--rdzv-backend=c10d",
                  "--rdzv-endpoint=$(PET_MASTER_ADDR):$(PET_MASTER_PORT)"):
         assert flag in command
     assert command[-5:] == ["train", "--config", "/etc/hlat/config.toml", "--resume", "auto"]
@@ -145,9 +168,50 @@ def test_torchrun_waits_for_the_shutdown_checkpoint(monkeypatch):
     (["--nodes", "2", "--target", "k8s", "--parallel.tp", "16", "--parallel.dp_replicate", "2"],
      "but the world size is 64"),
     (["--nodes", "0", "--target", "slurm"], "cluster.nodes: must be >= 1"),
-    (["--target", "k8s", "--train.run_dir", "/scratch/run"], "train.run_dir: /scratch/run is outside the volume"),
+    (["--target", "k8s", "--train.run_dir", "/scratch/run", *TRN2], "train.run_dir: /scratch/run is outside the volume"),
 ])
 def test_layout_and_volume_are_checked(capsys, args, message):
     assert main(["launch", "--config", "configs/hlat-7b.toml", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_a_recipe_switched_to_p5_requests_its_gpus_and_efa(capsys):
+    """The device request follows the hardware profile, not the recipe's Trainium: 8 GPUs per p5.48xlarge, its 32
+    EFA interfaces and the libfabric settings EFA needs, under SLURM and Kubernetes alike."""
+    efa = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1"}
+    script = render(capsys, "--target", "slurm", *P5, "--nodes", "256")
+    assert "#SBATCH --gpus-per-node=8" in script.splitlines()
+    assert all(f"export {k}={v}" in script.splitlines() for k, v in efa.items())
+    job = json.loads(render(capsys, "--target", "k8s", *P5, "--nodes", "256"))["items"][1]
+    (container,) = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"]
+    assert container["resources"] == {"limits": {"nvidia.com/gpu": 8, "vpc.amazonaws.com/efa": 32},
+                                      "requests": {"cpu": "172", "memory": "1843Gi"}}
+    assert efa.items() <= {e["name"]: e["value"] for e in container["env"]}.items()
+
+
+def test_a_plain_cluster_gets_no_fabric(capsys):
+    script = render(capsys, "--target", "slurm", "--cluster.hardware", "", "--nproc-per-node", "8", "--nodes", "256")
+    assert "#SBATCH --gpus-per-node=8" in script and "FI_" not in script and "EFA" not in script
+    job = json.loads(render(capsys, "--target", "k8s", "--cluster.hardware", "", "--nproc-per-node", "8", "--nodes",
+                            "256", "--cluster.cpus", "90", "--cluster.memory_gib", "1000"))["items"][1]
+    (container,) = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"]
+    assert container["resources"] == {"limits": {"nvidia.com/gpu": 8}, "requests": {"cpu": "90", "memory": "1000Gi"}}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--cluster.hardware", "p5.48xlarge"],  # the recipe's 32 processes per node
+     "cluster.nproc_per_node: 32 processes per node, but p5.48xlarge has 8 devices per node (one process each)"),
+    ([*P5, "--nodes", "256", "--cluster.accelerator", "neuron"],
+     "cluster.accelerator: 'neuron', but cluster.hardware p5.48xlarge has 'gpu' devices"),
+    ([*P5, "--nodes", "256", "--cluster.devices_per_node", "16"],
+     "cluster.devices_per_node: 16, but 8 processes on p5.48xlarge need 8"),
+    ([], "cluster.hardware: trn1.32xlarge: training needs other hardware: hlat trains on Trainium through "
+         "TorchNeuron, which runs on trn2 and later (trn1 needs torch-xla); `hlat plan` prices this cluster; to launch "
+         "the same 2,048 processes use --cluster.hardware trn2.48xlarge --nodes 32 --nproc-per-node 64"),
+])
+@pytest.mark.parametrize("target", ["slurm", "k8s"])
+def test_a_cluster_that_contradicts_its_hardware_is_refused(target, args, message, capsys):
+    assert main(["launch", "--config", "hlat-7b", "--target", target, *args]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1

@@ -36,7 +36,8 @@ def register(commands) -> None:
     p.add_argument("--nproc-per-node", type=int, help="processes (devices) per node (default: cluster.nproc_per_node)")
     p.add_argument("--target", choices=["slurm", "k8s"], required=True)
     p.add_argument("--image", default="hlat:latest", help="container image for k8s")
-    p.add_argument("--cpu", action="store_true", help="CPU nodes: request no devices (cluster.accelerator = cpu)")
+    p.add_argument("--cpu", action="store_true", help="plain CPU nodes: no hardware profile, no devices, no fabric "
+                                                      "(cluster.hardware = '', cluster.accelerator = cpu)")
     p.add_argument("--out", help="file to write (default: print)")
     p.set_defaults(func=run_launch, overrides=True)
 
@@ -94,7 +95,7 @@ def run_launch(args: argparse.Namespace, overrides: list[str]) -> int:
 
     cluster = [*(["--cluster.nodes", str(args.nodes)] if args.nodes is not None else []),
                *(["--cluster.nproc_per_node", str(args.nproc_per_node)] if args.nproc_per_node is not None else []),
-               *(["--cluster.accelerator", "cpu"] if args.cpu else [])]
+               *(["--cluster.hardware", "", "--cluster.accelerator", "cpu"] if args.cpu else [])]
     text = render(args.config, args.target, cluster + overrides, args.image)
     if args.out:
         Path(args.out).write_text(text)

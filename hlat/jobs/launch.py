@@ -1,6 +1,10 @@
 """`hlat launch`: render a multi-node job for SLURM (sbatch script) or Kubernetes (Kubeflow PyTorchJob) from the
 config's `[cluster]` table. The layout is checked against nodes x processes per node before anything is written.
 
+What each node asks for follows the hardware profile of `cluster.hardware` (`ClusterConfig.node_request`): its
+devices (a GPU per process, or the Neuron chips that hold the processes' NeuronCores), its fabric's devices and
+settings (EFA), and in Kubernetes 90% of its CPUs and memory; a cluster that contradicts its profile is refused.
+
 Both survive restarts the same way: every node runs torchrun (as `hlat torchrun`, which exits 0 after a clean
 stop) with c10d rendezvous, `--max-restarts` and `--resume auto`, and the run directory lives on storage that
 outlasts the job (the shared file system under SLURM, a PersistentVolumeClaim on Kubernetes). A stop signal
@@ -17,13 +21,26 @@ import shlex
 from pathlib import PurePosixPath
 
 from hlat.config import ConfigError
-from hlat.train.config import ClusterConfig, Config, load_config
+from hlat.train.config import ClusterConfig, Config, NodeRequest, load_config
 
 RDZV_PORT = 29500
 K8S_WORKDIR = "/workspace"  # the container's working directory; relative run directories land on the volume
 K8S_RUNS = f"{K8S_WORKDIR}/runs"
 K8S_CONFIG = "/etc/hlat/config.toml"
-DEVICE_RESOURCE = {"gpu": "nvidia.com/gpu", "neuron": "aws.amazon.com/neuron"}
+K8S_DATA = "/data"  # where cluster.data_volume is mounted (the recipes' data.paths point there)
+DEVICE_RESOURCE = {"gpu": "nvidia.com/gpu", "neuron": "aws.amazon.com/neuron"}  # the vendors' device plugins
+FABRIC_RESOURCE = {"efa": "vpc.amazonaws.com/efa"}  # the AWS EFA Kubernetes device plugin
+# What a node's fabric needs in the environment, and where each setting comes from. EFA is reached through
+# libfabric: by NCCL via the aws-ofi-nccl plugin, by Neuron's collectives directly.
+FABRIC_ENV = {"efa": {
+    # libfabric offers its EFA provider only, not its TCP or sockets ones (libfabric fi_efa(7); AWS EFA guides)
+    "FI_PROVIDER": "efa",
+    # RDMA straight to and from device memory: GPUDirect RDMA on p4d/p5/p5e, Trainium's RDMA on trn (fi_efa(7);
+    # AWS "Get started with EFA and NCCL" and AWS Neuron's multi-node training examples)
+    "FI_EFA_USE_DEVICE_RDMA": "1",
+    # a fork after EFA has registered memory stays safe (fi_efa(7); set by AWS Neuron's multi-node examples)
+    "FI_EFA_FORK_SAFE": "1",
+}}
 
 
 def _job_name(configs: list[str]) -> str:
@@ -41,7 +58,11 @@ def _torchrun(c: ClusterConfig, rdzv_id: str, endpoint: str, restarts: int) -> l
             f"--max-restarts={restarts}", "--rdzv-backend=c10d", f"--rdzv-id={rdzv_id}", f"--rdzv-endpoint={endpoint}"]
 
 
-def render_slurm(configs: list[str], cfg: Config, overrides: list[str]) -> str:
+def fabric_env(node: NodeRequest) -> dict[str, str]:
+    return FABRIC_ENV.get(node.fabric, {})
+
+
+def render_slurm(configs: list[str], cfg: Config, overrides: list[str], node: NodeRequest) -> str:
     c, name = cfg.cluster, _job_name(configs)
     config_args = [arg for path in configs for arg in ("--config", path)]
     train = ["-m", "hlat", "train", *config_args, *overrides, "--resume", "auto"]
@@ -49,7 +70,7 @@ def render_slurm(configs: list[str], cfg: Config, overrides: list[str]) -> str:
     # every rank of the job, as training will run: devices, links, numerics and stragglers across nodes
     preflight = _torchrun(c, '"$SLURM_JOB_ID-preflight"', endpoint, 0)
     check = f"srun {' '.join(preflight)} {shlex.join(['-m', 'hlat', 'preflight', *config_args, *overrides])} || exit 1"
-    gpus = [f"#SBATCH --gpus-per-node={c.devices_per_node or c.nproc_per_node}"] if c.accelerator == "gpu" else []
+    gpus = [f"#SBATCH --gpus-per-node={node.devices}"] if node.accelerator == "gpu" else []
     lines = [
         "#!/bin/bash",
         f"#SBATCH --job-name={name}",
@@ -65,6 +86,9 @@ def render_slurm(configs: list[str], cfg: Config, overrides: list[str]) -> str:
         "set -uo pipefail",
         'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         *(f"export {k}={v}" for k, v in _env(c).items()),
+        *([f"# {node.fabric.upper()} fabric settings (where each comes from: hlat/jobs/launch.py, FABRIC_ENV)"]
+          if node.fabric else []),
+        *(f"export {k}={v}" for k, v in fabric_env(node).items()),
         f"# world size: {c.nodes} nodes x {c.nproc_per_node} processes = {c.world_size}",
         "stop_and_requeue() {  # the time limit is near: the trainers checkpoint and exit, the job queues again",
         '    echo "hlat: time limit in ' + str(c.stop_grace_s) + ' s: checkpointing, then requeueing $SLURM_JOB_ID"',
@@ -91,12 +115,15 @@ def _slurm_training(c: ClusterConfig, preflight: str, train: list[str], endpoint
                 "train_pid=$!", 'wait "$train_pid"']
     torchrun = _torchrun(c, '"$SLURM_JOB_ID-$attempt"', endpoint, 0)
     return [f"for attempt in $(seq 0 {c.max_restarts}); do  # the preflight before each start", f"    {preflight}",
-            f"    srun {' '.join(torchrun)} {shlex.join(train)} &", "    train_pid=$!", '    wait "$train_pid" && exit 0',
+            f"    srun {' '.join(torchrun)} {shlex.join(train)} &", "    train_pid=$!", '    wait "$train_pid"; code=$?',
+            '    [ "$code" -eq 0 ] && exit 0',
+            '    [ "$code" -eq 2 ] && { echo "hlat: training failed with an hlat error (exit code 2): not restarted"; '
+            'exit 2; }  # a full disk, a bad config: the same start would fail the same way',
             f'    echo "hlat: training failed (start $((attempt + 1)) of {c.max_restarts + 1}): preflight, then resume"',
             "done", "exit 1"]
 
 
-def render_k8s(configs: list[str], cfg: Config, image: str) -> str:
+def render_k8s(configs: list[str], cfg: Config, image: str, node: NodeRequest) -> str:
     """A ConfigMap with the resolved config and a Kubeflow PyTorchJob that runs it (the operator sets PET_NNODES,
     PET_NODE_RANK, PET_MASTER_ADDR/PORT); run directories live on the `cluster.run_volume` claim."""
     c, name = cfg.cluster, _job_name(configs)
@@ -104,6 +131,27 @@ def render_k8s(configs: list[str], cfg: Config, image: str) -> str:
     if not run_dir.is_relative_to(K8S_RUNS):
         raise ConfigError(f"train.run_dir: {cfg.train.run_dir} is outside the volume mounted at {K8S_RUNS}: a "
                           f"restarted pod would not find its checkpoints; use a relative path such as runs/{name}")
+    pod = k8s_pod(c, name, image, node)
+    config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{name}-config"},
+                  "data": {PurePosixPath(K8S_CONFIG).name: cfg.to_toml()}}
+    job = {
+        "apiVersion": "kubeflow.org/v1",
+        "kind": "PyTorchJob",
+        "metadata": {"name": name},
+        "spec": {"nprocPerNode": str(c.nproc_per_node), "runPolicy": {"backoffLimit": c.max_restarts},
+                 "pytorchReplicaSpecs": {"Master": _replica(pod, 1),
+                                         **({"Worker": _replica(pod, c.nodes - 1)} if c.nodes > 1 else {})}},
+    }
+    # JSON is valid YAML and needs no YAML library; a List applies both objects with one `kubectl apply -f`
+    return json.dumps({"apiVersion": "v1", "kind": "List", "items": [config_map, job]}, indent=2) + "\n"
+
+
+def _replica(pod: dict, count: int) -> dict:
+    return {"replicas": count, "restartPolicy": "OnFailure", "template": {"spec": pod}}
+
+
+def k8s_pod(c: ClusterConfig, name: str, image: str, node: NodeRequest) -> dict:
+    """The pod of each node: torchrun (after preflight, if asked), what the node asks for, the volumes."""
     endpoint = "$(PET_MASTER_ADDR):$(PET_MASTER_PORT)"
     # with cluster.preflight_restarts the pods restart (runPolicy.backoffLimit), each start after its preflight
     restarts = 0 if c.preflight_restarts else c.max_restarts
@@ -113,44 +161,41 @@ def render_k8s(configs: list[str], cfg: Config, image: str) -> str:
         preflight = [*_torchrun(c, f"{name}-preflight", endpoint, 0), "-m", "hlat", "preflight", "--config", K8S_CONFIG]
         # Kubernetes substitutes $(PET_...) inside this string too, before bash runs it
         command = ["bash", "-c", f"{shlex.join(preflight)} && exec {shlex.join(command)}"]
-    devices = c.devices_per_node or c.nproc_per_node
-    resources = {"limits": {DEVICE_RESOURCE[c.accelerator]: devices}} if c.accelerator in DEVICE_RESOURCE else {}
+    data = bool(c.data_volume)
     container = {
         "name": "pytorch", "image": image, "workingDir": K8S_WORKDIR, "command": command,
-        "env": [{"name": k, "value": v} for k, v in _env(c).items()], "resources": resources,
+        "env": [{"name": k, "value": v} for k, v in (_env(c) | fabric_env(node)).items()],
+        "resources": k8s_resources(node),
         "volumeMounts": [{"name": "runs", "mountPath": K8S_RUNS}, {"name": "shm", "mountPath": "/dev/shm"},
-                         {"name": "config", "mountPath": str(PurePosixPath(K8S_CONFIG).parent), "readOnly": True}],
+                         {"name": "config", "mountPath": str(PurePosixPath(K8S_CONFIG).parent), "readOnly": True}]
+                        + [{"name": "data", "mountPath": K8S_DATA, "readOnly": True}] * data,
     }
-    pod = {
+    return {
         "terminationGracePeriodSeconds": c.stop_grace_s,
         "containers": [container],
         "volumes": [{"name": "runs", "persistentVolumeClaim": {"claimName": c.run_volume}},
                     {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{c.shm_gib}Gi"}},
-                    {"name": "config", "configMap": {"name": f"{name}-config"}}],
+                    {"name": "config", "configMap": {"name": f"{name}-config"}}]
+                   + [{"name": "data", "persistentVolumeClaim": {"claimName": c.data_volume, "readOnly": True}}] * data,
     }
 
-    def replica(count: int) -> dict:
-        return {"replicas": count, "restartPolicy": "OnFailure", "template": {"spec": pod}}
 
-    config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{name}-config"},
-                  "data": {PurePosixPath(K8S_CONFIG).name: cfg.to_toml()}}
-    job = {
-        "apiVersion": "kubeflow.org/v1",
-        "kind": "PyTorchJob",
-        "metadata": {"name": name},
-        "spec": {"nprocPerNode": str(c.nproc_per_node), "runPolicy": {"backoffLimit": c.max_restarts},
-                 "pytorchReplicaSpecs": {"Master": replica(1), **({"Worker": replica(c.nodes - 1)} if c.nodes > 1
-                                                                  else {})}},
-    }
-    # JSON is valid YAML and needs no YAML library; a List applies both objects with one `kubectl apply -f`
-    return json.dumps({"apiVersion": "v1", "kind": "List", "items": [config_map, job]}, indent=2) + "\n"
+def k8s_resources(node: NodeRequest) -> dict:
+    """A pod's devices and fabric devices (limits: extended resources are requested as limited) and its CPUs and
+    memory (requests: what the scheduler reserves on the node; no limits, which would throttle data workers)."""
+    limits = {**({DEVICE_RESOURCE[node.accelerator]: node.devices} if node.devices else {}),
+              **({FABRIC_RESOURCE[node.fabric]: node.fabric_devices} if node.fabric else {})}
+    requests = {**({"cpu": str(node.cpus)} if node.cpus else {}),
+                **({"memory": f"{node.memory_gib}Gi"} if node.memory_gib else {})}
+    return {**({"limits": limits} if limits else {}), **({"requests": requests} if requests else {})}
 
 
 def render(configs: list[str], target: str, overrides: list[str], image: str) -> str:
-    """The job file for `target`, after checking the configs (merged in order) and the layout on the `[cluster]`
-    they state."""
+    """The job file for `target`, after checking the configs (merged in order), the layout on the `[cluster]`
+    they state and that cluster against its hardware profile."""
     cfg = load_config(configs, overrides)
     cfg.resolved_parallel(cfg.cluster.world_size)
+    node = cfg.cluster.node_request()
     if target == "slurm":
-        return render_slurm(configs, cfg, overrides)
-    return render_k8s(configs, cfg, image)
+        return render_slurm(configs, cfg, overrides, node)
+    return render_k8s(configs, cfg, image, node)

@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from hlat.train.files import append_text, writing
+
 NOT_RETRIED = 2  # hlat's exit code for a one-line error
 
 
@@ -64,9 +66,9 @@ def supervise(train_args: list[str], run_dir: Path, max_restarts: int, nproc: in
                 return code
             record = {"restart": attempt + 1, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                       "ran_s": round(time.time() - started, 1), "exit": describe_exit(code), "error": error}
-            run_dir.mkdir(parents=True, exist_ok=True)
-            with (run_dir / "restarts.jsonl").open("a") as f:
-                f.write(json.dumps(record) + "\n")
+            with writing(run_dir, run_dir):
+                run_dir.mkdir(parents=True, exist_ok=True)
+            append_text(run_dir / "restarts.jsonl", json.dumps(record) + "\n", run_dir)
             print(f"hlat: restart {attempt + 1}/{max_restarts} after {describe_exit(code)}"
                   f"{f' ({error})' if error else ''}; resuming from the newest good checkpoint",
                   file=sys.stderr, flush=True)

@@ -1,9 +1,12 @@
-"""`hlat torchrun`: torchrun, except that a job stopped by a signal exits 0 once its trainers have checkpointed.
+"""`hlat torchrun`: torchrun, except that a job stopped by a signal exits 0 once its trainers have checkpointed, and
+a job that failed with one of hlat's own exit codes exits with it.
 
 torchrun passes a SIGTERM (a scheduler's stop, a pod's deletion) to its workers, waits for them
 (TORCH_ELASTIC_SHUTDOWN_TIMEOUT) and then always exits 1, so a job that stopped cleanly, with its checkpoint
 written, looks like a crash to SLURM, Kubernetes and the supervisor. Here each trainer process leaves a mark in
-a per-launch directory when `hlat train` returns; a stop is clean when every local trainer left one.
+a per-launch directory when `hlat train` returns; a stop is clean when every local trainer left one. A failed job
+also exits 1 under torchrun, whatever its trainers said; here it exits 2 when a trainer did (an hlat error such as
+a full disk: retrying cannot help) and 3 when one's watchdog found a hang.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 FINISHED_DIR = "HLAT_FINISHED_DIR"  # set for the workers; they mark their return in it
+KEPT_EXIT_CODES = (2, 3)  # in this order: an hlat error (not retried), then a hang named by the watchdog
 
 
 def mark_finished() -> None:
@@ -28,8 +32,10 @@ def all_finished(directory: Path) -> bool:
 
 
 def torchrun(argv: list[str]) -> int:
-    """Run torchrun with `argv`; 0 after a signal if every local trainer finished, else torchrun's own exit."""
+    """Run torchrun with `argv`; 0 after a signal if every local trainer finished, a trainer's own hlat exit code
+    if one failed with it (`KEPT_EXIT_CODES`), else torchrun's own exit."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main
 
     with tempfile.TemporaryDirectory(prefix="hlat-finished-") as directory:
@@ -40,4 +46,11 @@ def torchrun(argv: list[str]) -> int:
             if not all_finished(Path(directory)):
                 raise
             print(f"hlat: stopped by {e.sigval.name}: every trainer checkpointed and returned", file=sys.stderr)
+        except ChildFailedError as e:
+            codes = {failure.exitcode for failure in e.failures.values()}
+            kept = next((code for code in KEPT_EXIT_CODES if code in codes), None)
+            if kept is None:
+                raise
+            print(f"hlat: a trainer exited with code {kept}; so does the job", file=sys.stderr)
+            return kept
     return 0

@@ -164,6 +164,15 @@ class HardwareProfile:
     # what a layer keeps for backward: hlat's trainer (torch autograd, as tests/test_activation_memory.py counts
     # it), or a Megatron-style stack (Megatron-LM, NeuronX Distributed: Korthikanti et al.'s accounting)
     activations: Literal["hlat", "megatron"] = "hlat"
+    # what a job asks its scheduler for on each node (`hlat launch`)
+    accelerator: Literal["gpu", "neuron", "cpu"] = "gpu"
+    scheduler_devices: int = 0  # devices a node exposes to its scheduler (Neuron: chips); 0 = devices_per_node
+    fabric: Literal["", "efa"] = ""  # an inter-node fabric that needs settings ("" = plain TCP/IP)
+    fabric_devices: int = 0  # its devices per node (EFA: the interfaces, vpc.amazonaws.com/efa)
+    vcpus: int = 0  # the node's CPUs and host memory (a Kubernetes job requests 90% of them); 0 = unknown
+    host_memory_gib: int = 0
+    unsupported: str = ""  # why hlat cannot train on this hardware ("" = it can): `hlat launch` refuses it
+    launch_instead: str = ""  # the profile `hlat launch` proposes instead of an unsupported one
     fit: Fit = field(default_factory=Fit)
     measured: Measured = field(default_factory=Measured)
     links: Links = field(default_factory=Links)
@@ -191,7 +200,7 @@ class HardwareProfile:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"hardware {self.name!r}: {name} must be positive, got {getattr(self, name)}")
         for name in ("intra_latency_us", "inter_latency_us", "overhead_gib", "price_on_demand", "price_reserved",
-                     *FACTORS):
+                     "scheduler_devices", "fabric_devices", "vcpus", "host_memory_gib", *FACTORS):
             value = getattr(self.fit if name in FACTORS else self, name)
             if value < 0:
                 raise ConfigError(f"hardware {self.name!r}: {name} must be >= 0, got {value}")

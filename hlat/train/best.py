@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from hlat.train.checkpoint import Snapshot, checkpoint_root, write_checkpoint
+from hlat.train.files import write_text
 
 BEST_FILE = "best.json"
 
@@ -39,9 +39,8 @@ class BestCheckpoint:
         write_checkpoint(final, snapshot().state_dict(), config_toml, self.rank)
         if self.rank == 0:
             record = {"step": step, "metric": self.metric, "value": value, "checkpoint": final.name}
-            temporary = self.root / f"{BEST_FILE}.tmp"
-            temporary.write_text(json.dumps(record, indent=1) + "\n")
-            os.replace(temporary, self.root / BEST_FILE)  # best.json names the new best before the old one goes
+            # best.json names the new best before the old one goes
+            write_text(self.root / BEST_FILE, json.dumps(record, indent=1) + "\n", self.root.parent)
             for old in self.root.glob("best_step_*"):
                 if old != final:
                     shutil.rmtree(old, ignore_errors=True)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 import shutil
 import threading
 import warnings
@@ -37,29 +36,14 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.torch_version import TorchVersion
 
 from hlat import HlatError
+from hlat.train.files import checkpoint_root, complete_checkpoints, latest_checkpoint, refused_write
 
 STAGER_KEEPS_BUFFERS = TorchVersion(torch.__version__) >= "2.13"
 CONFIG_FILE = "config.toml"  # the job's config, written into every checkpoint so it is self-describing
 MANIFEST = "manifest.json"  # {file name: [size, crc32]} of every other file; its presence marks a finished write
-_STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 # DCP warns on every call that no process group exists; single-process saving is intended here.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-
-
-def checkpoint_root(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "checkpoints"
-
-
-def complete_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
-    root = checkpoint_root(run_dir)
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name))] if root.is_dir() else []
-    return sorted(found)
-
-
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    done = complete_checkpoints(run_dir)
-    return done[-1][1] if done else None
 
 
 class DamagedCheckpoint(HlatError):
@@ -111,7 +95,12 @@ def verify_checkpoint(path: Path) -> None:
 
 
 def _reason(e: BaseException) -> str:
-    """The first line of the root cause of an error (DCP wraps each rank's error in a CheckpointException)."""
+    """The first line of the root cause of an error: a refused write wherever it surfaces (a full disk reaches
+    torch.save's caller as a RuntimeError with the ENOSPC in its context), else what DCP's CheckpointException wraps
+    (each rank's error)."""
+    e = refused_write(e) or e
+    if isinstance(e, HlatError):  # a rank's reason, already in words
+        return str(e)
     while isinstance(e, CheckpointException) and e.failures:
         e = next(iter(e.failures.values()))[0]
     if isinstance(e, OSError) and e.strerror:

@@ -75,15 +75,22 @@ class ClusterConfig:
     hardware: str = ""  # a hardware profile (hardware/*.toml, `hlat plan --hardware`); "" = not stated
     nodes: int = 1
     nproc_per_node: int = 8  # processes per node, one per device (GPU, or NeuronCore)
-    accelerator: Literal["gpu", "neuron", "cpu"] = "gpu"  # the devices job files request for each node
-    devices_per_node: int = 0  # devices to request per node; 0 = nproc_per_node (trn1.32xlarge: 16 chips)
+    # the devices job files request for each node; "" = the hardware profile's (gpu without one)
+    accelerator: Literal["", "gpu", "neuron", "cpu"] = ""
+    # devices to request per node; 0 = from the hardware profile (a GPU per process; the Neuron chips that hold
+    # the processes' NeuronCores), or nproc_per_node without one
+    devices_per_node: int = 0
     time_limit: str = ""  # SLURM --time, e.g. "7-00:00:00"; "" = the partition's limit
     # seconds between the stop signal and the kill (SLURM: before the time limit; Kubernetes: the termination
     # grace period): the current step and a shutdown checkpoint must fit in it
     stop_grace_s: int = 900
     max_restarts: int = 3  # torchrun restarts all workers this many times after a failure (resuming each time)
     run_volume: str = "hlat-runs"  # Kubernetes: ReadWriteMany PersistentVolumeClaim that holds the run directories
+    data_volume: str = "hlat-data"  # Kubernetes: PersistentVolumeClaim of the data, mounted read-only at /data; "" = none
     shm_gib: int = 64  # Kubernetes: memory-backed /dev/shm per pod (data workers, collectives)
+    # Kubernetes: CPUs and memory (GiB) each pod requests; 0 = 90% of the hardware profile's node (none without one)
+    cpus: int = 0
+    memory_gib: int = 0
     preflight: bool = False  # run `hlat preflight` on every node before training starts
     # and again before each restart after a failure (the job file restarts torchrun, up to max_restarts times,
     # rather than torchrun restarting its workers)
@@ -96,7 +103,7 @@ class ClusterConfig:
         for name in ("nodes", "nproc_per_node", "stop_grace_s", "shm_gib"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"cluster.{name}: must be >= 1, got {getattr(self, name)}")
-        for name in ("devices_per_node", "max_restarts"):
+        for name in ("devices_per_node", "max_restarts", "cpus", "memory_gib"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"cluster.{name}: must be >= 0, got {getattr(self, name)}")
         return self
@@ -104,6 +111,57 @@ class ClusterConfig:
     @property
     def world_size(self) -> int:
         return self.nodes * self.nproc_per_node
+
+    def node_request(self) -> "NodeRequest":
+        """What each node's job asks its scheduler for, from the hardware profile when one is stated; a cluster
+        that contradicts its profile, or hardware hlat cannot train on, is refused in one line."""
+        if not self.hardware:
+            devices = 0 if self.accelerator == "cpu" else self.devices_per_node or self.nproc_per_node
+            return NodeRequest(self.accelerator or "gpu", devices, "", 0, self.cpus, self.memory_gib)
+        from hlat.planner.profiles import load_profile
+
+        try:
+            hw = load_profile(self.hardware)
+        except HlatError as e:
+            raise ConfigError(f"cluster.hardware: {e}") from None
+        self.check_against(hw, load_profile(hw.launch_instead) if hw.unsupported else None)
+        if hw.accelerator == "cpu":
+            devices = 0
+        else:  # a GPU per process; Neuron: the chips that hold the processes' cores
+            devices = -(-self.nproc_per_node * (hw.scheduler_devices or hw.devices_per_node) // hw.devices_per_node)
+        if self.devices_per_node and self.devices_per_node != devices:
+            raise ConfigError(f"cluster.devices_per_node: {self.devices_per_node}, but {self.nproc_per_node} "
+                              f"processes on {hw.name} need {devices}; leave it out (0) to follow the hardware")
+        return NodeRequest(hw.accelerator, devices, hw.fabric, hw.fabric_devices,
+                           self.cpus or int(0.9 * hw.vcpus), self.memory_gib or int(0.9 * hw.host_memory_gib))
+
+    def check_against(self, hw, instead) -> None:
+        """The cluster against its hardware profile `hw`; `instead`: the profile to propose when hlat cannot train
+        on `hw` (both HardwareProfile)."""
+        if hw.unsupported:
+            nodes = -(-self.world_size // instead.devices_per_node)
+            raise ConfigError(f"cluster.hardware: {hw.name}: training needs other hardware: {hw.unsupported}; "
+                              f"`hlat plan` prices this cluster; to launch the same {self.world_size:,} processes use "
+                              f"--cluster.hardware {instead.name} --nodes {nodes} --nproc-per-node "
+                              f"{instead.devices_per_node}")
+        if self.accelerator and self.accelerator != hw.accelerator:
+            raise ConfigError(f"cluster.accelerator: {self.accelerator!r}, but cluster.hardware {hw.name} has "
+                              f"{hw.accelerator!r} devices; leave it out (it follows the hardware)")
+        if hw.accelerator != "cpu" and self.nproc_per_node > hw.devices_per_node:
+            raise ConfigError(f"cluster.nproc_per_node: {self.nproc_per_node} processes per node, but {hw.name} has "
+                              f"{hw.devices_per_node} devices per node (one process each)")
+
+
+@dataclass
+class NodeRequest:
+    """What a job file asks for on each node (`ClusterConfig.node_request`)."""
+
+    accelerator: str  # gpu | neuron | cpu
+    devices: int  # as the scheduler counts them (GPUs, Neuron chips); 0 = none
+    fabric: str  # "" | "efa"
+    fabric_devices: int  # EFA interfaces
+    cpus: int  # 0 = no request
+    memory_gib: int
 
 
 @dataclass

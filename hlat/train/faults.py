@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from hlat import HlatError
 from hlat.train.config import TrainConfig
+from hlat.train.files import WriteFailed, report_and_exit, write_text, writing
 
 
 class BadSteps:
@@ -98,21 +99,28 @@ class Watchdog:
     """A heartbeat thread: if no step finishes within `timeout_s`, it writes every thread's stack to
     `<run>/hang/rank<R>.txt`, names the ranks that stopped answering, and ends the process with exit code 3 so
     the job restarts. Each rank's thread also stamps `<run>/hang/alive_rank<R>` every second: a rank whose stamp
-    is stale is stopped or dead (its threads do not run), which is how a waiting rank names the hung one."""
+    is stale is stopped or dead (its threads do not run), which is how a waiting rank names the hung one. A stopped
+    rank on the same node, under the same torchrun, is killed too: it cannot act on torchrun's SIGTERM, and torchrun
+    would wait 30 s before killing it, so the job ends now and `hlat torchrun` exits with code 3.
+
+    The watch starts with the first step's beat: start-up and the first step (compilation, the data pool filling)
+    are not timed, so the timeout can be suited to a step; a hang before it ends at the collective timeout."""
 
     EXIT_CODE = 3
 
     def __init__(self, timeout_s: float, run_dir: Path, rank: int, world_size: int):
         self.timeout_s, self.rank, self.world_size = timeout_s, rank, world_size
-        self.dir = Path(run_dir) / "hang"
+        self.run_dir, self.dir = Path(run_dir), Path(run_dir) / "hang"
         self.step = 0
-        self.last_beat = time.monotonic()
+        self.last_beat: float | None = None  # armed by the first beat
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="hlat-watchdog", daemon=True)
 
     def __enter__(self) -> "Watchdog":
         if self.timeout_s:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            with writing(self.dir, self.run_dir):
+                self.dir.mkdir(parents=True, exist_ok=True)
+            write_text(self.stamp, self.alive(), self.run_dir)  # at once: a rank stopped from now on has a stamp
             self._thread.start()
         return self
 
@@ -123,38 +131,67 @@ class Watchdog:
         self.step, self.last_beat = step, time.monotonic()
 
     def _watch(self) -> None:
-        stamp = self.dir / f"alive_rank{self.rank}"
         while not self._stop.wait(min(1.0, self.timeout_s / 4)):
-            stamp.write_text(json.dumps({"time": time.time(), "step": self.step}))
-            if time.monotonic() - self.last_beat > self.timeout_s:
+            self._stamp()
+            if self.last_beat is not None and time.monotonic() - self.last_beat > self.timeout_s:
                 self._report()
                 os._exit(self.EXIT_CODE)
 
-    def _silent_ranks(self) -> list[int]:
-        silent = []
+    @property
+    def stamp(self) -> Path:
+        return self.dir / f"alive_rank{self.rank}"
+
+    def alive(self) -> str:
+        return json.dumps({"time": time.time(), "step": self.step, "host": socket.gethostname(), "pid": os.getpid()})
+
+    def _stamp(self) -> None:
+        try:  # replaced whole: a rank stopped while stamping leaves its last stamp readable
+            write_text(self.stamp, self.alive(), self.run_dir)
+        except WriteFailed as e:  # this thread cannot raise into the run
+            report_and_exit(e)
+
+    def _silent_ranks(self) -> dict[int, dict]:
+        """The ranks whose stamps are stale (or missing: {}), with their last stamp."""
+        silent = {}
         for r in range(self.world_size):
             try:
-                seen = json.loads((self.dir / f"alive_rank{r}").read_text())["time"]
+                seen = json.loads((self.dir / f"alive_rank{r}").read_text())
             except (OSError, ValueError):
-                seen = 0.0
-            if time.time() - seen > max(3.0, self.timeout_s / 2):
-                silent.append(r)
+                seen = {}
+            if time.time() - seen.get("time", 0.0) > max(3.0, self.timeout_s / 2):
+                silent[r] = seen
         return silent
 
     def _report(self) -> None:
-        host = socket.gethostname()
         stacks = self.dir / f"rank{self.rank}.txt"
-        silent = self._silent_ranks() if self.world_size > 1 else []
-        where = f"rank {self.rank} on {host}"
-        line = (f"hlat: error: hang: {where}: no step finished for {self.timeout_s:g} s (train.hang_timeout_s) "
-                f"after step {self.step}"
+        silent = self._silent_ranks() if self.world_size > 1 else {}
+        killed = [r for r, seen in silent.items() if kill_stopped_sibling(seen)]
+        line = (f"hlat: error: hang: rank {self.rank} on {socket.gethostname()}: no step finished for "
+                f"{self.timeout_s:g} s (train.hang_timeout_s) after step {self.step}"
                 + (f"; ranks not responding: {', '.join(map(str, silent))}" if silent else "")
+                + (f" (killed on this node: {', '.join(map(str, killed))})" if killed else "")
                 + f"; stacks in {stacks}")
-        with stacks.open("w") as f:
+        with contextlib.suppress(OSError), stacks.open("w") as f:  # the hang is the news, even on a full disk
             f.write(line + "\n\n")
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
         print(line, file=sys.stderr, flush=True)
+
+
+def kill_stopped_sibling(seen: dict) -> bool:
+    """SIGKILL the process of a silent rank's last stamp if it runs on this host under the same parent (the same
+    torchrun), so never an unrelated process that reused its pid; whether it was killed."""
+    pid = seen.get("pid")
+    if seen.get("host") != socket.gethostname() or not pid or pid == os.getpid():
+        return False
+    try:
+        parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        if parent != os.getppid():
+            return False
+        os.kill(pid, signal.SIGKILL)
+    except (OSError, ValueError, IndexError):  # gone already, or no /proc (not Linux)
+        return False
+    return True
 
 
 class StopRequest:

@@ -1,26 +1,34 @@
 """Where a run's wall time went, kept in `<run>/goodput.json` across restarts (docs/fault-tolerance.md).
 
-Time is productive once the checkpoint after it is written: a step's time sits in `pending_s` until then and
-becomes `lost_s` if the process dies (or rolls back) first; a step run again after a restart counts as
-`recomputed_s`. The effective training time ratio (ETTR) is productive time over the wall time since the run
-first started, so restarts, downtime between them, start-up, checkpoint stalls and data waits all lower it.
+Productive time is the step time the newest checkpoint holds: at the end of the run, the time of the steps the
+final model contains, each counted once, from whichever run of it made it in. The steps since that checkpoint
+are pending; when a process dies (or rolls back), the next one resumes from a checkpoint and the step time after
+it becomes lost. To know what a checkpoint holds even when a process dies between writing it and recording it,
+each save records the step time up to its step before it is written (`saves`). A step run again after a restart
+counts as productive like any other (or is lost again); `recomputed_s` tells how much of the time was such re-runs.
+The effective training time ratio (ETTR) is productive time over the wall time since the run first started, so
+restarts, downtime between them, start-up, checkpoint stalls and data waits all lower it.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
+from hlat.train.files import write_text
+
 FIELDS = ("productive_s", "pending_s", "lost_s", "recomputed_s", "startup_s", "checkpoint_s", "data_wait_s",
           "bad_step_s")
+SAVES_KEPT = 64  # the saves remembered; a run resumed from an older checkpoint keeps its productive time as it was
 
 
 class Goodput:
     def __init__(self, run_dir: Path, write: bool, started: float):
-        """`started`: when this process began its work (start-up runs from there to the first step)."""
-        self.path, self.write, self.started = Path(run_dir) / "goodput.json", write, started
+        """`started`: when this process began its work (start-up runs from there to the first step). The start is
+        counted (and written) at once, so a process killed before its first step still counts."""
+        self.run_dir, self.write, self.started = Path(run_dir), write, started
+        self.path = self.run_dir / "goodput.json"
         try:
             saved = json.loads(self.path.read_text())
         except (OSError, ValueError):
@@ -28,11 +36,26 @@ class Goodput:
         self.account = {"first_start": saved.get("first_start", self.started), "starts": saved.get("starts", 0) + 1,
                         "high_water_step": saved.get("high_water_step", 0),
                         **{k: saved.get(k, 0.0) for k in FIELDS}}
-        self.covered = 0.0  # pending time the save in flight will make productive
-        self.lose_pending()  # the previous process died before checkpointing those steps
+        self.saves = {int(step): t for step, t in saved.get("saves", {}).items()}  # step -> step time up to it
+        self.save()
 
     def __getitem__(self, key: str) -> float:
         return self.account[key]
+
+    @property
+    def timeline_s(self) -> float:
+        """The step time of the steps this run now stands on: up to the last step, from the run's beginning."""
+        return self.account["productive_s"] + self.account["pending_s"]
+
+    def resumed(self, step: int) -> None:
+        """The run goes on from the checkpoint of `step` (0: from scratch), after a restart or a rollback: the step
+        time it holds is productive, the step time after it is lost."""
+        a = self.account
+        held = self.saves.get(step, 0.0 if step == 0 else a["productive_s"])
+        a["lost_s"] += max(0.0, self.timeline_s - held)
+        a["productive_s"], a["pending_s"] = held, 0.0
+        self.saves = {s: t for s, t in self.saves.items() if s <= step}
+        self.save()
 
     def start_up_done(self) -> None:
         self.account["startup_s"] += time.time() - self.started
@@ -41,28 +64,29 @@ class Goodput:
         a = self.account
         a["data_wait_s"] += data_wait_s
         if bad:
-            a["bad_step_s"] += seconds
-        elif step <= a["high_water_step"]:
-            a["recomputed_s"] += seconds
-        else:
-            a["pending_s"] += seconds - data_wait_s
+            a["bad_step_s"] += seconds - data_wait_s
+            return
+        a["pending_s"] += seconds - data_wait_s
+        if step <= a["high_water_step"]:
+            a["recomputed_s"] += seconds - data_wait_s
         a["high_water_step"] = max(a["high_water_step"], step)
 
-    def checkpointed(self, stall_s: float) -> None:
-        """A save began (training stalled `stall_s` for it): the steps so far become productive when it commits."""
-        self.account["checkpoint_s"] += stall_s
-        self.covered = self.account["pending_s"]
-
-    def committed(self) -> None:
-        a = self.account
-        a["productive_s"] += self.covered
-        a["pending_s"] -= self.covered
-        self.covered = 0.0
+    def saving(self, step: int) -> None:
+        """A checkpoint of `step` is about to be written: what it will hold is recorded (and written) first."""
+        self.saves[step] = self.timeline_s
+        self.saves = dict(sorted(self.saves.items())[-SAVES_KEPT:])
         self.save()
 
-    def lose_pending(self) -> None:
-        self.account["lost_s"] += self.account["pending_s"]
-        self.account["pending_s"] = self.covered = 0.0
+    def checkpointed(self, stall_s: float) -> None:
+        """Training stalled `stall_s` for a save."""
+        self.account["checkpoint_s"] += stall_s
+
+    def committed(self, step: int) -> None:
+        """The checkpoint of `step` is complete: the step time it holds is productive."""
+        a, timeline = self.account, self.timeline_s
+        a["productive_s"] = self.saves.get(step, timeline)
+        a["pending_s"] = timeline - a["productive_s"]
+        self.save()
 
     def ettr(self) -> float:
         wall = time.time() - self.account["first_start"]
@@ -72,7 +96,6 @@ class Goodput:
         if not self.write:
             return
         record = {**{k: round(v, 3) if isinstance(v, float) else v for k, v in self.account.items()},
-                  "wall_s": round(time.time() - self.account["first_start"], 3), "ettr": round(self.ettr(), 4)}
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record, indent=1) + "\n")
-        os.replace(tmp, self.path)
+                  "wall_s": round(time.time() - self.account["first_start"], 3), "ettr": round(self.ettr(), 4),
+                  "saves": {str(step): round(t, 6) for step, t in self.saves.items()}}
+        write_text(self.path, json.dumps(record, indent=1) + "\n", self.run_dir)

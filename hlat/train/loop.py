@@ -35,11 +35,12 @@ from hlat.parallel.pipeline import build_schedule
 from hlat.train.checkpoint import DamagedCheckpoint, quarantine
 from hlat.train.config import Config
 from hlat.train.faults import StopRequest, Watchdog
+from hlat.train.files import quiet_refused_writes_in_threads, write_text, writing
 from hlat.train.goodput import Goodput
 from hlat.train.health import Health
 from hlat.train.metrics import StepReport
 from hlat.train.resume import check_start, find_resume_checkpoint
-from hlat.train.saving import Checkpoints
+from hlat.train.saving import Checkpoints, checkpoint_bytes, local_elements
 from hlat.train.tracking import require_backends
 from hlat.train.trainer import Batches, Model, Trainer
 from hlat.train.validation import Validation
@@ -81,10 +82,12 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
     topo = init_topology(inputs.layout, inputs.device, cfg.train.collective_timeout_s)
     console = console if topo.is_main and console is not None else Console(quiet=not topo.is_main)
     report_inputs(inputs, topo, console)
+    quiet_refused_writes_in_threads()  # a full disk is reported once, in one line
     with contextlib.ExitStack() as cleanup:
         cleanup.callback(destroy_process_group)
-        tokenizer = prepare_run_dir(cfg, topo, inputs.sources)
-        goodput = Goodput(Path(cfg.train.run_dir), topo.is_main, entered)
+        make_run_dir(cfg, topo)
+        goodput = Goodput(Path(cfg.train.run_dir), topo.is_main, entered)  # this start counts from here
+        tokenizer = load_tokenizer(cfg, topo, inputs.sources)
         model = build_parts(cfg, inputs, topo)
         stream = open_stream(cfg, topo, tokenizer, inputs.sources)
         cleanup.callback(stream.close)  # stops the tokenizer workers
@@ -100,6 +103,7 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
         cleanup.callback(trainer.checkpoints.close)
         cleanup.callback(trainer.report.close)
         trainer.restore(inputs.resume_from)
+        check_disk(trainer, inputs)
         announce(trainer, inputs.n_params)
         goodput.start_up_done()
         run_steps(trainer)
@@ -147,17 +151,23 @@ def destroy_process_group() -> None:
         dist.destroy_process_group()
 
 
-def prepare_run_dir(cfg: Config, topo: Topology, sources: list[Source]):
-    """Rank 0 creates the run directory, writes the config and trains the tokenizer (once, saved in the run);
-    the other ranks then load that tokenizer. Returns the tokenizer."""
+def make_run_dir(cfg: Config, topo: Topology) -> None:
+    """Rank 0 creates the run directory and writes the config into it."""
     run_dir = Path(cfg.train.run_dir)
     if topo.is_main:
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.toml").write_text(cfg.run_record(topo.cfg))
         except OSError as e:
             raise HlatError(f"train.run_dir: cannot write {e.filename or run_dir}: {e.strerror}") from None
-        tokenizer = get_tokenizer(cfg.data, source_files(sources), cfg.model.vocab_size, run_dir)
+        write_text(run_dir / "config.toml", cfg.run_record(topo.cfg), run_dir)
+
+
+def load_tokenizer(cfg: Config, topo: Topology, sources: list[Source]):
+    """Rank 0 trains the tokenizer (once, saved in the run directory); the other ranks then load it."""
+    run_dir = Path(cfg.train.run_dir)
+    if topo.is_main:
+        with writing(run_dir, run_dir, "the tokenizer into "):
+            tokenizer = get_tokenizer(cfg.data, source_files(sources), cfg.model.vocab_size, run_dir)
     if dist.is_initialized():
         dist.barrier()
     if not topo.is_main:
@@ -195,6 +205,15 @@ def open_stream(cfg: Config, topo: Topology, tokenizer, sources: list[Source]) -
         return build_stream(*args, shard=(topo.dp_rank, layout.dp), **common)
     per_step = settings.global_batch // settings.micro_batch  # micro-batches of the whole step, over all ranks
     return build_stream(*args, ranks=Ranks(side_group(), topo.dp_rank, layout.dp, per_step), **common)
+
+
+def check_disk(trainer: Trainer, inputs: RunInputs) -> None:
+    """Before the first step: room for the checkpoints the run keeps, against the size of one (refused in one line,
+    or a warning when every checkpoint is kept: hlat.train.saving.Checkpoints.check_room)."""
+    size = checkpoint_bytes(inputs.resume_from, inputs.n_params, trainer.cfg.precision.mode)
+    warning = trainer.checkpoints.check_room(trainer.step, size, local_elements(trainer.model.params))
+    if warning:
+        trainer.console.print(warning, soft_wrap=True, highlight=False, markup=False)
 
 
 def announce(trainer: Trainer, n_params: int) -> None:

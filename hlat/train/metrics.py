@@ -16,6 +16,7 @@ import torch
 from rich.console import Console
 
 from hlat.train.config import Config, CostConfig
+from hlat.train.files import append_text, write_text, writing
 from hlat.train.tracking import open_trackers
 
 # Peak dense bf16 FLOP/s per device (vendor figures; dense, no sparsity). CPUs get a nominal figure (cores x
@@ -49,28 +50,31 @@ def peak_memory_gb(device: torch.device) -> float:
 
 class Interval:
     """The steps since the last log line. Loss and gradient norm are summed (and the norm's maximum kept) on the
-    device, so a step adds no host synchronisation; `close` reads them all back in one transfer."""
+    device, so a step adds no host synchronisation; `close` reads them all back in one transfer. Its seconds are
+    the steps' own (`StepResult.seconds`): a checkpoint's stall, a validation and the logging itself between them
+    are not a step's time (they are goodput.json's)."""
 
     def __init__(self, device: torch.device, data_wait_s: float = 0.0):
         self.device = device
         self.reset(data_wait_s)
 
     def reset(self, data_wait_s: float) -> None:
-        self.start, self.steps, self.data_wait_s = time.perf_counter(), 0, data_wait_s
+        self.seconds, self.steps, self.data_wait_s = 0.0, 0, data_wait_s
         self._sums = torch.zeros(4, device=self.device)  # loss sum, grad-norm sum, grad-norm max, last grad norm
 
-    def add(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+    def add(self, loss: torch.Tensor, grad_norm: torch.Tensor, seconds: float) -> None:
         norm = grad_norm.detach().float()
         self._sums[0] += loss.detach().float()
         self._sums[1] += norm
         torch.maximum(self._sums[2], norm, out=self._sums[2])
         self._sums[3].copy_(norm)
         self.steps += 1
+        self.seconds += seconds
 
     def close(self, data_wait_s: float) -> dict:
         """{loss (mean), grad_norm (last step's), grad_norm_mean, grad_norm_max, seconds, data_wait_s}; resets."""
         loss_sum, norm_sum, norm_max, norm_last = self._sums.tolist()  # the one host sync of the interval
-        seconds = time.perf_counter() - self.start
+        seconds = self.seconds
         out = {"loss": loss_sum / self.steps, "grad_norm": norm_last, "grad_norm_mean": norm_sum / self.steps,
                "grad_norm_max": norm_max, "seconds": seconds, "steps": self.steps,
                "data_wait_s": data_wait_s - self.data_wait_s}
@@ -147,15 +151,16 @@ class MetricsLog:
         if not self.path.exists():
             return
         kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-        self.path.write_text("".join(line + "\n" for line in kept))
+        write_text(self.path, "".join(line + "\n" for line in kept), self.run_dir)
 
     def write(self, record: dict) -> None:
         record = {k: json_safe(v) for k, v in record.items()}
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-        self._tensorboard(record)
-        for tracker in self.trackers:
-            tracker.log(record)
+        append_text(self.path, json.dumps(record) + "\n", self.run_dir)
+        with writing(self.run_dir, self.run_dir, "TensorBoard events in "):  # written (and failing) in a thread
+            self._tensorboard(record)
+        with writing(self.run_dir, self.run_dir, "tracking records in "):
+            for tracker in self.trackers:
+                tracker.log(record)
 
     def _tensorboard(self, record: dict) -> None:
         step, wall = record["step"], record.get("time")
@@ -171,11 +176,13 @@ class MetricsLog:
 
     def close(self) -> None:
         if self._writer is not None:
-            self._writer.close()
-            self._writer = None
-        for tracker in self.trackers:
-            tracker.close()
-        self.trackers = []
+            writer, self._writer = self._writer, None
+            with writing(self.run_dir, self.run_dir, "TensorBoard events in "):
+                writer.close()
+        trackers, self.trackers = self.trackers, []
+        with writing(self.run_dir, self.run_dir, "tracking records in "):
+            for tracker in trackers:
+                tracker.close()
 
 
 def tensorboard_tag(key: str) -> str:
@@ -229,8 +236,8 @@ class StepReport:
         self.run_start = time.perf_counter()
         self.interval = Interval(self.device, stream.wait_time_s)
 
-    def add(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
-        self.interval.add(loss, grad_norm)
+    def add(self, loss: torch.Tensor, grad_norm: torch.Tensor, seconds: float) -> None:
+        self.interval.add(loss, grad_norm, seconds)
 
     def due(self, step: int, stopping: bool) -> bool:
         return step % self.cfg.train.log_every == 0 or step in (self.start + 1, self.cfg.train.steps) or stopping

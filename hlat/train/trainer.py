@@ -129,8 +129,8 @@ class Trainer:
     # --- start ---------------------------------------------------------------------------------------------
 
     def restore(self, resume_from: Path | None) -> None:
-        """Load the checkpoint to resume from (or a fresh run's initial weights); metrics past its step are dropped:
-        those steps are about to be run again."""
+        """Load the checkpoint to resume from (or a fresh run's initial weights); metrics past its step are dropped
+        and their step time is lost (goodput): those steps are about to be run again."""
         if resume_from is not None:
             state = load_checkpoint(resume_from, self.model.parts, self.model.optimizers, self.batches.state_key)
             self.batches.stream.load_state_dict(state["data"])
@@ -140,6 +140,7 @@ class Trainer:
         elif self.cfg.train.init_from:
             load_checkpoint(resolve_checkpoint(self.cfg.train.init_from), self.model.parts)
             self.console.print(f"initialised weights from {self.cfg.train.init_from}")
+        self.goodput.resumed(self.step)
         self.report.begin(self.step, resume_from is not None, self.batches.stream)
 
     # --- a step --------------------------------------------------------------------------------------------
@@ -198,7 +199,7 @@ class Trainer:
         if result.bad is not None and self.handle_bad_step(result.bad):
             return
         self.step += 1
-        self.report.add(result.loss, result.grad_norm)
+        self.report.add(result.loss, result.grad_norm, result.seconds)
         validate = self.validation.due(self.step)
         if self.report.due(self.step, result.stopping) or validate:
             self.report.log(self.step, result.lr, self.bad_steps.total, self.validate if validate else None,
@@ -224,7 +225,7 @@ class Trainer:
                            "is skipped", soft_wrap=True, highlight=False)
         self.step = at
         self.report.rolled_back(at)
-        self.goodput.lose_pending()
+        self.goodput.resumed(at)
         self.watchdog.beat(at)
         return True
 

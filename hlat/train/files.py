@@ -1,0 +1,155 @@
+"""A run directory's files and the one way they are written (docs/fault-tolerance.md, "Failed writes").
+
+Checkpoints, metrics.jsonl, TensorBoard events, goodput.json, restarts.jsonl, hang stamps, config.toml and the
+tokenizer are all written inside `writing`: a write refused because the disk is full, the quota is spent, the file
+system is read-only or the directory is not writable ends the run with one line naming the path, the cause and the
+checkpoint the run can resume from (`WriteFailed`, exit code 2: `--max-restarts` does not retry it, since the same
+start would fail the same way). The cause is found wherever it surfaces: torch.save reports a full disk as
+`RuntimeError: [enforce fail at inline_container.cc:...] unexpected pos`, with the ENOSPC only in its context.
+Other I/O errors (EIO, a stale NFS handle) may be transient and keep their traceback and exit code 1: retried.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import shutil
+import sys
+import threading
+from pathlib import Path
+
+from hlat import HlatError
+
+# errors a restart cannot cure: the same write fails again until a person frees space or fixes permissions
+REFUSED = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
+# the Rust `tokenizers` library reports an I/O error as a plain Exception ending in "(os error N)"
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+def checkpoint_root(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def complete_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
+    root = checkpoint_root(run_dir)
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name))] if root.is_dir() else []
+    return sorted(found)
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    done = complete_checkpoints(run_dir)
+    return done[-1][1] if done else None
+
+
+class WriteFailed(HlatError):
+    """A run-directory write refused by the file system, in one line."""
+
+    def __init__(self, path: Path, cause: OSError, run_dir: Path, what: str = ""):
+        previous = latest_checkpoint(run_dir)
+        super().__init__(f"cannot write {what}{path}: {cause.strerror}"
+                         + (f"; the previous checkpoint {previous} is intact" if previous else
+                            "; no checkpoint written yet"))
+        self.cause = cause
+
+
+def refused_write(e: BaseException | None) -> OSError | None:
+    """The OSError of a refused write (REFUSED) behind `e`: `e` itself, its cause or context, or a rank's failure
+    that torch's CheckpointException wraps (`failures`: {rank: (error, traceback)}), at any depth; else None."""
+    seen, todo = set(), [e]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in REFUSED:
+            return e
+        if not isinstance(e, OSError) and (code := _RUST_OS_ERROR.search(str(e))) and int(code[1]) in REFUSED:
+            return OSError(int(code[1]), os.strerror(int(code[1])))
+        todo += [e.__cause__, e.__context__]
+        failures = getattr(e, "failures", None)  # duck-typed: the supervisor imports this module without torch
+        if isinstance(failures, dict):
+            todo += [failure[0] for failure in failures.values() if isinstance(failure, tuple)]
+    return None
+
+
+@contextlib.contextmanager
+def writing(path: Path, run_dir: Path, what: str = ""):
+    """Write `path` (a file of `run_dir`, or a directory of them) inside this: a refused write ends in WriteFailed."""
+    try:
+        yield
+    except BaseException as e:  # DCP's CheckpointException is a BaseException; an interrupt has no refused write
+        cause = refused_write(e)
+        if cause is None or isinstance(e, WriteFailed):
+            raise
+        raise WriteFailed(path, cause, run_dir, what) from None
+
+
+def write_text(path: Path, text: str, run_dir: Path) -> None:
+    """Replace `path` with `text` atomically (a reader never sees half of it; a failed write leaves the old one)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with writing(path, run_dir):
+        try:
+            tmp.write_text(text)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+
+def append_text(path: Path, text: str, run_dir: Path) -> None:
+    """Append `text` to `path`, or nothing: a failed append is cut off again, so no half line stays behind."""
+    with writing(path, run_dir):
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            start, data = os.lseek(fd, 0, os.SEEK_END), memoryview(text.encode())
+            try:
+                while data:
+                    data = data[os.write(fd, data):]
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, start)
+                raise
+        finally:
+            os.close(fd)
+
+
+def free_bytes(directory: Path) -> int | None:
+    """Bytes a user may still write on `directory`'s file system (its nearest existing parent's), or None where
+    the file system does not report its size (some FUSE mounts say 0 of 0)."""
+    while not directory.exists() and directory != directory.parent:
+        directory = directory.parent
+    usage = shutil.disk_usage(directory)
+    return usage.free if usage.total else None
+
+
+def size_text(n: float) -> str:
+    units, i = ("B", "KB", "MB", "GB", "TB"), 0
+    while n >= 1000 and i < len(units) - 1:
+        n, i = n / 1000, i + 1
+    return f"{n:.0f} B" if i == 0 else f"{n:.1f} {units[i]}"
+
+
+class _QuietRefusedWrites:
+    """threading.excepthook, less the tracebacks of refused writes."""
+
+    def __init__(self, previous):
+        self.previous = previous
+
+    def __call__(self, args) -> None:
+        if refused_write(args.exc_value) is None:
+            self.previous(args)
+
+
+def quiet_refused_writes_in_threads() -> None:
+    """A writer thread (TensorBoard's) that dies of a refused write prints no traceback: the main thread meets the
+    same error at its next flush and reports it in one line. Every other thread error prints as before."""
+    if not isinstance(threading.excepthook, _QuietRefusedWrites):
+        threading.excepthook = _QuietRefusedWrites(threading.excepthook)
+
+
+def report_and_exit(error: WriteFailed) -> None:
+    """From a background thread, which cannot raise into the run: the one line, then exit code 2."""
+    print(f"hlat: error: {error}", file=sys.stderr, flush=True)
+    os._exit(2)
