@@ -43,7 +43,7 @@ def register(commands) -> None:
 
 
 def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
-    from rich.console import Console
+    from hlat.console import make_console
     from rich.table import Table
 
     from hlat.jobs.torchrun import mark_finished
@@ -60,7 +60,7 @@ def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.print_config:
         print(cfg.to_toml(), end="")
         return 0
-    console = Console()
+    console = make_console()
     s = train(cfg, console)
     mark_finished()
     if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 speaks for the job

@@ -51,7 +51,7 @@ class DamagedCheckpoint(HlatError):
 
     def __init__(self, path: Path, problem: str):
         super().__init__(f"{path}: {problem}")
-        self.path = path
+        self.path, self.problem = path, problem
 
 
 def quarantine(path: Path) -> Path:
@@ -109,15 +109,29 @@ def _reason(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__  # a KeyError's text is a key
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory from a checkpoint path or a run directory (its latest complete checkpoint)."""
+def checkpoints_in(path: str | Path) -> list[Path]:
+    """[path] for a checkpoint directory, or every complete checkpoint of a run directory, oldest first."""
     path = Path(path)
     if (path / ".metadata").is_file() or (path / MANIFEST).is_file():
-        return path
-    latest = latest_checkpoint(path)
-    if latest is None:
+        return [path]
+    found = [p for _, p in complete_checkpoints(path)]
+    if not found:
         raise HlatError(f"{path}: holds no complete checkpoint (looked for {checkpoint_root(path)}/step_*)")
-    return latest
+    return found
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory from a checkpoint path or a run directory (its latest complete checkpoint)."""
+    return checkpoints_in(path)[-1]
+
+
+def verified_checkpoint(path: str | Path) -> Path:
+    """`resolve_checkpoint(path)` once it matches its manifest: what every reader of a checkpoint loads (a damaged
+    one raises DamagedCheckpoint, one line)."""
+    checkpoint = resolve_checkpoint(path)
+    verify_checkpoint(checkpoint)
+    return checkpoint
+
 
 
 def model_state(parts: list[nn.Module]) -> dict:

@@ -35,7 +35,7 @@ def run_config(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def run_describe(args: argparse.Namespace, overrides: list[str]) -> int:
-    from rich.console import Console
+    from hlat.console import make_console
     from rich.table import Table
 
     from hlat.optim.modes import MODES
@@ -56,7 +56,7 @@ def run_describe(args: argparse.Namespace, overrides: list[str]) -> int:
         table.add_row(f"{mode.name}: weights / grads / optimizer ({mode.bytes_per_param} B/param)",
                       f"{gib(total, mode.weight_bytes)} / {gib(total, mode.grad_bytes)} / "
                       f"{gib(total, mode.optimizer_bytes)}")
-    Console().print(table)
+    make_console().print(table)
     return 0
 
 

@@ -39,6 +39,12 @@ def complete_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def checkpoint_step(path: Path) -> int | None:
+    """The step a run's checkpoint was saved at (from its name, step_XXXXXXXX); None for another (an import)."""
+    match = _STEP_DIR.match(path.name)
+    return int(match.group(1)) if match else None
+
+
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
     done = complete_checkpoints(run_dir)
     return done[-1][1] if done else None
