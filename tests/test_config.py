@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 
 import pytest
 
@@ -31,10 +32,27 @@ def test_preset_then_overrides():
     ({"precision": {"mode": "fp8"}}, [], "precision.mode: 'fp8' is not one of"),
     ({"bogus": {}}, [], "unknown config key 'bogus'"),
     ({}, ["--nosection", "1"], "unexpected argument '--nosection'"),
+    ({}, ["--data.paths", "[a.jsonl]"], "data.paths: '[a.jsonl]' is not a TOML array (a value starting with [ is "
+                                       "read as one): quote each string"),
+    ({}, ["--data.paths", "[1]"], "data.paths[0]: expected a string, got 1"),
 ])
 def test_bad_config_names_the_field(data, overrides, message):
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         build_config(data, overrides)
+
+
+@pytest.mark.parametrize("text, paths", [
+    ("[]", []),
+    ('["a b.jsonl", "c.jsonl"]', ["a b.jsonl", "c.jsonl"]),
+    (' [ "x,y.jsonl" ] ', ["x,y.jsonl"]),
+    ("a.jsonl,b.jsonl", ["a.jsonl", "b.jsonl"]),
+    ("a.jsonl", ["a.jsonl"]),
+])
+def test_a_list_override_is_comma_separated_or_a_toml_array(text, paths, capsys):
+    assert build_config({}, ["--data.paths", text]).data.paths == paths
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    assert "TOML array" in capsys.readouterr().out.replace("\n", " ")
 
 
 def test_cli_config_error_is_one_line(tmp_path, capsys):

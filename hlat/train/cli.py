@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from hlat import HlatError
+from hlat.config import OVERRIDES_HELP
 
 
 def register(commands) -> None:
@@ -14,7 +15,9 @@ def register(commands) -> None:
     p.add_argument("section", nargs="?", help="only this section, e.g. train")
     p.set_defaults(func=run_config, overrides=False)
 
-    p = commands.add_parser("describe", help="parameter counts, FLOPs and memory of a model, without building it")
+    p = commands.add_parser("describe", help="parameter counts, FLOPs and memory of a model, without building it",
+                            description=f"Parameter counts, FLOPs and memory of a model, without building it. "
+                                        f"{OVERRIDES_HELP}")
     p.add_argument("--model", help="preset name, e.g. llama2-70b")
     p.add_argument("--config", action="append", help="TOML config or recipe name (repeatable, merged in order)")
     p.add_argument("--seq-len", type=int, help="sequence length for FLOPs per token (default: train.seq_len)")
