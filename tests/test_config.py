@@ -146,6 +146,23 @@ def test_describe_70b_without_allocating(capsys):
     assert "68,976,648,192" in out and "bf16_sr" in out
 
 
+@pytest.mark.parametrize("args, seq_len, source", [
+    (["--model", "llama2-7b"], 4096, "the model's max_seq_len"),  # a bare preset: its own context
+    (["--config", "tiny"], 128, "train.seq_len"),  # what `hlat train --config tiny` runs
+    (["--config", "tiny", "--train.seq_len", "64"], 64, "train.seq_len"),
+    (["--model", "llama2-7b", "--seq-len", "512"], 512, "--seq-len"),
+])
+def test_describe_and_plan_figure_at_the_same_sequence_length(args, seq_len, source, capsys):
+    hardware = "cpu" if "tiny" in args else "p4d.24xlarge"
+    assert main(["plan", *args, "--hardware", hardware, "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    assert (planned["seq_len"], planned["seq_len_from"]) == (seq_len, source)
+    assert main(["describe", *args]) == 0
+    (row,) = [line for line in capsys.readouterr().out.splitlines() if "FLOPs/token" in line]
+    model = (load_config("tiny") if "--config" in args else build_config({"model": {"preset": "llama2-7b"}})).model
+    assert f"(seq {seq_len}: {source})" in row and f"{model.flops_per_token(seq_len):.4g}" in row
+
+
 def test_configs_merge_in_order(tmp_path, capsys):
     """A recipe, then the tables `hlat plan --emit` writes, then overrides: later files set only what they name."""
     emitted = tmp_path / "plan.toml"
