@@ -36,7 +36,8 @@ def register(commands) -> None:
 def register_eval(commands) -> None:
     p = commands.add_parser("eval", help="validation loss and perplexity of checkpoints on held-out text")
     p.add_argument("checkpoints", nargs="+", metavar="CHECKPOINT",
-                   help="checkpoint directories, or run directories (each its latest checkpoint; with --all, every one)")
+                   help="checkpoint directories, or run directories (each its latest checkpoint; with --all, "
+                        "every one)")
     p.add_argument("--all", action="store_true", help="evaluate every checkpoint of each run directory, oldest first")
     p.add_argument("--data", nargs="+", help="files, directories or globs (default: each run's [eval] data)")
     p.add_argument("--max-batches", type=int, default=0, help="evaluate at most this many batches (0: all the data)")
