@@ -84,10 +84,11 @@ def emit_config(path: str, req: Request, best: Plan) -> None:
 
 def print_table(req: Request, plans: list[Plan], note: str) -> None:
     from rich import box
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    from hlat.console import make_console
+
+    console = make_console()
     console.width = max(console.width, 120)  # one line per layout, numbers unclipped
     work, hw = req.work, req.hw
     devices = req.nodes * hw.devices_per_node
