@@ -300,6 +300,11 @@ def test_named_validation_sets_and_the_best_checkpoint(tmp_path, capsys):
     assert {p.name for p in (run / "checkpoints").iterdir()} == {best["checkpoint"], "best.json", "step_00000006"}
     best_dir = run / "checkpoints" / best["checkpoint"]
     verify_checkpoint(best_dir)
+    capsys.readouterr()
+    assert main(["checkpoint", "verify", str(run), "--json"]) == 0  # the best checkpoint is one of the run's
+    verified = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert {(v["checkpoint"], v["step"], v["ok"]) for v in verified} == {
+        (str(best_dir), best["step"], True), (str(run / "checkpoints" / "step_00000006"), 6, True)}
 
     def evaluated(checkpoint, *files):
         assert main(["eval", str(checkpoint), "--data", *files, "--json", "--max-batches", "2"]) == 0

@@ -27,6 +27,7 @@ REFUSED = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
 # the Rust `tokenizers` library reports an I/O error as a plain Exception ending in "(os error N)"
 _RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+_ANY_STEP_DIR = re.compile(r"^(?:best_)?step_(\d{8})$")  # the best checkpoint (eval.keep_best) too
 
 
 def checkpoint_root(run_dir: str | Path) -> Path:
@@ -40,8 +41,9 @@ def complete_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
 
 
 def checkpoint_step(path: Path) -> int | None:
-    """The step a run's checkpoint was saved at (from its name, step_XXXXXXXX); None for another (an import)."""
-    match = _STEP_DIR.match(path.name)
+    """The step a run's checkpoint was saved at (from its name, step_N or best_step_N); None for another (an
+    import)."""
+    match = _ANY_STEP_DIR.match(path.name)
     return int(match.group(1)) if match else None
 
 
