@@ -4,7 +4,7 @@ updates to nearest, trained on the same batches from the same initial weights wi
 Writes the per-step loss and gradient-norm curves to docs/precision_parity.png and the numbers to
 benchmarks/results/precision_parity.{json,md}.
 
-    .venv/bin/python benchmarks/precision_parity.py [--steps 400] [--dim 128] [--lr 1e-3] [--modes ...]
+    .venv/bin/python benchmarks/precision_parity.py [--steps 400] [--seeds 0,1,2] [--dim 128] [--lr 1e-3] [--modes ...]
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import argparse
 import json
 import math
 import platform
+import statistics
 import time
 from pathlib import Path
 
@@ -51,25 +52,30 @@ def build(mode: str, model_cfg, optim_cfg: OptimConfig, seed: int):
     return model, opt
 
 
+def forward_backward(mode: str, model, batch: dict, clip: float) -> tuple[float, float]:
+    """The trainer's forward and backward (autocast, fp32 loss) and gradient clipping; the loss and the norm."""
+    with autocast("fp32" if mode == PLAIN else mode, "cpu"):
+        logits = model(batch["inputs"])
+    loss = F.cross_entropy(logits.float().flatten(0, 1), batch["targets"].flatten())
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip, foreach=True)
+    return loss.item(), norm.float().item()
+
+
 def train(mode: str, batches: list[dict], model_cfg, optim_cfg: OptimConfig, seed: int) -> dict:
     """The trainer's step (autocast, fp32 loss, clipping, schedule) in a minimal loop; per-step loss and grad norm."""
     model, opt = build(mode, model_cfg, optim_cfg, seed)
-    context = autocast("fp32" if mode == PLAIN else mode, "cpu")
     losses, norms = [], []
     start = time.perf_counter()
     for step, batch in enumerate(batches):
         lr = lr_at(step, optim_cfg.lr, optim_cfg.min_lr, optim_cfg.warmup_steps, len(batches))
         for group in opt.param_groups:
             group["lr"] = lr
-        with context:
-            logits = model(batch["inputs"])
-        loss = F.cross_entropy(logits.float().flatten(0, 1), batch["targets"].flatten())
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), optim_cfg.clip_grad_norm, foreach=True)
+        loss, norm = forward_backward(mode, model, batch, optim_cfg.clip_grad_norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        norms.append(norm.float().item())
+        losses.append(loss)
+        norms.append(norm)
         if (step + 1) % 50 == 0:
             print(f"  {mode:>12} step {step + 1:>5}  loss {sum(losses[-50:]) / 50:.4f}", flush=True)
     return {"loss": losses, "grad_norm": norms, "seconds": time.perf_counter() - start}
@@ -109,7 +115,7 @@ def plot(runs: dict, summary: dict, path: Path, window: int) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--modes", default=f"fp32,bf16_mixed,bf16_sr,{PLAIN}",
                     help=f"comma-separated: {', '.join(MODES)}, {PLAIN}")
@@ -122,55 +128,86 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--min-lr", type=float, default=1e-4)
     ap.add_argument("--warmup", type=int, default=40)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", default="0,1,2", help="comma-separated: each seed draws its own initial weights, "
+                                                     "batches and rounding bits")
     ap.add_argument("--final-window", type=int, default=50, help="the final loss is the mean of this many last steps")
+    ap.add_argument("--note", default="", help="a sentence for the results' caption")
     ap.add_argument("--out", default="precision_parity", help="results name under benchmarks/results")
     ap.add_argument("--plot", default=str(ROOT / "docs" / "precision_parity.png"))
     args = ap.parse_args()
-    modes = args.modes.split(",")
-    for mode in modes:
+    args.seeds = [int(s) for s in args.seeds.split(",")]
+    for mode in args.modes.split(","):
         if mode not in BYTES_PER_PARAM:
             ap.error(f"unknown mode {mode!r}")
+    return args
 
-    model_cfg = model_config("tiny", dim=args.dim, n_layers=args.layers, n_heads=max(1, args.dim // 64),
-                             ffn_dim=args.dim * 8 // 3 // 16 * 16, vocab_size=args.vocab, max_seq_len=args.seq_len)
-    optim_cfg = OptimConfig(lr=args.lr, min_lr=args.min_lr, warmup_steps=args.warmup).validate()
-    data_cfg = DataConfig(tokenizer_sample_bytes=1_000_000, seed=args.seed)
-    files = default_corpus()
-    tokenizer = get_tokenizer(data_cfg, files, args.vocab, ROOT / "runs" / f"{args.out}-tokenizer-{args.vocab}")
-    stream = build_stream(data_cfg, tokenizer, one_source(files), args.seq_len, args.batch)
-    batches = [next(stream) for _ in range(args.steps)]  # the same batches for every mode
-    print(f"{model_cfg.num_params():,} parameters, {args.steps} steps of {args.batch}x{args.seq_len} tokens, "
-          f"torch {torch.__version__} on {torch.get_num_threads()} threads", flush=True)
 
-    started = time.perf_counter()
-    runs = {mode: train(mode, batches, model_cfg, optim_cfg, args.seed) for mode in modes}
-    window = args.final_window
+def summarise(runs: dict, window: int) -> dict:
+    """Each mode's final loss (the mean of the last `window` steps), seconds and bytes per parameter, and its final
+    loss against bf16_mixed's."""
     summary = {mode: {"final_loss": sum(r["loss"][-window:]) / window, "seconds": round(r["seconds"], 1),
                       "bytes_per_param": BYTES_PER_PARAM[mode]}
                for mode, r in runs.items()}
     if "bf16_mixed" in summary:
         for s in summary.values():
             s["vs_bf16_mixed_pct"] = 100 * (s["final_loss"] / summary["bf16_mixed"]["final_loss"] - 1)
-    total = time.perf_counter() - started
+    return summary
 
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    setup = {**{k: v for k, v in vars(args).items() if k not in ("out", "plot")}, "params": model_cfg.num_params(),
-             "machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-             "torch": torch.__version__, "total_seconds": round(total, 1)}
-    (RESULTS / f"{args.out}.json").write_text(json.dumps({"setup": setup, "summary": summary, "runs": runs}) + "\n")
-    rows = ["| mode | final loss | vs bf16_mixed | bytes/param (weights+grads+optimizer) | seconds |",
-            "|---|---|---|---|---|"]
-    for mode, s in summary.items():
-        vs = f"{s['vs_bf16_mixed_pct']:+.2f}%" if "vs_bf16_mixed_pct" in s else "n/a"
-        rows.append(f"| {LABELS[mode]} (`{mode}`) | {s['final_loss']:.4f} | {vs} | {s['bytes_per_param']} | "
-                    f"{s['seconds']:.0f} |")
-    table = "\n".join(rows)
-    (RESULTS / f"{args.out}.md").write_text(f"Setup: `{json.dumps(setup)}`\n\n{table}\n")
-    plot(runs, summary, Path(args.plot), window=max(1, min(window, args.steps // 10)))
-    print(table)
-    print(f"total {total:.0f} s; wrote {RESULTS / args.out}.json, .md and {args.plot}")
-    if not all(math.isfinite(s["final_loss"]) for s in summary.values()):
+
+def seed_runs(args: argparse.Namespace, seed: int, model_cfg, tokenizer) -> dict:
+    """Every mode trained from the same initial weights on the same batches, both drawn from `seed`."""
+    optim_cfg = OptimConfig(lr=args.lr, min_lr=args.min_lr, warmup_steps=args.warmup).validate()
+    stream = build_stream(DataConfig(seed=seed), tokenizer, one_source(default_corpus()), args.seq_len, args.batch)
+    batches = [next(stream) for _ in range(args.steps)]  # the same batches for every mode
+    return {mode: train(mode, batches, model_cfg, optim_cfg, seed) for mode in args.modes.split(",")}
+
+
+def table(summaries: dict[int, dict]) -> str:
+    """Per mode: the final loss and its difference from bf16_mixed for each seed, and the mean and standard
+    deviation of that difference over the seeds."""
+    seeds = list(summaries)
+    rows = [f"| mode | final loss (seed {', '.join(map(str, seeds))}) | vs bf16_mixed (each seed) | vs bf16_mixed "
+            "(mean ± sd) | bytes/param (weights+grads+optimizer) | seconds (each seed) |", "|---|---|---|---|---|---|"]
+    for mode, first in summaries[seeds[0]].items():
+        each = [summaries[s][mode] for s in seeds]
+        vs = [e["vs_bf16_mixed_pct"] for e in each if "vs_bf16_mixed_pct" in e]
+        spread = f"{statistics.mean(vs):+.2f}% ± {statistics.stdev(vs):.2f}%" if len(vs) > 1 else "n/a"
+        losses = " / ".join(f"{e['final_loss']:.4f}" for e in each)
+        seconds = " / ".join(f"{e['seconds']:.0f}" for e in each)
+        differences = " / ".join(f"{v:+.2f}%" for v in vs) or "n/a"
+        rows.append(f"| {LABELS[mode]} (`{mode}`) | {losses} | {differences} | {spread} | {first['bytes_per_param']} "
+                    f"| {seconds} |")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    args = parse_args()
+    model_cfg = model_config("tiny", dim=args.dim, n_layers=args.layers, n_heads=max(1, args.dim // 64),
+                             ffn_dim=args.dim * 8 // 3 // 16 * 16, vocab_size=args.vocab, max_seq_len=args.seq_len)
+    tokenizer = get_tokenizer(DataConfig(tokenizer_sample_bytes=1_000_000), default_corpus(), args.vocab,
+                              ROOT / "runs" / f"{args.out}-tokenizer-{args.vocab}")
+    print(f"{model_cfg.num_params():,} parameters, {args.steps} steps of {args.batch}x{args.seq_len} tokens, "
+          f"torch {torch.__version__} on {torch.get_num_threads()} threads", flush=True)
+    started, window = time.perf_counter(), args.final_window
+    setup = {**{k: v for k, v in vars(args).items() if k not in ("out", "plot", "note")},
+             "params": model_cfg.num_params(), "machine": platform.processor() or platform.machine(),
+             "threads": torch.get_num_threads(), "torch": torch.__version__}
+    results, summaries = {}, {}
+    for seed in args.seeds:  # results written after each seed: a long run stopped early keeps what it finished
+        runs = seed_runs(args, seed, model_cfg, tokenizer)
+        summaries[seed] = summarise(runs, window)
+        results[seed] = {"summary": summaries[seed], "runs": runs}
+        setup["total_seconds"] = round(time.perf_counter() - started, 1)
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        (RESULTS / f"{args.out}.json").write_text(json.dumps({"setup": setup, "seeds": results}) + "\n")
+        text = table(summaries)
+        caption = f"{args.note + ' ' if args.note else ''}Setup: `{json.dumps(setup)}`"
+        (RESULTS / f"{args.out}.md").write_text(f"{caption}\n\n{text}\n")
+        print(text, flush=True)
+    first = results[args.seeds[0]]
+    plot(first["runs"], first["summary"], Path(args.plot), window=max(1, min(window, args.steps // 10)))
+    print(f"total {time.perf_counter() - started:.0f} s; wrote {RESULTS / args.out}.json, .md and {args.plot}")
+    if not all(math.isfinite(s["final_loss"]) for summary in summaries.values() for s in summary.values()):
         raise SystemExit("a run diverged (non-finite loss)")
 
 

@@ -24,6 +24,12 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 
+# How overrides are written, for the commands' --help
+OVERRIDES_HELP = ("Any config field can be overridden: --section.key value (or --section.key=value). A list is "
+                  "comma-separated (--data.paths a.jsonl,b.jsonl) or, when it starts with [, a TOML array "
+                  "(--data.paths '[\"a b.jsonl\", \"c.jsonl\"]'; '[]' is the empty list).")
+
+
 class ConfigError(HlatError):
     pass
 
@@ -59,6 +65,15 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+def _toml_array(text: str, name: str) -> list:
+    """A command-line list written as a TOML array: `[]`, `["a b.jsonl", "c.jsonl"]`."""
+    try:
+        return tomllib.loads(f"value = {text}")["value"]
+    except tomllib.TOMLDecodeError:
+        raise ConfigError(f"{name}: {text!r} is not a TOML array (a value starting with [ is read as one): quote "
+                          "each string, e.g. '[\"a.jsonl\", \"b c.jsonl\"]'") from None
+
+
 def _coerce(tp: Any, value: Any, name: str, from_text: bool) -> Any:
     """Return `value` as type `tp`, or raise ConfigError naming the field. `from_text`: value came from the CLI."""
     origin = get_origin(tp)
@@ -74,7 +89,9 @@ def _coerce(tp: Any, value: Any, name: str, from_text: bool) -> Any:
         return value
     if origin is list:
         (item,) = get_args(tp)
-        if from_text and isinstance(value, str):
+        if from_text and isinstance(value, str) and value.lstrip().startswith("["):
+            value, from_text = _toml_array(value, name), False  # its items are typed TOML values
+        elif from_text and isinstance(value, str):
             value = [v for v in value.split(",") if v != ""]
         if not isinstance(value, list):
             raise ConfigError(f"{name}: expected a list, got {value!r}")

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 
 import pytest
 
@@ -31,10 +32,27 @@ def test_preset_then_overrides():
     ({"precision": {"mode": "fp8"}}, [], "precision.mode: 'fp8' is not one of"),
     ({"bogus": {}}, [], "unknown config key 'bogus'"),
     ({}, ["--nosection", "1"], "unexpected argument '--nosection'"),
+    ({}, ["--data.paths", "[a.jsonl]"], "data.paths: '[a.jsonl]' is not a TOML array (a value starting with [ is "
+                                       "read as one): quote each string"),
+    ({}, ["--data.paths", "[1]"], "data.paths[0]: expected a string, got 1"),
 ])
 def test_bad_config_names_the_field(data, overrides, message):
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         build_config(data, overrides)
+
+
+@pytest.mark.parametrize("text, paths", [
+    ("[]", []),
+    ('["a b.jsonl", "c.jsonl"]', ["a b.jsonl", "c.jsonl"]),
+    (' [ "x,y.jsonl" ] ', ["x,y.jsonl"]),
+    ("a.jsonl,b.jsonl", ["a.jsonl", "b.jsonl"]),
+    ("a.jsonl", ["a.jsonl"]),
+])
+def test_a_list_override_is_comma_separated_or_a_toml_array(text, paths, capsys):
+    assert build_config({}, ["--data.paths", text]).data.paths == paths
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    assert "TOML array" in capsys.readouterr().out.replace("\n", " ")
 
 
 def test_cli_config_error_is_one_line(tmp_path, capsys):
@@ -126,6 +144,23 @@ def test_describe_70b_without_allocating(capsys):
     assert main(["describe", "--model", "llama2-70b"]) == 0
     out = capsys.readouterr().out
     assert "68,976,648,192" in out and "bf16_sr" in out
+
+
+@pytest.mark.parametrize("args, seq_len, source", [
+    (["--model", "llama2-7b"], 4096, "the model's max_seq_len"),  # a bare preset: its own context
+    (["--config", "tiny"], 128, "train.seq_len"),  # what `hlat train --config tiny` runs
+    (["--config", "tiny", "--train.seq_len", "64"], 64, "train.seq_len"),
+    (["--model", "llama2-7b", "--seq-len", "512"], 512, "--seq-len"),
+])
+def test_describe_and_plan_figure_at_the_same_sequence_length(args, seq_len, source, capsys):
+    hardware = "cpu" if "tiny" in args else "p4d.24xlarge"
+    assert main(["plan", *args, "--hardware", hardware, "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    assert (planned["seq_len"], planned["seq_len_from"]) == (seq_len, source)
+    assert main(["describe", *args]) == 0
+    (row,) = [line for line in capsys.readouterr().out.splitlines() if "FLOPs/token" in line]
+    model = (load_config("tiny") if "--config" in args else build_config({"model": {"preset": "llama2-7b"}})).model
+    assert f"(seq {seq_len}: {source})" in row and f"{model.flops_per_token(seq_len):.4g}" in row
 
 
 def test_configs_merge_in_order(tmp_path, capsys):

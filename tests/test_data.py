@@ -237,6 +237,17 @@ def test_token_files_and_arrow_give_the_jsonl_token_stream(tmp_path):
         stream([tokens["file"]], 16, 2)  # the character tokenizer
 
 
+def test_a_token_file_of_several_megabytes_gives_the_jsonl_token_stream(tmp_path):
+    rng = random.Random(0)
+    docs = [" ".join(rng.choice(string.ascii_lowercase) * rng.randint(1, 9) for _ in range(rng.randint(5, 300)))
+            for _ in range(1500)]
+    plain = jsonl(tmp_path / "c.jsonl", docs)
+    tokens = Path(tokenize([plain], CharTokenizer(), tmp_path / "c")["file"])  # what `hlat data tokenize` writes
+    assert tokens.stat().st_size > 4 << 20 and len(make_splits([tokens], 1)) > 1  # big enough to be cut
+    a, b = stream([plain], 1024, 8), stream([tokens], 1024, 8)  # an epoch and more
+    assert all(same([next(a)], [next(b)]) for _ in range(tokens.stat().st_size // (4 * 1024 * 8) + 10))
+
+
 @pytest.fixture
 def small_splits(monkeypatch):
     monkeypatch.setattr("hlat.data.sources.MIN_SPLIT_BYTES", 64)  # split even these small test files

@@ -94,6 +94,31 @@ def test_damaged_checkpoint_falls_back_or_is_refused(damage, two_checkpoints, tm
     verify_checkpoint(run / "checkpoints" / "step_00000005")
 
 
+def test_every_reader_of_a_checkpoint_refuses_a_flipped_byte(two_checkpoints, tmp_path, capsys):
+    """export-hf, eval, generate and train.init_from check the manifest before loading; `hlat checkpoint verify`
+    reports each checkpoint of a run."""
+    run = tmp_path / "run"
+    shutil.copytree(two_checkpoints, run)
+    good, damaged = (run / "checkpoints" / f"step_0000000{s}" for s in (2, 4))
+    flip_byte(damaged / "__0_0.distcp")
+    problem = "damaged checkpoint: __0_0.distcp does not match its checksum"
+    fine_tune = config(tmp_path / "fine", steps=1, init_from=str(damaged))
+    fine_tune.data.workers = 0
+    for argv in (["export-hf", str(run), "--out", str(tmp_path / "hf")], ["eval", str(run), "--data", json.__file__],
+                 ["generate", str(damaged), "--prompt", "def"],
+                 ["train", "--config", str(write_config(tmp_path / "fine.toml", fine_tune))]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert err == f"hlat: error: {damaged}: {problem}", argv
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "fine" / "metrics.jsonl").exists()
+
+    assert main(["checkpoint", "verify", str(run)]) == 1
+    assert capsys.readouterr().out.splitlines() == [f"ok       {good}", f"DAMAGED  {damaged}: {problem}"]
+    assert main(["checkpoint", "verify", str(good), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"checkpoint": str(good), "step": 2, "ok": True, "problem": None}
+    assert main(["checkpoint", "verify", str(tmp_path / "hf")]) == 2  # holds no checkpoint
+
+
 def nan_config(run: Path, policy: str, **train_fields):
     cfg = config(run, steps=6, ckpt_every=2, keep_checkpoints=0, debug_nan_step=3, on_bad_step=policy,
                  **train_fields)

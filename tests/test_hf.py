@@ -1,7 +1,11 @@
 """hlat <-> Hugging Face transformers: small random models, no hub access."""
 
+import contextlib
 import dataclasses
 import json
+import logging
+import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -200,6 +204,31 @@ def test_sharded_index_names_missing_shard(tmp_path):
         write_hf_dir(cfg, build_model(cfg, "cpu").state_dict(), tmp_path)
 
 
+class Messages(logging.Handler):
+    """Collects what a logger logs."""
+
+    def __init__(self):
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def transformers_messages():
+    """Every message transformers logs (its logger does not propagate) or warns while the block runs."""
+    logged, logger = Messages(), logging.getLogger("transformers")
+    logger.addHandler(logged)
+    try:
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            yield logged.messages
+        logged.messages.extend(str(w.message) for w in warned)
+    finally:
+        logger.removeHandler(logged)
+
+
 @pytest.mark.parametrize("family", ["llama", "neox"])
 def test_exported_run_generates_in_transformers(family, tmp_path, capsys):
     """A trained run exported with `hlat export-hf` loads with AutoTokenizer and AutoModelForCausalLM as they
@@ -223,16 +252,26 @@ def test_exported_run_generates_in_transformers(family, tmp_path, capsys):
                  "--train.micro_batch", "2", "--train.seq_len", "32", "--optim.warmup_steps", "1",
                  "--train.run_dir", str(run)]) == 0
     out = tmp_path / "hf"
-    assert main(["export-hf", str(run), "--out", str(out)]) == 0
+    umask = os.umask(0o027)
+    try:
+        assert main(["export-hf", str(run), "--out", str(out)]) == 0
+    finally:
+        os.umask(umask)
     assert "bos = eos = '<|endoftext|>'" in capsys.readouterr().out
+    assert {f.name: f.stat().st_mode & 0o777 for f in out.iterdir()} == dict.fromkeys(
+        ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+         "special_tokens_map.json"], 0o640)  # as the umask says, weights too
 
     ckpt = latest_checkpoint(run)
     cfg = load_config(ckpt / "config.toml")
     ours = materialize(build_model(cfg.model), "cpu").eval()
     load_checkpoint(ckpt, [ours])
     eos = load_tokenizer(run).eos_id
-    tok = AutoTokenizer.from_pretrained(out)
-    hf = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    with transformers_messages() as messages:
+        tok = AutoTokenizer.from_pretrained(out)
+        hf = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+        hf.generate(**tok("def", return_tensors="pt"), max_new_tokens=2)
+    assert not [m for m in messages if "max_length" in m], messages
     assert (tok.eos_token_id, tok.bos_token_id, hf.config.eos_token_id, hf.generation_config.eos_token_id) == (eos,) * 4
     prompt = tok("def encode(obj):\n    return", return_tensors="pt")
     assert prompt.input_ids.tolist() == [load_tokenizer(run).encode_batch(["def encode(obj):\n    return"])[0]]

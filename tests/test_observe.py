@@ -21,7 +21,7 @@ from hlat.models.config import model_config
 from hlat.models.generate import generate, next_token
 from hlat.models.hf import write_hf_dir
 from hlat.models.kv_cache import KVCache
-from hlat.train.checkpoint import verify_checkpoint
+from hlat.train.checkpoint import complete_checkpoints, verify_checkpoint
 from hlat.train.config import build_config
 from hlat.tools.inference import load_trained
 from hlat.train.loop import train
@@ -39,15 +39,15 @@ def records(run_dir) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Two real short runs of different lengths and log intervals; the first validates every 3 steps on a
-    hash split of its data and is priced through a hardware profile (two devices per node)."""
+    """Two real short runs of different lengths and log intervals; the first validates and checkpoints every 3 steps
+    on a hash split of its data and is priced through a hardware profile (two devices per node)."""
     root = tmp_path_factory.mktemp("runs")
     profile = root / "box.toml"
     profile.write_text(f'devices_per_node = 2\nprice_on_demand = {2 * PRICE}\n')
     common = {"model": dict(TINY), "data": {"paths": [CORPUS]},
               "optim": {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 2, "decay_steps": 8}}
     a = build_config({**common, "train": {"steps": 6, "global_batch": 4, "micro_batch": 2, "seq_len": 32,
-                                          "log_every": 1, "run_dir": str(root / "a")},
+                                          "log_every": 1, "ckpt_every": 3, "run_dir": str(root / "a")},
                       "eval": {"holdout": 0.3, "every": 3, "batches": 2}, "cost": {"hardware": str(profile)}})
     b = build_config({**common, "train": {"steps": 8, "global_batch": 4, "micro_batch": 2, "seq_len": 32,
                                           "log_every": 2, "run_dir": str(root / "b")},
@@ -119,9 +119,43 @@ def test_hlat_eval_equals_loss_by_hand(runs, capsys):
     ids = [i for doc in iter_documents(file) for i in [*tok.encode_batch([doc])[0], tok.eos_id]]
     with torch.no_grad():
         loss, count = hand_loss(model, ids, 32)
+    assert (got["checkpoint"], got["step"]) == (str(runs[0] / "checkpoints" / "step_00000006"), 6)  # the latest
     assert got["tokens"] == count == len(ids) - 1
     assert got["loss"] == pytest.approx(loss, rel=1e-5)
     assert got["perplexity"] == pytest.approx(math.exp(loss), rel=1e-4)
+
+
+def test_hlat_eval_names_each_checkpoint_it_evaluates(runs, capsys):
+    common = ["--data", os.path.join(CORPUS_DIR, "scanner.py"), "--max-batches", "2"]
+    assert main(["eval", str(runs[0]), str(runs[1]), "--all", *common, "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    expected = [*complete_checkpoints(runs[0]), *complete_checkpoints(runs[1])]
+    assert [(r["checkpoint"], r["step"]) for r in rows] == [(str(p), s) for s, p in expected] and len(rows) == 3
+    for row in rows:  # each row holds the figures of its own checkpoint
+        assert main(["eval", row["checkpoint"], *common, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out) == row
+    assert main(["eval", str(runs[0]), *common, "--all"]) == 0
+    header, *table = capsys.readouterr().out.splitlines()
+    assert header.split() == ["step", "loss", "perplexity", "tokens", "checkpoint"]
+    assert [line.split() for line in table] == [[str(r["step"]), f"{r['loss']:.4f}", f"{r['perplexity']:.2f}",
+                                                 f"{r['tokens']:,}", r["checkpoint"]] for r in rows[:2]]
+
+
+def test_output_to_a_pipe_is_never_wrapped(tmp_path):
+    """Piped into a log, every message and table row is whole: a grep for the checkpoint path finds it."""
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / ("a-run-directory-whose-name-is-longer-than-a-terminal-is-wide-" * 2)
+    cfg = build_config({"model": dict(TINY), "data": {"paths": [CORPUS], "workers": 0},
+                        "train": {"steps": 1, "global_batch": 2, "micro_batch": 2, "seq_len": 16,
+                                  "run_dir": str(run_dir)}})
+    (tmp_path / "c.toml").write_text(cfg.to_toml())
+    done = subprocess.run([sys.executable, "-m", "hlat", "train", "--config", str(tmp_path / "c.toml")],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "COLUMNS": ""})
+    assert done.returncode == 0, done.stderr[-3000:]
+    checkpoint = str(run_dir / "checkpoints" / "step_00000001")
+    assert any(checkpoint in line for line in done.stdout.splitlines()), done.stdout
 
 
 def test_holdout_split_is_disjoint_from_training():
@@ -266,6 +300,11 @@ def test_named_validation_sets_and_the_best_checkpoint(tmp_path, capsys):
     assert {p.name for p in (run / "checkpoints").iterdir()} == {best["checkpoint"], "best.json", "step_00000006"}
     best_dir = run / "checkpoints" / best["checkpoint"]
     verify_checkpoint(best_dir)
+    capsys.readouterr()
+    assert main(["checkpoint", "verify", str(run), "--json"]) == 0  # the best checkpoint is one of the run's
+    verified = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert {(v["checkpoint"], v["step"], v["ok"]) for v in verified} == {
+        (str(best_dir), best["step"], True), (str(run / "checkpoints" / "step_00000006"), 6, True)}
 
     def evaluated(checkpoint, *files):
         assert main(["eval", str(checkpoint), "--data", *files, "--json", "--max-batches", "2"]) == 0

@@ -289,7 +289,7 @@ def test_cli_given_layout_and_table(capsys, tmp_path):
     config = tmp_path / "model.toml"
     config.write_text('[model]\npreset = "tiny"\nn_layers = 6\n[train]\nseq_len = 512\nglobal_batch = 16\n')
     assert run(plan_args("--config", str(config), "--hardware", "cpu"), []) == 0
-    assert "seq 512, batch 16" in capsys.readouterr().out
+    assert "seq 512 (train.seq_len), batch 16" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv, message", [

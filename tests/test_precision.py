@@ -17,7 +17,7 @@ from hlat.config import ConfigError
 from hlat.models import build_model, materialize
 from hlat.models.config import model_config
 from hlat.optim import OptimConfig, build_optimizer
-from hlat.optim.bf16 import BF16AdamW, stochastic_round
+from hlat.optim.bf16 import BF16AdamW, rounding_noise, rounding_seed, stochastic_round
 from hlat.optim.modes import MODES
 from hlat.optim.precision import autocast, prepare_model
 from process_groups import end_process_group
@@ -76,6 +76,95 @@ def test_stochastic_rounding_is_deterministic_under_a_seed():
     assert not torch.equal(stochastic_round(x, 5), stochastic_round(x, 6))
     assert not torch.equal(stochastic_round(x, 5), stochastic_round(x, 5, stream=1))
     assert not torch.equal(stochastic_round(x, 5), stochastic_round(x, 5 + 2**40))  # the key's high half counts
+
+
+# --- the rounding's statistics ------------------------------------------------------------------------------
+# Each check is a deterministic function of fixed keys (pass or fail, never flaky); its bounds are where an ideal
+# random source would land with probability about 1e-9 (6 standard deviations).
+
+SIGMAS = 6.0
+
+
+def chi2_bound(df: int, z: float = SIGMAS) -> float:
+    """The chi-square quantile z standard deviations out (Wilson-Hilferty; z < 0 for the lower tail)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def noise(key: int, n: int, stream: int = 0) -> torch.Tensor:
+    return rounding_noise(torch.empty(n), key & 0xFFFFFFFF, key >> 32, stream)
+
+
+def assert_independent_uniform(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    """`a` and `b` (16-bit draws) are each uniform, uncorrelated, and jointly uniform over 16 x 16 cells of their top
+    4 bits (which a dependence of any shape between the two would unbalance)."""
+    n = len(a)
+    for u in (a, b):
+        for bins in (u >> 8, u & 255):  # the high and the low byte
+            chi2 = ((torch.bincount(bins, minlength=256) - n / 256) ** 2 / (n / 256)).sum().item()
+            assert chi2 < chi2_bound(255), (what, chi2)
+    r = torch.corrcoef(torch.stack([a, b]).double())[0, 1].item()
+    assert abs(r) * math.sqrt(n) < SIGMAS, (what, r)
+    cells = torch.bincount((a >> 12) * 16 + (b >> 12), minlength=256)
+    chi2 = ((cells - n / 256) ** 2 / (n / 256)).sum().item()
+    assert chi2_bound(255, -SIGMAS) < chi2 < chi2_bound(255), (what, chi2)
+
+
+def test_rounding_bits_are_independent_across_elements_streams_steps_parameters_and_ranks():
+    n = 1 << 18
+    key = rounding_seed(0, 1, 0)
+    u = noise(key, n + 1024)
+    for lag in (1, 2, 3, 1024):  # neighbouring elements of a tensor
+        assert_independent_uniform(u[:n], u[lag : n + lag], f"elements {lag} apart")
+    others = {"the next stream (the first moment)": noise(key, n, 1), "stream 2 (the second moment)": noise(key, n, 2),
+              "the next step": noise(rounding_seed(0, 2, 0), n), "the next parameter": noise(rounding_seed(0, 1, 1), n),
+              "another seed": noise(rounding_seed(1, 1, 0), n),
+              "another shard (rank)": noise(rounding_seed(0, 1, 0, (1,)), n),
+              "a key one bit away, low half": noise(key ^ 1, n), "a key one bit away, high half": noise(key ^ 2**32, n)}
+    for what, v in others.items():
+        assert_independent_uniform(u[:n], v, what)
+    assert torch.equal(noise(rounding_seed(0, 1, 0, (1,)), n), noise(rounding_seed(0, 1, 0, (1,)), n))  # replicas
+
+
+def fractional_values(m: int, seed: int) -> torch.Tensor:
+    """`m` fp32 values of random sign and exponent (subnormals included, below bf16's overflow), each between two bf16
+    neighbours at a random fraction in [1/64, 63/64]: at least 64 of 4096 roundings go each way, so the mean of the
+    roundings is close to normally distributed."""
+    g = gen(seed)
+    high = torch.randint(0, 2**16, (m,), generator=g)
+    high = high.where((high >> 7) & 0xFF < 0xFE, high & ~(1 << 14))  # no exponent 0xFE or 0xFF
+    high[: m // 8] &= 0x807F  # exponent 0: subnormals
+    low = torch.randint(1024, 2**16 - 1024 + 1, (m,), generator=g)
+    return ((high << 16) | low).to(torch.int32).view(torch.float32)
+
+
+def rounded_copies(x: torch.Tensor, n: int, copies: str) -> torch.Tensor:
+    """`n` stochastic roundings of each of `x`, as [n, len(x)]: as elements of one tensor under one key, or each
+    element in its place under the keys of `n` steps, `n` seeds or `n` data-parallel shards (ranks)."""
+    if copies == "elements":
+        return stochastic_round(x.expand(n, -1), rounding_seed(0, 1, 0))
+    keys = {"steps": lambda i: rounding_seed(0, i + 1, 0), "seeds": lambda i: rounding_seed(i, 1, 0),
+            "ranks": lambda i: rounding_seed(0, 1, 0, (i,))}[copies]
+    return torch.stack([stochastic_round(x, keys(i)) for i in range(n)])
+
+
+@pytest.mark.parametrize("copies", ["elements", "steps", "seeds", "ranks"])
+def test_stochastic_rounding_is_unbiased_and_its_copies_independent(copies):
+    """For 4096 values across magnitudes (subnormals too) and signs, the mean of 4096 roundings lies within what a
+    mean of independent Bernoulli choices allows: each value's z-score, the mean z (a bias in one direction over
+    many values) and the mean z^2 (copies that depend on each other make the mean vary more, or less, than
+    independent ones). Values already in bf16 are never moved."""
+    m, n = 4096, 4096
+    x = fractional_values(m, seed=len(copies))
+    below, above = (t.double() for t in neighbours(x))
+    p = (x.double() - below) / (above - below)
+    rounded = rounded_copies(x, n, copies)
+    assert_neighbour(rounded, x.expand(n, -1))
+    z = (rounded.double().mean(0) - x.double()) / ((above - below) * (p * (1 - p) / n).sqrt())
+    assert z.abs().max().item() < SIGMAS + 1, z.abs().max().item()  # the largest of 4096 normals
+    assert abs(z.mean().item()) * math.sqrt(m) < SIGMAS, z.mean().item()
+    assert chi2_bound(m, -SIGMAS) < (z**2).sum().item() < chi2_bound(m), (z**2).mean().item()
+    exact = x.to(BF16).float()  # in bf16 already: subnormals, both signs, every magnitude
+    assert torch.equal(rounded_copies(exact, 8, copies).float(), exact.expand(8, -1))
 
 
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])

@@ -276,7 +276,8 @@ def _token_file_splits(file: File, size: int, cuts: list[int]) -> list[Split]:
     each cut at the first document that ends past the offset."""
     _, ends = _token_arrays(file)
     itemsize = size // max(int(ends[-1]), 1) if len(ends) else 1
-    docs = sorted({0, len(ends), *np.searchsorted(ends, [cut // itemsize for cut in cuts[1:-1]], "right")})
+    firsts = np.searchsorted(ends, [cut // itemsize for cut in cuts[1:-1]], "right").tolist()  # ints, not numpy's
+    docs = sorted({0, len(ends), *firsts})
     offsets = [int(ends[doc - 1]) * itemsize if doc else 0 for doc in docs]  # where each of those starts
     return [Split(file, stop_byte - start_byte, first, stop)
             for first, stop, start_byte, stop_byte in zip(docs, docs[1:], offsets, offsets[1:]) if stop > first]

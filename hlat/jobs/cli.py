@@ -7,12 +7,12 @@ import os
 from pathlib import Path
 
 from hlat import HlatError
+from hlat.config import OVERRIDES_HELP
 
 
 def register(commands) -> None:
     p = commands.add_parser("train", help="train a model from a config",
-                            description="Train from a TOML config; any field can be overridden, e.g. --optim.lr "
-                                        "1e-3.")
+                            description=f"Train from a TOML config. {OVERRIDES_HELP}")
     p.add_argument("--config", action="append", help="TOML config file or recipe name (default: the built-in "
                                                       "defaults); repeat it to lay later files over earlier ones")
     p.add_argument("--resume", help="'auto' (latest complete checkpoint of the run dir, if any) or a checkpoint path")
@@ -43,7 +43,7 @@ def register(commands) -> None:
 
 
 def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
-    from rich.console import Console
+    from hlat.console import make_console
     from rich.table import Table
 
     from hlat.jobs.torchrun import mark_finished
@@ -60,7 +60,7 @@ def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.print_config:
         print(cfg.to_toml(), end="")
         return 0
-    console = Console()
+    console = make_console()
     s = train(cfg, console)
     mark_finished()
     if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 speaks for the job

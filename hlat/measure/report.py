@@ -7,9 +7,9 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
-from rich.console import Console
 from rich.table import Table
 
+from hlat.console import make_console
 from hlat.planner.profiles import HardwareProfile, Measured, load_profile
 
 
@@ -100,7 +100,7 @@ def report_json(report: Report) -> str:
 
 def show(report: Report) -> None:
     """The report as tables, and a line each for stragglers, numerics and memory."""
-    console = Console()
+    console = make_console()
     console.width = max(console.width, 120)
     console.print(compute_table(report))
     if report.collectives:

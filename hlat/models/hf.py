@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -276,6 +277,13 @@ def read_hf_dir(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]
         raise HlatError(f"{path}: {e}") from None
 
 
+def _save_weights(tensors: dict[str, torch.Tensor], file: Path) -> None:
+    """A safetensors file with the permissions of the config.json beside it (the umask's): safetensors itself
+    creates its files readable by their owner only."""
+    save_file(tensors, file, metadata={"format": "pt"})  # transformers 4 refuses files without the format
+    shutil.copymode(file.parent / "config.json", file)
+
+
 def write_hf_dir(cfg: ModelConfig, state: dict[str, torch.Tensor], path: str | Path,
                  max_shard_bytes: int = 5 * 10**9, special_tokens: dict[str, int] | None = None) -> None:
     """Write config.json, generation_config.json and the weights in HF layout; sharded with an index past
@@ -299,18 +307,17 @@ def write_hf_dir(cfg: ModelConfig, state: dict[str, torch.Tensor], path: str | P
     tokens = special_tokens or {}
     hf_cfg.update(tokens)
     (path / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
-    # generate() reads its defaults here: stop at end of text, pad with it (the model has no pad token)
-    generation = {**tokens, **({"pad_token_id": tokens["eos_token_id"]} if "eos_token_id" in tokens else {}),
-                  "max_length": cfg.max_seq_len}
+    # generate() reads its defaults here: stop at end of text, pad with it (the model has no pad token). No
+    # max_length: transformers would warn at every generate(max_new_tokens=...) that both are set
+    generation = {**tokens, **({"pad_token_id": tokens["eos_token_id"]} if "eos_token_id" in tokens else {})}
     (path / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    metadata = {"format": "pt"}  # transformers 4 refuses files without it
     if len(shards) == 1:
-        save_file(shards[0], path / SINGLE_FILE, metadata=metadata)
+        _save_weights(shards[0], path / SINGLE_FILE)
         return
     weight_map = {}
     for n, shard in enumerate(shards, 1):
         name = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, path / name, metadata=metadata)
+        _save_weights(shard, path / name)
         weight_map.update(dict.fromkeys(shard, name))
     total = sum(t.numel() * t.element_size() for t in hf_state.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}

@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: the config's, "
                                                          "else 1024)")
     parser.add_argument("--seq-len", type=int, help="sequence length (default: the config's, else the model's "
-                                                    "max_seq_len)")
+                                                    "max_seq_len, as `hlat describe`; the output says which)")
     parser.add_argument("--precision", choices=sorted(MODES), help="training precision mode (default: the "
                                                                    "config's, else bf16_mixed)")
     parser.add_argument("--compile", action="store_true", help="compiled blocks (parallel.compile; default: the "
@@ -142,30 +142,33 @@ def _load_config(args: argparse.Namespace, overrides: list[str]):
 
 
 def _request(args: argparse.Namespace, cfg, hw: HardwareProfile, nodes: int) -> Request:
-    work = _workload(args, cfg)
+    work, seq_len_from = _workload(args, cfg)
     price, price_note = _price(args, cfg, hw)
     tokens = args.tokens or (cfg.train.steps * work.tokens_per_step if cfg else HLAT_TOKENS)
     if tokens <= 0:
         raise HlatError(f"--tokens: must be positive, got {tokens}")
     notes = [line for line in (hw.measured.mismatch(work.precision),) if line]
     return Request(work, hw, nodes, price, price_note, tokens, _layout(args, cfg, work, nodes * hw.devices_per_node),
-                   notes)
+                   notes, seq_len_from)
 
 
-def _workload(args: argparse.Namespace, cfg) -> Workload:
+def _workload(args: argparse.Namespace, cfg) -> tuple[Workload, str]:
+    """What the plan trains, and what set its sequence length (`figures_seq_len`, as `hlat describe`)."""
+    from hlat.train.config import figures_seq_len
+
     if cfg:
         model, train = cfg.model, cfg.train
-        seq_len, batch, precision = train.seq_len, train.global_batch, cfg.precision.mode
-        compiled = cfg.parallel.compile
+        batch, precision, compiled = train.global_batch, cfg.precision.mode, cfg.parallel.compile
     elif args.model:
         model = model_config(args.model)
-        seq_len, batch, precision, compiled = model.max_seq_len, 1024, "bf16_mixed", False
+        batch, precision, compiled = 1024, "bf16_mixed", False
     else:
         raise HlatError("hlat plan: give --model PRESET or --config RECIPE_OR_FILE")
-    seq_len, batch = args.seq_len or seq_len, args.global_batch or batch
+    seq_len, seq_len_from = figures_seq_len(args.seq_len, cfg.train.seq_len if cfg else None, model)
+    batch = args.global_batch or batch
     if seq_len < 1 or batch < 1:
         raise HlatError(f"--seq-len and --global-batch must be positive, got {seq_len} and {batch}")
-    return Workload(model, seq_len, batch, args.precision or precision, args.compile or compiled)
+    return Workload(model, seq_len, batch, args.precision or precision, args.compile or compiled), seq_len_from
 
 
 def _price(args: argparse.Namespace, cfg, hw: HardwareProfile) -> tuple[float, str]:

@@ -27,6 +27,7 @@ class Request:
     tokens: float  # the token budget to cost
     layout: Layout | None = None  # a layout to price alone (the flags', or the config's); None: search
     notes: list[str] = field(default_factory=list)  # one-line remarks printed under the table
+    seq_len_from: str = ""  # what set the sequence length (--seq-len, train.seq_len, the model's max_seq_len)
 
 
 def si(x: float) -> str:
@@ -63,6 +64,7 @@ def plan_row(plan: Plan, tokens: float) -> dict:
 def print_json(req: Request, plans: list[Plan], note: str) -> None:
     work, hw = req.work, req.hw
     print(json.dumps({"model": work.model.preset, "hardware": hw.name, "nodes": req.nodes, "seq_len": work.seq_len,
+                      "seq_len_from": req.seq_len_from,
                       "global_batch": work.global_batch, "precision": work.precision, "compile": work.compile,
                       "tokens": req.tokens, "price_per_node_hour": req.price or None, "price_source": req.price_note,
                       "measured_best_mfu": hw.best_mfu.of(work.precision) or None,
@@ -82,10 +84,11 @@ def emit_config(path: str, req: Request, best: Plan) -> None:
 
 def print_table(req: Request, plans: list[Plan], note: str) -> None:
     from rich import box
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    from hlat.console import make_console
+
+    console = make_console()
     console.width = max(console.width, 120)  # one line per layout, numbers unclipped
     work, hw = req.work, req.hw
     devices = req.nodes * hw.devices_per_node
@@ -93,7 +96,8 @@ def print_table(req: Request, plans: list[Plan], note: str) -> None:
     price = f"${req.price:g}/node-hour, {req.price_note}" if req.price else req.price_note
     marks = [ceiling_note(req)] if any(p.above_measured_best for p in plans) else []
     table = Table(title=f"{work.model.preset or work.model.family} on {req.nodes} x {hw.name} ({devices:,} "
-                        f"device{'s' if devices > 1 else ''}): seq {work.seq_len}, batch {work.global_batch} "
+                        f"device{'s' if devices > 1 else ''}): seq {work.seq_len} ({req.seq_len_from}), "
+                        f"batch {work.global_batch} "
                         f"({si(work.tokens_per_step)} tokens), {work.precision}"
                         f"{', compiled' if work.compile else ''}",
                   caption="\n".join([f"{note}. Price: {price}. Figures: {hw.sources()}.", *marks]),

@@ -1,4 +1,5 @@
-"""Post-run tools: `hlat eval`, `hlat generate`, `hlat compare`, `hlat import-hf` and `hlat export-hf`."""
+"""Post-run tools: `hlat eval`, `hlat generate`, `hlat compare`, `hlat import-hf`, `hlat export-hf` and
+`hlat checkpoint verify`."""
 
 from __future__ import annotations
 
@@ -20,17 +21,34 @@ def register(commands) -> None:
     p.add_argument("--out", required=True, help="directory for config.json, generation_config.json, "
                                                 "model.safetensors and the tokenizer files")
     p.set_defaults(func=run_export_hf, overrides=False)
+    register_eval(commands)
+    register_generate(commands)
+    register_checkpoint(commands)
 
-    p = commands.add_parser("eval", help="validation loss and perplexity of a checkpoint on held-out text")
-    p.add_argument("checkpoint", help="checkpoint directory, or a run directory (its latest checkpoint)")
-    p.add_argument("--data", nargs="+", help="files, directories or globs (default: the run's [eval] data)")
+    p = commands.add_parser("compare", help="overlay the loss and gradient-norm curves of runs; their deviations")
+    p.add_argument("runs", nargs="+", help="run directories (or metrics.jsonl files); the first is the reference")
+    p.add_argument("--out", help="PNG file for the overlaid curves")
+    p.add_argument("--labels", help="comma-separated names for the runs (default: their directory names)")
+    p.add_argument("--json", action="store_true", help="print the deviations as JSON")
+    p.set_defaults(func=run_compare, overrides=False)
+
+
+def register_eval(commands) -> None:
+    p = commands.add_parser("eval", help="validation loss and perplexity of checkpoints on held-out text")
+    p.add_argument("checkpoints", nargs="+", metavar="CHECKPOINT",
+                   help="checkpoint directories, or run directories (each its latest checkpoint; with --all, "
+                        "every one)")
+    p.add_argument("--all", action="store_true", help="evaluate every checkpoint of each run directory, oldest first")
+    p.add_argument("--data", nargs="+", help="files, directories or globs (default: each run's [eval] data)")
     p.add_argument("--max-batches", type=int, default=0, help="evaluate at most this many batches (0: all the data)")
     p.add_argument("--batch-size", type=int, help="sequences per batch (default: train.micro_batch)")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: train.seq_len)")
     add_model_arguments(p)
-    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    p.add_argument("--json", action="store_true", help="print one JSON object per checkpoint, one per line")
     p.set_defaults(func=run_eval, overrides=False)
 
+
+def register_generate(commands) -> None:
     p = commands.add_parser("generate", help="continue a prompt with a trained model (KV cache)")
     p.add_argument("checkpoint", help="checkpoint directory, or a run directory (its latest checkpoint)")
     p.add_argument("--prompt", required=True)
@@ -42,12 +60,15 @@ def register(commands) -> None:
     add_model_arguments(p)
     p.set_defaults(func=run_generate, overrides=False)
 
-    p = commands.add_parser("compare", help="overlay the loss and gradient-norm curves of runs; their deviations")
-    p.add_argument("runs", nargs="+", help="run directories (or metrics.jsonl files); the first is the reference")
-    p.add_argument("--out", help="PNG file for the overlaid curves")
-    p.add_argument("--labels", help="comma-separated names for the runs (default: their directory names)")
-    p.add_argument("--json", action="store_true", help="print the deviations as JSON")
-    p.set_defaults(func=run_compare, overrides=False)
+
+def register_checkpoint(commands) -> None:
+    p = commands.add_parser("checkpoint", help="check checkpoints against their manifests")
+    sub = p.add_subparsers(dest="checkpoint_command", required=True)
+    verify = sub.add_parser("verify", help="check every file of each checkpoint (or each checkpoint of a run "
+                                           "directory) against its manifest; exit code 1 if any is damaged")
+    verify.add_argument("paths", nargs="+", metavar="PATH", help="checkpoint or run directories")
+    verify.add_argument("--json", action="store_true", help="print one JSON object per checkpoint, one per line")
+    p.set_defaults(func=run_checkpoint_verify, overrides=False)
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -74,16 +95,34 @@ def run_export_hf(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def run_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     from hlat.parallel.device import pick_device
-    from hlat.tools.inference import load_trained
-    from hlat.train.validation import evaluate, validation_batches, validation_documents
+    from hlat.train.checkpoint import checkpoints_in, resolve_checkpoint
 
     for name in ("max_batches", "batch_size", "seq_len"):
         if (getattr(args, name) or 0) < 0:
             raise HlatError(f"--{name.replace('_', '-')}: must be >= 0, got {getattr(args, name)}")
     device = pick_device(args.device, "--device")
-    cfg, model, tokenizer = load_trained(args.checkpoint, device, args.dtype, args.tokenizer)
+    checkpoints = [c for path in args.checkpoints for c in (checkpoints_in(path) if args.all
+                                                             else [resolve_checkpoint(path)])]
+    if not args.json:
+        print(f"{'step':>10}  {'loss':>8}  {'perplexity':>10}  {'tokens':>12}  checkpoint")
+    for checkpoint in checkpoints:  # each printed once evaluated: a long list shows its progress
+        row = evaluate_checkpoint(checkpoint, args, device)
+        step = "-" if row["step"] is None else row["step"]
+        print(json.dumps(row) if args.json else f"{step:>10}  {row['loss']:>8.4f}  {row['perplexity']:>10.2f}  "
+                                                f"{row['tokens']:>12,}  {checkpoint}", flush=True)
+    return 0
+
+
+def evaluate_checkpoint(checkpoint: Path, args: argparse.Namespace, device) -> dict:
+    """The validation figures of one checkpoint (verified first) on --data or its run's [eval] data."""
+    from hlat.tools.inference import load_trained
+    from hlat.train.files import checkpoint_step
+    from hlat.train.validation import evaluate, validation_batches, validation_documents
+
+    cfg, model, tokenizer = load_trained(checkpoint, device, args.dtype, args.tokenizer)
     if not args.data and not cfg.eval.paths and not cfg.eval.holdout:
-        raise HlatError("--data: give the files to evaluate on (the run has no [eval] paths or holdout)")
+        raise HlatError(f"--data: give the files to evaluate {checkpoint} on (its run has no [eval] paths or "
+                        "holdout)")
     seq_len = args.seq_len or cfg.train.seq_len
     if seq_len > cfg.model.max_seq_len:
         raise HlatError(f"--seq-len: {seq_len} exceeds the model's max_seq_len {cfg.model.max_seq_len}")
@@ -91,10 +130,8 @@ def run_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     batches = validation_batches(validation_documents(cfg, paths=args.data), tokenizer, seq_len, batch_size,
                                  args.max_batches or 2**62, cfg.model.doc_mask)
     result = evaluate(model, batches, device)
-    figures = {"loss": result.loss, "perplexity": result.perplexity, "tokens": result.tokens}
-    print(json.dumps(figures) if args.json else
-          f"loss {result.loss:.4f}  perplexity {result.perplexity:.2f}  tokens {result.tokens:,}")
-    return 0
+    return {"checkpoint": str(checkpoint), "step": checkpoint_step(checkpoint), "loss": result.loss,
+            "perplexity": result.perplexity, "tokens": result.tokens}
 
 
 def run_generate(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -112,6 +149,25 @@ def run_generate(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def run_checkpoint_verify(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Each checkpoint named, or each of a run directory, checked against its manifest: 1 if any is damaged."""
+    from hlat.train.checkpoint import DamagedCheckpoint, checkpoints_in, verify_checkpoint
+    from hlat.train.files import checkpoint_step
+
+    damaged = 0
+    for checkpoint in [c for path in args.paths for c in checkpoints_in(path)]:
+        try:
+            verify_checkpoint(checkpoint)
+            problem = None
+        except DamagedCheckpoint as e:
+            problem, damaged = e.problem, damaged + 1
+        row = {"checkpoint": str(checkpoint), "step": checkpoint_step(checkpoint), "ok": problem is None,
+               "problem": problem}
+        print(json.dumps(row) if args.json else f"{'ok' if problem is None else 'DAMAGED':<8} {checkpoint}"
+                                                f"{f': {problem}' if problem else ''}", flush=True)
+    return 1 if damaged else 0
+
+
 def run_compare(args: argparse.Namespace, overrides: list[str]) -> int:
     from hlat.tools.compare import METRICS, deviations, plot, read_run
 
@@ -127,7 +183,7 @@ def run_compare(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.json:
         print(json.dumps({"runs": labels, "deviations": table, "figure": args.out}, indent=2))
         return 0
-    from rich.console import Console
+    from hlat.console import make_console
     from rich.table import Table
 
     out = Table(title=f"relative deviation from {runs[0].label} over the steps both logged")
@@ -141,7 +197,7 @@ def run_compare(args: argparse.Namespace, overrides: list[str]) -> int:
         means = [f"{row[m]['mean']:.2%}" if m in row else "-" for m in METRICS]
         steps = row["loss"]["steps"] if "loss" in row else 0
         out.add_row(row["run"], *[c for pair in zip(cells, means) for c in pair], str(steps))
-    console = Console()
+    console = make_console()
     console.print(out)
     if len(runs) == 1:
         console.print("one run: nothing to compare it with")

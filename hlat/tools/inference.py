@@ -12,7 +12,7 @@ from hlat import HlatError
 from hlat.data.tokenizer import Tokenizer, load_tokenizer, tokenizer_file_in
 from hlat.models import build_model, materialize
 from hlat.models.generate import generate
-from hlat.train.checkpoint import CONFIG_FILE, load_checkpoint, resolve_checkpoint
+from hlat.train.checkpoint import CONFIG_FILE, load_checkpoint, verified_checkpoint
 from hlat.train.config import Config, load_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -29,8 +29,9 @@ def saved_tokenizer(checkpoint: Path) -> Tokenizer | None:
 
 def load_trained_model(path: str | Path, device: torch.device | str = "cpu", dtype: str = "float32"
                        ) -> tuple[Path, Config, nn.Module]:
-    """The checkpoint (`path`, or a run directory's latest), its config and its model, in eval mode."""
-    checkpoint = resolve_checkpoint(path)
+    """The checkpoint (`path`, or a run directory's latest), verified against its manifest, its config and its model,
+    in eval mode."""
+    checkpoint = verified_checkpoint(path)
     if not (checkpoint / CONFIG_FILE).is_file():
         raise HlatError(f"{checkpoint}: has no {CONFIG_FILE}, so its model shape is unknown")
     cfg = load_config(checkpoint / CONFIG_FILE)

@@ -36,7 +36,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.torch_version import TorchVersion
 
 from hlat import HlatError
-from hlat.train.files import checkpoint_root, complete_checkpoints, latest_checkpoint, refused_write
+from hlat.train.files import (checkpoint_root, checkpoint_step, complete_checkpoints, latest_checkpoint,
+                              refused_write)
 
 STAGER_KEEPS_BUFFERS = TorchVersion(torch.__version__) >= "2.13"
 CONFIG_FILE = "config.toml"  # the job's config, written into every checkpoint so it is self-describing
@@ -51,7 +52,7 @@ class DamagedCheckpoint(HlatError):
 
     def __init__(self, path: Path, problem: str):
         super().__init__(f"{path}: {problem}")
-        self.path = path
+        self.path, self.problem = path, problem
 
 
 def quarantine(path: Path) -> Path:
@@ -109,15 +110,46 @@ def _reason(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__  # a KeyError's text is a key
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory from a checkpoint path or a run directory (its latest complete checkpoint)."""
+def _is_checkpoint(path: Path) -> bool:
+    return (path / ".metadata").is_file() or (path / MANIFEST).is_file()
+
+
+def _holds_none(run_dir: Path) -> HlatError:
+    return HlatError(f"{run_dir}: holds no complete checkpoint (looked for {checkpoint_root(run_dir)}/step_*)")
+
+
+def checkpoints_in(path: str | Path) -> list[Path]:
+    """[path] for a checkpoint directory, or every checkpoint of a run directory by step: its `step_N` ones and
+    its best one (`best_step_N`, eval.keep_best), which follows the `step_N` of the same step."""
     path = Path(path)
-    if (path / ".metadata").is_file() or (path / MANIFEST).is_file():
+    if _is_checkpoint(path):
+        return [path]
+    best = sorted(checkpoint_root(path).glob("best_step_" + "[0-9]" * 8))
+    found = sorted([*(p for _, p in complete_checkpoints(path)), *best],
+                   key=lambda p: (checkpoint_step(p), p.name.startswith("best_")))
+    if not found:
+        raise _holds_none(path)
+    return found
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory from a checkpoint path or a run directory (its latest `step_N` checkpoint)."""
+    path = Path(path)
+    if _is_checkpoint(path):
         return path
     latest = latest_checkpoint(path)
     if latest is None:
-        raise HlatError(f"{path}: holds no complete checkpoint (looked for {checkpoint_root(path)}/step_*)")
+        raise _holds_none(path)
     return latest
+
+
+def verified_checkpoint(path: str | Path) -> Path:
+    """`resolve_checkpoint(path)` once it matches its manifest: what every reader of a checkpoint loads (a damaged
+    one raises DamagedCheckpoint, one line)."""
+    checkpoint = resolve_checkpoint(path)
+    verify_checkpoint(checkpoint)
+    return checkpoint
+
 
 
 def model_state(parts: list[nn.Module]) -> dict:

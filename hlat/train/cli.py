@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from hlat import HlatError
+from hlat.config import OVERRIDES_HELP
 
 
 def register(commands) -> None:
@@ -14,10 +15,13 @@ def register(commands) -> None:
     p.add_argument("section", nargs="?", help="only this section, e.g. train")
     p.set_defaults(func=run_config, overrides=False)
 
-    p = commands.add_parser("describe", help="parameter counts, FLOPs and memory of a model, without building it")
+    p = commands.add_parser("describe", help="parameter counts, FLOPs and memory of a model, without building it",
+                            description=f"Parameter counts, FLOPs and memory of a model, without building it. "
+                                        f"{OVERRIDES_HELP}")
     p.add_argument("--model", help="preset name, e.g. llama2-70b")
     p.add_argument("--config", action="append", help="TOML config or recipe name (repeatable, merged in order)")
-    p.add_argument("--seq-len", type=int, help="sequence length for FLOPs per token (default: train.seq_len)")
+    p.add_argument("--seq-len", type=int, help="sequence length for FLOPs per token (default: the config's "
+                                               "train.seq_len, else the model's max_seq_len, as `hlat plan`)")
     p.set_defaults(func=run_describe, overrides=True)
 
 
@@ -35,28 +39,31 @@ def run_config(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def run_describe(args: argparse.Namespace, overrides: list[str]) -> int:
-    from rich.console import Console
+    from hlat.console import make_console
     from rich.table import Table
 
     from hlat.optim.modes import MODES
-    from hlat.train.config import load_config
+    from hlat.config import parse_overrides
+    from hlat.train.config import figures_seq_len, load_config
 
+    configured = args.config or "train.seq_len" in dict(parse_overrides(overrides))  # else a bare preset
     if args.model:
         overrides = ["--model.preset", args.model] + overrides
     cfg = load_config(args.config, overrides)
-    m, seq_len = cfg.model, args.seq_len or cfg.train.seq_len
+    m = cfg.model
+    seq_len, seq_from = figures_seq_len(args.seq_len, cfg.train.seq_len if configured else None, m)
     total = m.num_params()
     table = Table(title=f"{m.preset or m.family}: {m.n_layers} layers, dim {m.dim}, {m.n_heads} heads "
                         f"({m.kv_heads} kv), ffn {m.ffn_dim}, vocab {m.vocab_size}", show_header=False)
     table.add_row("parameters", f"{total:,}")
     table.add_row("  embedding", f"{m.embedding_params():,}")
     table.add_row("  non-embedding", f"{m.num_params(embedding=False):,}")
-    table.add_row(f"training FLOPs/token (seq {seq_len})", f"{m.flops_per_token(seq_len):.4g}")
+    table.add_row(f"training FLOPs/token (seq {seq_len}: {seq_from})", f"{m.flops_per_token(seq_len):.4g}")
     for mode in MODES.values():
         table.add_row(f"{mode.name}: weights / grads / optimizer ({mode.bytes_per_param} B/param)",
                       f"{gib(total, mode.weight_bytes)} / {gib(total, mode.grad_bytes)} / "
                       f"{gib(total, mode.optimizer_bytes)}")
-    Console().print(table)
+    make_console().print(table)
     return 0
 
 

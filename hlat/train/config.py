@@ -372,3 +372,14 @@ def load_config(paths: str | Path | list[str | Path] | None, overrides: list[str
     for path in [paths] if isinstance(paths, (str, Path)) else paths or []:
         data = merge_tables(data, load_toml(config_path(path)))
     return build_config(data, overrides)
+
+
+def figures_seq_len(given: int | None, configured: int | None, model: ModelConfig) -> tuple[int, str]:
+    """The sequence length that `hlat describe` and `hlat plan` figure FLOPs and steps at, and what set it: --seq-len,
+    else `configured`, the train.seq_len of a config (what `hlat train` would run it at), else the model's own
+    max_seq_len (a bare preset: not train.seq_len's default, 256, sized for a CPU run)."""
+    if given:
+        return given, "--seq-len"
+    if configured:
+        return configured, "train.seq_len"
+    return model.max_seq_len, "the model's max_seq_len"

@@ -27,6 +27,7 @@ REFUSED = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
 # the Rust `tokenizers` library reports an I/O error as a plain Exception ending in "(os error N)"
 _RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+_ANY_STEP_DIR = re.compile(r"^(?:best_)?step_(\d{8})$")  # the best checkpoint (eval.keep_best) too
 
 
 def checkpoint_root(run_dir: str | Path) -> Path:
@@ -37,6 +38,13 @@ def complete_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
     root = checkpoint_root(run_dir)
     found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name))] if root.is_dir() else []
     return sorted(found)
+
+
+def checkpoint_step(path: Path) -> int | None:
+    """The step a run's checkpoint was saved at (from its name, step_N or best_step_N); None for another (an
+    import)."""
+    match = _ANY_STEP_DIR.match(path.name)
+    return int(match.group(1)) if match else None
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:

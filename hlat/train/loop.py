@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel
 
 from hlat import HlatError
+from hlat.console import make_console
 from hlat.data.exchange import side_group
 from hlat.data.packing import DataStream, Ranks, build_stream
 from hlat.data.sources import Source, resolve_sources, source_files
@@ -80,7 +81,7 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
     if inputs.device.type == "cuda":
         enable_flight_recorder(Path(cfg.train.run_dir))
     topo = init_topology(inputs.layout, inputs.device, cfg.train.collective_timeout_s)
-    console = console if topo.is_main and console is not None else Console(quiet=not topo.is_main)
+    console = console if topo.is_main and console is not None else make_console(quiet=not topo.is_main)
     report_inputs(inputs, topo, console)
     quiet_refused_writes_in_threads()  # a full disk is reported once, in one line
     with contextlib.ExitStack() as cleanup:

@@ -3,7 +3,6 @@ and resuming), and what a resumed run changes against the config its checkpoint 
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import torch.distributed.checkpoint as dcp
@@ -13,8 +12,9 @@ from hlat import HlatError
 from hlat.config import to_dict
 from hlat.optim.schedule import lr_at
 from hlat.train.checkpoint import (CONFIG_FILE, DamagedCheckpoint, complete_checkpoints, latest_checkpoint,
-                                   resolve_checkpoint, verify_checkpoint)
+                                   verified_checkpoint, verify_checkpoint)
 from hlat.train.config import Config, load_config
+from hlat.train.files import checkpoint_step
 
 # What a resume may change without a word: where and how it runs, not what it computes.
 _UNWATCHED = {"data", "parallel", "cluster", "eval", "cost", "health", "tracking", "train.run_dir", "train.resume",
@@ -75,13 +75,11 @@ def find_resume_checkpoint(cfg: Config) -> tuple[Path | None, list[DamagedCheckp
                             "--resume auto or choose another --train.run_dir")
         return None, []
     if resume != "auto":
-        path = resolve_checkpoint(resume)
         try:
-            verify_checkpoint(path)
+            return verified_checkpoint(resume), []
         except DamagedCheckpoint as e:
             raise HlatError(f"{e}; refusing to resume from it (--resume auto falls back to the previous good "
                             "checkpoint)") from None
-        return path, []
     passed_over = []
     for _, path in reversed(complete_checkpoints(cfg.train.run_dir)):
         try:
@@ -101,7 +99,7 @@ def check_start(cfg: Config, resume_from: Path | None, model: nn.Module) -> list
         check_model_shapes(resume_from, model)
         return check_resume(resume_from, cfg)
     if cfg.train.init_from:
-        check_model_shapes(resolve_checkpoint(cfg.train.init_from), model)
+        check_model_shapes(verified_checkpoint(cfg.train.init_from), model)
     return []
 
 
@@ -110,7 +108,7 @@ def check_resume(path: Path, cfg: Config) -> list[str]:
     still to run changes and `train.allow_schedule_change` is off."""
     if not (path / CONFIG_FILE).is_file():
         return []
-    step = int(path.name.removeprefix("step_")) if re.fullmatch(r"step_\d+", path.name) else 0
+    step = checkpoint_step(path) or 0
     saved = load_config(path / CONFIG_FILE)
     changes = config_changes(saved, cfg)
     if changes and schedule_changes(saved, cfg, step) and not cfg.train.allow_schedule_change:
