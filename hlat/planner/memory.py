@@ -1,7 +1,8 @@
 """Memory per device: model states by precision mode and sharding, activations by recomputation, sequence
 parallelism and pipeline schedule (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
 Transformer Models"), and a fixed framework overhead. Everything is for the busiest device: the first pipeline
-stage, which holds the most micro-batches in flight, charged with the output layer's logits as well."""
+stage, which holds the most micro-batches in flight, charged with what the last stage's head keeps as well (the
+final norm, the output projection's input and the logits)."""
 
 from __future__ import annotations
 
@@ -44,10 +45,16 @@ class Memory:
 
 
 def layer_params_per_device(model: ModelConfig, tp: int) -> float:
-    """One transformer layer's parameters on one tensor-parallel rank. When tp exceeds the kv heads each rank
-    keeps a whole kv head (they are replicated), so its K and V weights do not shrink further."""
-    kv_extra = 2 * model.dim * model.head_dim * max(0.0, 1.0 - model.kv_heads / tp)
-    return model.layer_params() / tp + kv_extra
+    """One transformer layer's parameters on one tensor-parallel rank, as `hlat.parallel.tensor` shards them: the
+    matrices split over tp (the column-parallel ones with their biases), the norms and the row-parallel biases
+    whole on every rank. When tp exceeds the kv heads every rank keeps the whole K and V projections (they are
+    replicated, then each rank keeps the head its query heads use)."""
+    d, f, kv_out = model.dim, model.ffn_dim, 2 * model.kv_heads * model.head_dim
+    llama = model.family == "llama"
+    split = 2 * d * d + (3 if llama else 2) * d * f + (0 if llama else d + f)  # wq, wo, the MLP; wq's, w1's bias
+    kv = d * kv_out + (0 if llama else kv_out)
+    whole = 2 * d if llama else 4 * d + 2 * d  # RMSNorm weights; LayerNorm weights and biases, wo's and w2's bias
+    return split / tp + (kv if model.kv_heads % tp else kv / tp) + whole
 
 
 def stage_params(model: ModelConfig, layout: Layout) -> float:
@@ -101,8 +108,9 @@ def layer_activation_bytes(model: ModelConfig, seq_len: int, layout: Layout, rec
     inside = (2 + 2 * kv + (4 if llama else 2) * f) * s / t
     if stack == "megatron":
         return 4 * s / sp + inside + scores
+    inside += replicated_kv_bytes(model, t, recompute, s) - 2 * kv * s / t
     if recompute == "selective":
-        kept = s / sp + (1 + 2 * kv + (2 if llama else 1) * f) * s / t + 2 * s
+        kept = s / sp + (1 + (2 if llama else 1) * f) * s / t + replicated_kv_bytes(model, t, recompute, s) + 2 * s
         if t > 1:
             kept += 2 * s + (2 * s / t if layout.sequence_parallel else 0.0)
         return kept
@@ -110,6 +118,17 @@ def layer_activation_bytes(model: ModelConfig, seq_len: int, layout: Layout, rec
     norms = 2 * ((2 if llama else 1) + (0 if layout.sequence_parallel else 1)) * s / sp
     gathered = 2 * s if layout.sequence_parallel else 0.0
     return norms + gathered + inside + scores
+
+
+def replicated_kv_bytes(model: ModelConfig, tp: int, recompute: str, s: float) -> float:
+    """What a layer keeps of K and V on one rank ('none': after rotary; 'selective': the projections' outputs).
+    With more tensor-parallel ranks than kv heads every rank computes all of them (`replicate_kv_heads`) and
+    keeps one head's: rotary makes K's its own, but V's is a view that holds the whole projection (and under
+    selective recomputation both projections are kept whole)."""
+    if model.kv_heads % tp == 0:
+        return 2 * model.kv_heads / model.n_heads * s / tp
+    head = model.head_dim / model.dim * s
+    return 2 * model.kv_heads * head if recompute == "selective" else (1 + model.kv_heads) * head
 
 
 def in_flight(layout: Layout, microbatches: int) -> float:
@@ -122,6 +141,21 @@ def in_flight(layout: Layout, microbatches: int) -> float:
     if layout.pp_schedule == "interleaved_1f1b":
         return min(microbatches, p + (p - 1) / v)  # Korthikanti: L (1 + (p - 1) / (p v)) layers' worth
     return min(microbatches, p)
+
+
+def head_bytes(work: Workload, layout: Layout, microbatches: int) -> float:
+    """What the last stage's head keeps for backward: the final norm's input and output (on a sequence shard
+    under sequence parallelism, like a block's norms), the output projection's input (all-gathered, at full
+    size, under sequence parallelism), and the logits (vocabulary-parallel across tp): one micro-batch's in the
+    compute dtype and in fp32 for the loss, and under a pipeline schedule every micro-batch's output, which
+    torch's schedules keep until the step ends."""
+    model, t = work.model, layout.tp
+    tokens = work.seq_len * layout.micro_batch
+    s = tokens * model.dim * work.compute_bytes
+    sp = layout.sequence_parallel
+    norm = ((2 if model.family == "llama" else 1) + (0 if sp else 1)) * s / (t if sp else 1)
+    kept = microbatches if layout.pp > 1 else 1
+    return norm + (s if sp else 0.0) + (work.compute_bytes * kept + 4) * tokens * model.vocab_size / t
 
 
 def memory(work: Workload, layout: Layout, hw: HardwareProfile) -> Memory:
@@ -140,8 +174,7 @@ def memory(work: Workload, layout: Layout, hw: HardwareProfile) -> Memory:
         rebuilt = "none" if hw.activations == "hlat" else "selective"  # Megatron recomputes without the scores
         activations += layer_activation_bytes(model, work.seq_len, layout, rebuilt, act_bytes, hw.flash_attention,
                                               hw.activations)
-    # Logits of the output layer (compute dtype, then fp32 for the loss), vocabulary-parallel across tp.
-    activations += (act_bytes + 4) * work.seq_len * layout.micro_batch * model.vocab_size / layout.tp
+    activations += head_bytes(work, layout, m)
 
     buffers = 0.0
     if shard > 1 and layout.pp > 1:
