@@ -19,12 +19,12 @@ import torch, torch.distributed as dist
 from torch.testing._internal.distributed import fake_pg
 assert hasattr(fake_pg, "FakeStore"), "torch moved or renamed FakeStore"
 
-from hlat.measure.fake_world import Deliveries, in_fake_world, join_fake_world
+from hlat.measure.fake_world import Deliveries, join_fake_world
 from hlat.measure.traffic import Collectives, group_names
 from hlat.parallel import ParallelConfig, init_topology
 
 join_fake_world(5, 4096)
-assert in_fake_world() and dist.get_backend() == "fake", dist.get_backend()
+assert dist.get_backend() == "fake", dist.get_backend()
 assert (dist.get_rank(), dist.get_world_size()) == (5, 4096)
 topo = init_topology(ParallelConfig(tp=8, pp=8, dp_replicate=16, dp_shard=4).resolved(4096), torch.device("cpu"))
 assert topo.world_size == 4096 and (topo.pp_rank, topo.dp_rank, topo.tp_rank) == (0, 0, 5), topo

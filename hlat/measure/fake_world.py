@@ -25,10 +25,6 @@ def join_fake_world(rank: int, world_size: int) -> None:
     dist.init_process_group(FAKE_BACKEND, store=FakeStore(), rank=rank, world_size=world_size)
 
 
-def in_fake_world() -> bool:
-    return dist.is_initialized() and dist.get_backend() == FAKE_BACKEND
-
-
 class Deliveries(TorchDispatchMode):
     """While active, every point-to-point receive fills its buffers with ones."""
 

@@ -162,7 +162,8 @@ def stage_shapes(cfg: Config) -> StageShapes:
 def check_fits(setup: Rehearsal, topo: Topology, model, plan: RankPlan, device: torch.device) -> None:
     """Before anything is allocated: the rank's model states, counted from its (meta) tensors as sharded, and
     what the planner says it gathers and keeps for backward, against the memory free here."""
-    states = meta_elements([part for _, part in shard_parts(copy.deepcopy(model), topo)]) * setup.work.mode.bytes_per_param
+    parts = [part for _, part in shard_parts(copy.deepcopy(model), topo)]
+    states = meta_elements(parts) * setup.work.mode.bytes_per_param
     needed, free = states + plan.gathered + plan.activations, available_bytes(device)
     if needed > free:
         raise HlatError(f"rank {topo.rank} needs {needed / GIB:.1f} GiB ({states / GIB:.1f} GiB of model states "
@@ -176,9 +177,6 @@ class SyntheticTokens:
 
     def __init__(self, cfg: Config):
         self.cfg, self.generator, self.wait_time_s = cfg, torch.Generator().manual_seed(cfg.train.seed), 0.0
-
-    def __iter__(self):
-        return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
         settings = self.cfg.train

@@ -7,8 +7,7 @@ import argparse
 import json
 
 from hlat import HlatError
-
-GIB = 2**30
+from hlat.planner.memory import GIB
 
 
 def register(commands) -> None:
