@@ -152,7 +152,8 @@ def test_collectives_per_step_are_what_the_layout_implies(rehearsed):
     world = job["nodes"] * job["nproc_per_node"]
     assert [r["rank"] for r in out["ranks"]] == [0, world - world // job["pp"]]
     for rank in out["ranks"]:
-        recorded = {(row["kind"], row["dim"]): (row["count"], row["bytes"]) for row in rank["collectives"]}
+        recorded = {(row["kind"], row["dim"]): (row["count"], row["bytes"]) for row in rank["collectives"]
+                    if row["count"]}  # (rows of kinds the planner prices and the rank did not issue have none)
         expected = expected_collectives(job, rank["stages"])
         assert set(recorded) == set(expected), rank["rank"]
         for key, (count, nbytes) in expected.items():

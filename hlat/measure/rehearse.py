@@ -35,7 +35,7 @@ from hlat.parallel.pipeline import StageShapes
 from hlat.planner.layout import Layout, Workload
 from hlat.planner.memory import GIB
 from hlat.planner.profiles import HardwareProfile, load_profile
-from hlat.planner.rehearsal import RankPlan, rank_plan
+from hlat.planner.rehearsal import RankPlan, rank_plan, rank_traffic
 from hlat.train.config import Config
 from hlat.train.goodput import Goodput
 from hlat.train.loop import RunInputs, build_parts
@@ -306,7 +306,8 @@ def rank_report(setup: Rehearsal, topo: Topology, trainer: Trainer, steps: Steps
                  "backward_and_rest_s": forward_backward - steps.forward_s,
                  "compute_s": {"measured": forward_backward, "planned": plan.compute_s},
                  "step_compute_s": {"measured": forward_backward * m / M, "planned": step_plan.compute_s}},
-        "collectives": scaled_collectives(steps.collectives.rows(), setup),
+        "collectives": scaled_collectives(steps.collectives.rows(), setup, rank_traffic(
+            setup.work, setup.planned_layout, topo.pp_rank, m)),
         "checkpoint": {**checkpoint_bytes(trainer), "planned": plan.params + plan.optimizer},
         "skipped_update": steps.skipped,
     }
@@ -322,16 +323,20 @@ def target_fit(setup: Rehearsal, measured: dict, in_flight: float) -> dict | Non
     return {"hardware": setup.target.name, "needed": needed, "capacity": capacity, "fits": needed <= capacity}
 
 
-def scaled_collectives(rows: list[dict], setup: Rehearsal) -> list[dict]:
-    """The rehearsed step's collectives, and per the real step's micro-batches: tensor- and pipeline-parallel ones
-    (and FSDP's, without a pipeline) come once per micro-batch, the others once per step."""
+def scaled_collectives(rows: list[dict], setup: Rehearsal, planned: dict[tuple[str, str], float]) -> list[dict]:
+    """The rehearsed step's collectives, and per the real step's micro-batches (tensor- and pipeline-parallel ones,
+    and FSDP's without a pipeline, come once per micro-batch, the others once per step), beside the bytes the
+    planner prices for the real step (a kind the planner prices that the rank did not issue is a row of its own)."""
     p = setup.layout
     fsdp_per_micro_batch = p.dp_shard > 1 and not p.zero1 and p.pp == 1
     ratio = setup.step_micro_batches / setup.micro_batches
+    rows += [{"kind": kind, "dim": dim, "count": 0, "bytes": 0} for kind, dim in planned
+             if not any((row["kind"], row["dim"]) == (kind, dim) for row in rows)]
     for row in rows:
         repeats = row["dim"] in ("tp", "pp") or (fsdp_per_micro_batch and row["dim"] == "dp_shard")
         row["step_count"] = row["count"] * (ratio if repeats else 1)
         row["step_bytes"] = row["bytes"] * (ratio if repeats else 1)
+        row["planned_step_bytes"] = planned.get((row["kind"], row["dim"]), 0.0)
     return rows
 
 

@@ -121,10 +121,11 @@ def compared(figure: dict, unit: float) -> tuple[str, str, str]:
 def collective_table(result: dict):
     from rich.table import Table
 
-    table = Table(title=f"rank {result['rank']}: collectives per step (as rehearsed; and the real step)")
-    for col in ("kind", "mesh dim", "count", "MiB", "step count", "step MiB"):
+    table = Table(title=f"rank {result['rank']}: collectives per step (as rehearsed; the real step; the planner's)")
+    for col in ("kind", "mesh dim", "count", "MiB", "step count", "step MiB", "planner MiB", "difference"):
         table.add_column(col, justify="left" if col in ("kind", "mesh dim") else "right")
     for row in result["collectives"]:
+        figure = {"measured": row["step_bytes"], "planned": row["planned_step_bytes"]}
         table.add_row(row["kind"], row["dim"], f"{row['count']:g}", f"{row['bytes'] / 2**20:.4g}",
-                      f"{row['step_count']:g}", f"{row['step_bytes'] / 2**20:.4g}")
+                      f"{row['step_count']:g}", *compared(figure, 2**20))
     return table

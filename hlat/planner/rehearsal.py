@@ -133,6 +133,46 @@ def rank_compute(work: Workload, layout: Layout, hw: HardwareProfile, pp_rank: i
     stages = rank_layers(work.model, layout, pp_rank)
     last = layout.parallel.stages() - 1
     return sum(stages.values()) * layer + (mb.output if last in stages else 0) + (mb.embedding if 0 in stages else 0)
+
+
+
+def rank_traffic(work: Workload, layout: Layout, pp_rank: int, microbatches: int) -> dict[tuple[str, str], float]:
+    """The collectives `step_time` prices for pipeline rank `pp_rank` over `microbatches`, as bytes per step by
+    (kind, mesh dimension), each the whole buffer (a gather's output, a reduction's input): per layer and
+    micro-batch 4 (6 with full recomputation) all-reduces of the activation over tp, or as many all-gathers and
+    reduce-scatters under sequence parallelism; per micro-batch 2 x virtual stages sends and receives of its tp
+    shard over pp; and data parallelism's (`data_parallel_traffic`)."""
+    model, m, traffic = work.model, microbatches, {}
+    layers = sum(rank_layers(model, layout, pp_rank).values())
+    activation = work.seq_len * layout.micro_batch * model.dim * work.compute_bytes
+    if layout.tp > 1:
+        per_layer = (6 if layout.activation_checkpoint == "full" else 4) * activation
+        for kind in ("all_gather", "reduce_scatter") if layout.sequence_parallel else ("all_reduce",):
+            traffic[kind, "tp"] = m * layers * per_layer
+    if layout.pp > 1:
+        traffic["send", "pp"] = traffic["recv", "pp"] = 2 * layout.virtual_stages * m * activation / layout.tp
+    return traffic | data_parallel_traffic(work, layout, rank_params(model, layout, pp_rank), layers, m)
+
+
+def data_parallel_traffic(work: Workload, layout: Layout, params: float, layers: int,
+                          m: int) -> dict[tuple[str, str], float]:
+    """Data parallelism's bytes per step as `hlat.planner.comms.data_parallel_time` prices them: FSDP gathers
+    each block twice and the rest once, and reduce-scatters everything, every micro-batch; ZeRO-1 and FSDP under
+    a pipeline once a step; replicas all-reduce the gradients (HSDP: the shards') once a step."""
+    mode, shard = work.mode, layout.dp_shard
+    if layout.param_shard > 1 and layout.pp == 1:
+        block = layers * layer_params_per_device(work.model, layout.tp)
+        return {("all_gather", "dp_shard"): m * (2 * block + params - block) * mode.weight_bytes,
+                ("reduce_scatter", "dp_shard"): m * params * mode.grad_bytes}
+    traffic = {}
+    if shard > 1:
+        traffic = {("all_gather", "dp_shard"): params * mode.weight_bytes,
+                   ("reduce_scatter", "dp_shard"): params * mode.grad_bytes}
+    if layout.dp_replicate > 1:
+        traffic["all_reduce", "dp_replicate"] = params * mode.grad_bytes / shard
+    return traffic
+
+
 def load_rehearsal(path: str) -> dict:
     """A rehearsal's JSON (`hlat rehearse --json`)."""
     try:
