@@ -204,3 +204,18 @@ def test_a_rank_that_cannot_fit_here_fails_before_allocating(tmp_path):
     assert done.returncode == 2
     assert done.stderr.startswith("hlat: error: rank 0 needs ") and " GiB available\n" in done.stderr
     assert len(done.stderr.splitlines()) == 1
+
+
+@pytest.mark.parametrize("flags, line", [
+    (("--micro-batches", "2"), "--micro-batches: the interleaved_1f1b schedule needs at least pp = 4 micro-batches, "
+                               "got 2"),
+    (("--micro-batches", "6", "--train.global_batch", "256"),
+     "--micro-batches: interleaved_1f1b needs a multiple of pp = 4, got 6"),
+    (("--micro-batches", "8"), "--micro-batches: 8 is not between 1 and the step's 4"),
+    (("--rank", "1024"), "--rank: 1024 is not a rank of a world of 1024"),
+])
+def test_what_cannot_be_rehearsed_is_said_in_one_line(tmp_path, flags, line):
+    config = tmp_path / "job.toml"
+    config.write_text(config_text(JOBS[1024]))
+    done = hlat("rehearse", "--config", str(config), *flags)
+    assert (done.returncode, done.stderr) == (2, f"hlat: error: {line}\n")
