@@ -19,7 +19,7 @@ from hlat.parallel.config import ParallelConfig
 from hlat.planner.calibration import Sample, fit_factors, read_run
 from hlat.planner.layout import Layout, Workload, layout_problem
 from hlat.planner.profiles import HardwareProfile, load_profile, profile_names
-from hlat.planner.rehearsal import with_rehearsal
+from hlat.planner.rehearsal import own_trainer_note, with_rehearsal
 from hlat.planner.report import Request, show
 from hlat.planner.search import OBJECTIVES, RECOMPUTE, TOLERANCE, evaluate, search
 from hlat.resources import recipe_names
@@ -105,6 +105,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     if req.layout:
         plan = evaluate(req.work, req.layout, hw, nodes, req.price)
         plan, said = with_rehearsal(plan, args.rehearsal) if args.rehearsal else (plan, [])
+        said += [note] if (note := own_trainer_note(plan)) else []
         origin = "given" if _layout_flags_given(args) else "of the config"
         show(req, [plan], f"layout {origin}, {plan.layout.describe()}" + "".join(f"; {line}" for line in said),
              args.json, args.emit if plan.memory.fits else None)

@@ -18,7 +18,8 @@ from hlat import HlatError
 from hlat.models.config import ModelConfig
 from hlat.parallel.config import stage_layers
 from hlat.planner.layout import Layout, Workload
-from hlat.planner.memory import GIB, Memory, head_bytes, layer_activation_bytes, layer_params_per_device
+from hlat.planner.memory import (GIB, Memory, head_bytes, layer_activation_bytes, layer_params_per_device,
+                                 memory)
 from hlat.planner.profiles import HardwareProfile
 from hlat.planner.timing import micro_batch
 
@@ -171,6 +172,18 @@ def data_parallel_traffic(work: Workload, layout: Layout, params: float, layers:
     if layout.dp_replicate > 1:
         traffic["all_reduce", "dp_replicate"] = params * mode.grad_bytes / shard
     return traffic
+
+
+def own_trainer_note(plan) -> str | None:
+    """Where `plan`'s profile prices another stack's activations (NeuronX Distributed's on trn1, which recompute
+    or shard what torch's tensor parallelism keeps whole) and hlat's own trainer would not fit: say so."""
+    if plan.hw.activations == "hlat" or not plan.memory.fits:
+        return None
+    own = memory(plan.work, plan.layout, replace(plan.hw, activations="hlat"))
+    if own.fits:
+        return None
+    return (f"memory as {plan.hw.name}'s stack keeps it ({plan.hw.activations}); hlat's own trainer {own.shortfall()}"
+            " (docs/rehearsal.md)")
 
 
 def load_rehearsal(path: str) -> dict:
