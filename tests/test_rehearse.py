@@ -219,3 +219,16 @@ def test_what_cannot_be_rehearsed_is_said_in_one_line(tmp_path, flags, line):
     config.write_text(config_text(JOBS[1024]))
     done = hlat("rehearse", "--config", str(config), *flags)
     assert (done.returncode, done.stderr) == (2, f"hlat: error: {line}\n")
+
+
+def test_the_planner_says_when_hlats_own_trainer_would_not_fit_a_recipe():
+    """trn1's profile prices NeuronX Distributed's activations; hlat-70b's first stage, as hlat's trainer keeps it
+    (torch's tensor parallelism keeps the projections' gathered inputs whole), does not fit a NeuronCore."""
+    notes = {}
+    for recipe in ("hlat-70b", "hlat-7b"):
+        done = hlat("plan", "--model", recipe, "--json")
+        assert done.returncode == 0, done.stderr
+        notes[recipe] = json.loads(done.stdout)["note"]
+    assert "memory as trn1.32xlarge's stack keeps it (megatron); hlat's own trainer needs 28.2 GiB of 16 GiB" in (
+        notes["hlat-70b"])
+    assert "hlat's own trainer" not in notes["hlat-7b"]
