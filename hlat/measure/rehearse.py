@@ -164,7 +164,7 @@ def check_fits(setup: Rehearsal, topo: Topology, model, plan: RankPlan, device: 
     what the planner says it gathers and keeps for backward, against the memory free here."""
     parts = [part for _, part in shard_parts(copy.deepcopy(model), topo)]
     states = meta_elements(parts) * setup.work.mode.bytes_per_param
-    needed, free = states + plan.gathered + plan.activations, available_bytes(device)
+    needed, free = states + plan.gathered + plan.activations + plan.casts + plan.rebuilt, available_bytes(device)
     if needed > free:
         raise HlatError(f"rank {topo.rank} needs {needed / GIB:.1f} GiB ({states / GIB:.1f} GiB of model states "
                         f"counted from its tensors, {(needed - states) / GIB:.1f} GiB gathered and kept for "
@@ -291,7 +291,7 @@ def rank_report(setup: Rehearsal, topo: Topology, trainer: Trainer, steps: Steps
     measured = {"params": sum(storages(params).values()), "grads": steps.grads,
                 "optimizer": sum(storages(optimizer_tensors(model.optimizers)).values()), **steps.kept.peak}
     planned = {"params": plan.params, "grads": plan.grads, "optimizer": plan.optimizer, "gathered": plan.gathered,
-               "activations": plan.activations, "parameter_casts": 0.0}
+               "activations": plan.activations, "parameter_casts": plan.casts}
     memory = {k: {"measured": measured[k], "planned": planned[k]} for k in planned}
     step_plan = rank_plan(setup.work, setup.planned_layout, setup.hardware, topo.pp_rank)
     in_flight = step_plan.activations / plan.activations if plan.activations else 1.0

@@ -18,8 +18,8 @@ from hlat import HlatError
 from hlat.models.config import ModelConfig
 from hlat.parallel.config import stage_layers
 from hlat.planner.layout import Layout, Workload
-from hlat.planner.memory import (GIB, Memory, head_bytes, layer_activation_bytes, layer_params_per_device,
-                                 memory)
+from hlat.planner.memory import (GIB, Memory, blocks_activation_bytes, cast_bytes, head_bytes,
+                                 layer_params_per_device, memory, rebuilt_bytes)
 from hlat.planner.profiles import HardwareProfile
 from hlat.planner.timing import micro_batch
 
@@ -33,6 +33,8 @@ class RankPlan:
     optimizer: float
     gathered: float
     activations: float
+    casts: float  # autocast's bf16 copies of the parameters (bf16_mixed)
+    rebuilt: float  # the block full recomputation rebuilds in backward, beside the activations
     overhead: float
     compute_s: float  # forward and backward of the step's micro-batches on this rank, communication excluded
     layers: int  # blocks this rank holds
@@ -43,7 +45,7 @@ class RankPlan:
 
     @property
     def total(self) -> float:
-        return self.states + self.gathered + self.activations + self.overhead
+        return self.states + self.gathered + self.activations + self.casts + self.rebuilt + self.overhead
 
 
 def rank_layers(model: ModelConfig, layout: Layout, pp_rank: int) -> dict[int, int]:
@@ -81,18 +83,14 @@ def rank_in_flight(layout: Layout, microbatches: int, pp_rank: int) -> float:
 
 
 def rank_activations(work: Workload, layout: Layout, hw: HardwareProfile, pp_rank: int, microbatches: int) -> float:
-    """Bytes pipeline rank `pp_rank` keeps for backward at its fullest (`hlat.planner.memory.memory`'s accounting
-    for this rank's layers and micro-batches in flight; the logits on the last stage only)."""
-    model, act_bytes, recompute = work.model, work.compute_bytes, layout.activation_checkpoint
-    layers = sum(rank_layers(model, layout, pp_rank).values())
-    stored = layer_activation_bytes(model, work.seq_len, layout, recompute, act_bytes, hw.flash_attention,
-                                    hw.activations)
-    kept = layers * rank_in_flight(layout, microbatches, pp_rank) * stored
-    if recompute == "full":
-        rebuilt = "none" if hw.activations == "hlat" else "selective"
-        kept += layer_activation_bytes(model, work.seq_len, layout, rebuilt, act_bytes, hw.flash_attention,
-                                       hw.activations)
-    if layout.parallel.stages() - 1 in rank_layers(model, layout, pp_rank):
+    """Bytes pipeline rank `pp_rank` keeps for backward as a backward pass begins, at its fullest
+    (`hlat.planner.memory.memory`'s accounting for this rank's layers and micro-batches in flight; the head on
+    the last stage only), without autocast's casts of the parameters (`RankPlan.casts`) or the block full
+    recomputation rebuilds later in backward (`RankPlan.rebuilt`)."""
+    stages = rank_layers(work.model, layout, pp_rank)
+    kept = blocks_activation_bytes(work, layout, hw, sum(stages.values()) * rank_in_flight(layout, microbatches,
+                                                                                           pp_rank))
+    if layout.parallel.stages() - 1 in stages:
         kept += head_bytes(work, layout, microbatches)
     return kept
 
@@ -117,13 +115,16 @@ def rank_plan(work: Workload, layout: Layout, hw: HardwareProfile, pp_rank: int,
     the step's own)."""
     m = microbatches or layout.microbatches(work.global_batch)
     mode, shard = work.mode, layout.dp_shard
-    params = rank_params(work.model, layout, pp_rank)
+    params, stages = rank_params(work.model, layout, pp_rank), rank_layers(work.model, layout, pp_rank)
+    layers, last = sum(stages.values()), layout.parallel.stages() - 1 in stages
     return RankPlan(params=params * mode.weight_bytes / shard, grads=params * mode.grad_bytes / shard,
                     optimizer=params * mode.optimizer_bytes / shard,
                     gathered=rank_gathered(work, layout, params, m),
                     activations=rank_activations(work, layout, hw, pp_rank, m),
-                    overhead=hw.overhead_gib * GIB, compute_s=m * rank_compute(work, layout, hw, pp_rank),
-                    layers=sum(rank_layers(work.model, layout, pp_rank).values()))
+                    casts=cast_bytes(work, layout, layers, last) if hw.activations == "hlat" else 0.0,
+                    rebuilt=rebuilt_bytes(work, layout, hw),
+                    overhead=hw.overhead_gib * GIB,
+                    compute_s=m * rank_compute(work, layout, hw, pp_rank), layers=layers)
 
 
 def rank_compute(work: Workload, layout: Layout, hw: HardwareProfile, pp_rank: int) -> float:
