@@ -234,3 +234,18 @@ def test_the_planner_says_when_hlats_own_trainer_would_not_fit_a_recipe():
                     r"of 16 GiB per device \(activations ([\d.]+) GiB\)", notes["hlat-70b"])
     assert own and float(own[1]) > 16 and float(own[2]) > 16, notes["hlat-70b"]
     assert "hlat's own trainer" not in notes["hlat-7b"]
+
+
+def test_mixed_precision_activations_and_weight_casts_as_the_planner_says(tmp_path):
+    """bf16_mixed with selective recomputation over replicated kv heads: an fp32 residual stream beside bf16
+    matmuls, and autocast's bf16 copies of the weights kept through the pipeline's step."""
+    job = dict(JOBS[1024], n_heads=8, kv_heads=2, seq_len=128, pp=2, virtual_stages=1, schedule="1f1b",
+               global_batch=16, nodes=8, nproc_per_node=8)
+    config = tmp_path / "job.toml"
+    config.write_text(config_text(job).replace('"fp32"', '"bf16_mixed"'))
+    done = hlat("rehearse", "--config", str(config), "--json", "--parallel.activation_checkpoint", "selective")
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in json.loads(done.stdout)["ranks"]:
+        memory = rank["memory"]
+        assert memory["activations"]["measured"] == pytest.approx(memory["activations"]["planned"], rel=0.10)
+        assert memory["parameter_casts"]["measured"] == memory["parameter_casts"]["planned"] > 0
