@@ -307,7 +307,7 @@ def rank_report(setup: Rehearsal, topo: Topology, trainer: Trainer, steps: Steps
                  "compute_s": {"measured": forward_backward, "planned": plan.compute_s},
                  "step_compute_s": {"measured": forward_backward * m / M, "planned": step_plan.compute_s}},
         "collectives": scaled_collectives(steps.collectives.rows(), setup, rank_traffic(
-            setup.work, setup.planned_layout, topo.pp_rank, m)),
+            setup.work, setup.planned_layout, setup.hardware, topo.pp_rank, m)),
         "checkpoint": {**checkpoint_bytes(trainer), "planned": plan.params + plan.optimizer},
         "skipped_update": steps.skipped,
     }

@@ -21,6 +21,7 @@ from hlat.planner.layout import Layout, Workload
 from hlat.planner.memory import (GIB, Memory, blocks_activation_bytes, cast_bytes, head_bytes,
                                  layer_params_per_device, memory, rebuilt_bytes)
 from hlat.planner.profiles import HardwareProfile
+from hlat.planner.comms import message_bytes
 from hlat.planner.timing import micro_batch
 
 
@@ -138,21 +139,24 @@ def rank_compute(work: Workload, layout: Layout, hw: HardwareProfile, pp_rank: i
 
 
 
-def rank_traffic(work: Workload, layout: Layout, pp_rank: int, microbatches: int) -> dict[tuple[str, str], float]:
+def rank_traffic(work: Workload, layout: Layout, hw: HardwareProfile, pp_rank: int,
+                 microbatches: int) -> dict[tuple[str, str], float]:
     """The collectives `step_time` prices for pipeline rank `pp_rank` over `microbatches`, as bytes per step by
     (kind, mesh dimension), each the whole buffer (a gather's output, a reduction's input): per layer and
     micro-batch 4 (6 with full recomputation) all-reduces of the activation over tp, or as many all-gathers and
     reduce-scatters under sequence parallelism; per micro-batch 2 x virtual stages sends and receives of its tp
-    shard over pp; and data parallelism's (`data_parallel_traffic`)."""
+    shard of the residual stream over pp (each element `message_bytes`); and data parallelism's
+    (`data_parallel_traffic`)."""
     model, m, traffic = work.model, microbatches, {}
     layers = sum(rank_layers(model, layout, pp_rank).values())
-    activation = work.seq_len * layout.micro_batch * model.dim * work.compute_bytes
+    elements, (tp_bytes, pp_bytes) = work.seq_len * layout.micro_batch * model.dim, message_bytes(work, hw)
     if layout.tp > 1:
-        per_layer = (6 if layout.activation_checkpoint == "full" else 4) * activation
+        per_layer = (6 if layout.activation_checkpoint == "full" else 4) * elements * tp_bytes
         for kind in ("all_gather", "reduce_scatter") if layout.sequence_parallel else ("all_reduce",):
             traffic[kind, "tp"] = m * layers * per_layer
     if layout.pp > 1:
-        traffic["send", "pp"] = traffic["recv", "pp"] = 2 * layout.virtual_stages * m * activation / layout.tp
+        sent = 2 * layout.virtual_stages * m * elements * pp_bytes / layout.tp
+        traffic["send", "pp"] = traffic["recv", "pp"] = sent
     return traffic | data_parallel_traffic(work, layout, rank_params(model, layout, pp_rank), layers, m)
 
 
