@@ -165,7 +165,7 @@ def gib(x: float) -> str:
 
 def table(rows: list[dict]) -> str:
     header = ["recipe", "rank (stage)", "blocks", "params GiB meas/plan", "grads", "optimizer", "gathered",
-              "activations", "compute s/step (cpu)", "collectives GiB/step", "fits"]
+              "activations", "weight casts", "compute s/step (cpu)", "collectives GiB/step", "fits"]
     lines = []
     for r in rows:
         m, p = r["measured"], r["planned"]
@@ -173,6 +173,7 @@ def table(rows: list[dict]) -> str:
         fit = r["fits"]
         lines.append([r["recipe"], f"{r['rank']} ({r['pp_rank']})", f"{r['blocks']} (from {r['rehearsed_blocks']})",
                       pair("params"), pair("grads"), pair("optimizer"), pair("gathered"), pair("activations"),
+                      pair("parameter_casts"),
                       f"{r['step_compute_s']['measured']:.4g} / {r['step_compute_s']['planned_cpu_profile']:.3g}",
                       f"{sum(r['collective_bytes'].values()) / GIB:.2f} / "
                       f"{sum(r['planned_collective_bytes'].values()) / GIB:.2f}",
@@ -188,9 +189,12 @@ def main() -> None:
     args = parser.parse_args()
     rows = collect([r for r in args.recipes.split(",") if r], args.budget_s)
     caption = ("hlat rehearse, one rank of each seed recipe on this CPU (benchmarks/rehearse_recipes.py): "
-               "measured / planner per device, extrapolated from 1 and 2 blocks per stage to the recipe's; compute "
-               "measured on this CPU against the planner's nominal `cpu` profile; collectives: bytes per step, "
-               "all kinds and mesh dimensions; fits: measured bytes plus the profile's overhead against one device.")
+               "measured / planner per device at the recipe's world size, extrapolated from 1 and 2 blocks per "
+               "stage to the recipe's (activations at the step's micro-batches; gathered as rehearsed); compute "
+               "on this CPU (forward and backward of the step's micro-batches, the update apart) against the "
+               "planner's nominal `cpu` profile; collectives: bytes per step, all kinds and mesh dimensions, "
+               "against what the planner prices; fits: the measured bytes, the gradients that accumulate whole "
+               "at the step's micro-batches and the profile's overhead against one device of the recipe's cluster.")
     meta = {"host": platform.node(), "cpus": os.cpu_count(), "blocks": BLOCKS}
     write_results("rehearse_recipes", meta, rows, caption, table(rows))
 
