@@ -111,7 +111,7 @@ def full_size(recipe: str, runs: list[dict], rank: int) -> dict:
                "activations": plan.activations, "parameter_casts": plan.casts}
     measured = r.memory()
     needed = sum(measured.values()) + plan.gathered - gathered + r.target.overhead_gib * GIB
-    traffic = rank_traffic(r.work, r.layout, r.pp_rank, r.step)
+    traffic = rank_traffic(r.work, r.layout, load_profile("cpu"), r.pp_rank, r.step)
     return {"recipe": recipe, "rank": rank, "pp_rank": r.pp_rank, "blocks": r.blocks,
             "rehearsed_blocks": [r.small["layers"], r.large["layers"]], "world_size": r.world,
             "micro_batches": {"rehearsed": r.micro, "step": r.step}, "layout": r.layout.describe(),

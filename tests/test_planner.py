@@ -94,7 +94,7 @@ def test_pipeline_schedules_hold_the_expected_micro_batches_in_flight():
 
     def acts(**kw):
         layout = base.replaced(**kw)
-        return memory(work, layout, hw).activations - head_bytes(work, layout, 64)
+        return memory(work, layout, hw).activations - head_bytes(work, layout, 64, hw.activations)
 
     assert acts(pp_schedule="1f1b") == pytest.approx(32 * per_layer)  # p stages' worth: the whole model once
     assert acts(pp_schedule="gpipe") == pytest.approx(8 * 64 * per_layer)  # every micro-batch

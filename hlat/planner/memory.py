@@ -149,14 +149,16 @@ def in_flight(layout: Layout, microbatches: int) -> float:
     return min(microbatches, p)
 
 
-def head_bytes(work: Workload, layout: Layout, microbatches: int) -> float:
+def head_bytes(work: Workload, layout: Layout, microbatches: int, stack: str = "hlat") -> float:
     """What the last stage's head keeps for backward: the final norm's input and output (on a sequence shard
     under sequence parallelism, like a block's norms), the output projection's input (all-gathered, at full
     size, under sequence parallelism), and the logits (vocabulary-parallel across tp): one micro-batch's in the
     compute dtype and in fp32 for the loss, and under a pipeline schedule every micro-batch's output, which
-    torch's schedules keep until the step ends."""
+    torch's schedules keep until the step ends. A Megatron-style stack: the one micro-batch's logits."""
     model, t = work.model, layout.tp
     tokens = work.seq_len * layout.micro_batch
+    if stack != "hlat":
+        return (work.compute_bytes + 4) * tokens * model.vocab_size / t
     s, r = tokens * model.dim * work.compute_bytes, tokens * model.dim * work.mode.weight_bytes
     norm = (2 if model.family == "llama" else 1) * r / (t if layout.sequence_parallel else 1)
     kept = microbatches if layout.pp > 1 else 1
@@ -202,7 +204,7 @@ def memory(work: Workload, layout: Layout, hw: HardwareProfile) -> Memory:
     m = layout.microbatches(work.global_batch)
     activations = blocks_activation_bytes(work, layout, hw, layers * in_flight(layout, m))
     activations += rebuilt_bytes(work, layout, hw)
-    activations += head_bytes(work, layout, m)
+    activations += head_bytes(work, layout, m, hw.activations)
     if hw.activations == "hlat":  # torch's autocast (other stacks cast their own way)
         activations += cast_bytes(work, layout, layers, output=True)
 

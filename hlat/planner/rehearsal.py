@@ -92,7 +92,7 @@ def rank_activations(work: Workload, layout: Layout, hw: HardwareProfile, pp_ran
     kept = blocks_activation_bytes(work, layout, hw, sum(stages.values()) * rank_in_flight(layout, microbatches,
                                                                                            pp_rank))
     if layout.parallel.stages() - 1 in stages:
-        kept += head_bytes(work, layout, microbatches)
+        kept += head_bytes(work, layout, microbatches, hw.activations)
     return kept
 
 
@@ -136,7 +136,6 @@ def rank_compute(work: Workload, layout: Layout, hw: HardwareProfile, pp_rank: i
     stages = rank_layers(work.model, layout, pp_rank)
     last = layout.parallel.stages() - 1
     return sum(stages.values()) * layer + (mb.output if last in stages else 0) + (mb.embedding if 0 in stages else 0)
-
 
 
 def rank_traffic(work: Workload, layout: Layout, hw: HardwareProfile, pp_rank: int,
