@@ -324,16 +324,21 @@ def target_fit(setup: Rehearsal, measured: dict, in_flight: float) -> dict | Non
 
 
 def scaled_collectives(rows: list[dict], setup: Rehearsal, planned: dict[tuple[str, str], float]) -> list[dict]:
-    """The rehearsed step's collectives, and per the real step's micro-batches (tensor- and pipeline-parallel ones,
-    and FSDP's without a pipeline, come once per micro-batch, the others once per step), beside the bytes the
-    planner prices for the real step (a kind the planner prices that the rank did not issue is a row of its own)."""
+    """The rehearsed step's collectives, and per the real step's micro-batches, beside the bytes the planner prices
+    for the real step (a kind the planner prices that the rank did not issue is a row of its own). Once per
+    micro-batch: tensor parallelism's gathers and reductions (its all-reduces only without sequence parallelism,
+    where they carry the activations; with it they reduce norm gradients once a step), pipeline sends, and FSDP's
+    gathers and reductions without a pipeline; the rest once per step."""
     p = setup.layout
     fsdp_per_micro_batch = p.dp_shard > 1 and not p.zero1 and p.pp == 1
+    per_micro_batch = {("all_gather", "tp"), ("reduce_scatter", "tp"), ("send", "pp"), ("recv", "pp")}
+    per_micro_batch |= set() if p.sequence_parallel else {("all_reduce", "tp")}
+    per_micro_batch |= {("all_gather", "dp_shard"), ("reduce_scatter", "dp_shard")} if fsdp_per_micro_batch else set()
     ratio = setup.step_micro_batches / setup.micro_batches
     rows += [{"kind": kind, "dim": dim, "count": 0, "bytes": 0} for kind, dim in planned
              if not any((row["kind"], row["dim"]) == (kind, dim) for row in rows)]
     for row in rows:
-        repeats = row["dim"] in ("tp", "pp") or (fsdp_per_micro_batch and row["dim"] == "dp_shard")
+        repeats = (row["kind"], row["dim"]) in per_micro_batch
         row["step_count"] = row["count"] * (ratio if repeats else 1)
         row["step_bytes"] = row["bytes"] * (ratio if repeats else 1)
         row["planned_step_bytes"] = planned.get((row["kind"], row["dim"]), 0.0)
