@@ -72,7 +72,8 @@ class Rank:
         cfg = load_config(recipe)
         self.recipe, self.runs, self.rank, self.world = recipe, runs, rank, cfg.cluster.world_size
         self.layout = Layout(cfg.resolved_parallel(self.world), cfg.train.micro_batch)
-        self.work = Workload(cfg.model, cfg.train.seq_len, cfg.train.global_batch, cfg.precision.mode)
+        self.work = Workload(cfg.model, cfg.train.seq_len, cfg.train.global_batch, cfg.precision.mode,
+                             cfg.parallel.compile)
         self.pp_rank = rank // (self.world // self.layout.pp)
         self.stages = rank_layers(cfg.model, self.layout, self.pp_rank)
         self.blocks = sum(self.stages.values())

@@ -167,7 +167,7 @@ def test_the_planner_takes_a_rehearsal(rehearsed):
     if job["tp"] != 8:
         pytest.skip("one rehearsal is enough")
     nodes = str(job["nodes"] * job["nproc_per_node"])
-    done = hlat("plan", "--model", str(config), "--hardware", "cpu", "--nodes", nodes, "--json", "--rehearsal",
+    done = hlat("plan", "--config", str(config), "--hardware", "cpu", "--nodes", nodes, "--json", "--rehearsal",
                 str(config.parent / "rehearsal.json"))
     assert done.returncode == 0, done.stderr
     plan = json.loads(done.stdout)
@@ -179,7 +179,7 @@ def test_the_planner_takes_a_rehearsal(rehearsed):
     assert gib["weights"] == round(fullest["memory"]["params"]["measured"] / 2**30, 3)
     assert plan["plans"][0]["step_time_s"]["compute"] == round(max(
         r["time"]["step_compute_s"]["measured"] for r in out["ranks"]), 4)
-    other = hlat("plan", "--model", str(config), "--hardware", "cpu", "--nodes", nodes, "--rehearsal",
+    other = hlat("plan", "--config", str(config), "--hardware", "cpu", "--nodes", nodes, "--rehearsal",
                  str(config.parent / "rehearsal.json"), "--global-batch", "256")
     assert other.returncode == 2 and "rehearsed a different job: global_batch 128 (planned: 256)" in other.stderr
 
@@ -227,7 +227,7 @@ def test_the_planner_says_when_hlats_own_trainer_would_not_fit_a_recipe():
     (torch's tensor parallelism keeps the projections' gathered inputs whole), does not fit a NeuronCore."""
     notes = {}
     for recipe in ("hlat-70b", "hlat-7b"):
-        done = hlat("plan", "--model", recipe, "--json")
+        done = hlat("plan", "--config", recipe, "--json")
         assert done.returncode == 0, done.stderr
         notes[recipe] = json.loads(done.stdout)["note"]
     own = re.search(r"memory as trn1.32xlarge's stack keeps it \(megatron\); hlat's own trainer needs ([\d.]+) GiB "

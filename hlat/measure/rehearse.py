@@ -38,6 +38,7 @@ from hlat.planner.profiles import HardwareProfile, load_profile
 from hlat.planner.rehearsal import RankPlan, rank_plan, rank_traffic
 from hlat.train.config import Config
 from hlat.train.goodput import Goodput
+from hlat.train.health import Health
 from hlat.train.loop import RunInputs, build_parts
 from hlat.train.saving import Checkpoints
 from hlat.train.trainer import Batches, Trainer
@@ -60,7 +61,8 @@ class Rehearsal:
 
     @property
     def work(self) -> Workload:
-        return Workload(self.cfg.model, self.cfg.train.seq_len, self.cfg.train.global_batch, self.cfg.precision.mode)
+        cfg = self.cfg
+        return Workload(cfg.model, cfg.train.seq_len, cfg.train.global_batch, cfg.precision.mode, cfg.parallel.compile)
 
     @property
     def planned_layout(self) -> Layout:
@@ -129,8 +131,9 @@ def rehearse_rank(setup: Rehearsal, rank: int) -> dict:
 
 
 def run_cfg(setup: Rehearsal, run_dir: str) -> Config:
-    """The config the rank trains with: the rehearsed micro-batches per step, and a run directory of its own."""
-    train = replace(setup.cfg.train, run_dir=run_dir,
+    """The config the rank trains with: the rehearsed micro-batches per step, a run directory of its own, and
+    synchronous checkpoints (an asynchronous writer starts a process group of its own; nothing is written)."""
+    train = replace(setup.cfg.train, run_dir=run_dir, async_checkpoint=False,
                     global_batch=setup.micro_batches * setup.cfg.train.micro_batch * setup.layout.dp)
     return replace(setup.cfg, train=train)
 
@@ -194,12 +197,14 @@ class SyntheticTokens:
 
 def rehearsal_trainer(cfg: Config, topo: Topology, device: torch.device, model) -> Trainer:
     """The trainer with what a step uses; the services after a step (metrics, validation, watchdog) are not
-    rehearsed."""
-    goodput = Goodput(Path(cfg.train.run_dir), False, time.time())
+    rehearsed, and the slow-rank check, which compares ranks that are not there, is off."""
+    goodput, console = Goodput(Path(cfg.train.run_dir), False, time.time()), Console(quiet=True)
     per_rank = topo.cfg.microbatches(cfg.train.global_batch, cfg.train.micro_batch)
-    return Trainer(cfg=cfg, topo=topo, device=device, console=Console(quiet=True), model=model,
+    health = Health(replace(cfg.health, slow_intervals=0), topo, device, model.parts, console)
+    return Trainer(cfg=cfg, topo=topo, device=device, console=console, model=model,
                    batches=Batches(SyntheticTokens(cfg), topo, per_rank), goodput=goodput,
-                   checkpoints=Checkpoints(cfg, topo, device, goodput), report=None, validation=None, watchdog=None)
+                   checkpoints=Checkpoints(cfg, topo, device, goodput), report=None, validation=None, watchdog=None,
+                   health=health)
 
 
 class PhaseClock:
