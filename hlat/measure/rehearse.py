@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from rich.console import Console
 
 from hlat import HlatError
+from hlat.console import make_console
 from hlat.measure.fake_world import Deliveries, join_fake_world
 from hlat.measure.footprint import (KeptForBackward, available_bytes, meta_elements, optimizer_tensors, storages)
 from hlat.measure.traffic import Collectives, group_names
@@ -198,7 +198,7 @@ class SyntheticTokens:
 def rehearsal_trainer(cfg: Config, topo: Topology, device: torch.device, model) -> Trainer:
     """The trainer with what a step uses; the services after a step (metrics, validation, watchdog) are not
     rehearsed, and the slow-rank check, which compares ranks that are not there, is off."""
-    goodput, console = Goodput(Path(cfg.train.run_dir), False, time.time()), Console(quiet=True)
+    goodput, console = Goodput(Path(cfg.train.run_dir), False, time.time()), make_console(quiet=True)
     per_rank = topo.cfg.microbatches(cfg.train.global_batch, cfg.train.micro_batch)
     health = Health(replace(cfg.health, slow_intervals=0), topo, device, model.parts, console)
     return Trainer(cfg=cfg, topo=topo, device=device, console=console, model=model,

@@ -67,10 +67,9 @@ def notes(setup) -> list[str]:
 
 
 def show(summary: dict) -> None:
-    from rich.console import Console
+    from hlat.console import make_console
 
-    console = Console()
-    console.width = max(console.width, 120)
+    console = make_console()
     console.print(f"hlat rehearse: {summary['model']}, {summary['layout']}, world {summary['world_size']:,}, "
                   f"seq {summary['seq_len']}, {summary['precision']}; planner figures: {summary['hardware']}",
                   highlight=False)
