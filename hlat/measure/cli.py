@@ -24,6 +24,9 @@ def register(commands) -> None:
                                              "(--section.key value) are accepted.")
     add_preflight_arguments(parser)
     parser.set_defaults(func=run_preflight_command, overrides=True)
+    from hlat.measure import rehearse_cli  # `hlat rehearse`
+
+    rehearse_cli.register(commands)
 
 
 def add_preflight_arguments(parser: argparse.ArgumentParser) -> None:

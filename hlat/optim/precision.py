@@ -26,3 +26,9 @@ def autocast(mode: str, device: torch.device | str) -> contextlib.AbstractContex
     if mode == "bf16_mixed":
         return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+def dtypes(mode: str) -> tuple[torch.dtype, torch.dtype]:
+    """(the parameters' dtype, the matmuls' dtype) under precision `mode`."""
+    params = torch.bfloat16 if mode in PURE_BF16 else torch.float32
+    return params, torch.float32 if mode == "fp32" else torch.bfloat16

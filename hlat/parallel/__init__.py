@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
     from hlat.parallel.mesh import Topology
 
-__all__ = ["ParallelConfig", "Topology", "init_topology", "parallelize"]
+__all__ = ["ParallelConfig", "Topology", "init_topology", "parallelize", "shard_parts"]
 
 
 def __getattr__(name: str):
@@ -34,6 +34,16 @@ def parallelize(model: nn.Module, topo: Topology, device: torch.device, seed: in
     Without pipeline parallelism that is [(0, model)]; a single process (no mesh) still gets activation
     checkpointing and compilation."""
     from hlat.models import materialize
+
+    parts = shard_parts(model, topo)
+    for _, part in parts:
+        materialize(part, device, seed)
+    return parts
+
+
+def shard_parts(model: nn.Module, topo: Topology) -> list[tuple[int, nn.Module]]:
+    """`parallelize` up to the allocation: the parts split, sharded and wrapped, still on the meta device (their
+    tensors have this rank's shapes, so what the rank will hold can be counted before it is allocated)."""
     from hlat.parallel.recompute import apply_recomputation
     from hlat.parallel.data import apply_data_parallel
     from hlat.parallel.pipeline import split_model
@@ -46,20 +56,24 @@ def parallelize(model: nn.Module, topo: Topology, device: torch.device, seed: in
             apply_tensor_parallel(part, topo.mesh["tp"], cfg.sequence_parallel)
         apply_recomputation(part, cfg.activation_checkpoint)
         if cfg.compile:
-            # HLAT moved the compile cache to each node's local disk: a shared file system became the bottleneck
-            if cfg.compile_cache_dir:
-                os.environ["TORCHINDUCTOR_CACHE_DIR"] = cfg.compile_cache_dir
-            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", "/tmp/hlat-compile-cache")
-            for block in part.layers.values():
-                try:
-                    block.compile(backend=cfg.compile_backend)
-                except Exception as e:  # torch checks the backend name here and says what it knows
-                    raise HlatError(f"parallel.compile_backend: {str(e).splitlines()[0]}") from None
-            if cfg.tp > 1 and part.tok_embeddings is not None:
-                # The vocabulary-parallel embedding finishes its collective asynchronously; a pending result
-                # must not enter a compiled block (torch 2.13 then hands its backward a plain tensor).
-                part.tok_embeddings.register_forward_hook(lambda module, args, output: output.clone())
+            compile_blocks(part, cfg)
         if cfg.dp > 1:
             apply_data_parallel(part, topo.mesh["dp_replicate", "dp_shard"], cfg.zero1, pipelined=cfg.pp > 1)
-        materialize(part, device, seed)
     return parts
+
+
+def compile_blocks(part: nn.Module, cfg: ParallelConfig) -> None:
+    """torch.compile each block of `part` with the configured backend."""
+    # HLAT moved the compile cache to each node's local disk: a shared file system became the bottleneck
+    if cfg.compile_cache_dir:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cfg.compile_cache_dir
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", "/tmp/hlat-compile-cache")
+    for block in part.layers.values():
+        try:
+            block.compile(backend=cfg.compile_backend)
+        except Exception as e:  # torch checks the backend name here and says what it knows
+            raise HlatError(f"parallel.compile_backend: {str(e).splitlines()[0]}") from None
+    if cfg.tp > 1 and part.tok_embeddings is not None:
+        # The vocabulary-parallel embedding finishes its collective asynchronously; a pending result
+        # must not enter a compiled block (torch 2.13 then hands its backward a plain tensor).
+        part.tok_embeddings.register_forward_hook(lambda module, args, output: output.clone())

@@ -15,6 +15,18 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def stage_layers(n_layers: int, n_stages: int) -> list[range]:
+    """Consecutive blocks per stage, as even as possible; the first and last stages, which also hold the
+    embedding and the output projection, get the smaller share when the split is uneven."""
+    base, extra = divmod(n_layers, n_stages)
+    sizes = [base] * n_stages
+    middle_first = list(range(1, n_stages - 1)) + [0, n_stages - 1]
+    for i in middle_first[:extra]:
+        sizes[i] += 1
+    starts = [sum(sizes[:i]) for i in range(n_stages)]
+    return [range(start, start + size) for start, size in zip(starts, sizes)]
+
+
 @dataclass
 class ParallelConfig:
     dp_replicate: int = 1  # replicated data parallelism (DDP; with dp_shard > 1, HSDP); -1 fills the world size
@@ -33,6 +45,11 @@ class ParallelConfig:
 
     def stages(self) -> int:
         return self.pp * (self.virtual_stages if self.pp_schedule == "interleaved_1f1b" else 1)
+
+    def rank_stages(self, pp_rank: int) -> list[int]:
+        """The stages pipeline rank `pp_rank` runs: one, or under interleaved_1f1b one per virtual stage (looped:
+        rank r holds stages r, r + pp, r + 2 pp, ...)."""
+        return [pp_rank + k * self.pp for k in range(self.stages() // self.pp)]
 
     def resolved(self, world_size: int) -> "ParallelConfig":
         """A copy with dp_shard (or dp_replicate) filled in, checked against the world size."""

@@ -41,8 +41,9 @@ class Topology:
 
 def init_topology(cfg: ParallelConfig, device: torch.device, timeout_s: float = 600.0) -> Topology:
     """Start the process group when launched by torchrun (the backend of `device`'s type: gloo on CPU, NCCL on
-    CUDA, ...), a collective failing after `timeout_s`, and build the mesh."""
-    if world_size_from_env() == 1:
+    CUDA, ...), a collective failing after `timeout_s`, and build the mesh; a process group already started
+    (`hlat rehearse`'s fake one) is used as it is."""
+    if world_size_from_env() == 1 and not dist.is_initialized():
         return Topology(cfg, None)
     if not dist.is_initialized():
         dist.init_process_group(backend_for(device), timeout=timedelta(seconds=timeout_s))

@@ -19,6 +19,7 @@ from hlat.parallel.config import ParallelConfig
 from hlat.planner.calibration import Sample, fit_factors, read_run
 from hlat.planner.layout import Layout, Workload, layout_problem
 from hlat.planner.profiles import HardwareProfile, load_profile, profile_names
+from hlat.planner.rehearsal import own_trainer_note, with_rehearsal
 from hlat.planner.report import Request, show
 from hlat.planner.search import OBJECTIVES, RECOMPUTE, TOLERANCE, evaluate, search
 from hlat.resources import recipe_names
@@ -69,6 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                        "--calibrate, write the fitted profile")
     parser.add_argument("--calibrate", nargs="+", metavar="RUN_DIR",
                         help="fit the profile's factors to hlat runs (config.toml + metrics.jsonl)")
+    parser.add_argument("--rehearsal", metavar="FILE",
+                        help="hlat rehearse --json of this layout: its measured memory (and compute, if rehearsed "
+                             "on this hardware) in place of the composed figures")
     add_layout_arguments(parser)
 
 
@@ -100,9 +104,11 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     req = _request(args, cfg, hw, nodes)
     if req.layout:
         plan = evaluate(req.work, req.layout, hw, nodes, req.price)
+        plan, said = with_rehearsal(plan, args.rehearsal) if args.rehearsal else (plan, [])
+        said += [note] if (note := own_trainer_note(plan)) else []
         origin = "given" if _layout_flags_given(args) else "of the config"
-        show(req, [plan], f"layout {origin}, {plan.layout.describe()}", args.json,
-             args.emit if plan.memory.fits else None)
+        show(req, [plan], f"layout {origin}, {plan.layout.describe()}" + "".join(f"; {line}" for line in said),
+             args.json, args.emit if plan.memory.fits else None)
         if not plan.memory.fits:
             print(f"does not fit: {plan.memory.shortfall()}")
             return 1
@@ -111,6 +117,8 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _search(args: argparse.Namespace, req: Request) -> int:
+    if args.rehearsal:
+        raise HlatError("--rehearsal: prices the layout it rehearsed; give that layout (a config's own, no --search)")
     if not 0 <= args.tolerance < 1:
         raise HlatError(f"--tolerance: must be in [0, 1), got {args.tolerance}")
     work, hw = req.work, req.hw

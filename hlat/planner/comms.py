@@ -83,6 +83,15 @@ def link_time(hw: HardwareProfile, fit: Fit, op: str, nbytes: float, group: int,
     return intra + inter * fit.inter_factor
 
 
+def message_bytes(work: Workload, hw: HardwareProfile) -> tuple[float, float]:
+    """Bytes per element of a tensor-parallel collective and of a pipeline send: hlat's trainer's (its residual
+    stream in the parameters' dtype: `Workload.tp_message_bytes`, `stream_bytes`), or the compute dtype's for a
+    Megatron-style stack, which keeps its residual stream in it."""
+    if hw.activations == "hlat":
+        return work.tp_message_bytes, work.stream_bytes
+    return work.compute_bytes, work.compute_bytes
+
+
 def tensor_parallel_time(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit) -> float:
     """Seconds of one layer's tensor-parallel collectives for one micro-batch, on the critical path: 4
     all-reduces of the full activation (6 with full recomputation), each an all-gather and a reduce-scatter
@@ -90,7 +99,7 @@ def tensor_parallel_time(work: Workload, layout: Layout, hw: HardwareProfile, fi
     if layout.tp == 1:
         return 0.0
     count = 6 if layout.activation_checkpoint == "full" else 4
-    nbytes = work.seq_len * layout.micro_batch * work.model.dim * work.compute_bytes
+    nbytes = work.seq_len * layout.micro_batch * work.model.dim * message_bytes(work, hw)[0]
     ops = ("all_gather", "reduce_scatter") if layout.sequence_parallel else ("all_reduce",)
     per_node = min(layout.tp, hw.devices_per_node)
     return count * sum(link_time(hw, fit, op, nbytes, layout.tp, per_node) for op in ops)
@@ -101,7 +110,7 @@ def pipeline_send_time(work: Workload, layout: Layout, hw: HardwareProfile, fit:
     their gradients backward, once per model chunk, plus the fitted fixed cost of each."""
     if layout.pp == 1:
         return 0.0
-    msg = work.seq_len * layout.micro_batch * work.model.dim * work.compute_bytes / layout.tp
+    msg = work.seq_len * layout.micro_batch * work.model.dim * message_bytes(work, hw)[1] / layout.tp
     dpn = hw.devices_per_node
     if layout.tp * layout.dp >= dpn:  # a stage fills whole nodes: every device of a node sends across at once
         one = (msg * dpn / (hw.inter_gbps / 8 * 1e9) + hw.inter_latency_us * 1e-6) * fit.inter_factor

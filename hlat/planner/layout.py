@@ -29,6 +29,18 @@ class Workload:
         return 4 if self.precision == "fp32" else 2
 
     @property
+    def stream_bytes(self) -> int:
+        """Bytes per element of the residual stream (the parameters' dtype: fp32 under bf16_mixed), which pipeline
+        stages send and sequence parallelism gathers."""
+        return self.mode.weight_bytes
+
+    @property
+    def tp_message_bytes(self) -> float:
+        """Bytes per element of a tensor-parallel collective, on average: half of them carry the residual stream
+        (the gathered norm outputs, and their gradients), half the matmuls' outputs (and theirs)."""
+        return (self.compute_bytes + self.stream_bytes) / 2
+
+    @property
     def tokens_per_step(self) -> int:
         return self.seq_len * self.global_batch
 

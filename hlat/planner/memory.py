@@ -1,7 +1,8 @@
 """Memory per device: model states by precision mode and sharding, activations by recomputation, sequence
 parallelism and pipeline schedule (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
 Transformer Models"), and a fixed framework overhead. Everything is for the busiest device: the first pipeline
-stage, which holds the most micro-batches in flight, charged with the output layer's logits as well."""
+stage, which holds the most micro-batches in flight, charged with what the last stage's head keeps as well (the
+final norm, the output projection's input and the logits)."""
 
 from __future__ import annotations
 
@@ -44,10 +45,16 @@ class Memory:
 
 
 def layer_params_per_device(model: ModelConfig, tp: int) -> float:
-    """One transformer layer's parameters on one tensor-parallel rank. When tp exceeds the kv heads each rank
-    keeps a whole kv head (they are replicated), so its K and V weights do not shrink further."""
-    kv_extra = 2 * model.dim * model.head_dim * max(0.0, 1.0 - model.kv_heads / tp)
-    return model.layer_params() / tp + kv_extra
+    """One transformer layer's parameters on one tensor-parallel rank, as `hlat.parallel.tensor` shards them: the
+    matrices split over tp (the column-parallel ones with their biases), the norms and the row-parallel biases
+    whole on every rank. When tp exceeds the kv heads every rank keeps the whole K and V projections (they are
+    replicated, then each rank keeps the head its query heads use)."""
+    d, f, kv_out = model.dim, model.ffn_dim, 2 * model.kv_heads * model.head_dim
+    llama = model.family == "llama"
+    split = 2 * d * d + (3 if llama else 2) * d * f + (0 if llama else d + f)  # wq, wo, the MLP; wq's, w1's bias
+    kv = d * kv_out + (0 if llama else kv_out)
+    whole = 2 * d if llama else 4 * d + 2 * d  # RMSNorm weights; LayerNorm weights and biases, wo's and w2's bias
+    return split / tp + (kv if model.kv_heads % tp else kv / tp) + whole
 
 
 def stage_params(model: ModelConfig, layout: Layout) -> float:
@@ -70,7 +77,7 @@ def sharded_units(model: ModelConfig, layout: Layout) -> list[tuple[int, float]]
 
 
 def layer_activation_bytes(model: ModelConfig, seq_len: int, layout: Layout, recompute: str, act_bytes: int,
-                           flash: bool, stack: str = "hlat") -> float:
+                           flash: bool, stack: str = "hlat", stream_bytes: int = 0) -> float:
     """Bytes one layer keeps for the backward pass of one micro-batch on one device, in tensors of s x b x h
     elements (s: one of them). Without fused (flash) attention the softmax output (s / h of them, split by tp)
     is kept too when nothing is recomputed. 'full' recomputation keeps the block's input only.
@@ -88,12 +95,18 @@ def layer_activation_bytes(model: ModelConfig, seq_len: int, layout: Layout, rec
     `stack` "megatron" (Megatron-LM, NeuronX Distributed): Korthikanti et al. 2022, generalised to grouped-query
     attention and either MLP, without dropout: 4 outside the tensor-parallel region (norm inputs and outputs),
     split only by sequence parallelism; Q, K, V, the attention output and the MLP's intermediates split by tp;
-    'selective' recomputes only the attention core."""
+    'selective' recomputes only the attention core.
+
+    `stream_bytes` (default `act_bytes`): the residual stream's element size, the parameters' under mixed
+    precision (bf16_mixed: fp32): the blocks' inputs, the norms and, under sequence parallelism, the all-gathers of
+    their outputs are in it; what autocast casts for a matmul (its saved input) and what the matmuls produce are
+    in `act_bytes`."""
     t = layout.tp
     s = seq_len * layout.micro_batch * model.dim * act_bytes
+    r = s * (stream_bytes or act_bytes) / act_bytes  # one tensor of the residual stream
     sp = t if layout.sequence_parallel else 1
     if recompute == "full":
-        return s / sp
+        return r / sp
     kv = model.kv_heads / model.n_heads
     f = model.ffn_dim / model.dim
     llama = model.family == "llama"
@@ -101,15 +114,27 @@ def layer_activation_bytes(model: ModelConfig, seq_len: int, layout: Layout, rec
     inside = (2 + 2 * kv + (4 if llama else 2) * f) * s / t
     if stack == "megatron":
         return 4 * s / sp + inside + scores
+    inside += replicated_kv_bytes(model, t, recompute, s) - 2 * kv * s / t
     if recompute == "selective":
-        kept = s / sp + (1 + 2 * kv + (2 if llama else 1) * f) * s / t + 2 * s
-        if t > 1:
-            kept += 2 * s + (2 * s / t if layout.sequence_parallel else 0.0)
+        kept = r / sp + (1 + (2 if llama else 1) * f) * s / t + replicated_kv_bytes(model, t, recompute, s) + 2 * s
+        if t > 1:  # the collectives' outputs: all-reduces, or the norms' gathered outputs and reduce-scatters
+            kept += 2 * r + 2 * s / t if layout.sequence_parallel else 2 * s
         return kept
-    # a norm's output is kept by the projections after it: under SP all-gathered, at full size, instead
-    norms = 2 * ((2 if llama else 1) + (0 if layout.sequence_parallel else 1)) * s / sp
-    gathered = 2 * s if layout.sequence_parallel else 0.0
-    return norms + gathered + inside + scores
+    # a norm's output is kept by the projections after it (under SP all-gathered, at full size); under mixed
+    # precision each projection keeps its own cast of it (Q, K and V; both or the one MLP input projection)
+    inputs = (3 + (2 if llama else 1)) * s if r != s else 2 * s
+    return 2 * (2 if llama else 1) * r / sp + inputs + inside + scores
+
+
+def replicated_kv_bytes(model: ModelConfig, tp: int, recompute: str, s: float) -> float:
+    """What a layer keeps of K and V on one rank ('none': after rotary; 'selective': the projections' outputs).
+    With more tensor-parallel ranks than kv heads every rank computes all of them (`replicate_kv_heads`) and
+    keeps one head's: rotary makes K's its own, but V's is a view that holds the whole projection (and under
+    selective recomputation both projections are kept whole)."""
+    if model.kv_heads % tp == 0:
+        return 2 * model.kv_heads / model.n_heads * s / tp
+    head = model.head_dim / model.dim * s
+    return 2 * model.kv_heads * head if recompute == "selective" else (1 + model.kv_heads) * head
 
 
 def in_flight(layout: Layout, microbatches: int) -> float:
@@ -124,24 +149,64 @@ def in_flight(layout: Layout, microbatches: int) -> float:
     return min(microbatches, p)
 
 
+def head_bytes(work: Workload, layout: Layout, microbatches: int, stack: str = "hlat") -> float:
+    """What the last stage's head keeps for backward: the final norm's input and output (on a sequence shard
+    under sequence parallelism, like a block's norms), the output projection's input (all-gathered, at full
+    size, under sequence parallelism), and the logits (vocabulary-parallel across tp): one micro-batch's in the
+    compute dtype and in fp32 for the loss, and under a pipeline schedule every micro-batch's output, which
+    torch's schedules keep until the step ends. A Megatron-style stack: the one micro-batch's logits."""
+    model, t = work.model, layout.tp
+    tokens = work.seq_len * layout.micro_batch
+    if stack != "hlat":
+        return (work.compute_bytes + 4) * tokens * model.vocab_size / t
+    s, r = tokens * model.dim * work.compute_bytes, tokens * model.dim * work.mode.weight_bytes
+    norm = (2 if model.family == "llama" else 1) * r / (t if layout.sequence_parallel else 1)
+    kept = microbatches if layout.pp > 1 else 1
+    return norm + s + (work.compute_bytes * kept + 4) * tokens * model.vocab_size / t
+
+
+def blocks_activation_bytes(work: Workload, layout: Layout, hw: HardwareProfile, layers: float) -> float:
+    """What `layers` blocks' worth of micro-batches in flight keep for backward (`layer_activation_bytes` in
+    the profile's stack)."""
+    return layers * layer_activation_bytes(work.model, work.seq_len, layout, layout.activation_checkpoint,
+                                           work.compute_bytes, hw.flash_attention, hw.activations,
+                                           work.mode.weight_bytes)
+
+
+def rebuilt_bytes(work: Workload, layout: Layout, hw: HardwareProfile) -> float:
+    """Under full recomputation, the one block rebuilt at a time in backward (none otherwise)."""
+    if layout.activation_checkpoint != "full":
+        return 0.0
+    rebuilt = "none" if hw.activations == "hlat" else "selective"  # Megatron recomputes without the scores
+    return layer_activation_bytes(work.model, work.seq_len, layout, rebuilt, work.compute_bytes, hw.flash_attention,
+                                  hw.activations, work.mode.weight_bytes)
+
+
+def cast_bytes(work: Workload, layout: Layout, layers: int, output: bool) -> float:
+    """bf16_mixed: the bf16 copy autocast makes of every parameter a matmul reads (`layers` blocks' but their
+    norms, and the output projection's), kept for backward by the forward passes that share it (a step's, under a
+    pipeline schedule; one micro-batch's otherwise)."""
+    if work.precision != "bf16_mixed":
+        return 0.0
+    model, bf16 = work.model, 2
+    norms = (2 if model.family == "llama" else 4) * model.dim
+    projection = model.vocab_size * model.dim / layout.tp if output else 0.0
+    return bf16 * (layers * (layer_params_per_device(model, layout.tp) - norms) + projection)
+
+
 def memory(work: Workload, layout: Layout, hw: HardwareProfile) -> Memory:
     model, mode = work.model, work.mode
     params = stage_params(model, layout)
     shard = layout.param_shard
     opt_shard = layout.dp_shard  # FSDP's and ZeRO-1's
 
-    act_bytes = work.compute_bytes
     layers = math.ceil(model.n_layers / layout.pp)
     m = layout.microbatches(work.global_batch)
-    stored = layer_activation_bytes(model, work.seq_len, layout, layout.activation_checkpoint, act_bytes,
-                                    hw.flash_attention, hw.activations)
-    activations = layers * in_flight(layout, m) * stored
-    if layout.activation_checkpoint == "full":  # one layer's activations are rebuilt at a time in backward
-        rebuilt = "none" if hw.activations == "hlat" else "selective"  # Megatron recomputes without the scores
-        activations += layer_activation_bytes(model, work.seq_len, layout, rebuilt, act_bytes, hw.flash_attention,
-                                              hw.activations)
-    # Logits of the output layer (compute dtype, then fp32 for the loss), vocabulary-parallel across tp.
-    activations += (act_bytes + 4) * work.seq_len * layout.micro_batch * model.vocab_size / layout.tp
+    activations = blocks_activation_bytes(work, layout, hw, layers * in_flight(layout, m))
+    activations += rebuilt_bytes(work, layout, hw)
+    activations += head_bytes(work, layout, m, hw.activations)
+    if hw.activations == "hlat":  # torch's autocast (other stacks cast their own way)
+        activations += cast_bytes(work, layout, layers, output=True)
 
     buffers = 0.0
     if shard > 1 and layout.pp > 1:

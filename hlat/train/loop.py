@@ -32,7 +32,7 @@ from hlat.optim import build_optimizer
 from hlat.optim.precision import autocast, prepare_model
 from hlat.parallel import ParallelConfig, Topology, init_topology, parallelize
 from hlat.parallel.device import pick_device
-from hlat.parallel.pipeline import build_schedule
+from hlat.parallel.pipeline import StageShapes, build_schedule
 from hlat.train.checkpoint import DamagedCheckpoint, quarantine
 from hlat.train.config import Config
 from hlat.train.faults import StopRequest, Watchdog
@@ -176,9 +176,10 @@ def load_tokenizer(cfg: Config, topo: Topology, sources: list[Source]):
     return tokenizer
 
 
-def build_parts(cfg: Config, inputs: RunInputs, topo: Topology) -> Model:
+def build_parts(cfg: Config, inputs: RunInputs, topo: Topology, shapes: StageShapes | None = None) -> Model:
     """This rank's parts of the model, in the precision mode's dtype (cast on meta, before sharding), split,
-    parallelised and initialised; one optimizer per part; the pipeline schedule that runs them, if any."""
+    parallelised and initialised; one optimizer per part; the pipeline schedule that runs them, if any (its
+    stages given their boundaries' `shapes`, or inferring them from the first micro-batch)."""
     torch.manual_seed(cfg.train.seed)
     model = prepare_model(inputs.model, cfg.precision.mode)
     stages = parallelize(model, topo, inputs.device, cfg.train.seed)
@@ -188,7 +189,8 @@ def build_parts(cfg: Config, inputs: RunInputs, topo: Topology) -> Model:
     return Model(
         parts=parts,
         optimizers=[build_optimizer(part, cfg.optim, cfg.precision.mode, cfg.train.seed) for part in parts],
-        schedule=(build_schedule(stages, topo, inputs.device, per_rank, cross_entropy) if layout.pp > 1 else None),
+        schedule=(build_schedule(stages, topo, inputs.device, per_rank, cross_entropy, shapes) if layout.pp > 1
+                  else None),
         first_stage=any(sid == 0 for sid, _ in stages), last_stage=any(sid == n_stages - 1 for sid, _ in stages),
         sharded_grads=layout.dp_shard > 1 and not layout.zero1,
         autocast=autocast(cfg.precision.mode, inputs.device),

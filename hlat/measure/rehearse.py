@@ -1,0 +1,375 @@
+"""`hlat rehearse`: one process becomes rank R of the full-size job (a fake process group: every collective and
+pipeline send completes at once, every local tensor keeps its real shape) and runs the trainer's own path: the
+config's checks, the mesh, the model on meta, its split, sharding and precision, the optimizer, the checkpoint's
+state dict, and training steps of that rank's real compute (`Trainer.train_step`). It measures what the rank holds
+(`hlat.measure.footprint`), what its step computes and issues (`hlat.measure.traffic`), and sets the planner's
+figures for the same layout and rank beside them (`hlat.planner.rehearsal`).
+
+What cannot run in a fake world is replaced and said so: the data stream (its ranks exchange over a side group)
+by random tokens, the checkpoint write (DCP agrees on a plan across ranks) by counting the state dict it would
+write, the pipeline's shape inference by the stages' shapes (`hlat.parallel.pipeline.StageShapes`)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import multiprocessing
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hlat import HlatError
+from hlat.console import make_console
+from hlat.measure.fake_world import Deliveries, join_fake_world
+from hlat.measure.footprint import (KeptForBackward, available_bytes, meta_elements, optimizer_tensors, storages)
+from hlat.measure.traffic import Collectives, group_names
+from hlat.models import build_model, count_params
+from hlat.optim.precision import dtypes
+from hlat.parallel import ParallelConfig, Topology, init_topology, shard_parts
+from hlat.parallel.device import pick_device
+from hlat.parallel.pipeline import StageShapes
+from hlat.planner.layout import Layout, Workload
+from hlat.planner.memory import GIB
+from hlat.planner.profiles import HardwareProfile, load_profile
+from hlat.planner.rehearsal import RankPlan, rank_plan, rank_traffic
+from hlat.train.config import Config
+from hlat.train.goodput import Goodput
+from hlat.train.health import Health
+from hlat.train.loop import RunInputs, build_parts
+from hlat.train.saving import Checkpoints
+from hlat.train.trainer import Batches, Trainer
+
+
+@dataclass
+class Rehearsal:
+    """One rehearsal's settings, checked: the config as `hlat train` would run it at `world_size`, and what is
+    rehearsed of it."""
+
+    cfg: Config
+    world_size: int
+    layout: ParallelConfig  # resolved by the trainer's own check
+    ranks: list[int]
+    steps: int
+    micro_batches: int  # rehearsed per step (of `step_micro_batches`)
+    step_micro_batches: int
+    hardware: HardwareProfile  # the local device's, for the planner's compute and activations
+    target: HardwareProfile | None  # the cluster's ([cluster] hardware), whose memory the rank must fit
+
+    @property
+    def work(self) -> Workload:
+        cfg = self.cfg
+        return Workload(cfg.model, cfg.train.seq_len, cfg.train.global_batch, cfg.precision.mode, cfg.parallel.compile)
+
+    @property
+    def planned_layout(self) -> Layout:
+        return Layout(self.layout, self.cfg.train.micro_batch)
+
+
+def prepare(cfg: Config, world_size: int | None, ranks: list[int] | None, steps: int, micro_batches: int | None,
+            hardware: str | None) -> Rehearsal:
+    """The rehearsal's settings, every mistake a one-line error: the layout is refused exactly as `hlat train`
+    refuses it at this world size."""
+    world = world_size or cfg.cluster.world_size
+    layout = cfg.resolved_parallel(world)
+    step_micro_batches = layout.microbatches(cfg.train.global_batch, cfg.train.micro_batch)
+    micro = micro_batches or step_micro_batches
+    check_micro_batches(layout, micro, step_micro_batches)
+    if steps < 1:
+        raise HlatError(f"--steps: must be >= 1, got {steps}")
+    last = world - world // layout.pp  # the first rank of the last pipeline stage
+    ranks = ranks if ranks is not None else sorted({0, last})
+    for rank in ranks:
+        if not 0 <= rank < world:
+            raise HlatError(f"--rank: {rank} is not a rank of a world of {world}")
+    device = pick_device(cfg.train.device)
+    local = load_profile(hardware or local_profile(device))
+    target = load_profile(cfg.cluster.hardware) if cfg.cluster.hardware else None
+    return Rehearsal(cfg, world, layout, ranks, steps, micro, step_micro_batches, local, target)
+
+
+def check_micro_batches(layout: ParallelConfig, micro: int, step: int) -> None:
+    if not 1 <= micro <= step:
+        raise HlatError(f"--micro-batches: {micro} is not between 1 and the step's {step}")
+    if layout.pp > 1 and layout.pp_schedule != "gpipe" and micro < layout.pp:
+        raise HlatError(f"--micro-batches: the {layout.pp_schedule} schedule needs at least pp = {layout.pp} "
+                        f"micro-batches, got {micro}")
+    if layout.pp > 1 and layout.pp_schedule == "interleaved_1f1b" and micro % layout.pp:
+        raise HlatError(f"--micro-batches: interleaved_1f1b needs a multiple of pp = {layout.pp}, got {micro}")
+
+
+def local_profile(device: torch.device) -> str:
+    """The hardware profile of the device this process runs on (the planner's figures for it)."""
+    if device.type != "cuda":
+        return "cpu"
+    gpu = torch.cuda.get_device_name(device)
+    return "p5e.48xlarge" if "H200" in gpu else "p5.48xlarge" if "H100" in gpu else "p4d.24xlarge"
+
+
+def rehearse(setup: Rehearsal) -> list[dict]:
+    """Each rank in turn, each in a process and a fake world of its own (as on the cluster: nothing one rank
+    allocates is left for the next to find)."""
+    if len(setup.ranks) == 1:  # this process is the rank's own
+        return [rehearse_rank(setup, setup.ranks[0])]
+    results = []
+    for rank in setup.ranks:
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            results.append(pool.apply(rehearse_rank, (setup, rank)))
+    return results
+
+
+def rehearse_rank(setup: Rehearsal, rank: int) -> dict:
+    join_fake_world(rank, setup.world_size)
+    try:
+        with Deliveries(), tempfile.TemporaryDirectory(prefix="hlat-rehearse-") as run_dir:
+            return run_rank(setup, rank, run_dir)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_cfg(setup: Rehearsal, run_dir: str) -> Config:
+    """The config the rank trains with: the rehearsed micro-batches per step, a run directory of its own, and
+    synchronous checkpoints (an asynchronous writer starts a process group of its own; nothing is written)."""
+    train = replace(setup.cfg.train, run_dir=run_dir, async_checkpoint=False,
+                    global_batch=setup.micro_batches * setup.cfg.train.micro_batch * setup.layout.dp)
+    return replace(setup.cfg, train=train)
+
+
+def run_rank(setup: Rehearsal, rank: int, run_dir: str) -> dict:
+    cfg, device = run_cfg(setup, run_dir), pick_device(setup.cfg.train.device)
+    reset_peak(device)
+    model = build_model(cfg.model)
+    topo = init_topology(setup.layout, device)
+    plan = rank_plan(setup.work, setup.planned_layout, setup.hardware, topo.pp_rank, setup.micro_batches)
+    check_fits(setup, topo, model, plan, device)
+    started = time.perf_counter()
+    inputs = RunInputs(setup.layout, device, [], model, count_params(model), None, [], [])
+    parts = build_parts(cfg, inputs, topo, stage_shapes(cfg))
+    startup_s = time.perf_counter() - started
+    trainer = rehearsal_trainer(cfg, topo, device, parts)
+    steps = run_steps(trainer, setup.steps)
+    report = rank_report(setup, topo, trainer, steps, plan)
+    report["time"]["startup_s"] = startup_s
+    report["peak_memory"] = peak_memory(device)
+    return report
+
+
+def stage_shapes(cfg: Config) -> StageShapes:
+    hidden, compute = dtypes(cfg.precision.mode)
+    return StageShapes(cfg.train.micro_batch, cfg.train.seq_len, hidden, compute)
+
+
+def check_fits(setup: Rehearsal, topo: Topology, model, plan: RankPlan, device: torch.device) -> None:
+    """Before anything is allocated: the rank's model states, counted from its (meta) tensors as sharded, and
+    what the planner says it gathers and keeps for backward, against the memory free here."""
+    parts = [part for _, part in shard_parts(copy.deepcopy(model), topo)]
+    states = meta_elements(parts) * setup.work.mode.bytes_per_param
+    needed, free = states + plan.gathered + plan.activations + plan.casts + plan.rebuilt, available_bytes(device)
+    if needed > free:
+        raise HlatError(f"rank {topo.rank} needs {needed / GIB:.1f} GiB ({states / GIB:.1f} GiB of model states "
+                        f"counted from its tensors, {(needed - states) / GIB:.1f} GiB gathered and kept for "
+                        f"backward as the planner predicts) but {device} has {free / GIB:.1f} GiB available")
+
+
+class SyntheticTokens:
+    """The data stream's place: random token ids of the run's shape (the stream's ranks exchange over a side group,
+    which a fake world cannot carry, and the recipe's data need not be here)."""
+
+    def __init__(self, cfg: Config):
+        self.cfg, self.generator, self.wait_time_s = cfg, torch.Generator().manual_seed(cfg.train.seed), 0.0
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        settings = self.cfg.train
+        rows = torch.randint(0, self.cfg.model.vocab_size, (settings.micro_batch, settings.seq_len + 1),
+                             generator=self.generator)
+        batch = {"inputs": rows[:, :-1].contiguous(), "targets": rows[:, 1:].contiguous()}
+        if self.cfg.model.doc_mask:  # one document per row
+            batch["doc_ids"] = torch.zeros_like(batch["inputs"])
+            batch["positions"] = torch.arange(settings.seq_len).expand_as(batch["inputs"]).contiguous()
+        return batch
+
+    def state_dict(self) -> dict:
+        return {"synthetic": True}
+
+
+def rehearsal_trainer(cfg: Config, topo: Topology, device: torch.device, model) -> Trainer:
+    """The trainer with what a step uses; the services after a step (metrics, validation, watchdog) are not
+    rehearsed, and the slow-rank check, which compares ranks that are not there, is off."""
+    goodput, console = Goodput(Path(cfg.train.run_dir), False, time.time()), make_console(quiet=True)
+    per_rank = topo.cfg.microbatches(cfg.train.global_batch, cfg.train.micro_batch)
+    health = Health(replace(cfg.health, slow_intervals=0), topo, device, model.parts, console)
+    return Trainer(cfg=cfg, topo=topo, device=device, console=console, model=model,
+                   batches=Batches(SyntheticTokens(cfg), topo, per_rank), goodput=goodput,
+                   checkpoints=Checkpoints(cfg, topo, device, goodput), report=None, validation=None, watchdog=None,
+                   health=health)
+
+
+class PhaseClock:
+    """Seconds a step spends in its parts' forward passes and in its optimizers' updates (hooks on both; the rest
+    is backward, the loss, the step's all-reduce and clipping), and the gradients' bytes as the updates read them."""
+
+    def __init__(self, trainer: Trainer):
+        self.device, self.forward_s, self.update_s, self.grads, self.began = trainer.device, 0.0, 0.0, 0, 0.0
+        self.handles = [hook for part in trainer.model.parts
+                        for hook in (part.register_forward_pre_hook(self.start),
+                                     part.register_forward_hook(self.stop_forward))]
+        self.handles += [hook for opt in trainer.model.optimizers
+                         for hook in (opt.register_step_pre_hook(self.start_update),
+                                      opt.register_step_post_hook(self.stop_update))]
+
+    def now(self) -> float:
+        if self.device.type != "cpu":
+            torch.accelerator.synchronize(self.device)
+        return time.perf_counter()
+
+    def start(self, *_) -> None:
+        self.began = self.now()
+
+    def stop_forward(self, *_) -> None:
+        self.forward_s += self.now() - self.began
+
+    def start_update(self, optimizer, *_) -> None:
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"]]
+        self.grads += sum(storages(grads).values())
+        self.start()
+
+    def stop_update(self, *_) -> None:
+        self.update_s += self.now() - self.began
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+@dataclass
+class Steps:
+    """What the rehearsed steps did; the last one's collectives, phases and memory."""
+
+    seconds: list[float]  # each step's wall time (the last one's less the memory sampling)
+    forward_s: float
+    update_s: float
+    grads: int
+    collectives: Collectives
+    kept: KeptForBackward
+    skipped: str | None  # why the last update was dropped (train.on_bad_step), if it was
+
+
+def run_steps(trainer: Trainer, steps: int) -> Steps:
+    """`steps` training steps through `Trainer.train_step`; the last one records its collectives and samples
+    what it keeps for backward."""
+    seconds, dims = [], group_names(trainer.topo.mesh)
+    for i in range(steps):
+        clock = PhaseClock(trainer)
+        with contextlib.ExitStack() as stack:
+            if i == steps - 1:
+                collectives = stack.enter_context(Collectives(dims))
+                kept = stack.enter_context(KeptForBackward(trainer.model.parts))
+            result = trainer.train_step(False)
+        clock.remove()
+        trainer.step += 1
+        seconds.append(result.seconds)
+    seconds[-1] -= kept.seconds
+    return Steps(seconds, clock.forward_s, clock.update_s, clock.grads, collectives, kept, result.bad)
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.reset_peak_memory_stats(device)
+
+
+def peak_memory(device: torch.device) -> dict:
+    """The allocator's peak, or on the CPU the rank's process's resident set at its largest (Linux; torch and
+    Python themselves included)."""
+    if device.type != "cpu":
+        return {"kind": f"{device.type} allocator peak", "bytes": torch.accelerator.max_memory_allocated(device)}
+    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    return {"kind": "process resident set peak", "bytes": int(status["VmHWM"].split()[0]) * 1024}
+
+
+def rank_report(setup: Rehearsal, topo: Topology, trainer: Trainer, steps: Steps, plan: RankPlan) -> dict:
+    """What the rank holds, computes and issues, beside the planner's figures for it."""
+    model, m, M = trainer.model, setup.step_micro_batches, setup.micro_batches
+    params = [p for part in model.parts for p in part.parameters()]
+    measured = {"params": sum(storages(params).values()), "grads": steps.grads,
+                "optimizer": sum(storages(optimizer_tensors(model.optimizers)).values()), **steps.kept.peak}
+    planned = {"params": plan.params, "grads": plan.grads, "optimizer": plan.optimizer, "gathered": plan.gathered,
+               "activations": plan.activations, "parameter_casts": plan.casts}
+    memory = {k: {"measured": measured[k], "planned": planned[k]} for k in planned}
+    step_plan = rank_plan(setup.work, setup.planned_layout, setup.hardware, topo.pp_rank)
+    in_flight = step_plan.activations / plan.activations if plan.activations else 1.0
+    memory["activations"]["step"] = {"measured": measured["activations"] * in_flight, "planned": step_plan.activations}
+    step_s = steps.seconds[-1]
+    forward_backward = step_s - steps.update_s
+    return {
+        "rank": topo.rank, "coordinates": {"pp": topo.pp_rank, "dp": topo.dp_rank, "tp": topo.tp_rank},
+        "stages": topo.cfg.rank_stages(topo.pp_rank), "layers": plan.layers,
+        "memory": memory, "fits": target_fit(setup, measured, in_flight),
+        "time": {"steps_s": steps.seconds, "forward_s": steps.forward_s, "update_s": steps.update_s,
+                 "backward_and_rest_s": forward_backward - steps.forward_s,
+                 "compute_s": {"measured": forward_backward, "planned": plan.compute_s},
+                 "step_compute_s": {"measured": forward_backward * m / M, "planned": step_plan.compute_s}},
+        "collectives": scaled_collectives(steps.collectives.rows(), setup, rank_traffic(
+            setup.work, setup.planned_layout, setup.hardware, topo.pp_rank, m)),
+        "checkpoint": {**checkpoint_bytes(trainer), "planned": plan.params + plan.optimizer},
+        "skipped_update": steps.skipped,
+    }
+
+
+def target_fit(setup: Rehearsal, measured: dict, in_flight: float) -> dict | None:
+    """Whether the rank, as measured (its activations at the step's micro-batches), fits one device of the
+    recipe's cluster with that profile's overhead."""
+    if setup.target is None:
+        return None
+    needed = sum(measured.values()) + measured["activations"] * (in_flight - 1) + setup.target.overhead_gib * GIB
+    capacity = setup.target.memory_gib * GIB
+    return {"hardware": setup.target.name, "needed": needed, "capacity": capacity, "fits": needed <= capacity}
+
+
+def scaled_collectives(rows: list[dict], setup: Rehearsal, planned: dict[tuple[str, str], float]) -> list[dict]:
+    """The rehearsed step's collectives, and per the real step's micro-batches, beside the bytes the planner prices
+    for the real step (a kind the planner prices that the rank did not issue is a row of its own). Once per
+    micro-batch: tensor parallelism's gathers and reductions (its all-reduces only without sequence parallelism,
+    where they carry the activations; with it they reduce norm gradients once a step), pipeline sends, and FSDP's
+    gathers and reductions without a pipeline; the rest once per step."""
+    p = setup.layout
+    fsdp_per_micro_batch = p.dp_shard > 1 and not p.zero1 and p.pp == 1
+    per_micro_batch = {("all_gather", "tp"), ("reduce_scatter", "tp"), ("send", "pp"), ("recv", "pp")}
+    per_micro_batch |= set() if p.sequence_parallel else {("all_reduce", "tp")}
+    per_micro_batch |= {("all_gather", "dp_shard"), ("reduce_scatter", "dp_shard")} if fsdp_per_micro_batch else set()
+    ratio = setup.step_micro_batches / setup.micro_batches
+    rows += [{"kind": kind, "dim": dim, "count": 0, "bytes": 0} for kind, dim in planned
+             if not any((row["kind"], row["dim"]) == (kind, dim) for row in rows)]
+    for row in rows:
+        repeats = (row["kind"], row["dim"]) in per_micro_batch
+        row["step_count"] = row["count"] * (ratio if repeats else 1)
+        row["step_bytes"] = row["bytes"] * (ratio if repeats else 1)
+        row["planned_step_bytes"] = planned.get((row["kind"], row["dim"]), 0.0)
+    return rows
+
+
+def checkpoint_bytes(trainer: Trainer) -> dict:
+    """Bytes of the checkpoint's state dict on this rank (`Trainer.snapshot`), and its share of what is written:
+    a tensor replicated over some mesh dimensions is written once among its holders."""
+    from torch.distributed.tensor import DTensor
+
+    held = share = 0.0
+    for t in tensors_in(trainer.snapshot().state_dict()):
+        local = t.to_local() if isinstance(t, DTensor) else t
+        nbytes = local.numel() * local.element_size()
+        replicas = 1
+        if isinstance(t, DTensor):
+            for dim, placement in enumerate(t.placements):
+                replicas *= t.device_mesh.size(dim) if placement.is_replicate() else 1
+        held, share = held + nbytes, share + nbytes / replicas
+    return {"held": held, "written_share": share}
+
+
+def tensors_in(state) -> list[torch.Tensor]:
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, dict):
+        return [t for value in state.values() for t in tensors_in(value)]
+    return []
