@@ -35,9 +35,12 @@ LAYOUTS = {  # name: (processes, [parallel] overrides)
 
 
 def job(run_dir: Path, family: str, **train) -> dict:
-    return {"model": dict(MODELS[family]), "data": {"paths": [CORPUS], "shuffle_rows": 64},
+    """4 steps: the first compares the split forward and backward passes, the later ones the sharded optimizer
+    (Adam's moments included) and the data each rank reads. Tokenized in the training process: a worker process
+    per rank adds its start to every run (workers under layouts: test_resume_at_another_data_parallel_size)."""
+    return {"model": dict(MODELS[family]), "data": {"paths": [CORPUS], "shuffle_rows": 64, "workers": 0},
             "optim": {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 2, "decay_steps": 10},
-            "train": {"steps": 10, "global_batch": 8, "micro_batch": 2, "seq_len": 32, "log_every": 1,
+            "train": {"steps": 4, "global_batch": 8, "micro_batch": 2, "seq_len": 32, "log_every": 1,
                       "run_dir": str(run_dir), **train}}
 
 
@@ -101,7 +104,7 @@ def test_bf16_modes_under_parallel_layouts(precision, nproc, parallel, tmp_path,
     and ~6% by step 10 under other CPUs and loads), so it is compared while the weights are still nearly the
     same, over the first three steps, within 4u."""
     unit_roundoff = 2.0 ** -8
-    data = job(tmp_path / "single", "llama")
+    data = job(tmp_path / "single", "llama", steps=10)
     data["precision"] = {"mode": precision}
     train(build_config(data))
     data["train"]["run_dir"] = str(tmp_path / "run")
@@ -135,7 +138,7 @@ def test_document_masking_under_tensor_parallelism(tmp_path, warm_torchrun):
     """Best-fit packing with attention kept inside documents: the tp 2 run follows the single process."""
     data = job(tmp_path / "single", "llama")
     data["model"]["doc_mask"] = True
-    data["data"].update(packing="best_fit", workers=0)
+    data["data"]["packing"] = "best_fit"
     train(build_config(data))
     data["train"]["run_dir"] = str(tmp_path / "run")
     torchrun(warm_torchrun, 2, write_toml(tmp_path / "job.toml", data), {"tp": 2})
@@ -144,10 +147,10 @@ def test_document_masking_under_tensor_parallelism(tmp_path, warm_torchrun):
 
 @pytest.fixture(scope="module")
 def saved_under_tp2_fsdp2(tmp_path_factory, warm_torchrun):
-    """A run of 5 steps under tp 2 x dp 2, checkpointed at step 5."""
+    """A run of 2 steps under tp 2 x dp 2, checkpointed at step 2."""
     run = tmp_path_factory.mktemp("saved") / "run"
-    config = write_toml(run.parent / "job.toml", job(run, "llama", ckpt_every=5))
-    torchrun(warm_torchrun, 4, config, {"tp": 2, "dp_shard": 2}, "--train.steps", "5")
+    config = write_toml(run.parent / "job.toml", job(run, "llama", ckpt_every=2))
+    torchrun(warm_torchrun, 4, config, {"tp": 2, "dp_shard": 2}, "--train.steps", "2")
     return run
 
 
@@ -155,7 +158,7 @@ def saved_under_tp2_fsdp2(tmp_path_factory, warm_torchrun):
 def test_checkpoint_resumes_under_another_layout(resumed, saved_under_tp2_fsdp2, reference, tmp_path, warm_torchrun):
     run = tmp_path / "run"
     shutil.copytree(saved_under_tp2_fsdp2, run)
-    torchrun(warm_torchrun, 4, write_toml(tmp_path / "job.toml", job(run, "llama", ckpt_every=5)), resumed,
+    torchrun(warm_torchrun, 4, write_toml(tmp_path / "job.toml", job(run, "llama", ckpt_every=2)), resumed,
              "--resume", "auto")
     assert_close(trajectory(run), reference["llama"])
 
@@ -165,9 +168,9 @@ def test_resume_at_another_data_parallel_size(reference, tmp_path, warm_torchrun
     dp 2 (2 workers per rank) -> dp 4 (tokenizing in the training process) -> dp 2 (1 worker) follows the
     uninterrupted single-process run (tp 2 x dp 2 -> dp 4 is above)."""
     config = write_toml(tmp_path / "job.toml", job(tmp_path / "run", "llama"))
-    torchrun(warm_torchrun, 2, config, {"dp_shard": 2}, "--train.steps", "3", "--data.workers", "2")
-    torchrun(warm_torchrun, 4, config, {"dp_shard": 4}, "--train.steps", "6", "--data.workers", "0", "--resume", "auto")
-    torchrun(warm_torchrun, 2, config, {"dp_replicate": 2, "dp_shard": 1}, "--resume", "auto")
+    torchrun(warm_torchrun, 2, config, {"dp_shard": 2}, "--train.steps", "2", "--data.workers", "2")
+    torchrun(warm_torchrun, 4, config, {"dp_shard": 4}, "--train.steps", "3", "--data.workers", "0", "--resume", "auto")
+    torchrun(warm_torchrun, 2, config, {"dp_replicate": 2, "dp_shard": 1}, "--data.workers", "1", "--resume", "auto")
     assert_close(trajectory(tmp_path / "run"), reference["llama"])
 
 
