@@ -166,6 +166,7 @@ def test_single_process_runs_honour_activation_checkpointing_and_compile(tmp_pat
     cache = tmp_path / "compile-cache"
     cfg = config(tmp_path / "compiled", steps=2)
     cfg.parallel.compile, cfg.parallel.compile_cache_dir = True, str(cache)
+    cfg.data.workers = 0
     train(cfg)
     assert cache.is_dir() and any(cache.iterdir())
     assert losses(tmp_path / "compiled") == pytest.approx(losses(tmp_path / "plain"), rel=1e-5)
