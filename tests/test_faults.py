@@ -230,6 +230,7 @@ def trained_state(run_dir: Path, cfg) -> tuple[dict, dict]:
     return model.state_dict(), optimizer.state_dict()["state"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_supervisor_restarts_after_kill_9_bit_exact_and_leaves_nothing_behind(nproc, tmp_path):
     """kill -9 of the trainer, or of one rank of a 2-rank torchrun job (and so of nothing else): the supervisor
@@ -299,6 +300,7 @@ def two_ranks_training(tmp_path: Path, launcher: list[str], **fields) -> subproc
     return job
 
 
+@pytest.mark.slow
 def test_hang_watchdog_names_the_stopped_rank_and_the_job_exits_3(tmp_path):
     """One rank of a 2-rank `hlat torchrun` job stopped with SIGSTOP: the other rank's watchdog notices that no step
     finished within train.hang_timeout_s (long before the collective timeout), writes its stacks into the run
@@ -416,6 +418,7 @@ def test_kill_9_during_an_asynchronous_write_resumes_from_the_previous_checkpoin
     assert [s for s, _ in complete_checkpoints(tmp_path / "run")] == [2, 4, 6, 8]
 
 
+@pytest.mark.slow
 def test_sigterm_to_torchrun_checkpoints_and_exits_0(tmp_path):
     """A scheduler's SIGTERM to `hlat torchrun` (torchrun itself exits 1 whatever its workers did): torchrun passes
     it on, both ranks checkpoint the same step (asynchronously: FSDP's sharded state staged to host memory) and

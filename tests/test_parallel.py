@@ -117,6 +117,7 @@ def test_bf16_modes_under_parallel_layouts(precision, nproc, parallel, tmp_path,
             assert abs(norm - ref_norm) <= 4 * unit_roundoff * ref_norm, (step, norm, ref_norm)
 
 
+@pytest.mark.slow
 def test_compiled_blocks_under_tensor_parallelism(reference, tmp_path, warm_torchrun):
     """torch.compile per block with tensor and sequence parallelism: the same trajectory."""
     config = write_toml(tmp_path / "job.toml", job(tmp_path / "run", "llama"))

@@ -136,6 +136,7 @@ def test_sigterm_to_the_whole_job_checkpoints_and_resumes(tmp_path):
     assert len(losses(tmp_path / "run")) == stopped_at + 2
 
 
+@pytest.mark.slow
 def test_single_process_runs_honour_activation_checkpointing_and_compile(tmp_path):
     """The parallel section's per-model settings apply without torchrun too: full recomputation runs each
     layer's forward matmuls again in the backward pass, compilation fills its cache, and neither changes the
