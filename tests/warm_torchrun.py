@@ -5,12 +5,12 @@ dozens of small multi-rank jobs. `WarmTorchrun` starts one launch of RANKS worke
 jobs one at a time through files in its directory: an `hlat` command (`run`) or a function of a test module
 (`call`). A job of n ranks runs on ranks 0..n-1 as in a fresh torchrun job of world size n: WORLD_SIZE and
 LOCAL_WORLD_SIZE say n, and a new default process group of n ranks (on the launch's store, under a prefix of its
-own) exists when the job starts. hlat's trainer and preflight use a group that already exists; the trainer
-destroys it at its end, as under torchrun; what a job leaves is ended after it. Each rank's output goes to files,
-and a job's result reads like `subprocess.run`'s.
+own; hlat's default timeout of 10 minutes) exists when the job starts. hlat's trainer and preflight use a group
+that already exists; the trainer destroys it at its end, as under torchrun; what a job leaves is ended after it.
+Each rank's output goes to files, and a job's result reads like `subprocess.run`'s.
 
-A job that fails on some ranks, hangs or crashes costs the launch: it is ended, and the next job starts a new one.
-The workers exit when the pytest process that started them is gone.
+A job with a rank that does not report back (hung, crashed, or stuck after another rank failed) costs the launch:
+it is ended, and the next job starts a new one. The workers exit when the pytest process that started them is gone.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class WarmTorchrun:
         out, err = ("".join(read(self.directory / f"job{n}.rank{r}.{kind}") for r in range(nproc))
                     for kind in ("out", "err"))
         if None in codes:  # hung or crashed: the launch's own output says more
-            self.close()
+            self.close(wait_s=0)
             err += read(self.directory / "launch.log")[-3000:]
         code = next((c for c in codes if c != 0), 0)
         return subprocess.CompletedProcess([function, *map(str, args)], 1 if code is None else code, out, err)
@@ -91,11 +91,12 @@ class WarmTorchrun:
                 deadline = min(deadline, time.monotonic() + AFTER_A_FAILURE_S)
             time.sleep(POLL_S)
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 30) -> None:
+        """Stop the launch: its workers end once idle, and are killed after `wait_s`."""
         if self.launch is not None and self.launch.poll() is None:
             (self.directory / "stop.json").write_text("{}")
             try:
-                self.launch.wait(timeout=30)
+                self.launch.wait(timeout=wait_s)
             except subprocess.TimeoutExpired:
                 os.killpg(self.launch.pid, signal.SIGKILL)
                 self.launch.wait()
