@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # pyproject.toml asks for torch>=2.11 (a machine's own CUDA or Neuron build stays); the venv pins what CI tests.
 TORCH ?= 2.13.0
 
-.PHONY: train test clean
+.PHONY: train test test-fast clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ train: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest $(ARGS)
+
+# The daily tier: every test but the few long end-to-end ones marked slow (CI runs `make test`).
+test-fast: $(VENV)/.installed
+	$(PY) -m pytest -m "not slow" $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info .pytest_cache

@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -24,7 +21,6 @@ from hlat.planner.layout import Layout, Workload
 from hlat.planner.memory import layer_activation_bytes, memory, stage_params
 from hlat.planner.profiles import load_profile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = dict(n_layers=3, dim=128, n_heads=4, ffn_dim=352, vocab_size=512, max_seq_len=256)
 SEQ, MB = 256, 2  # large enough that checkpointing's saved RNG state (5 KB per block on CPU) is noise
 MODES_ = ("none", "selective", "full")
@@ -118,11 +114,9 @@ def test_activation_bytes_match_the_saved_tensors_in_one_process():
     _check(measure(), planned(1, False))
 
 
-def test_activation_bytes_match_under_tensor_and_sequence_parallelism(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
-           str(tmp_path / "measured.json")]
-    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1",
-                                                                   "PYTHONPATH": ROOT}, timeout=300)
+def test_activation_bytes_match_under_tensor_and_sequence_parallelism(tmp_path, warm_torchrun):
+    done = warm_torchrun.call(2, "test_activation_memory:measure_under_tensor_parallelism",
+                              str(tmp_path / "measured.json"), timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     measured = json.loads((tmp_path / "measured.json").read_text())
     for sp in (False, True):
@@ -145,16 +139,14 @@ def test_model_state_bytes_are_exact_for_every_precision_and_sharding(precision)
                                                      params * mode.optimizer_bytes / opt_shard)
 
 
-if __name__ == "__main__":  # under torchrun: tensor parallelism 2, with and without sequence parallelism
+def measure_under_tensor_parallelism(path: str) -> None:
+    """On each rank of a 2-rank job (tests/warm_torchrun.py): tensor parallelism 2, with and without sequence
+    parallelism."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from process_groups import end_process_group
-
-    dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     out = {str(sp): measure(mesh, sp) for sp in (False, True)}
     if dist.get_rank() == 0:
-        with open(sys.argv[1], "w") as f:
+        with open(path, "w") as f:
             json.dump(out, f)
-    end_process_group()  # the forward passes ran without backward: sequence parallelism's gathers unwaited

@@ -6,7 +6,6 @@ import json
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from test_data import CharTokenizer, jsonl, same, take
 
 from hlat.data.config import DataConfig
@@ -23,25 +22,27 @@ def _cfg(packing: str) -> DataConfig:
     return DataConfig(packing=packing, round_bytes=60, shuffle_rows=5, seed=2, workers=0)
 
 
-def _rank_main(rank: int, tmp: str, files: list[str], states: dict) -> None:
-    dist.init_process_group("gloo", store=dist.FileStore(f"{tmp}/store", WORLD), rank=rank, world_size=WORLD)
+def rank_main(tmp: str, files: list[str]) -> None:  # one rank of a job of tests/warm_torchrun.py
+    rank, states, block = dist.get_rank(), torch.load(f"{tmp}/states.pt"), packing_module.BLOCK
     group = side_group()
     out = {}
-    for packing in PACKINGS:
-        # best_fit learns rounds in blocks of 3, fewer than the ranks: which rank has a round in a block varies
-        packing_module.BLOCK = 3 if packing == "best_fit" else 64
-        ranks = Ranks(group, dp_rank=rank, dp=WORLD, accum=ACCUM)
-        s = build_stream(_cfg(packing), CharTokenizer(), one_source(files), SEQ, MICRO, ranks=ranks)
-        fresh = take(s, 3 * ACCUM // WORLD)  # 3 steps
-        resumed = build_stream(_cfg(packing), CharTokenizer(), one_source(files), SEQ, MICRO, ranks=ranks)
-        resumed.load_state_dict(states[packing])
-        out[packing] = {"fresh": fresh, "state": s.state_dict(), "tokenized": s.tokenized,
-                        "received": s.exchanged_bytes, "resumed": take(resumed, 2 * ACCUM // WORLD)}
+    try:
+        for packing in PACKINGS:
+            # best_fit learns rounds in blocks of 3, fewer than the ranks: which rank has a round in a block varies
+            packing_module.BLOCK = 3 if packing == "best_fit" else 64
+            ranks = Ranks(group, dp_rank=rank, dp=WORLD, accum=ACCUM)
+            s = build_stream(_cfg(packing), CharTokenizer(), one_source(files), SEQ, MICRO, ranks=ranks)
+            fresh = take(s, 3 * ACCUM // WORLD)  # 3 steps
+            resumed = build_stream(_cfg(packing), CharTokenizer(), one_source(files), SEQ, MICRO, ranks=ranks)
+            resumed.load_state_dict(states[packing])
+            out[packing] = {"fresh": fresh, "state": s.state_dict(), "tokenized": s.tokenized,
+                            "received": s.exchanged_bytes, "resumed": take(resumed, 2 * ACCUM // WORLD)}
+    finally:
+        packing_module.BLOCK = block  # the process runs other jobs after this one
     torch.save(out, f"{tmp}/rank{rank}.pt")
-    dist.destroy_process_group()
 
 
-def test_ranks_share_the_work_and_train_on_the_single_process_rows(tmp_path):
+def test_ranks_share_the_work_and_train_on_the_single_process_rows(tmp_path, warm_torchrun):
     files = [jsonl(tmp_path / f"{i}.jsonl", [f"doc {i}.{j} " + "xyz"[j % 3] * (j * 7 % 23) for j in range(12)])
              for i in range(3)]
     reference, states, tokenized = {}, {}, {}
@@ -52,7 +53,9 @@ def test_ranks_share_the_work_and_train_on_the_single_process_rows(tmp_path):
         reference[packing] += take(single, 2 * ACCUM)
         tokenized[packing] = single.tokenized  # after three steps
         reference[packing] += take(single, 2 * ACCUM)
-    mp.spawn(_rank_main, args=(str(tmp_path), [str(f) for f in files], states), nprocs=WORLD)
+    torch.save(states, tmp_path / "states.pt")
+    done = warm_torchrun.call(WORLD, "test_data_ranks:rank_main", str(tmp_path), [str(f) for f in files])
+    assert done.returncode == 0, done.stderr[-3000:]
     got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
     for packing in PACKINGS:
         ref = reference[packing]

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from test_disk import SUPERVISED
 from test_faults import strict_records, write_config
 from test_train import config
@@ -43,6 +44,7 @@ sys.exit(main(["train", *sys.argv[1:]]))
 """
 
 
+@pytest.mark.slow
 def test_ettr_of_a_run_killed_three_times_matches_its_own_step_times(tmp_path):
     """The reported ETTR is productive time over wall time; computed from metrics.jsonl, which holds a record of
     each step the final model contains (its time, less its data wait, from the run of it that made it in), over the

@@ -4,8 +4,6 @@ the log and in metrics.jsonl while training goes on; when a rank counts as slow.
 import json
 import os
 import socket
-import subprocess
-import sys
 
 from rich.console import Console
 
@@ -17,7 +15,7 @@ TINY = {"preset": "tiny", "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 
 DELAY_S = 0.2
 
 
-def test_a_slowed_rank_is_named_while_training_goes_on(tmp_path):
+def test_a_slowed_rank_is_named_while_training_goes_on(tmp_path, warm_torchrun):
     """Rank 2's forward takes 200 ms longer each step (one micro-batch per rank); the other ranks wait for it in
     FSDP's gathers, which their own compute leaves out, so it stands out by far more than the margin (2x)."""
     cfg = build_config({"model": TINY, "data": {"paths": [CORPUS]},
@@ -26,8 +24,7 @@ def test_a_slowed_rank_is_named_while_training_goes_on(tmp_path):
                         "health": {"debug_delay": f"2:{DELAY_S * 1e3:g}", "slow_intervals": 2, "slow_margin": 1.0}})
     config = tmp_path / "c.toml"
     config.write_text(cfg.to_toml())
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "-m",
-                           "hlat", "train", "--config", str(config)], capture_output=True, text=True, timeout=600)
+    done = warm_torchrun.run(4, ["train", "--config", str(config)])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     host = socket.gethostname()
     assert f"health: rank 2 ({host}) is slow: its forward takes " in done.stdout

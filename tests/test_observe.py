@@ -253,12 +253,9 @@ def test_tokenizer_of_a_checkpoint_is_the_runs(runs):
     assert tok.vocab_size == load_tokenizer(runs[0] / "tokenizer.json").vocab_size and cfg.train.steps == 6
 
 
-def test_validation_under_tensor_parallelism_matches_one_process(tmp_path):
+def test_validation_under_tensor_parallelism_matches_one_process(tmp_path, warm_torchrun):
     """Validation through the tensor-parallel model (vocabulary-sharded logits under loss_parallel) gives the
     single process's validation loss."""
-    import subprocess
-    import sys
-
     data = {"model": dict(TINY), "data": {"paths": [CORPUS]}, "eval": {"holdout": 0.3, "every": 2, "batches": 2},
             "optim": {"lr": 3e-3, "warmup_steps": 1, "decay_steps": 4},
             "train": {"steps": 2, "global_batch": 4, "micro_batch": 2, "seq_len": 32, "log_every": 1}}
@@ -266,9 +263,8 @@ def test_validation_under_tensor_parallelism_matches_one_process(tmp_path):
     train(single)
     config = tmp_path / "tp.toml"
     config.write_text(build_config({**data, "train": {**data["train"], "run_dir": str(tmp_path / "tp")}}).to_toml())
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "hlat",
-           "train", "--config", str(config), "--parallel.tp", "2", "--parallel.sequence_parallel", "true"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    done = warm_torchrun.run(2, ["train", "--config", str(config), "--parallel.tp", "2",
+                                 "--parallel.sequence_parallel", "true"])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     one, tp = ([r["val_loss"] for r in records(tmp_path / name) if "val_loss" in r] for name in ("one", "tp"))
     assert len(one) == 1 and tp == pytest.approx(one, rel=1e-4)

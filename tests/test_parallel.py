@@ -4,8 +4,6 @@ between layouts, and impossible layouts are refused before any process starts.""
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +12,7 @@ import torch
 from hlat.config import ConfigError, update
 from hlat.train.config import build_config
 from hlat.train.loop import train
+from warm_torchrun import WarmTorchrun
 
 CORPUS = os.path.join(os.path.dirname(json.__file__), "*.py")
 MODELS = {
@@ -36,9 +35,12 @@ LAYOUTS = {  # name: (processes, [parallel] overrides)
 
 
 def job(run_dir: Path, family: str, **train) -> dict:
-    return {"model": dict(MODELS[family]), "data": {"paths": [CORPUS], "shuffle_rows": 64},
+    """4 steps: the first compares the split forward and backward passes, the later ones the sharded optimizer
+    (Adam's moments included) and the data each rank reads. Tokenized in the training process: a worker process
+    per rank adds its start to every run (workers under layouts: test_resume_at_another_data_parallel_size)."""
+    return {"model": dict(MODELS[family]), "data": {"paths": [CORPUS], "shuffle_rows": 64, "workers": 0},
             "optim": {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 2, "decay_steps": 10},
-            "train": {"steps": 10, "global_batch": 8, "micro_batch": 2, "seq_len": 32, "log_every": 1,
+            "train": {"steps": 4, "global_batch": 8, "micro_batch": 2, "seq_len": 32, "log_every": 1,
                       "run_dir": str(run_dir), **train}}
 
 
@@ -47,11 +49,9 @@ def write_toml(path: Path, data: dict) -> Path:
     return path
 
 
-def torchrun(nproc: int, config: Path, parallel: dict, *extra: str) -> None:
+def torchrun(runner: WarmTorchrun, nproc: int, config: Path, parallel: dict, *extra: str) -> None:
     overrides = [a for k, v in parallel.items() for a in (f"--parallel.{k}", str(v).lower())]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "hlat", "train", "--config", str(config), *overrides, *extra]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    done = runner.run(nproc, ["train", "--config", str(config), *overrides, *extra])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
@@ -85,10 +85,10 @@ FOUR_PROCESS_FAMILY = {"tp2_fsdp2": "llama", "tp4_kv_replicated": "llama", "pp2_
 # both families among them.
 @pytest.mark.parametrize("layout, family", [(layout, family) for layout in LAYOUTS for family in MODELS
                                             if FOUR_PROCESS_FAMILY.get(layout, family) == family])
-def test_layout_matches_single_process(layout, family, reference, tmp_path):
+def test_layout_matches_single_process(layout, family, reference, tmp_path, warm_torchrun):
     nproc, parallel = LAYOUTS[layout]
     config = write_toml(tmp_path / "job.toml", job(tmp_path / "run", family))
-    torchrun(nproc, config, parallel)
+    torchrun(warm_torchrun, nproc, config, parallel)
     assert_close(trajectory(tmp_path / "run"), reference[family])
 
 
@@ -96,7 +96,7 @@ def test_layout_matches_single_process(layout, family, reference, tmp_path):
     ("bf16_sr", 2, {"dp_replicate": 2, "dp_shard": 1}),
     ("bf16_mixed", 4, {"pp": 2, "tp": 2, "dp_shard": 1}),
 ])
-def test_bf16_modes_under_parallel_layouts(precision, nproc, parallel, tmp_path):
+def test_bf16_modes_under_parallel_layouts(precision, nproc, parallel, tmp_path, warm_torchrun):
     """A split layout sums and rounds in another order, and each bf16 rounding moves a value by up to its unit
     roundoff u = 2^-8. The loss, a mean over all the batch's tokens, stays within u of the single process for
     the whole run (measured: 2.5e-4 relative at most, bf16_mixed under pp2 x tp2). The gradient norm is where
@@ -104,11 +104,11 @@ def test_bf16_modes_under_parallel_layouts(precision, nproc, parallel, tmp_path)
     and ~6% by step 10 under other CPUs and loads), so it is compared while the weights are still nearly the
     same, over the first three steps, within 4u."""
     unit_roundoff = 2.0 ** -8
-    data = job(tmp_path / "single", "llama")
+    data = job(tmp_path / "single", "llama", steps=10)
     data["precision"] = {"mode": precision}
     train(build_config(data))
     data["train"]["run_dir"] = str(tmp_path / "run")
-    torchrun(nproc, write_toml(tmp_path / "job.toml", data), parallel)
+    torchrun(warm_torchrun, nproc, write_toml(tmp_path / "job.toml", data), parallel)
     got, expected = trajectory(tmp_path / "run"), trajectory(tmp_path / "single")
     assert len(got) == len(expected) == 10
     for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(got, expected), 1):
@@ -117,59 +117,61 @@ def test_bf16_modes_under_parallel_layouts(precision, nproc, parallel, tmp_path)
             assert abs(norm - ref_norm) <= 4 * unit_roundoff * ref_norm, (step, norm, ref_norm)
 
 
-def test_compiled_blocks_under_tensor_parallelism(reference, tmp_path):
+@pytest.mark.slow
+def test_compiled_blocks_under_tensor_parallelism(reference, tmp_path, warm_torchrun):
     """torch.compile per block with tensor and sequence parallelism: the same trajectory."""
     config = write_toml(tmp_path / "job.toml", job(tmp_path / "run", "llama"))
-    torchrun(2, config, {"tp": 2, "sequence_parallel": True, "compile": True,
-                         "compile_cache_dir": tmp_path / "compile-cache"})
+    torchrun(warm_torchrun, 2, config, {"tp": 2, "sequence_parallel": True, "compile": True,
+                                        "compile_cache_dir": tmp_path / "compile-cache"})
     assert any((tmp_path / "compile-cache").iterdir())
     assert_close(trajectory(tmp_path / "run"), reference["llama"])
 
 
-def test_hsdp_with_gradient_accumulation(reference, tmp_path):
+def test_hsdp_with_gradient_accumulation(reference, tmp_path, warm_torchrun):
     """HSDP (2 replicas of 2 shards) with two micro-batches per rank: reduce-scattered every micro-batch,
     all-reduced across replicas once, and still the single-process trajectory."""
     config = write_toml(tmp_path / "job.toml", job(tmp_path / "run", "llama", micro_batch=1))
-    torchrun(4, config, {"dp_replicate": 2, "dp_shard": 2})
+    torchrun(warm_torchrun, 4, config, {"dp_replicate": 2, "dp_shard": 2})
     assert_close(trajectory(tmp_path / "run"), reference["llama"])
 
 
-def test_document_masking_under_tensor_parallelism(tmp_path):
+def test_document_masking_under_tensor_parallelism(tmp_path, warm_torchrun):
     """Best-fit packing with attention kept inside documents: the tp 2 run follows the single process."""
     data = job(tmp_path / "single", "llama")
     data["model"]["doc_mask"] = True
-    data["data"].update(packing="best_fit", workers=0)
+    data["data"]["packing"] = "best_fit"
     train(build_config(data))
     data["train"]["run_dir"] = str(tmp_path / "run")
-    torchrun(2, write_toml(tmp_path / "job.toml", data), {"tp": 2})
+    torchrun(warm_torchrun, 2, write_toml(tmp_path / "job.toml", data), {"tp": 2})
     assert_close(trajectory(tmp_path / "run"), trajectory(tmp_path / "single"))
 
 
 @pytest.fixture(scope="module")
-def saved_under_tp2_fsdp2(tmp_path_factory):
-    """A run of 5 steps under tp 2 x dp 2, checkpointed at step 5."""
+def saved_under_tp2_fsdp2(tmp_path_factory, warm_torchrun):
+    """A run of 2 steps under tp 2 x dp 2, checkpointed at step 2."""
     run = tmp_path_factory.mktemp("saved") / "run"
-    torchrun(4, write_toml(run.parent / "job.toml", job(run, "llama", ckpt_every=5)), {"tp": 2, "dp_shard": 2},
-             "--train.steps", "5")
+    config = write_toml(run.parent / "job.toml", job(run, "llama", ckpt_every=2))
+    torchrun(warm_torchrun, 4, config, {"tp": 2, "dp_shard": 2}, "--train.steps", "2")
     return run
 
 
 @pytest.mark.parametrize("resumed", [{"dp_shard": 4}, {"pp": 2, "dp_shard": 2}])
-def test_checkpoint_resumes_under_another_layout(resumed, saved_under_tp2_fsdp2, reference, tmp_path):
+def test_checkpoint_resumes_under_another_layout(resumed, saved_under_tp2_fsdp2, reference, tmp_path, warm_torchrun):
     run = tmp_path / "run"
     shutil.copytree(saved_under_tp2_fsdp2, run)
-    torchrun(4, write_toml(tmp_path / "job.toml", job(run, "llama", ckpt_every=5)), resumed, "--resume", "auto")
+    torchrun(warm_torchrun, 4, write_toml(tmp_path / "job.toml", job(run, "llama", ckpt_every=2)), resumed,
+             "--resume", "auto")
     assert_close(trajectory(run), reference["llama"])
 
 
-def test_resume_at_another_data_parallel_size(reference, tmp_path):
+def test_resume_at_another_data_parallel_size(reference, tmp_path, warm_torchrun):
     """The global data stream resumes at any data-parallel size and with any number of tokenizer workers:
     dp 2 (2 workers per rank) -> dp 4 (tokenizing in the training process) -> dp 2 (1 worker) follows the
     uninterrupted single-process run (tp 2 x dp 2 -> dp 4 is above)."""
     config = write_toml(tmp_path / "job.toml", job(tmp_path / "run", "llama"))
-    torchrun(2, config, {"dp_shard": 2}, "--train.steps", "3", "--data.workers", "2")
-    torchrun(4, config, {"dp_shard": 4}, "--train.steps", "6", "--data.workers", "0", "--resume", "auto")
-    torchrun(2, config, {"dp_replicate": 2, "dp_shard": 1}, "--resume", "auto")
+    torchrun(warm_torchrun, 2, config, {"dp_shard": 2}, "--train.steps", "2", "--data.workers", "2")
+    torchrun(warm_torchrun, 4, config, {"dp_shard": 4}, "--train.steps", "3", "--data.workers", "0", "--resume", "auto")
+    torchrun(warm_torchrun, 2, config, {"dp_replicate": 2, "dp_shard": 1}, "--data.workers", "1", "--resume", "auto")
     assert_close(trajectory(tmp_path / "run"), reference["llama"])
 
 
@@ -225,7 +227,7 @@ def test_selective_checkpointing_recomputes_only_attention():
 
 
 
-def _grad_sync_worker(rank: int, world: int, store: str, out: str) -> None:
+def grad_sync_worker(out: str) -> None:  # one rank of a job of tests/warm_torchrun.py
     import copy
 
     import torch.distributed as dist
@@ -235,7 +237,6 @@ def _grad_sync_worker(rank: int, world: int, store: str, out: str) -> None:
     from hlat.models import build_model, materialize
     from hlat.models.config import model_config
     from hlat.parallel.data import apply_data_parallel, sync_gradients
-    from process_groups import end_process_group
 
     class Collectives(TorchDispatchMode):
         """The collectives a forward or backward pass issues, by name."""
@@ -249,7 +250,7 @@ def _grad_sync_worker(rank: int, world: int, store: str, out: str) -> None:
                 self.names.append(func.overloadpacket.__name__)
             return func(*args, **(kwargs or {}))
 
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    rank, world = dist.get_rank(), dist.get_world_size()
     cfg = model_config(**MODELS["llama"])
     batches = torch.randint(0, cfg.vocab_size, (world, 2, 2, 16), generator=torch.Generator().manual_seed(0))
     results = {}
@@ -273,16 +274,14 @@ def _grad_sync_worker(rank: int, world: int, store: str, out: str) -> None:
                     for p, r in zip(model.parameters(), reference.parameters()))
         results[name] = (issued, error)
     torch.save(results, f"{out}/rank{rank}.pt")
-    end_process_group()
 
 
-def test_gradients_reduce_once_per_step_under_accumulation(tmp_path):
+def test_gradients_reduce_once_per_step_under_accumulation(tmp_path, warm_torchrun):
     """Replicated and ZeRO-1 layouts issue no gradient collective before the last micro-batch, and ZeRO-1 gathers
     the parameters once per step; FSDP reduce-scatters every micro-batch (to hold only its shard) and defers the
     all-reduce across replicas. Either way the step's gradient is the whole batch's."""
-    import torch.multiprocessing as mp
-
-    mp.spawn(_grad_sync_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2)
+    done = warm_torchrun.call(2, "test_parallel:grad_sync_worker", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
     for rank in (0, 1):
         results = torch.load(tmp_path / f"rank{rank}.pt")
         reductions = {name: [[op for op in ops if "reduce" in op] for _, ops in issued]

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -15,6 +16,7 @@ from hlat.planner.profiles import load_profile
 from hlat.train.config import build_config
 
 CPU = load_profile("cpu")
+CORPUS = os.path.join(os.path.dirname(json.__file__), "*.py")  # a few files: the first round is quickly made
 
 
 def write_run(run_dir, config: dict, world: int, step_s: float = 1.0):
@@ -57,7 +59,7 @@ def test_emit_train_calibrate_keeps_every_layout_field(tmp_path, capsys):
     tables = load_toml(emitted)
     assert set(tables) == {"model", "precision", "parallel", "train"}
     cfg = build_config(tables, ["--train.steps", "2", "--train.log_every", "1", "--train.run_dir",
-                                str(tmp_path / "run"), "--train.ckpt_every", "0"])
+                                str(tmp_path / "run"), "--train.ckpt_every", "0", "--data.paths", CORPUS])
     train(cfg)
     sample = run_sample(str(tmp_path / "run"), CPU)
     planned = Layout(build_config(tables).resolved_parallel(1), 2)

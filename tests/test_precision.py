@@ -7,7 +7,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
@@ -20,7 +19,6 @@ from hlat.optim import OptimConfig, build_optimizer
 from hlat.optim.bf16 import BF16AdamW, rounding_noise, rounding_seed, stochastic_round
 from hlat.optim.modes import MODES
 from hlat.optim.precision import autocast, prepare_model
-from process_groups import end_process_group
 
 BF16 = torch.bfloat16
 # Across magnitudes and signs, between bf16 neighbours at different fractions, fp32 subnormals (bf16 has them too).
@@ -307,8 +305,8 @@ def test_bytes_per_parameter_match_what_is_stored(mode):
         table.weight_bytes, table.grad_bytes, table.optimizer_bytes)
 
 
-def _data_parallel_worker(rank: int, world: int, store: str, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+def data_parallel_worker(out: str) -> None:  # one rank of a job of tests/warm_torchrun.py
+    rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     half = torch.randn(16, 24, generator=gen(0))
     full = torch.cat([half, half]).to(BF16)  # two identical halves: one per shard in the sharded case
@@ -330,11 +328,11 @@ def _data_parallel_worker(rank: int, world: int, store: str, out: str) -> None:
         results[name] = p.to_local().clone()
         results[name + "_full"] = p.full_tensor()
     torch.save(results, f"{out}/rank{rank}.pt")
-    end_process_group()
 
 
-def test_replicas_stay_bit_identical_under_data_parallel_2(tmp_path):
-    mp.spawn(_data_parallel_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2)
+def test_replicas_stay_bit_identical_under_data_parallel_2(tmp_path, warm_torchrun):
+    done = warm_torchrun.call(2, "test_precision:data_parallel_worker", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     start = torch.cat([torch.randn(16, 24, generator=gen(0))] * 2).to(BF16)
     assert not torch.equal(r0["replicated"], start)  # the replicas did train

@@ -4,9 +4,7 @@ collectives are delayed is named as a straggler, one whose numerics differ is na
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 
 import pytest
 
@@ -15,21 +13,19 @@ from hlat.planner.costs import block_shape, dp_block_shape, optimizer_bytes
 from hlat.planner.layout import Layout, Workload
 from hlat.planner.profiles import load_profile
 from hlat.planner.timing import step_time
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def preflight(tmp_path, *extra: str, nproc: int = 4) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "hlat",
-           "preflight", "--model", "tiny", "--train.seq_len", "32", "--train.micro_batch", "1", "--repeats", "2",
-           "--sizes", "4096,65536", "--dtypes", "fp32", *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+from warm_torchrun import WarmTorchrun
 
 
-def test_preflight_writes_a_profile_the_planner_uses(tmp_path):
+def preflight(runner: WarmTorchrun, tmp_path, *extra: str) -> subprocess.CompletedProcess:
+    """On 4 ranks of one thread each."""
+    return runner.run(4, ["preflight", "--model", "tiny", "--train.seq_len", "32", "--train.micro_batch", "1",
+                          "--repeats", "2", "--sizes", "4096,65536", "--dtypes", "fp32", *extra], cwd=tmp_path,
+                      timeout=300)
+
+
+def test_preflight_writes_a_profile_the_planner_uses(tmp_path, warm_torchrun):
     # a threshold of 5% fails only a rank 20x slower than the median: load on a shared machine does not
-    done = preflight(tmp_path, "--threshold", "0.05", "--json", "--tp", "1,2", "--out",
+    done = preflight(warm_torchrun, tmp_path, "--threshold", "0.05", "--json", "--tp", "1,2", "--out",
                      str(tmp_path / "measured.toml"))
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout[done.stdout.index("{"):done.stdout.rindex("}") + 1])
@@ -56,10 +52,10 @@ def test_preflight_writes_a_profile_the_planner_uses(tmp_path):
                  "--global-batch", "8", "--precision", "fp32", "--json"]) == 0
 
 
-def test_a_delayed_rank_and_a_rank_whose_numerics_differ_are_named(tmp_path):
-    """One run with both faults (each torchrun start costs seconds): rank 2 sleeps 40 ms before each of its
-    collectives, rank 3 sees different inputs in the numerics check."""
-    done = preflight(tmp_path, "--debug-delay", "2:40", "--debug-perturb", "3")
+def test_a_delayed_rank_and_a_rank_whose_numerics_differ_are_named(tmp_path, warm_torchrun):
+    """One run with both faults: rank 2 sleeps 40 ms before each of its collectives, rank 3 sees different inputs
+    in the numerics check."""
+    done = preflight(warm_torchrun, tmp_path, "--debug-delay", "2:40", "--debug-perturb", "3")
     assert done.returncode != 0
     problems = [line for line in done.stderr.splitlines() if line.startswith("hlat preflight: ")]
     assert any("rank 2 (" in line and "straggler" in line for line in problems), problems

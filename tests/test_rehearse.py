@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from hlat.cli import main
+
 ROOT = Path(__file__).resolve().parents[1]
 JOBS = {  # small models, full-size worlds: dims chosen so that FSDP pads nothing (dim 0 of every shard divides)
     1024: dict(dim=256, n_layers=8, n_heads=8, kv_heads=8, ffn_dim=512, vocab_size=1024, seq_len=64, tp=8, pp=4,
@@ -62,6 +64,13 @@ nproc_per_node = {job['nproc_per_node']}
 def hlat(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "hlat", *args], capture_output=True, text=True, timeout=900,
                           env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def refused(capsys, *args: str) -> tuple[int, str]:
+    """An hlat command that stops at a one-line error, run in this process (no Python and torch start): its
+    exit code and everything it wrote to stderr."""
+    code = main(list(args))
+    return code, capsys.readouterr().err
 
 
 @pytest.fixture(scope="module", params=sorted(JOBS))
@@ -131,6 +140,7 @@ def expected_collectives(job: dict, stages: list[int]) -> dict[tuple[str, str], 
     }
 
 
+@pytest.mark.slow
 def test_model_states_equal_the_planner_and_the_layers_shapes(rehearsed):
     job, out, _ = rehearsed
     dp_shard = out["parallel"]["dp_shard"]
@@ -141,6 +151,7 @@ def test_model_states_equal_the_planner_and_the_layers_shapes(rehearsed):
             assert memory[figure]["measured"] == memory[figure]["planned"] == stored * per_param, (figure, rank)
 
 
+@pytest.mark.slow
 def test_activations_within_ten_percent_of_the_planner(rehearsed):
     _, out, _ = rehearsed
     for rank in out["ranks"]:
@@ -148,6 +159,7 @@ def test_activations_within_ten_percent_of_the_planner(rehearsed):
         assert activations["measured"] == pytest.approx(activations["planned"], rel=0.10), rank["rank"]
 
 
+@pytest.mark.slow
 def test_collectives_per_step_are_what_the_layout_implies(rehearsed):
     job, out, _ = rehearsed
     world = job["nodes"] * job["nproc_per_node"]
@@ -162,6 +174,7 @@ def test_collectives_per_step_are_what_the_layout_implies(rehearsed):
             assert count is None or recorded[key][0] == count, (rank["rank"], key, recorded[key])
 
 
+@pytest.mark.slow
 def test_the_planner_takes_a_rehearsal(rehearsed):
     job, out, config = rehearsed
     if job["tp"] != 8:
@@ -189,13 +202,13 @@ def test_the_planner_takes_a_rehearsal(rehearsed):
                                       "size 32"),
     (("--model.n_layers", "4"), "parallel.pp: 8 pipeline stages but only 4 layers"),
 ])
-def test_a_layout_train_refuses_is_refused_in_the_same_line(tmp_path, override, line):
+def test_a_layout_train_refuses_is_refused_in_the_same_line(tmp_path, override, line, capsys, monkeypatch):
     config = tmp_path / "job.toml"
     config.write_text(config_text(JOBS[1024]))
-    rehearse = hlat("rehearse", "--config", str(config), *override)
-    train = hlat("train", "--config", str(config), *override, env={"WORLD_SIZE": "1024"})
-    assert rehearse.returncode == train.returncode == 2
-    assert rehearse.stderr == train.stderr == f"hlat: error: {line}\n"
+    rehearse = refused(capsys, "rehearse", "--config", str(config), *override)
+    monkeypatch.setenv("WORLD_SIZE", "1024")
+    train = refused(capsys, "train", "--config", str(config), *override)
+    assert rehearse == train == (2, f"hlat: error: {line}\n")
 
 
 def test_a_rank_that_cannot_fit_here_fails_before_allocating(tmp_path):
@@ -215,11 +228,10 @@ def test_a_rank_that_cannot_fit_here_fails_before_allocating(tmp_path):
     (("--micro-batches", "8"), "--micro-batches: 8 is not between 1 and the step's 4"),
     (("--rank", "1024"), "--rank: 1024 is not a rank of a world of 1024"),
 ])
-def test_what_cannot_be_rehearsed_is_said_in_one_line(tmp_path, flags, line):
+def test_what_cannot_be_rehearsed_is_said_in_one_line(tmp_path, flags, line, capsys):
     config = tmp_path / "job.toml"
     config.write_text(config_text(JOBS[1024]))
-    done = hlat("rehearse", "--config", str(config), *flags)
-    assert (done.returncode, done.stderr) == (2, f"hlat: error: {line}\n")
+    assert refused(capsys, "rehearse", "--config", str(config), *flags) == (2, f"hlat: error: {line}\n")
 
 
 def test_the_planner_says_when_hlats_own_trainer_would_not_fit_a_recipe():
@@ -236,6 +248,7 @@ def test_the_planner_says_when_hlats_own_trainer_would_not_fit_a_recipe():
     assert "hlat's own trainer" not in notes["hlat-7b"]
 
 
+@pytest.mark.slow
 def test_mixed_precision_activations_and_weight_casts_as_the_planner_says(tmp_path):
     """bf16_mixed with selective recomputation over replicated kv heads: an fp32 residual stream beside bf16
     matmuls, and autocast's bf16 copies of the weights kept through the pipeline's step."""

@@ -136,6 +136,7 @@ def test_sigterm_to_the_whole_job_checkpoints_and_resumes(tmp_path):
     assert len(losses(tmp_path / "run")) == stopped_at + 2
 
 
+@pytest.mark.slow
 def test_single_process_runs_honour_activation_checkpointing_and_compile(tmp_path):
     """The parallel section's per-model settings apply without torchrun too: full recomputation runs each
     layer's forward matmuls again in the backward pass, compilation fills its cache, and neither changes the
@@ -166,6 +167,7 @@ def test_single_process_runs_honour_activation_checkpointing_and_compile(tmp_pat
     cache = tmp_path / "compile-cache"
     cfg = config(tmp_path / "compiled", steps=2)
     cfg.parallel.compile, cfg.parallel.compile_cache_dir = True, str(cache)
+    cfg.data.workers = 0
     train(cfg)
     assert cache.is_dir() and any(cache.iterdir())
     assert losses(tmp_path / "compiled") == pytest.approx(losses(tmp_path / "plain"), rel=1e-5)
