@@ -1,6 +1,6 @@
 """The `hlat` command. Each package that adds commands registers them from its own `cli.py` (`register`): the run
 (`hlat.jobs`: train, torchrun, launch), configs and models (`hlat.train`: config, describe), data (`hlat.data`),
-hardware measurement (`hlat.measure`: preflight), planning (`hlat.planner`: plan) and post-run tools
+hardware measurement (`hlat.measure`: preflight, rehearse), planning (`hlat.planner`: plan) and post-run tools
 (`hlat.tools`: eval, generate, compare, import-hf, export-hf, checkpoint verify).
 
 Heavy imports (torch) happen inside the commands, so `hlat describe` and `hlat plan` start instantly. User mistakes

@@ -1,5 +1,5 @@
-"""`hlat preflight` on the command line (torch is imported only when it runs). One `add_parser` per command in
-`register`, its arguments, options and run below it."""
+"""`hlat preflight` on the command line (torch is imported only when it runs), and the package's registration of its
+commands: `hlat preflight` here, `hlat rehearse` from hlat.measure.rehearse_cli."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hlat import HlatError
+from hlat.measure import rehearse_cli
 
 if TYPE_CHECKING:
     from hlat.measure.options import Options
@@ -24,8 +25,6 @@ def register(commands) -> None:
                                              "(--section.key value) are accepted.")
     add_preflight_arguments(parser)
     parser.set_defaults(func=run_preflight_command, overrides=True)
-    from hlat.measure import rehearse_cli  # `hlat rehearse`
-
     rehearse_cli.register(commands)
 
 
@@ -147,7 +146,7 @@ def run_preflight_command(args: argparse.Namespace, overrides: list[str]) -> int
         else:
             show(report)
         if args.out:
-            profile = measured_profile(report, base_profile(args.hardware, pick_device(options.device).type),
+            profile = measured_profile(report, base_profile(args.hardware, pick_device(options.device)),
                                        int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
             Path(args.out).write_text(profile.to_toml())
             print(f"wrote {args.out}", file=sys.stderr if args.json else sys.stdout)

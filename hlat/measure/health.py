@@ -31,8 +31,7 @@ def check_memory(options: Options, device: torch.device) -> dict:
     """Allocate memory_fraction of the device's free memory, in 1 GiB pieces (accelerators only)."""
     if device.type == "cpu":
         return {"checked": False, "note": "host memory: not checked"}
-    free, total = torch.accelerator.get_memory_info(device) if hasattr(torch.accelerator, "get_memory_info") \
-        else torch.cuda.mem_get_info(device)
+    free, total = torch.accelerator.get_memory_info(device)
     want, pieces, allocated = int(free * options.memory_fraction), [], 0
     try:
         while allocated < want:

@@ -19,7 +19,6 @@ rank's collectives, one perturbs a rank's numerics. This module runs them in ord
 from __future__ import annotations
 
 import contextlib
-import os
 import socket
 import time
 from collections.abc import Iterator
@@ -35,6 +34,7 @@ from hlat.measure.health import check_memory, mismatched_ranks, numerics_digest,
 from hlat.measure.options import Options
 from hlat.measure.report import Report, rounded
 from hlat.measure.timing import gather_from_ranks
+from hlat.parallel.config import world_size_from_env
 from hlat.parallel.device import backend_for, pick_device
 from hlat.planner.profiles import Measured
 
@@ -43,7 +43,7 @@ def run_preflight(options: Options) -> Report:
     """Every measurement and check on this rank (every rank runs it, in the same order); the report is rank 0's
     measurements with every rank's verdicts."""
     device = pick_device(options.device)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = world_size_from_env()
     with process_group(device, world):
         return measure_and_check(options, device, dist.get_rank() if world > 1 else 0, world)
 

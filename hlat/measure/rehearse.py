@@ -26,6 +26,8 @@ from hlat import HlatError
 from hlat.console import make_console
 from hlat.measure.fake_world import Deliveries, join_fake_world
 from hlat.measure.footprint import (KeptForBackward, available_bytes, meta_elements, optimizer_tensors, storages)
+from hlat.measure.report import local_profile
+from hlat.measure.timing import sync_device
 from hlat.measure.traffic import Collectives, group_names
 from hlat.models import build_model, count_params
 from hlat.optim.precision import dtypes
@@ -40,6 +42,7 @@ from hlat.train.config import Config
 from hlat.train.goodput import Goodput
 from hlat.train.health import Health
 from hlat.train.loop import RunInputs, build_parts
+from hlat.train.metrics import peak_memory_bytes
 from hlat.train.saving import Checkpoints
 from hlat.train.trainer import Batches, Trainer
 
@@ -101,14 +104,6 @@ def check_micro_batches(layout: ParallelConfig, micro: int, step: int) -> None:
         raise HlatError(f"--micro-batches: interleaved_1f1b needs a multiple of pp = {layout.pp}, got {micro}")
 
 
-def local_profile(device: torch.device) -> str:
-    """The hardware profile of the device this process runs on (the planner's figures for it)."""
-    if device.type != "cuda":
-        return "cpu"
-    gpu = torch.cuda.get_device_name(device)
-    return "p5e.48xlarge" if "H200" in gpu else "p5.48xlarge" if "H100" in gpu else "p4d.24xlarge"
-
-
 def rehearse(setup: Rehearsal) -> list[dict]:
     """Each rank in turn, each in a process and a fake world of its own (as on the cluster: nothing one rank
     allocates is left for the next to find)."""
@@ -124,7 +119,9 @@ def rehearse(setup: Rehearsal) -> list[dict]:
 def rehearse_rank(setup: Rehearsal, rank: int) -> dict:
     join_fake_world(rank, setup.world_size)
     try:
-        with Deliveries(), tempfile.TemporaryDirectory(prefix="hlat-rehearse-") as run_dir:
+        # only a pipeline receives (Deliveries sends every op through Python: kept out of the timed steps otherwise)
+        deliveries = Deliveries() if setup.layout.pp > 1 else contextlib.nullcontext()
+        with deliveries, tempfile.TemporaryDirectory(prefix="hlat-rehearse-") as run_dir:
             return run_rank(setup, rank, run_dir)
     finally:
         dist.destroy_process_group()
@@ -221,8 +218,7 @@ class PhaseClock:
                                       opt.register_step_post_hook(self.stop_update))]
 
     def now(self) -> float:
-        if self.device.type != "cpu":
-            torch.accelerator.synchronize(self.device)
+        sync_device(self.device)
         return time.perf_counter()
 
     def start(self, *_) -> None:
@@ -262,13 +258,13 @@ def run_steps(trainer: Trainer, steps: int) -> Steps:
     what it keeps for backward."""
     seconds, dims = [], group_names(trainer.topo.mesh)
     for i in range(steps):
-        clock = PhaseClock(trainer)
         with contextlib.ExitStack() as stack:
-            if i == steps - 1:
+            if i == steps - 1:  # hooks and synchronisations only where they are read
+                clock = PhaseClock(trainer)
+                stack.callback(clock.remove)
                 collectives = stack.enter_context(Collectives(dims))
                 kept = stack.enter_context(KeptForBackward(trainer.model.parts))
             result = trainer.train_step(False)
-        clock.remove()
         trainer.step += 1
         seconds.append(result.seconds)
     seconds[-1] -= kept.seconds
@@ -281,12 +277,10 @@ def reset_peak(device: torch.device) -> None:
 
 
 def peak_memory(device: torch.device) -> dict:
-    """The allocator's peak, or on the CPU the rank's process's resident set at its largest (Linux; torch and
-    Python themselves included)."""
-    if device.type != "cpu":
-        return {"kind": f"{device.type} allocator peak", "bytes": torch.accelerator.max_memory_allocated(device)}
-    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
-    return {"kind": "process resident set peak", "bytes": int(status["VmHWM"].split()[0]) * 1024}
+    """The allocator's peak, or on the CPU the rank's process's resident set at its largest (torch and Python
+    themselves included)."""
+    kind = "process resident set peak" if device.type == "cpu" else f"{device.type} allocator peak"
+    return {"kind": kind, "bytes": peak_memory_bytes(device)}
 
 
 def rank_report(setup: Rehearsal, topo: Topology, trainer: Trainer, steps: Steps, plan: RankPlan) -> dict:

@@ -76,14 +76,17 @@ def _four_digits(value):
     return float(f"{value:.4g}") if isinstance(value, float) else value
 
 
-def base_profile(name: str | None, device_type: str) -> HardwareProfile:
+def base_profile(name: str | None, device: torch.device) -> HardwareProfile:
     """The profile whose public figures `--out` starts from: `name`, else the closest known one to this device."""
-    if name:
-        return load_profile(name)
-    if device_type == "cuda":
-        gpu = torch.cuda.get_device_name()
-        return load_profile("p5e.48xlarge" if "H200" in gpu else "p5.48xlarge" if "H100" in gpu else "p4d.24xlarge")
-    return load_profile("cpu")
+    return load_profile(name or local_profile(device))
+
+
+def local_profile(device: torch.device) -> str:
+    """The shipped hardware profile closest to the device this process runs on."""
+    if device.type != "cuda":
+        return "cpu"
+    gpu = torch.cuda.get_device_name(device)
+    return "p5e.48xlarge" if "H200" in gpu else "p5.48xlarge" if "H100" in gpu else "p4d.24xlarge"
 
 
 def measured_profile(report: Report, base: HardwareProfile, local_ranks: int) -> HardwareProfile:

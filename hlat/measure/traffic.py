@@ -87,8 +87,7 @@ class Collectives(TorchDispatchMode):
         self.issued[key] += 1
         self.volume[key] += nbytes
 
-    def rows(self, steps: int = 1) -> list[dict]:
-        """[{kind, dim, count, bytes}] per step (over `steps` recorded), largest volume first."""
-        return [{"kind": kind, "dim": dim, "count": self.issued[kind, dim] / steps,
-                 "bytes": self.volume[kind, dim] / steps}
+    def rows(self) -> list[dict]:
+        """[{kind, dim, count, bytes}] of what was recorded, largest volume first."""
+        return [{"kind": kind, "dim": dim, "count": self.issued[kind, dim], "bytes": self.volume[kind, dim]}
                 for kind, dim in sorted(self.issued, key=lambda k: -self.volume[k])]

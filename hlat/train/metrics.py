@@ -17,7 +17,7 @@ from rich.console import Console
 
 from hlat.train.config import Config, CostConfig
 from hlat.train.files import append_text, write_text, writing
-from hlat.train.tracking import open_trackers
+from hlat.train.tracking import numeric, open_trackers
 
 # Peak dense bf16 FLOP/s per device (vendor figures; dense, no sparsity). CPUs get a nominal figure (cores x
 # 2.5 GHz x fp32 FLOP/cycle of two FMA units: 64 with AVX-512, 32 with AVX2), only to make CPU MFU comparable.
@@ -40,12 +40,12 @@ def _has_avx512() -> bool:
         return False
 
 
-def peak_memory_gb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9
-    # ru_maxrss is in KiB on Linux and bytes on macOS: the whole process's peak resident memory.
+def peak_memory_bytes(device: torch.device) -> int:
+    """The accelerator allocator's peak, or on the CPU the whole process's peak resident memory."""
+    if device.type != "cpu":
+        return torch.accelerator.max_memory_allocated(device)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss / (1e9 if sys.platform == "darwin" else 1e6)
+    return rss if sys.platform == "darwin" else rss * 1024  # bytes on macOS, KiB on Linux
 
 
 class Interval:
@@ -169,9 +169,8 @@ class MetricsLog:
 
             # TensorBoard hides the events an earlier segment of the run wrote from this step on (a resume)
             self._writer = SummaryWriter(log_dir=str(self.run_dir), purge_step=step)
-        for key, value in record.items():
-            if key not in ("step", "time") and isinstance(value, (int, float)) and not isinstance(value, bool):
-                self._writer.add_scalar(tensorboard_tag(key), value, step, walltime=wall)
+        for key, value in numeric(record).items():
+            self._writer.add_scalar(tensorboard_tag(key), value, step, walltime=wall)
         self._writer.flush()
 
     def close(self) -> None:
@@ -273,7 +272,7 @@ class StepReport:
             "tokens_seen": step * self.tokens_per_step, "tokens_per_s": round(tokens_per_s, 1),
             "step_time_s": round(step_time, 4),
             "mfu": round(self.flops_per_token * tokens_per_s / self.peak, 5) if self.peak else None,
-            "peak_memory_gb": round(peak_memory_gb(self.device), 3),
+            "peak_memory_gb": round(peak_memory_bytes(self.device) / 1e9, 3),
             "data_wait_s": round(stats["data_wait_s"], 4),  # the steps waiting for data
             "bad_steps": bad_steps,  # dropped updates so far in this process (train.on_bad_step)
             "elapsed_s": round(elapsed, 3), "projected_time_s": round(projected, 3),
