@@ -312,7 +312,7 @@ class Checkpointer:
         flight.written.wait()
         with _writing(flight.final, self.rank):
             _commit(flight.final, flight.result, flight.config_toml, self.rank)
-        self._rotate(int(flight.final.name.removeprefix("step_")))
+        self._rotate(checkpoint_step(flight.final))
         return flight.final
 
     def close(self) -> None:

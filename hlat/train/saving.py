@@ -20,7 +20,7 @@ from hlat.parallel import Topology
 from hlat.train.best import BestCheckpoint
 from hlat.train.checkpoint import MANIFEST, Checkpointer, Snapshot, complete_checkpoints, latest_checkpoint
 from hlat.train.config import Config
-from hlat.train.files import free_bytes, size_text
+from hlat.train.files import checkpoint_step, free_bytes, size_text
 from hlat.train.faults import weights_finite
 from hlat.train.goodput import Goodput
 
@@ -78,7 +78,7 @@ class Checkpoints:
 
     def committed(self, path: Path) -> None:
         self.saved = path
-        self.goodput.committed(int(path.name.removeprefix("step_")))
+        self.goodput.committed(checkpoint_step(path))
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint of the run (of any process)."""

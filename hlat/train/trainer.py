@@ -9,6 +9,7 @@ the watchdog.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -96,8 +97,8 @@ class Model:
     autocast: contextlib.AbstractContextManager  # the precision mode's forward context
     loss_context: Callable  # loss_parallel under tensor parallelism (the logits stay sharded), else a null context
 
-    @property
-    def params(self) -> list[nn.Parameter]:
+    @functools.cached_property
+    def params(self) -> list[nn.Parameter]:  # the parts do not change after build_parts
         return [p for part in self.parts for p in part.parameters()]
 
 
@@ -121,10 +122,6 @@ class Trainer:
 
     def __post_init__(self):
         self.bad_steps = BadSteps(self.cfg.train.spike_sigmas, self.cfg.train.max_bad_steps)
-
-    @property
-    def run_dir(self) -> Path:
-        return Path(self.cfg.train.run_dir)
 
     # --- start ---------------------------------------------------------------------------------------------
 
