@@ -17,17 +17,12 @@ from hlat.parallel.config import stage_layers
 from hlat.parallel.mesh import Topology
 
 
-def stage_ids(topo: Topology) -> list[int]:
-    """The stages this pipeline rank runs (`ParallelConfig.rank_stages`)."""
-    return topo.cfg.rank_stages(topo.pp_rank)
-
-
 def split_model(model: nn.Module, topo: Topology) -> list[tuple[int, nn.Module]]:
     """(stage id, stage module) for this rank, cut from a model on the meta device (copies are free)."""
     n_stages = topo.cfg.stages()
     ranges = stage_layers(model.cfg.n_layers, n_stages)
     parts = []
-    for sid in stage_ids(topo):
+    for sid in topo.cfg.rank_stages(topo.pp_rank):
         part = copy.deepcopy(model)
         for name in [n for n in part.layers if int(n) not in ranges[sid]]:
             del part.layers[name]

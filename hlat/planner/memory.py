@@ -103,7 +103,8 @@ def layer_activation_bytes(model: ModelConfig, seq_len: int, layout: Layout, rec
     in `act_bytes`."""
     t = layout.tp
     s = seq_len * layout.micro_batch * model.dim * act_bytes
-    r = s * (stream_bytes or act_bytes) / act_bytes  # one tensor of the residual stream
+    # one tensor of the residual stream (Megatron-style stacks keep it in the compute dtype)
+    r = s * (stream_bytes or act_bytes) / act_bytes if stack == "hlat" else s
     sp = t if layout.sequence_parallel else 1
     if recompute == "full":
         return r / sp

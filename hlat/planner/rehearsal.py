@@ -36,17 +36,8 @@ class RankPlan:
     activations: float
     casts: float  # autocast's bf16 copies of the parameters (bf16_mixed)
     rebuilt: float  # the block full recomputation rebuilds in backward, beside the activations
-    overhead: float
     compute_s: float  # forward and backward of the step's micro-batches on this rank, communication excluded
     layers: int  # blocks this rank holds
-
-    @property
-    def states(self) -> float:
-        return self.params + self.grads + self.optimizer
-
-    @property
-    def total(self) -> float:
-        return self.states + self.gathered + self.activations + self.casts + self.rebuilt + self.overhead
 
 
 def rank_layers(model: ModelConfig, layout: Layout, pp_rank: int) -> dict[int, int]:
@@ -124,7 +115,6 @@ def rank_plan(work: Workload, layout: Layout, hw: HardwareProfile, pp_rank: int,
                     activations=rank_activations(work, layout, hw, pp_rank, m),
                     casts=cast_bytes(work, layout, layers, last) if hw.activations == "hlat" else 0.0,
                     rebuilt=rebuilt_bytes(work, layout, hw),
-                    overhead=hw.overhead_gib * GIB,
                     compute_s=m * rank_compute(work, layout, hw, pp_rank), layers=layers)
 
 

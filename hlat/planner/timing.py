@@ -1,7 +1,7 @@
 """Time per optimizer step on the busiest pipeline stage.
 
 Every term is a nominal time (FLOPs at peak rate, bytes at nominal bandwidth plus ring latencies) times a factor
-of the profile's `[fit]`, so the total is piecewise linear in the factors and `hlat.planner.profiles.fit_factors`
+of the profile's `[fit]`, so the total is piecewise linear in the factors and `hlat.planner.calibration.fit_factors`
 can fit them to measurements:
 
     per layer        = max(layer_overhead,                                          (host: kernel launches)
