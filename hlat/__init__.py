@@ -4,6 +4,8 @@ import importlib
 from types import ModuleType
 
 __version__ = "0.1.0"
+ERROR_EXIT = 2  # a user's mistake or a full disk, in one line: a restart would fail the same way, so none retries it
+HANG_EXIT = 3  # the hang watchdog named a stopped rank: restart the job
 
 
 class HlatError(Exception):

@@ -13,7 +13,7 @@ import argparse
 import importlib
 import sys
 
-from hlat import HlatError, __version__
+from hlat import ERROR_EXIT, HlatError, __version__
 
 COMMAND_MODULES = ("hlat.jobs.cli", "hlat.train.cli", "hlat.tools.cli", "hlat.data.cli", "hlat.measure.cli",
                    "hlat.planner.cli")
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args, rest)
     except HlatError as e:
         print(f"hlat: error: {e}", file=sys.stderr)
-        return 2
+        return ERROR_EXIT
     except KeyboardInterrupt:
         print("hlat: interrupted", file=sys.stderr)
         return 130

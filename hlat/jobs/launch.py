@@ -20,6 +20,7 @@ import re
 import shlex
 from pathlib import PurePosixPath
 
+from hlat import ERROR_EXIT
 from hlat.config import ConfigError
 from hlat.train.config import ClusterConfig, Config, NodeRequest, load_config
 
@@ -117,8 +118,9 @@ def _slurm_training(c: ClusterConfig, preflight: str, train: list[str], endpoint
     return [f"for attempt in $(seq 0 {c.max_restarts}); do  # the preflight before each start", f"    {preflight}",
             f"    srun {' '.join(torchrun)} {shlex.join(train)} &", "    train_pid=$!", '    wait "$train_pid"; code=$?',
             '    [ "$code" -eq 0 ] && exit 0',
-            '    [ "$code" -eq 2 ] && { echo "hlat: training failed with an hlat error (exit code 2): not restarted"; '
-            'exit 2; }  # a full disk, a bad config: the same start would fail the same way',
+            f'    [ "$code" -eq {ERROR_EXIT} ] && {{ echo "hlat: training failed with an hlat error (exit code '
+            f'{ERROR_EXIT}): not restarted"; exit {ERROR_EXIT}; }}  # a full disk, a bad config: the same start would '
+            'fail the same way',
             f'    echo "hlat: training failed (start $((attempt + 1)) of {c.max_restarts + 1}): preflight, then resume"',
             "done", "exit 1"]
 

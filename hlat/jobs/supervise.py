@@ -16,9 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from hlat import ERROR_EXIT
 from hlat.train.files import append_text, writing
-
-NOT_RETRIED = 2  # hlat's exit code for a one-line error
 
 
 def child_command(train_args: list[str], nproc: int) -> list[str]:
@@ -59,8 +58,8 @@ def supervise(train_args: list[str], run_dir: Path, max_restarts: int, nproc: in
                 if "hlat: error:" in line:
                     error = line.strip()
             code = child.wait()
-            if code == 0 or stopping or code == NOT_RETRIED or attempt == max_restarts:
-                if code not in (0, NOT_RETRIED) and not stopping:
+            if code == 0 or stopping or code == ERROR_EXIT or attempt == max_restarts:
+                if code not in (0, ERROR_EXIT) and not stopping:
                     print(f"hlat: error: gave up after {max_restarts} restarts ({describe_exit(code)})",
                           file=sys.stderr)
                 return code

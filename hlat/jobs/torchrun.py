@@ -16,8 +16,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from hlat import ERROR_EXIT, HANG_EXIT
+
 FINISHED_DIR = "HLAT_FINISHED_DIR"  # set for the workers; they mark their return in it
-KEPT_EXIT_CODES = (2, 3)  # in this order: an hlat error (not retried), then a hang named by the watchdog
+KEPT_EXIT_CODES = (ERROR_EXIT, HANG_EXIT)  # in this order: an hlat error (not retried), then a hang named
 
 
 def mark_finished() -> None:

@@ -19,7 +19,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from hlat import HlatError
+from hlat import HANG_EXIT, HlatError
 from hlat.train.config import TrainConfig
 from hlat.train.files import WriteFailed, report_and_exit, write_text, writing
 
@@ -106,7 +106,7 @@ class Watchdog:
     The watch starts with the first step's beat: start-up and the first step (compilation, the data pool filling)
     are not timed, so the timeout can be suited to a step; a hang before it ends at the collective timeout."""
 
-    EXIT_CODE = 3
+    EXIT_CODE = HANG_EXIT
 
     def __init__(self, timeout_s: float, run_dir: Path, rank: int, world_size: int):
         self.timeout_s, self.rank, self.world_size = timeout_s, rank, world_size

@@ -20,7 +20,7 @@ import sys
 import threading
 from pathlib import Path
 
-from hlat import HlatError
+from hlat import ERROR_EXIT, HlatError
 
 # errors a restart cannot cure: the same write fails again until a person frees space or fixes permissions
 REFUSED = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
@@ -158,6 +158,6 @@ def quiet_refused_writes_in_threads() -> None:
 
 
 def report_and_exit(error: WriteFailed) -> None:
-    """From a background thread, which cannot raise into the run: the one line, then exit code 2."""
+    """From a background thread, which cannot raise into the run: the one line, then hlat's error exit."""
     print(f"hlat: error: {error}", file=sys.stderr, flush=True)
-    os._exit(2)
+    os._exit(ERROR_EXIT)
