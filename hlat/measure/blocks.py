@@ -8,7 +8,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from hlat.measure.options import Options
 from hlat.measure.report import ComputeRow
@@ -19,6 +18,7 @@ from hlat.optim import build_optimizer
 from hlat.optim.modes import MODES
 from hlat.parallel.grads import clip_grad_norm
 from hlat.planner.costs import block_shape, dp_block_shape, optimizer_bytes
+from hlat.train.saving import local_elements
 
 
 @dataclass
@@ -140,7 +140,7 @@ def measure_update(options: Options, timed_model: TimedModel, world: int) -> Upd
     optimizer = build_optimizer(parts, options.optim, options.precision)
     seconds = timed_on_every_rank(lambda: update_step(params, optimizer, options.optim.clip_grad_norm),
                                   timed_model.device, options.repeats, world)
-    count = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params)
+    count = local_elements(params)
     mode = MODES[options.precision]
     gbs = optimizer_bytes(count, mode.weight_bytes, mode.grad_bytes, mode.optimizer_bytes) / seconds / 1e9
     return UpdateTiming(type(optimizer).__name__, options.precision, count, seconds, gbs)

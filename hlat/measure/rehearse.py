@@ -25,7 +25,7 @@ import torch.distributed as dist
 from hlat import HlatError
 from hlat.console import make_console
 from hlat.measure.fake_world import Deliveries, join_fake_world
-from hlat.measure.footprint import (KeptForBackward, available_bytes, meta_elements, optimizer_tensors, storages)
+from hlat.measure.footprint import KeptForBackward, available_bytes, local, meta_elements, optimizer_tensors, storages
 from hlat.measure.report import local_profile
 from hlat.measure.timing import sync_device
 from hlat.measure.traffic import Collectives, group_names
@@ -351,8 +351,7 @@ def checkpoint_bytes(trainer: Trainer) -> dict:
 
     held = share = 0.0
     for t in tensors_in(trainer.snapshot().state_dict()):
-        local = t.to_local() if isinstance(t, DTensor) else t
-        nbytes = local.numel() * local.element_size()
+        nbytes = local(t).numel() * t.element_size()
         replicas = 1
         if isinstance(t, DTensor):
             for dim, placement in enumerate(t.placements):
