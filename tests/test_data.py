@@ -563,8 +563,8 @@ def test_a_state_saved_by_an_earlier_hlat_resumes(tmp_path, monkeypatch, packing
     saved = json.loads(SAVED_STATE % {"packing": packing, **SAVED_VALUES[packing]})
     s = _two_sources(packing)
     take(s, 7)
-    now = s.state_dict()  # the same format and position; the split listing (data/changes.py) is added beside
-    assert now["fingerprint"].pop("listing") == {"prose": [["prose.jsonl", 0, 712]], "code": [["code.jsonl", 0, 1080]]}
+    now = s.state_dict()  # the same format and position; the files and their sizes (data/changes.py) are added beside
+    assert now["fingerprint"].pop("listing") == {"prose": {"prose.jsonl": 712}, "code": {"code.jsonl": 1080}}
     assert now == saved
     resumed = _two_sources(packing)
     resumed.load_state_dict(saved)

@@ -2,9 +2,10 @@
 resized rather than two hashes.
 
 A data state's fingerprint holds, per source, a hash of its split listing (`[file, start, size]` of every split)
-and, since the listing itself is kept beside the hashes (`fingerprint["listing"]`), the files behind it. Only the
-hashes and settings are compared; the listings say what a changed hash means. A checkpoint from before listings
-were kept still resumes, and a change to its files is reported as the hashes it has.
+and, beside the hashes, each source's files and their sizes (`fingerprint["listing"]`: what the splits add up to,
+a fraction of their size, in every checkpoint). Only the hashes and settings are compared; the listings say what
+a changed hash means. A checkpoint from before listings were kept still resumes, and a change to its files is
+reported as the hashes it has.
 """
 
 from __future__ import annotations
@@ -14,8 +15,16 @@ SHOWN = 5  # files named per kind of change; the rest are counted
 
 
 def split_listing(splits) -> list[list]:
-    """A source's splits as `[file, start, size]` rows: what its fingerprint hashes, and what a diff reads."""
+    """A source's splits as `[file, start, size]` rows: what its fingerprint hashes."""
     return [[str(s.file), s.start, s.size] for s in splits]
+
+
+def file_sizes(splits) -> dict[str, int]:
+    """A source's files and their bytes (the sum of their splits'): what a diff reads."""
+    sizes: dict[str, int] = {}
+    for s in splits:
+        sizes[str(s.file)] = sizes.get(str(s.file), 0) + s.size
+    return sizes
 
 
 def fingerprint_changes(old: dict, new: dict) -> list[str]:
@@ -37,10 +46,9 @@ def fingerprint_changes(old: dict, new: dict) -> list[str]:
     return out
 
 
-def listing_changes(old: list[list], new: list[list]) -> str:
-    """The files added, removed and resized between two split listings, e.g. 'added b.jsonl (2,048 bytes);
-    resized a.jsonl 1,000 -> 1,200 bytes'."""
-    before, after = _file_sizes(old), _file_sizes(new)
+def listing_changes(before: dict[str, int], after: dict[str, int]) -> str:
+    """The files added, removed and resized between two listings (`file_sizes`), e.g. 'added b.jsonl (2,048
+    bytes); resized a.jsonl 1,000 -> 1,200 bytes'."""
     added = [f"{f} ({size:,} bytes)" for f, size in after.items() if f not in before]
     removed = [f"{f} ({size:,} bytes)" for f, size in before.items() if f not in after]
     resized = [f"{f} {before[f]:,} -> {size:,} bytes" for f, size in after.items()
@@ -48,14 +56,6 @@ def listing_changes(old: list[list], new: list[list]) -> str:
     kinds = [f"{verb} {_some(items)}" for verb, items in (("added", added), ("removed", removed),
                                                            ("resized", resized)) if items]
     return "; ".join(kinds) or "the same files and sizes, split differently (another hlat version)"
-
-
-def _file_sizes(listing: list[list]) -> dict[str, int]:
-    """Bytes per file: the sum of its splits'."""
-    sizes: dict[str, int] = {}
-    for file, _, size in listing:
-        sizes[file] = sizes.get(file, 0) + size
-    return sizes
 
 
 def _some(items: list[str]) -> str:

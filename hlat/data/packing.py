@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from hlat import HlatError
-from hlat.data.changes import LISTING, fingerprint_changes, split_listing
+from hlat.data.changes import LISTING, file_sizes, fingerprint_changes, split_listing
 from hlat.data.config import DataConfig
 from hlat.data.exchange import Segment, all_gather, exchange_rows, rank_and_world
 from hlat.data.rounds import ORIGIN, MakerSetup, Packing, Position, Round, RoundInfo, SourceSpec, worker_main
@@ -547,8 +547,8 @@ def build_stream(cfg: DataConfig, tokenizer: Tokenizer, sources: list[Source], s
     specs, fingerprint = [], {"sources": {}, LISTING: {}}
     for source in sources:
         splits = make_splits(source.files, world_size)
-        listing = fingerprint[LISTING][source.name] = split_listing(splits)  # to say which files change
-        digest = hashlib.sha256(json.dumps(listing).encode()).hexdigest()[:16]
+        fingerprint[LISTING][source.name] = file_sizes(splits)  # to say which files change
+        digest = hashlib.sha256(json.dumps(split_listing(splits)).encode()).hexdigest()[:16]
         fingerprint["sources"][source.name] = {"weight": source.weight, "files": digest}
         mine = share_of(splits, rank, world_size, f"data source {source.name!r}")
         specs.append(SourceSpec(source.name, source.weight, mine, cfg.text_field, cfg.max_doc_bytes, cfg.seed,
