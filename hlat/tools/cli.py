@@ -105,16 +105,21 @@ def run_eval(args: argparse.Namespace, overrides: list[str]) -> int:
                                                              else [resolve_checkpoint(path)])]
     if not args.json:
         print(f"{'step':>10}  {'loss':>8}  {'perplexity':>10}  {'tokens':>12}  checkpoint")
+    made: dict = {}  # the evaluation batches, made once for the checkpoints that share their data and tokenizer
     for checkpoint in checkpoints:  # each printed once evaluated: a long list shows its progress
-        row = evaluate_checkpoint(checkpoint, args, device)
+        row = evaluate_checkpoint(checkpoint, args, device, made)
         step = "-" if row["step"] is None else row["step"]
         print(json.dumps(row) if args.json else f"{step:>10}  {row['loss']:>8.4f}  {row['perplexity']:>10.2f}  "
                                                 f"{row['tokens']:>12,}  {checkpoint}", flush=True)
     return 0
 
 
-def evaluate_checkpoint(checkpoint: Path, args: argparse.Namespace, device) -> dict:
-    """The validation figures of one checkpoint (verified first) on --data or its run's [eval] data."""
+def evaluate_checkpoint(checkpoint: Path, args: argparse.Namespace, device, made: dict) -> dict:
+    """The validation figures of one checkpoint (verified first) on --data or its run's [eval] data (its batches
+    taken from `made` when an earlier checkpoint made the same)."""
+    from dataclasses import asdict
+
+    from hlat.data.tokenizer import tokenizer_digest
     from hlat.tools.inference import load_trained
     from hlat.train.files import checkpoint_step
     from hlat.train.validation import evaluate, validation_batches, validation_documents
@@ -127,9 +132,12 @@ def evaluate_checkpoint(checkpoint: Path, args: argparse.Namespace, device) -> d
     if seq_len > cfg.model.max_seq_len:
         raise HlatError(f"--seq-len: {seq_len} exceeds the model's max_seq_len {cfg.model.max_seq_len}")
     batch_size = args.batch_size or cfg.train.micro_batch
-    batches = validation_batches(validation_documents(cfg, paths=args.data), tokenizer, seq_len, batch_size,
-                                 args.max_batches or 2**62, cfg.model.doc_mask)
-    result = evaluate(model, batches, device)
+    key = json.dumps([args.data, asdict(cfg.data), asdict(cfg.eval), tokenizer_digest(tokenizer), seq_len,
+                      batch_size, cfg.model.doc_mask], default=str)
+    if key not in made:
+        made[key] = validation_batches(validation_documents(cfg, paths=args.data), tokenizer, seq_len, batch_size,
+                                       args.max_batches or 2**62, cfg.model.doc_mask)
+    result = evaluate(model, made[key], device)
     return {"checkpoint": str(checkpoint), "step": checkpoint_step(checkpoint), "loss": result.loss,
             "perplexity": result.perplexity, "tokens": result.tokens}
 
