@@ -17,7 +17,10 @@ DELAY_S = 0.2
 
 def test_a_slowed_rank_is_named_while_training_goes_on(tmp_path, warm_torchrun):
     """Rank 2's forward takes 200 ms longer each step (one micro-batch per rank); the other ranks wait for it in
-    FSDP's gathers, which their own compute leaves out, so it stands out by far more than the margin (2x)."""
+    FSDP's gathers, which their own compute leaves out, so it stands out by far more than the margin (2x). The
+    healthy ranks' forwards take about a millisecond, so on a loaded machine a descheduled one may be named too
+    (it was slow): what holds whatever the load, up to scheduling delays as long as the debug delay, is that rank
+    2 is named and stays the slowest."""
     cfg = build_config({"model": TINY, "data": {"paths": [CORPUS]},
                         "train": {"steps": 6, "global_batch": 4, "micro_batch": 1, "seq_len": 32, "log_every": 1,
                                   "run_dir": str(tmp_path / "run")},
@@ -33,7 +36,7 @@ def test_a_slowed_rank_is_named_while_training_goes_on(tmp_path, warm_torchrun):
     assert all(r["slowest_rank"] == 2 and r["rank_compute_max_s"] >= DELAY_S for r in records)
     assert "slow_ranks" not in records[0]  # one interval is not yet persistent
     for r in records[1:]:
-        (named,) = r["slow_ranks"]
+        (named,) = [n for n in r["slow_ranks"] if n["rank"] == 2]
         assert (named["rank"], named["host"]) == (2, host) and named["ratio"] > 2
         assert named["compute_s"] >= DELAY_S and r["rank_compute_s"] < named["compute_s"] / 2
 

@@ -1,6 +1,5 @@
 import copy
 import math
-import time
 
 import pytest
 import torch
@@ -43,10 +42,8 @@ def test_cpu_preset_sizes(preset, low, high):
     assert n == cfg.num_params() and low < n < high
 
 
-def test_70b_builds_on_meta_quickly():
-    start = time.perf_counter()
+def test_70b_builds_on_meta():
     model = build_model(model_config("llama2-70b"))
-    assert time.perf_counter() - start < 10
     tensors = [*model.parameters(), *model.buffers()]
     assert tensors and all(t.is_meta for t in tensors)
 

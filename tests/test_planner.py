@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import time
 from dataclasses import asdict, replace
 
 import pytest
@@ -235,11 +234,10 @@ def test_candidates_are_valid_and_ties_rank_the_simplest_first():
 
 
 @pytest.mark.parametrize("hardware", ["trn1.32xlarge", "p4d.24xlarge"])
-def test_full_70b_search_on_256_nodes_is_fast(hardware):
+def test_full_70b_search_on_256_nodes(hardware):
+    """Its speed is timed by benchmarks/planner_validation.py, not here."""
     work = Workload(model_config("llama2-70b"), 4096, 1024, "bf16_mixed")
-    start = time.perf_counter()
     result = search(work, load_profile(hardware), 256)
-    assert time.perf_counter() - start < 20  # the issue asks for 5 s; loose for noisy CI machines
     assert result.plans and result.considered > 500
 
 
