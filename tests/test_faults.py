@@ -111,6 +111,12 @@ def test_every_reader_of_a_checkpoint_refuses_a_flipped_byte(two_checkpoints, tm
         err = capsys.readouterr().err.strip()
         assert err == f"hlat: error: {damaged}: {problem}", argv
     assert not (tmp_path / "hf").exists() and not (tmp_path / "fine" / "metrics.jsonl").exists()
+    # over several checkpoints, eval refuses the damaged one and still evaluates the others
+    assert main(["eval", str(run), "--all", "--data", json.__file__, "--max-batches", "1", "--json"]) == 2
+    out, err = capsys.readouterr()
+    assert [json.loads(line)["checkpoint"] for line in out.splitlines()] == [str(good)]
+    assert err.splitlines() == [f"hlat: error: {damaged}: {problem}",
+                                "hlat eval: 1 of 2 checkpoints damaged, not evaluated"]
 
     assert main(["checkpoint", "verify", str(run)]) == 1
     assert capsys.readouterr().out.splitlines() == [f"ok       {good}", f"DAMAGED  {damaged}: {problem}"]

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
-from hlat import HlatError
+from hlat import ERROR_EXIT, HlatError
 
 
 def register(commands) -> None:
@@ -95,7 +96,7 @@ def run_export_hf(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def run_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     from hlat.parallel.device import pick_device
-    from hlat.train.checkpoint import checkpoints_in, resolve_checkpoint
+    from hlat.train.checkpoint import DamagedCheckpoint, checkpoints_in, resolve_checkpoint
 
     for name in ("max_batches", "batch_size", "seq_len"):
         if (getattr(args, name) or 0) < 0:
@@ -106,12 +107,20 @@ def run_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     if not args.json:
         print(f"{'step':>10}  {'loss':>8}  {'perplexity':>10}  {'tokens':>12}  checkpoint")
     made: dict = {}  # the evaluation batches, made once for the checkpoints that share their data and tokenizer
+    damaged = 0
     for checkpoint in checkpoints:  # each printed once evaluated: a long list shows its progress
-        row = evaluate_checkpoint(checkpoint, args, device, made)
+        try:
+            row = evaluate_checkpoint(checkpoint, args, device, made)
+        except DamagedCheckpoint as e:  # refused in its line; a curve over many checkpoints still gets the others
+            print(f"hlat: error: {e}", file=sys.stderr, flush=True)
+            damaged += 1
+            continue
         step = "-" if row["step"] is None else row["step"]
         print(json.dumps(row) if args.json else f"{step:>10}  {row['loss']:>8.4f}  {row['perplexity']:>10.2f}  "
                                                 f"{row['tokens']:>12,}  {checkpoint}", flush=True)
-    return 0
+    if damaged and len(checkpoints) > 1:
+        print(f"hlat eval: {damaged} of {len(checkpoints)} checkpoints damaged, not evaluated", file=sys.stderr)
+    return ERROR_EXIT if damaged else 0
 
 
 def evaluate_checkpoint(checkpoint: Path, args: argparse.Namespace, device, made: dict) -> dict:
