@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from hlat.cli import main
 from hlat.train import checkpoint as ckpt
+from hlat.train import trainer
 from hlat.train.checkpoint import complete_checkpoints, verify_checkpoint
 from test_train import config, final_weights, train
 
@@ -158,6 +159,31 @@ def test_nan_step_rolls_back_past_the_bad_data(tmp_path, capsys):
     train(cfg)
     assert strict_records(reference)[2]["loss"] != records[2]["loss"]  # step 3 saw the next batches
     assert [r["loss"] for r in strict_records(reference)[:2]] == [r["loss"] for r in records[:2]]
+
+
+def test_a_rollback_passes_over_a_checkpoint_damaged_since_it_was_written(tmp_path, capsys, monkeypatch):
+    """Step 4's checkpoint gets a flipped byte before bad step 5 rolls back: it would load without an error, so
+    the rollback verifies, sets it aside and goes back to step 2."""
+    real_action = trainer.bad_step_action
+
+    def damage_then_decide(train_cfg, bad, reason, step, last):
+        flip_byte(last / "__0_0.distcp")
+        return real_action(train_cfg, bad, reason, step, last)
+
+    monkeypatch.setattr(trainer, "bad_step_action", damage_then_decide)
+    run = tmp_path / "run"
+    cfg = config(run, steps=6, ckpt_every=2, keep_checkpoints=0, debug_nan_step=5, on_bad_step="rollback")
+    cfg.data.workers = 0
+    train(cfg)
+    damaged = run / "checkpoints" / "step_00000004"
+    out = capsys.readouterr().out
+    assert (f"{damaged}: damaged checkpoint: __0_0.distcp does not match its checksum; falling back to the previous "
+            "checkpoint") in out and "rolled back to" in out and "step_00000002 (step 2)" in out
+    assert [r["step"] for r in strict_records(run)] == [1, 2, 3, 4, 5, 6]  # 3 to 6 run again after step 5
+    assert damaged.with_name("step_00000004.damaged").is_dir()  # kept for inspection; step 4 saved afresh
+    for _, path in complete_checkpoints(run):
+        verify_checkpoint(path)
+    assert [s for s, _ in complete_checkpoints(run)] == [2, 4, 6]
 
 
 def test_nan_step_stops_in_one_line(tmp_path, capsys):

@@ -19,6 +19,7 @@ import warnings
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,9 @@ from torch.torch_version import TorchVersion
 from hlat import HlatError
 from hlat.train.files import (checkpoint_root, checkpoint_step, complete_checkpoints, latest_checkpoint,
                               refused_write)
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 STAGER_KEEPS_BUFFERS = TorchVersion(torch.__version__) >= "2.13"
 CONFIG_FILE = "config.toml"  # the job's config, written into every checkpoint so it is self-describing
@@ -93,6 +97,30 @@ def verify_checkpoint(path: Path) -> None:
         else:
             continue
         raise DamagedCheckpoint(path, f"damaged checkpoint: {name} {problem}")
+
+
+def newest_good_checkpoint(run_dir: str | Path) -> tuple[Path | None, list[DamagedCheckpoint]]:
+    """The newest `step_N` checkpoint of a run that verifies against its manifest (None if none does), and the
+    damaged ones newer than it, passed over to find it."""
+    passed_over = []
+    for _, path in reversed(complete_checkpoints(run_dir)):
+        try:
+            verify_checkpoint(path)
+            return path, passed_over
+        except DamagedCheckpoint as e:
+            passed_over.append(e)
+    return None, passed_over
+
+
+def set_aside(damaged: list[DamagedCheckpoint], is_main: bool, console: Console) -> None:
+    """Report each damaged checkpoint passed over and quarantine it (so that rotation counts only good ones and a
+    re-save of its step starts clean), once every rank has verified it."""
+    for e in damaged:
+        console.print(f"{e}; falling back to the previous checkpoint", soft_wrap=True, highlight=False, markup=False)
+    _barrier()
+    if is_main:
+        for e in damaged:
+            quarantine(e.path)
 
 
 def _reason(e: BaseException) -> str:

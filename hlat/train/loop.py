@@ -33,7 +33,7 @@ from hlat.optim.precision import autocast, prepare_model
 from hlat.parallel import ParallelConfig, Topology, init_topology, parallelize
 from hlat.parallel.device import pick_device
 from hlat.parallel.pipeline import StageShapes, build_schedule
-from hlat.train.checkpoint import DamagedCheckpoint, quarantine
+from hlat.train.checkpoint import DamagedCheckpoint, set_aside
 from hlat.train.config import Config
 from hlat.train.faults import StopRequest, Watchdog
 from hlat.train.files import quiet_refused_writes_in_threads, write_text, writing
@@ -130,11 +130,7 @@ def report_inputs(inputs: RunInputs, topo: Topology, console: Console) -> None:
     good ones)."""
     for change in inputs.changes:
         console.print(f"resuming with a changed config: {change}", highlight=False)
-    for damaged in inputs.passed_over:
-        console.print(f"{damaged}; falling back to the previous checkpoint", soft_wrap=True, highlight=False,
-                      markup=False)
-        if topo.is_main:
-            quarantine(damaged.path)
+    set_aside(inputs.passed_over, topo.is_main, console)
 
 
 def enable_flight_recorder(run_dir: Path) -> None:

@@ -11,8 +11,8 @@ from torch import nn
 from hlat import HlatError
 from hlat.config import to_dict
 from hlat.optim.schedule import lr_at
-from hlat.train.checkpoint import (CONFIG_FILE, DamagedCheckpoint, complete_checkpoints, latest_checkpoint,
-                                   verified_checkpoint, verify_checkpoint)
+from hlat.train.checkpoint import (CONFIG_FILE, DamagedCheckpoint, latest_checkpoint, newest_good_checkpoint,
+                                   verified_checkpoint)
 from hlat.train.config import Config, load_config
 from hlat.train.files import checkpoint_step
 
@@ -80,16 +80,10 @@ def find_resume_checkpoint(cfg: Config) -> tuple[Path | None, list[DamagedCheckp
         except DamagedCheckpoint as e:
             raise HlatError(f"{e}; refusing to resume from it (--resume auto falls back to the previous good "
                             "checkpoint)") from None
-    passed_over = []
-    for _, path in reversed(complete_checkpoints(cfg.train.run_dir)):
-        try:
-            verify_checkpoint(path)
-            return path, passed_over
-        except DamagedCheckpoint as e:
-            passed_over.append(e)
-    if passed_over:
+    found, passed_over = newest_good_checkpoint(cfg.train.run_dir)
+    if found is None and passed_over:
         raise HlatError(f"train.run_dir: {cfg.train.run_dir}: every checkpoint is damaged ({passed_over[0]})")
-    return None, []
+    return found, passed_over
 
 
 def check_start(cfg: Config, resume_from: Path | None, model: nn.Module) -> list[str]:

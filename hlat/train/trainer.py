@@ -21,12 +21,14 @@ from rich.console import Console
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from hlat import HlatError
 from hlat.data.packing import DataStream
 from hlat.optim import lr_at
 from hlat.parallel import Topology
 from hlat.parallel.data import sync_gradients
 from hlat.parallel.grads import clip_grad_norm
-from hlat.train.checkpoint import Snapshot, load_checkpoint, resolve_checkpoint
+from hlat.train.checkpoint import (Snapshot, load_checkpoint, newest_good_checkpoint, resolve_checkpoint,
+                                   set_aside)
 from hlat.train.config import Config
 from hlat.train.faults import BadSteps, Watchdog, bad_step_action, poison_gradients
 from hlat.train.goodput import Goodput
@@ -216,6 +218,7 @@ class Trainer:
             self.console.print(f"step {self.step + 1}: {reason}: update skipped ({self.bad_steps.total} skipped so "
                                "far)", highlight=False)
             return False
+        last = self.good_checkpoint(reason)
         at = load_checkpoint(last, self.model.parts, self.model.optimizers, self.batches.state_key)["step"]
         # the data stream and RNG go on: the batches since the checkpoint are skipped
         self.console.print(f"step {self.step + 1}: {reason}: rolled back to {last} (step {at}); the data since then "
@@ -225,6 +228,15 @@ class Trainer:
         self.goodput.resumed(at)
         self.watchdog.beat(at)
         return True
+
+    def good_checkpoint(self, reason: str) -> Path:
+        """The newest checkpoint that still verifies, to roll back to: one damaged since it was written (its
+        bytes would load silently) is set aside, as a resume sets it aside."""
+        last, passed_over = newest_good_checkpoint(self.cfg.train.run_dir)
+        set_aside(passed_over, self.topo.is_main, self.console)
+        if last is None:
+            raise HlatError(f"step {self.step + 1}: {reason}; every checkpoint to roll back to is damaged")
+        return last
 
     def validate(self) -> dict:
         return self.validation.run(self.model.parts[0], self.device, self.model.autocast, self.model.loss_context)
