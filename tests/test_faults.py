@@ -1,6 +1,7 @@
 """Fault tolerance: damaged checkpoints fall back or are refused, bad steps never reach a checkpoint, failed
 writes keep the previous checkpoint, and a hung rank is named (docs/fault-tolerance.md)."""
 
+import concurrent.futures
 import errno
 import json
 import os
@@ -211,6 +212,47 @@ def test_full_disk_keeps_the_previous_checkpoint(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err.strip()
     assert "No space left on device" in err and "step_00000004.partial" in err and "\n" not in err
     assert "step_00000002 is intact" in err
+    (step, path), = complete_checkpoints(tmp_path / "run")
+    verify_checkpoint(path)
+    assert step == 2 and not list((tmp_path / "run" / "checkpoints").glob("*.partial"))
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+@pytest.mark.parametrize("code", [errno.EDQUOT, errno.EIO])
+def test_a_refused_checkpoint_write_is_one_line_and_another_keeps_its_traceback(code, asynchronous, tmp_path,
+                                                                                capsys, monkeypatch):
+    """Step 4's write fails with `code`: refused (a spent quota), the run ends in one line with exit code 2, not
+    retried; an I/O error that may pass raises (traceback, exit code 1: restarts retry it). Either way the partial
+    checkpoint is removed and step 2's is intact."""
+    failure = OSError(code, os.strerror(code), "__0_0.distcp")
+    real_save, real_async_save = ckpt.dcp.save, ckpt.dcp.async_save
+
+    def save(state, checkpoint_id, **kwargs):
+        if "step_00000004" in str(checkpoint_id):
+            raise CheckpointException("write", {0: (failure, None)})
+        return real_save(state, checkpoint_id=checkpoint_id)
+
+    def async_save(state, checkpoint_id, **kwargs):  # the write fails in the background, as DCP reports it
+        if "step_00000004" not in str(checkpoint_id):
+            return real_async_save(state, checkpoint_id=checkpoint_id, **kwargs)
+        future = concurrent.futures.Future()
+        future.set_exception(CheckpointException("write", {0: (failure, None)}))
+        return future
+
+    monkeypatch.setattr(ckpt.dcp, "save", save)
+    monkeypatch.setattr(ckpt.dcp, "async_save", async_save)
+    cfg = config(tmp_path / "run", steps=4, ckpt_every=2, async_checkpoint=asynchronous)
+    cfg.data.workers = 0
+    argv = ["train", "--config", str(write_config(tmp_path / "c.toml", cfg))]
+    if code == errno.EIO:
+        with pytest.raises((CheckpointException, ckpt.RankWriteFailed), match="Input/output error"):
+            main(argv)
+    else:
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == (f"hlat: error: cannot write checkpoint {tmp_path}/run/checkpoints/step_00000004.partial: "
+                       f"{os.strerror(code)} (__0_0.distcp); the previous checkpoint "
+                       f"{tmp_path}/run/checkpoints/step_00000002 is intact")
     (step, path), = complete_checkpoints(tmp_path / "run")
     verify_checkpoint(path)
     assert step == 2 and not list((tmp_path / "run" / "checkpoints").glob("*.partial"))

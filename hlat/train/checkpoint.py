@@ -128,7 +128,7 @@ def _reason(e: BaseException) -> str:
     torch.save's caller as a RuntimeError with the ENOSPC in its context), else what DCP's CheckpointException wraps
     (each rank's error)."""
     e = refused_write(e) or e
-    if isinstance(e, HlatError):  # a rank's reason, already in words
+    if isinstance(e, (HlatError, RankWriteFailed)):  # a rank's reason, already in words
         return str(e)
     while isinstance(e, CheckpointException) and e.failures:
         e = next(iter(e.failures.values()))[0]
@@ -210,14 +210,35 @@ def _partial(final: Path) -> Path:
     return final.with_name(final.name + ".partial")
 
 
+class RankWriteFailed(Exception):
+    """A rank's failed checkpoint write, gathered at the commit: its reason, and whether the file system refused
+    it (a full disk, no permission) or the failure may pass (an I/O error, a stale NFS handle)."""
+
+    def __init__(self, reason: str, refused: bool):
+        super().__init__(reason)
+        self.reason, self.refused = reason, refused
+
+    @classmethod
+    def of(cls, e: BaseException) -> RankWriteFailed:
+        return cls(_reason(e), refused_write(e) is not None)
+
+    def __reduce__(self):  # gathered across ranks: pickled with both fields
+        return RankWriteFailed, (self.reason, self.refused)
+
+
 @contextlib.contextmanager
 def _writing(final: Path, rank: int):
+    """A failed write removes the `.partial` directory. A refused one ends the run in one line, exit code 2 (the
+    same start would fail the same way); any other keeps its traceback and exit code 1, which restarts retry."""
     partial = _partial(final)
     try:
         yield
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         if rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
+        refused = e.refused if isinstance(e, RankWriteFailed) else refused_write(e) is not None
+        if not refused:
+            raise
         previous = latest_checkpoint(final.parent.parent) if final.parent.name == "checkpoints" else None
         raise HlatError(f"cannot write checkpoint {partial}: {_reason(e)}"
                         f"{f'; the previous checkpoint {previous} is intact' if previous else ''}") from None
@@ -234,16 +255,16 @@ def _own_digests(partial: Path, rank: int) -> dict:
     return _digests(partial, sorted(p.name for p in partial.glob(f"__{rank}_*")))  # the files this rank wrote
 
 
-def _commit(final: Path, own: dict | str, config_toml: str, rank: int) -> None:
-    """Gather every rank's digests (or its error), write the manifest last and rename (rank 0)."""
+def _commit(final: Path, own: dict | RankWriteFailed, config_toml: str, rank: int) -> None:
+    """Gather every rank's digests (or its failure), write the manifest last and rename (rank 0)."""
     partial = _partial(final)
     if dist.is_initialized():
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, own)
     else:
         gathered = [own]
-    if errors := [g for g in gathered if isinstance(g, str)]:
-        raise HlatError(errors[0])
+    if failures := [g for g in gathered if isinstance(g, RankWriteFailed)]:
+        raise failures[0]
     if rank == 0:
         (partial / CONFIG_FILE).write_text(config_toml)
         manifest = {k: v for d in gathered for k, v in d.items()} | _digests(partial, [".metadata", CONFIG_FILE])
@@ -276,7 +297,7 @@ class _InFlight:
     config_toml: str
     stager: DefaultStager | None  # this save's own, closed once written
     written: threading.Event = field(default_factory=threading.Event)
-    result: dict | str = ""  # this rank's digests once written, or its error
+    result: dict | RankWriteFailed | None = None  # this rank's digests once written, or its failure
 
 
 class Checkpointer:
@@ -324,7 +345,7 @@ class Checkpointer:
             future.result()
             flight.result = _own_digests(_partial(flight.final), self.rank)
         except BaseException as e:  # reported by finish, on every rank
-            flight.result = _reason(e)
+            flight.result = RankWriteFailed.of(e)
         if flight.stager is not None:
             flight.stager.close()
         flight.written.set()
