@@ -91,7 +91,7 @@ def measure_blocks(options: Options, device: torch.device,
                     continue
                 timings.append(plain_timing(options, timed_model, world))
                 if update is None:  # the first plain timing: its gradients are a backward's, as the update finds them
-                    update = measure_update(options, timed_model, world)
+                    update = measure_update(options, timed_model)
             settle(mesh)
     return timings, update
 
@@ -127,7 +127,7 @@ def block_labels(options: Options, timed_model: TimedModel) -> tuple[str, str, s
     return shape, layout, f"{micro_batch}x{options.seq_len}"
 
 
-def measure_update(options: Options, timed_model: TimedModel, world: int) -> UpdateTiming:
+def measure_update(options: Options, timed_model: TimedModel) -> UpdateTiming:
     """The end of the trainer's step over the timed blocks' and the rest's parameters, with the gradients their
     backward left: global gradient-norm clipping, then the trainer's optimizer for the precision mode
     (`build_optimizer`: fused AdamW on CUDA, foreach on the CPU, BF16AdamW in the pure-bf16 modes). As GB/s of
@@ -139,7 +139,7 @@ def measure_update(options: Options, timed_model: TimedModel, world: int) -> Upd
     params = [p for p in parts.parameters() if p.grad is not None]
     optimizer = build_optimizer(parts, options.optim, options.precision)
     seconds = timed_on_every_rank(lambda: update_step(params, optimizer, options.optim.clip_grad_norm),
-                                  timed_model.device, options.repeats, world)
+                                  timed_model.device, options.repeats)
     count = local_elements(params)
     mode = MODES[options.precision]
     gbs = optimizer_bytes(count, mode.weight_bytes, mode.grad_bytes, mode.optimizer_bytes) / seconds / 1e9

@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 from hlat.measure.options import Options
 from hlat.measure.report import CollectiveRow, LinkRow
-from hlat.measure.timing import gather_from_ranks, sync_device, timed
+from hlat.measure.timing import sync_device, timed
+from hlat.parallel.mesh import gather_objects
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 
@@ -38,7 +39,7 @@ def measure_communication(options: Options, device: torch.device, rank: int, wor
                           hosts: list[str]) -> Communication:
     collectives, waited_s, collective_s = measure_collectives(options, device, rank, world)
     links = measure_links(options, device, rank, world, hosts)
-    overlap = gather_from_ranks(measure_overlap(options, device), world)[0]
+    overlap = gather_objects(measure_overlap(options, device))[0]
     return Communication(collectives, links, overlap, waited_s, collective_s)
 
 
@@ -100,7 +101,7 @@ def measure_links(options: Options, device: torch.device, rank: int, world: int,
     nbytes = message.numel() * 4
     own = [statistics.median(link_times(src, (src + 1) % world, message, options, rank)) for src in range(world)]
     # only the pair's two ranks timed the transfer: take the sender's figure
-    timed_by = gather_from_ranks(own, world)
+    timed_by = gather_objects(own)
     return [LinkRow(src, (src + 1) % world, f"{hosts[src]} -> {hosts[(src + 1) % world]}", nbytes,
                     timed_by[src][src], nbytes / timed_by[src][src] / 1e9) for src in range(world)]
 

@@ -33,9 +33,9 @@ from hlat.measure.compute import measure_compute
 from hlat.measure.health import check_memory, mismatched_ranks, numerics_digest, problems, straggler_scores
 from hlat.measure.options import Options
 from hlat.measure.report import Report, rounded
-from hlat.measure.timing import gather_from_ranks
 from hlat.parallel.config import world_size_from_env
 from hlat.parallel.device import backend_for, pick_device
+from hlat.parallel.mesh import gather_objects
 from hlat.planner.profiles import Measured
 
 
@@ -65,7 +65,7 @@ def process_group(device: torch.device, world: int) -> Iterator[None]:
 def measure_and_check(options: Options, device: torch.device, rank: int, world: int) -> Report:
     """Compute, blocks, communication, then the health checks, in an order every rank follows (the collectives
     among them must match); the measurements become the report's `Measured`, rounded."""
-    hosts = gather_from_ranks(socket.gethostname(), world)
+    hosts = gather_objects(socket.gethostname())
     report = Report(ranks=world, hosts=hosts, device=str(device))
     start = time.perf_counter()
     report.compute, fields = measure_compute(options, device)
@@ -81,8 +81,8 @@ def measure_and_check(options: Options, device: torch.device, rank: int, world: 
         waited_s, collective_s = communication.waited_s, communication.collective_s
         fields.update(communication.fields())
     report.memory = check_memory(options, device)
-    report.mismatched = mismatched_ranks(gather_from_ranks(numerics_digest(options, device, rank), world))
-    report.stragglers = straggler_scores(gather_from_ranks((compute_s, waited_s, collective_s), world), hosts)
+    report.mismatched = mismatched_ranks(gather_objects(numerics_digest(options, device, rank)))
+    report.stragglers = straggler_scores(gather_objects((compute_s, waited_s, collective_s)), hosts)
     report.problems = problems(report, options.threshold)
     report.measured = rounded(Measured(**fields, source=measured_source(options, device, hosts)))
     return report

@@ -149,6 +149,6 @@ def time_steps(timed_model: TimedModel, steps: Sequence[Callable[[TimedModel], N
         step(timed_model)  # a first call allocates the gradients (and timed() warms up once more)
         if world > 1:
             dist.barrier()
-        seconds = timed_on_every_rank(partial(step, timed_model), timed_model.device, repeats, world)
+        seconds = timed_on_every_rank(partial(step, timed_model), timed_model.device, repeats)
         times.append(seconds / len(timed_model.blocks.layers) if step is block_step else seconds)
     return times

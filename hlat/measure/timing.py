@@ -6,7 +6,8 @@ import time
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
+
+from hlat.parallel.mesh import gather_objects
 
 
 def sync_device(device: torch.device) -> None:
@@ -28,16 +29,7 @@ def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float
     return min(times)
 
 
-def gather_from_ranks(value, world: int) -> list:
-    """`value` from every rank, in rank order (a collective: every rank calls it)."""
-    if world == 1:
-        return [value]
-    values = [None] * world
-    dist.all_gather_object(values, value)
-    return values
-
-
-def timed_on_every_rank(fn: Callable[[], object], device: torch.device, repeats: int, world: int) -> float:
+def timed_on_every_rank(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
     """The slowest rank's fastest repeat of fn(), every rank timing at once: the trainer's collectives wait for
     the slowest rank."""
-    return max(gather_from_ranks(timed(fn, device, repeats), world))
+    return max(gather_objects(timed(fn, device, repeats)))

@@ -53,3 +53,12 @@ def init_topology(cfg: ParallelConfig, device: torch.device, timeout_s: float = 
     return Topology(cfg, mesh, rank=dist.get_rank(), pp_rank=coord["pp"], tp_rank=coord["tp"],
                     dp_rank=coord["dp_replicate"] * cfg.dp_shard + coord["dp_shard"])
 
+
+def gather_objects(obj) -> list:
+    """Every rank's picklable `obj`, in rank order, over the default group (a collective: every rank calls it);
+    [obj] without a process group."""
+    if not dist.is_initialized():
+        return [obj]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered

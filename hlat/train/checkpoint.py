@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.torch_version import TorchVersion
 
 from hlat import HlatError
+from hlat.parallel.mesh import gather_objects
 from hlat.train.files import (checkpoint_root, checkpoint_step, complete_checkpoints, latest_checkpoint,
                               refused_write)
 
@@ -258,11 +259,7 @@ def _own_digests(partial: Path, rank: int) -> dict:
 def _commit(final: Path, own: dict | RankWriteFailed, config_toml: str, rank: int) -> None:
     """Gather every rank's digests (or its failure), write the manifest last and rename (rank 0)."""
     partial = _partial(final)
-    if dist.is_initialized():
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, own)
-    else:
-        gathered = [own]
+    gathered = gather_objects(own)
     if failures := [g for g in gathered if isinstance(g, RankWriteFailed)]:
         raise failures[0]
     if rank == 0:

@@ -28,6 +28,7 @@ from rich.console import Console
 from torch import nn
 
 from hlat.parallel import Topology
+from hlat.parallel.mesh import gather_objects
 from hlat.train.config import HealthConfig
 
 
@@ -129,7 +130,7 @@ class Health:
         self.checking = dist.is_initialized() and topo.world_size > 1 and cfg.slow_intervals > 0
         self.timing, self.started, self.spans = False, None, []
         self.totals = [0.0, 0.0, 0]  # compute seconds, wait seconds, steps since the last record
-        self.slow = SlowRanks(cfg, gather_hosts(topo.world_size) if self.checking else [], console)
+        self.slow = SlowRanks(cfg, gather_objects(socket.gethostname()) if self.checking else [], console)
         blocks = [block for part in parts for block in part.layers.values()]
         self.first = blocks[0] if blocks else None  # the block the debug delay slows
         if self.checking or self.delay_s:
@@ -186,9 +187,3 @@ class Health:
         figures = torch.stack(rows).tolist()
         return self.slow.update([f[0] for f in figures], [f[1] for f in figures], [int(f[2]) for f in figures])
 
-
-def gather_hosts(world_size: int) -> list[str]:
-    """Every rank's host name, once at the start."""
-    hosts: list = [None] * world_size
-    dist.all_gather_object(hosts, socket.gethostname())
-    return hosts

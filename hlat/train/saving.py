@@ -11,12 +11,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from hlat import HlatError
 from hlat.optim.modes import MODES
 from hlat.parallel import Topology
+from hlat.parallel.mesh import gather_objects
 from hlat.train.best import BestCheckpoint
 from hlat.train.checkpoint import MANIFEST, Checkpointer, Snapshot, complete_checkpoints, latest_checkpoint
 from hlat.train.config import Config
@@ -96,10 +96,7 @@ class Checkpoints:
         nothing; a save that fails later costs the steps since the last checkpoint. Returns a warning for the log
         when checkpoints kept all (keep_checkpoints = 0) will outgrow the disk later."""
         slots, wanted = self.slots(step)
-        gathered = [(local_params, free_bytes(self.writer.root))]
-        if dist.is_initialized():
-            gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, (local_params, free_bytes(self.writer.root)))
+        gathered = gather_objects((local_params, free_bytes(self.writer.root)))
         everyone = sum(params for params, _ in gathered)
         for rank, (params, free) in enumerate(gathered):
             share = size if rank == 0 else size * params / max(everyone, 1)
