@@ -245,7 +245,8 @@ def test_a_refused_checkpoint_write_is_one_line_and_another_keeps_its_traceback(
     cfg.data.workers = 0
     argv = ["train", "--config", str(write_config(tmp_path / "c.toml", cfg))]
     if code == errno.EIO:
-        with pytest.raises((CheckpointException, ckpt.RankWriteFailed), match="Input/output error"):
+        # the synchronous write raises DCP's own error; the background one, its reason carried to the commit
+        with pytest.raises(ckpt.RankWriteFailed if asynchronous else CheckpointException, match="Input/output error"):
             main(argv)
     else:
         assert main(argv) == 2
