@@ -9,7 +9,7 @@ TORCH ?= 2.13.0
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet torch==$(TORCH) -e ".[test]"
+	$(PY) -m pip install --quiet torch==$(TORCH) -e ".[test,fp8]"
 	touch $@
 
 RUN := runs/tiny-$(shell date +%Y%m%d-%H%M%S)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from hlat.config import ConfigError
 from hlat.optim.modes import MODES
@@ -39,10 +40,16 @@ class OptimConfig:
 @dataclass
 class PrecisionConfig:
     mode: str = "fp32"  # one of IMPLEMENTED_MODES, the modes of hlat.optim.modes.MODES
+    # FP8 matmuls in the transformer blocks' linear layers (torchao float8 training, docs/precision.md), on top of
+    # a bf16 mode: "none", "tensorwise" or "rowwise" (the scaling granularity); emulated on a CPU
+    fp8: Literal["none", "tensorwise", "rowwise"] = "none"
 
     def validate(self) -> "PrecisionConfig":
         if self.mode not in IMPLEMENTED_MODES:
             raise ConfigError(f"precision.mode: {self.mode!r} is not one of {', '.join(IMPLEMENTED_MODES)}")
+        if self.fp8 != "none" and self.mode == "fp32":
+            raise ConfigError("precision.fp8: FP8 matmuls need a bf16 mode (bf16_mixed, bf16_sr or bf16_kahan); "
+                              "precision.mode is fp32")
         return self
 
 
