@@ -71,6 +71,15 @@ def _local(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _like_param(grad: Tensor, p: Tensor) -> Tensor:
+    """The gradient laid out as its parameter, element for element: under tensor parallelism DTensor may hand a
+    sharded parameter a replicated gradient (the vocabulary-parallel embedding's), which this rank then cuts to
+    its own shard."""
+    if isinstance(grad, DTensor) and grad.placements != p.placements:
+        return grad.redistribute(p.device_mesh, p.placements)
+    return grad
+
+
 def _shard(p: Tensor) -> tuple[int, ...]:
     """Which shard of `p` this rank holds: its mesh coordinates along the sharded mesh dimensions. Replicas (the
     replicated dimensions) share it and so draw identical bits; different shards draw independent ones."""
@@ -158,7 +167,8 @@ class BF16AdamW(torch.optim.Optimizer):
                 else:
                     key_lo, key_hi = key & _MASK32, key >> 32
                 compensation = state.get("compensation")
-                tensors = [_local(t).view(-1) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
+                grad = _like_param(p.grad, p)
+                tensors = [_local(t).view(-1) for t in (p, grad, state["exp_avg"], state["exp_avg_sq"])]
                 update(*tensors, None if compensation is None else _local(compensation).view(-1),
                        **scalars, neg_step_size=-step_size, bias_correction2_sqrt=bias_correction2_sqrt,
                        key_lo=key_lo, key_hi=key_hi, rounding=self.rounding)
