@@ -30,6 +30,7 @@ from hlat.measure.report import local_profile
 from hlat.measure.timing import sync_device
 from hlat.measure.traffic import Collectives, group_names
 from hlat.models import build_model, count_params
+from hlat.optim.fp8 import fp8_support
 from hlat.optim.precision import dtypes
 from hlat.parallel import ParallelConfig, Topology, init_topology, shard_parts
 from hlat.parallel.device import pick_device
@@ -143,7 +144,8 @@ def run_rank(setup: Rehearsal, rank: int, run_dir: str) -> dict:
     plan = rank_plan(setup.work, setup.planned_layout, setup.hardware, topo.pp_rank, setup.micro_batches)
     check_fits(setup, topo, model, plan, device)
     started = time.perf_counter()
-    inputs = RunInputs(setup.layout, device, [], model, count_params(model), None, [], [])
+    inputs = RunInputs(setup.layout, device, [], model, count_params(model), None, [], [],
+                       fp8_support(cfg.precision.fp8, device))
     parts = build_parts(cfg, inputs, topo, stage_shapes(cfg))
     startup_s = time.perf_counter() - started
     trainer = rehearsal_trainer(cfg, topo, device, parts)

@@ -27,6 +27,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -183,13 +184,31 @@ def verified_checkpoint(path: str | Path) -> Path:
 
 def model_state(parts: list[nn.Module]) -> dict:
     """The model's state dict by parameter name, merged over the parts (pipeline stages) this rank holds."""
-    return {k: v for part in parts for k, v in get_model_state_dict(part).items()}
+    return {k: plain_tensor(v) for part in parts for k, v in get_model_state_dict(part).items()}
 
 
 def optimizer_state(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> dict:
     """Optimizer states keyed by parameter name (flattened), so they load into any other layout."""
-    return {k: v for part, opt in zip(parts, optimizers)
+    return {k: plain_tensor(v) for part, opt in zip(parts, optimizers)
             for k, v in get_optimizer_state_dict(part, opt, options=_FLAT).items()}
+
+
+@torch.no_grad()
+def plain_tensor(value):
+    """A state value as a checkpoint keeps it: a tensor subclass that wraps one tensor of its own shape and dtype
+    (torchao's FP8 weights under FSDP wrap their bf16 values) becomes that tensor, a view of the same storage, so
+    the checkpoint loads without the library that made it (DCP pickles each tensor it writes)."""
+    if isinstance(value, DTensor):
+        local = value.to_local()
+        inner = plain_tensor(local)
+        return value if inner is local else DTensor.from_local(inner, value.device_mesh, value.placements,
+                                                               run_check=False, shape=value.shape,
+                                                               stride=value.stride())
+    if isinstance(value, torch.Tensor) and type(value) is not torch.Tensor and hasattr(value, "__tensor_flatten__"):
+        inner = getattr(value, value.__tensor_flatten__()[0][0])
+        if inner.shape == value.shape and inner.dtype == value.dtype:
+            return inner
+    return value
 
 
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)

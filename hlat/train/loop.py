@@ -29,6 +29,7 @@ from hlat.data.tokenizer import get_tokenizer
 from hlat.models import build_model, count_params
 from hlat.models.loss import cross_entropy
 from hlat.optim import build_optimizer
+from hlat.optim.fp8 import convert_blocks, fp8_support, precompute_scales_after_step
 from hlat.optim.precision import autocast, prepare_model
 from hlat.parallel import ParallelConfig, Topology, init_topology, parallelize
 from hlat.parallel.device import pick_device
@@ -72,6 +73,7 @@ class RunInputs:
     resume_from: Path | None
     passed_over: list[DamagedCheckpoint]  # damaged checkpoints newer than `resume_from`
     changes: list[str]  # what the config changes against the checkpoint's
+    fp8: str  # how precision.fp8 runs on this device: "native" or "emulated" (hlat.optim.fp8.fp8_support)
 
 
 def train(cfg: Config, console: Console | None = None) -> Summary:
@@ -117,17 +119,21 @@ def check_inputs(cfg: Config) -> RunInputs:
     tracking packages, and that the checkpoint's weights fit the model and its config changes are allowed."""
     layout = cfg.resolved_parallel()
     device = pick_device(cfg.train.device)
+    fp8 = fp8_support(cfg.precision.fp8, device)
     sources = resolve_sources(cfg.data)
     resume_from, passed_over = find_resume_checkpoint(cfg)
     require_backends(cfg.tracking)
     model = build_model(cfg.model)
     changes = check_start(cfg, resume_from, model)
-    return RunInputs(layout, device, sources, model, count_params(model), resume_from, passed_over, changes)
+    return RunInputs(layout, device, sources, model, count_params(model), resume_from, passed_over, changes, fp8)
 
 
 def report_inputs(inputs: RunInputs, topo: Topology, console: Console) -> None:
-    """Say what a resume changes, and set the damaged checkpoints passed over aside (so that rotation counts only
-    good ones)."""
+    """Say first that FP8 is emulated where it is, then what a resume changes, and set the damaged checkpoints
+    passed over aside (so that rotation counts only good ones)."""
+    if inputs.fp8 == "emulated":
+        console.print(f"precision.fp8: FP8 matmuls emulated on {inputs.device.type} (torchao: FP8's numerics, "
+                      "not its speed)", highlight=False)
     for change in inputs.changes:
         console.print(f"resuming with a changed config: {change}", highlight=False)
     set_aside(inputs.passed_over, topo.is_main, console)
@@ -173,18 +179,26 @@ def load_tokenizer(cfg: Config, topo: Topology, sources: list[Source]):
 
 
 def build_parts(cfg: Config, inputs: RunInputs, topo: Topology, shapes: StageShapes | None = None) -> Model:
-    """This rank's parts of the model, in the precision mode's dtype (cast on meta, before sharding), split,
-    parallelised and initialised; one optimizer per part; the pipeline schedule that runs them, if any (its
-    stages given their boundaries' `shapes`, or inferring them from the first micro-batch)."""
+    """This rank's parts of the model, in the precision mode's dtype (cast on meta, before sharding) with the
+    blocks' linear layers in FP8 under precision.fp8, split, parallelised and initialised; one optimizer per part;
+    the pipeline schedule that runs them, if any (its stages given their boundaries' `shapes`, or inferring them
+    from the first micro-batch)."""
     torch.manual_seed(cfg.train.seed)
+    layout, n_stages = topo.cfg, topo.cfg.stages()
     model = prepare_model(inputs.model, cfg.precision.mode)
+    fp8_all_gather = cfg.precision.fp8 == "tensorwise" and layout.dp_shard > 1
+    if cfg.precision.fp8 != "none":
+        convert_blocks(model, cfg.precision.fp8, inputs.fp8 == "emulated", fp8_all_gather)
     stages = parallelize(model, topo, inputs.device, cfg.train.seed)
     parts = [module for _, module in stages]
-    layout, n_stages = topo.cfg, topo.cfg.stages()
     per_rank = layout.microbatches(cfg.train.global_batch, cfg.train.micro_batch)
+    optimizers = [build_optimizer(part, cfg.optim, cfg.precision.mode, cfg.train.seed) for part in parts]
+    if fp8_all_gather:
+        for optimizer, part in zip(optimizers, parts):
+            precompute_scales_after_step(optimizer, part)
     return Model(
         parts=parts,
-        optimizers=[build_optimizer(part, cfg.optim, cfg.precision.mode, cfg.train.seed) for part in parts],
+        optimizers=optimizers,
         schedule=(build_schedule(stages, topo, inputs.device, per_rank, cross_entropy, shapes) if layout.pp > 1
                   else None),
         first_stage=any(sid == 0 for sid, _ in stages), last_stage=any(sid == n_stages - 1 for sid, _ in stages),
