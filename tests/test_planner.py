@@ -814,3 +814,13 @@ def test_a_search_prices_fp8_only_when_the_workload_asks_for_it():
     assert [(p.layout, p.time) for p in plain.plans] == [(p.layout, p.time) for p in offered.plans]
     asked = search(replace(work, fp8="tensorwise"), with_fp8, 1)
     assert asked.plans[0].time.total < plain.plans[0].time.total
+
+
+def test_a_rehearsal_of_another_fp8_recipe_is_another_job():
+    from hlat.planner.rehearsal import rehearsal_mismatch
+
+    work, layout = Workload(model_config("tiny"), 32, 8, "bf16_sr", fp8="tensorwise"), Layout.of()
+    data = {"model_config": asdict(work.model), "seq_len": 32, "global_batch": 8, "precision": "bf16_sr",
+            "micro_batch": 1, "parallel": asdict(layout.parallel)}
+    assert rehearsal_mismatch(data, work, layout) == "fp8 'none' (planned: 'tensorwise')"  # written before fp8
+    assert rehearsal_mismatch({**data, "fp8": "tensorwise"}, work, layout) is None
