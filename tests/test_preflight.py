@@ -68,6 +68,7 @@ def test_a_delayed_rank_and_a_rank_whose_numerics_differ_are_named(tmp_path, war
     (["--dtypes", "fp16"], "--dtypes"),
     (["--dp", "hsdp"], "--dp: expected fsdp, zero1, ddp or none"),
     (["--threshold", "2"], "--threshold"),
+    (["--fp8", "blockwise"], "--fp8: expected tensorwise, rowwise or none"),
 ])
 def test_bad_options_are_one_line_errors(argv, message, capsys):
     from hlat.cli import main
@@ -100,3 +101,33 @@ def test_a_single_process_preflight_times_the_configs_block_as_the_trainer_runs_
     t = step_time(work, layout, load_profile(str(out)))
     assert t.layer == "measured block"
     assert t.compute == pytest.approx(2 * (4 * measured.block_s[0] + measured.ends_s[0]))
+    # a CPU has no FP8 tensor cores: nothing measured, said in one line (torchao's emulation is no hardware figure)
+    assert report["fp8"].startswith("FP8 matmuls: not measured: cpu has no FP8 tensor cores")
+    assert not (measured.matmul_fp8_tensorwise or measured.matmul_fp8_rowwise)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_rates_time_torchaos_float8_linear_at_each_block_linears_shape(recipe):
+    """The path a GPU with FP8 tensor cores takes, on torchao's emulated Float8Linear (its speed means nothing
+    here): one [forward FLOPs, TFLOP/s] row per distinct FLOP count of the blocks' linear layers, at every
+    micro-batch and tensor-parallel degree asked for, each rate positive."""
+    pytest.importorskip("torchao")
+    from functools import partial
+
+    import torch
+
+    from hlat.measure.fp8 import float8_linear, linear_rates
+    from hlat.measure.options import Options
+    from hlat.planner.costs import block_linears, matmul_flops
+
+    model, cpu = model_config("tiny"), torch.device("cpu")
+    options = Options(model=model, seq_len=32, micro_batch=2, other_micro_batches=(1,), tps=(1, 2), repeats=1,
+                      precision="bf16_mixed")
+    make = partial(float8_linear, recipe=recipe, device=cpu, dtype=torch.float32, emulate=True)
+    assert type(make(64, 32)).__name__ == "Float8Linear"
+    rows, table = linear_rates(options, cpu, make, f"fp8 {recipe}")
+    flops = {matmul_flops(shape) for mb in (1, 2) for tp in (1, 2)
+             for shape in block_linears(model, 32 * mb, tp).values()}
+    assert [flop for flop, _ in table] == sorted(flops) and all(rate > 0 for _, rate in table)
+    assert (rows[0].what, rows[0].shape) == (f"linear wq tp1/wk tp1/wv tp1/wo tp1 fp8 {recipe} (fwd+bwd)",
+                                             "32x256x256")

@@ -14,7 +14,7 @@ from pathlib import Path
 from hlat import HlatError
 from hlat.config import ConfigError, update
 from hlat.models.config import PRESETS, model_config
-from hlat.optim.config import PrecisionConfig
+from hlat.optim.config import FP8_RECIPES, PrecisionConfig
 from hlat.optim.modes import MODES
 from hlat.parallel.config import ParallelConfig
 from hlat.planner.calibration import Sample, fit_factors, read_run
@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                     "max_seq_len, as `hlat describe`; the output says which)")
     parser.add_argument("--precision", choices=sorted(MODES), help="training precision mode (default: the "
                                                                    "config's, else bf16_mixed)")
-    parser.add_argument("--fp8", choices=("none", "tensorwise", "rowwise"),
+    parser.add_argument("--fp8", choices=("none", *FP8_RECIPES),
                         help="FP8 matmuls in the blocks' linear layers with this scaling recipe (precision.fp8; "
                              "default: the config's, else none), priced at the rates preflight measured for it")
     parser.add_argument("--compile", action="store_true", help="compiled blocks (parallel.compile; default: the "
