@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from dataclasses import replace
 
 import pytest
 
@@ -131,3 +132,27 @@ def test_fp8_rates_time_torchaos_float8_linear_at_each_block_linears_shape(recip
     assert [flop for flop, _ in table] == sorted(flops) and all(rate > 0 for _, rate in table)
     assert (rows[0].what, rows[0].shape) == (f"linear wq tp1/wk tp1/wv tp1/wo tp1 fp8 {recipe} (fwd+bwd)",
                                              "32x256x256")
+
+
+def test_fp8_is_measured_only_on_fp8_tensor_cores_and_says_why_not(monkeypatch):
+    """An A100 (compute capability 8.0) has none; an H100 (9.0) has them, given torchao."""
+    import importlib.util
+
+    import torch
+
+    from hlat.measure import fp8
+    from hlat.measure.options import Options
+
+    options = Options(model=model_config("tiny"), seq_len=32, micro_batch=1, precision="bf16_sr")
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert fp8.measure_fp8(options, cuda) == ("FP8 matmuls: not measured: NVIDIA A100-SXM4-80GB (compute capability "
+                                              "8.0) has no FP8 tensor cores (8.9 or above); emulation is no hardware "
+                                              "figure", [], {})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    installed = importlib.util.find_spec("torchao") is not None
+    assert fp8.fp8_unsupported(cuda) == ("" if installed else "torchao is not installed (pip install 'hlat[fp8]')")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert fp8.fp8_unsupported(cuda) == "torchao is not installed (pip install 'hlat[fp8]')"
+    assert fp8.measure_fp8(replace(options, fp8=()), cuda)[0] == "FP8 matmuls: not measured (--fp8 none)"

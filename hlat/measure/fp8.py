@@ -17,6 +17,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from hlat import optional_import
 from hlat.measure.options import Options
 from hlat.measure.report import ComputeRow
 from hlat.measure.timing import timed
@@ -57,14 +58,13 @@ def measure_fp8(options: Options, device: torch.device) -> tuple[str, list[Compu
 
 def float8_linear(in_features: int, out_features: int, recipe: str, device: torch.device, dtype: torch.dtype,
                   emulate: bool = False) -> nn.Module:
-    """A block's linear layer (no bias) as torchao's float8 training converts it, with the recipe's
-    `Float8LinearConfig`; `emulate` computes in high precision what the FP8 kernels would (a CPU's only way)."""
-    from torchao.float8 import Float8LinearConfig
-    from torchao.float8.float8_linear import Float8Linear
-
-    config = replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
-    return Float8Linear.from_float(nn.Linear(in_features, out_features, bias=False, device=device, dtype=dtype),
-                                   config)
+    """A block's linear layer (no bias) as torchao's float8 training converts it (`convert_to_float8_training`
+    with the recipe's `Float8LinearConfig`); `emulate` computes in high precision what the FP8 kernels would (a
+    CPU's only way)."""
+    float8 = optional_import("torchao.float8", "hlat preflight --fp8", "'hlat[fp8]'")
+    config = replace(float8.Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
+    linear = nn.Linear(in_features, out_features, bias=False, device=device, dtype=dtype)
+    return float8.convert_to_float8_training(linear, config=config)  # a root linear: returned converted
 
 
 def linear_rates(options: Options, device: torch.device, make_linear: Callable[[int, int], nn.Module],
