@@ -120,6 +120,8 @@ def test_fp8_rates_time_torchaos_float8_linear_at_each_block_linears_shape(recip
     from hlat.measure.fp8 import float8_linear, linear_rates
     from hlat.measure.options import Options
     from hlat.planner.costs import block_linears, matmul_flops
+    from hlat.planner.profiles import Measured
+    from hlat.planner.timing import linears_forward
 
     model, cpu = model_config("tiny"), torch.device("cpu")
     options = Options(model=model, seq_len=32, micro_batch=2, other_micro_batches=(1,), tps=(1, 2), repeats=1,
@@ -132,6 +134,14 @@ def test_fp8_rates_time_torchaos_float8_linear_at_each_block_linears_shape(recip
     assert [flop for flop, _ in table] == sorted(flops) and all(rate > 0 for _, rate in table)
     assert (rows[0].what, rows[0].shape) == (f"linear wq tp1/wk tp1/wv tp1/wo tp1 fp8 {recipe} (fwd+bwd)",
                                              "32x256x256")
+    # at one micro-batch and tp degree the planner prices a block's linears at exactly their measured time: the
+    # rows' seconds, each counted for every linear layer of its shape (w1, w3 and w2 share a FLOP count)
+    rows, table = linear_rates(replace(options, other_micro_batches=(), tps=(1,)), cpu, make, f"fp8 {recipe}")
+    profile = replace(load_profile("cpu"), measured=Measured(matmul_bf16=[[1.0, 1.0]],
+                                                             **{f"matmul_fp8_{recipe}": table}))
+    work = Workload(model, 32, 2, "bf16_mixed", fp8=recipe)
+    measured = sum(row.seconds * (row.what.count("/") + 1) for row in rows)
+    assert 3 * linears_forward(work, [], 64, 1, profile) == pytest.approx(measured, rel=1e-9)
 
 
 def test_fp8_is_measured_only_on_fp8_tensor_cores_and_says_why_not(monkeypatch):

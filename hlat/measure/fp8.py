@@ -71,19 +71,21 @@ def linear_rates(options: Options, device: torch.device, make_linear: Callable[[
                  label: str) -> tuple[list[ComputeRow], list[list[float]]]:
     """Forward + backward of `make_linear(in_features, out_features)` at each distinct shape of a block's linear
     layers (per micro-batch and tensor-parallel degree), under `fp8_mode`'s autocast; the rates as [forward FLOPs
-    per call, TFLOP/s of the 3 x forward FLOPs run] sorted by FLOPs (the last shape timed with a FLOP count gives
-    its rate)."""
-    rows, tflops_at, mode = [], {}, fp8_mode(options)
+    per call, TFLOP/s] sorted by FLOPs. One rate per FLOP count: the 3 x forward FLOPs over the seconds of every
+    linear layer that runs it (a Llama MLP's w1, w3 and w2 share one), so that a block measured is priced at
+    exactly its linears' measured time."""
+    rows, totals, mode = [], {}, fp8_mode(options)  # FLOPs per call -> [FLOPs run, seconds] of the linears
     for shape, names in block_linear_shapes(options).items():
         tokens, inner, columns = shape
         linear = make_linear(inner, columns)
         x = torch.randn(tokens, inner, device=device, dtype=dtypes(mode)[1], requires_grad=True)
         seconds = timed(partial(linear_step, linear, x, mode), device, options.repeats)
         flops = matmul_flops(shape)
-        tflops_at[flops] = 3 * flops / seconds / 1e12
-        rows.append(ComputeRow(f"linear {names} {label} (fwd+bwd)", f"{tokens}x{inner}x{columns}", seconds,
-                               f"{tflops_at[flops]:.3g} TFLOP/s"))
-    return rows, sorted([flops, tflops] for flops, tflops in tflops_at.items())
+        total = totals.setdefault(flops, [0.0, 0.0])
+        total[0], total[1] = total[0] + 3 * flops * len(names), total[1] + seconds * len(names)
+        rows.append(ComputeRow(f"linear {'/'.join(names)} {label} (fwd+bwd)", f"{tokens}x{inner}x{columns}", seconds,
+                               f"{3 * flops / seconds / 1e12:.3g} TFLOP/s"))
+    return rows, sorted([flops, run / seconds / 1e12] for flops, (run, seconds) in totals.items())
 
 
 def fp8_mode(options: Options) -> str:
@@ -92,15 +94,15 @@ def fp8_mode(options: Options) -> str:
     return "bf16_sr" if options.precision == "fp32" else options.precision
 
 
-def block_linear_shapes(options: Options) -> dict[tuple[int, int, int], str]:
+def block_linear_shapes(options: Options) -> dict[tuple[int, int, int], list[str]]:
     """Each distinct (rows, inner, columns) of `block_linears` over the micro-batches and tensor-parallel degrees,
-    with the linear layers that run it ('wq tp1/wo tp1')."""
+    with the linear layers that run it (['wq tp1', 'wo tp1'])."""
     linears: dict[tuple[int, int, int], list[str]] = {}
     for micro_batch in options.micro_batches():
         for tp in options.tps:
             for name, shape in block_linears(options.model, options.seq_len * micro_batch, tp).items():
                 linears.setdefault(shape, []).append(f"{name} tp{tp}")
-    return {shape: "/".join(names) for shape, names in linears.items()}
+    return linears
 
 
 def linear_step(linear: nn.Module, x: torch.Tensor, precision: str) -> None:

@@ -42,7 +42,7 @@ class Measured:
     operations are GB/s of the nominal bytes of `hlat.planner.costs`. FP8 (`matmul_fp8_<recipe>`, one table per
     `precision.fp8` scaling recipe): a torchao `Float8Linear` at each shape of `hlat.planner.costs.block_linears`,
     forward + backward with its casts and scaling, as [forward FLOPs per call, TFLOP/s of the 3 x forward FLOPs
-    it ran]; only a device with FP8 tensor cores has them (emulation measures nothing)."""
+    run] (one row per FLOP count, over every linear layer of it); only a device with FP8 tensor cores has them."""
 
     source: str = ""
     matmul_bf16: list[list[float]] = field(default_factory=list)
