@@ -689,3 +689,138 @@ def test_plan_names_a_preset_with_model_and_a_config_with_config(argv, message, 
 
     assert main(["plan", *argv]) == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+# --- FP8: priced from preflight's measured rates and from nothing else ------------------------------------------------
+
+ONE_B = dict(family="llama", dim=2048, n_layers=16, n_heads=16, ffn_dim=5632, vocab_size=32000, max_seq_len=4096)
+
+
+def fp8_profile(tensorwise: list[list[float]], bf16: list[list[float]], **best):
+    """The H100 profile with test-made matmul tables (and [best_mfu] fields)."""
+    p5 = load_profile("p5.48xlarge")
+    measured = replace(p5.measured, matmul_bf16=bf16, matmul_fp8_tensorwise=tensorwise)
+    return replace(p5, name="test-fp8", measured=measured, best_mfu=replace(p5.best_mfu, **best))
+
+
+def test_an_fp8_plan_prices_the_block_linears_at_the_measured_fp8_rates():
+    """The 1B setting (micro-batch 4 x seq 4096): every linear of a block is 2048 x 2048 (wq, wk, wv, wo: A FLOPs
+    each) or 2048 x 5632 (w1, w3, w2: B each). The FP8 table has a row at each (as preflight writes it: the
+    forward + backward of a Float8Linear, at 3 x its forward FLOPs); bf16 runs at 400 TFLOP/s everywhere. The
+    output layer and attention stay bf16: the step's compute differs by the blocks' linears alone."""
+    model, tokens = model_config(**ONE_B), 4 * 4096
+    a, b = 2.0 * tokens * 2048 * 2048, 2.0 * tokens * 2048 * 5632
+    flat = [[1e6, 400.0], [1e15, 400.0]]
+    hw = fp8_profile([[a, 600.0], [b, 900.0]], flat)
+    bf16 = Workload(model, 4096, 32, "bf16_mixed")
+    fp8 = replace(bf16, fp8="tensorwise")
+    layout = Layout.of(micro_batch=4, activation_checkpoint="none")  # 8 micro-batches a step
+    t_bf16, t_fp8 = step_time(bf16, layout, hw), step_time(fp8, layout, hw)
+    linears_bf16 = 3 * (4 * a + 3 * b) / 400e12  # forward and backward
+    linears_fp8 = 4 * a / 600e12 + 3 * b / 900e12  # as timed: forward + backward, 3 x the forward FLOPs
+    assert t_fp8.compute - t_bf16.compute == pytest.approx(8 * 16 * (3 * linears_fp8 - linears_bf16), rel=1e-9)
+    assert t_fp8.layer == "composed" and t_fp8.total < t_bf16.total  # the table says FP8 is faster here
+    # slower FP8 rates than bf16's make a slower plan; memory is the bf16 mode's either way
+    slow = fp8_profile([[a, 200.0], [b, 300.0]], flat)
+    assert step_time(fp8, layout, slow).total > step_time(bf16, layout, slow).total
+    assert memory(fp8, layout, hw) == memory(bf16, layout, hw)
+    # full recomputation runs the forward again: a fourth pass at the same measured rate
+    full = layout.replaced(activation_checkpoint="full")
+    assert step_time(fp8, full, hw).compute - step_time(bf16, full, hw).compute == pytest.approx(
+        8 * 16 * 4 * (linears_fp8 - linears_bf16 / 3), rel=1e-9)
+
+
+def test_fsdp_gathers_the_block_linears_in_fp8_under_tensorwise_scaling():
+    """torchao's FP8 all-gather: 1 byte per block-linear weight instead of bf16_sr's 2 (rowwise gathers bf16);
+    biases, norms, the embedding and the output layer as stored. At 1 GB/s over 2 ranks a gather of n bytes per
+    device takes n / 2 ns; each block is gathered twice a micro-batch."""
+    from hlat.planner.profiles import Measured
+
+    model = model_config("small")
+    d, f = model.dim, model.ffn_dim
+    linear_weights = 4 * d * d + 3 * d * f  # wq, wk, wv, wo (no GQA), w1, w3, w2
+    flat = [[1.0, 1.0], [2.0 ** 40, 1.0]]
+    hw = replace(load_profile("p5.48xlarge"), devices_per_node=2, measured=Measured(
+        matmul_bf16=[[1.0, 400.0]], matmul_fp8_tensorwise=[[1.0, 800.0]], matmul_fp8_rowwise=[[1.0, 800.0]],
+        all_reduce=flat, all_gather=flat, reduce_scatter=flat, overlap=0.0, copy_gbs=1e15))  # copies ~free
+    work = Workload(model, 1024, 8, "bf16_sr")  # 4 micro-batches per rank
+    layout = Layout.of(dp_shard=2)
+    dp = {fp8: step_time(replace(work, fp8=fp8), layout, hw).dp_comm for fp8 in ("none", "tensorwise", "rowwise")}
+    assert dp["none"] - dp["tensorwise"] == pytest.approx(4 * 2 * model.n_layers * linear_weights * (2 - 1) / 2e9,
+                                                          rel=1e-6)
+    assert dp["rowwise"] == dp["none"]
+
+
+def test_a_profile_without_the_recipes_fp8_rates_refuses_the_plan_in_one_line(tmp_path, capsys):
+    from hlat.cli import main
+
+    argv = ["plan", "--model", "llama2-7b", "--hardware", "p5.48xlarge", "--seq-len", "4096", "--precision",
+            "bf16_sr", "--nodes", "1"]
+    assert main([*argv, "--fp8", "tensorwise"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(
+        "hlat: error: precision.fp8: p5.48xlarge has no measured FP8 matmul rate (tensorwise); run `hlat preflight")
+    assert "--hardware measured.toml" in err
+    # the config's precision.fp8 asks for it the same way; a profile with only the other recipe's table refuses too
+    only_tensorwise = tmp_path / "tensorwise.toml"
+    only_tensorwise.write_text(fp8_profile([[1.0, 800.0]], [[1.0, 400.0]]).to_toml())
+    assert main(["plan", "--config", "hlat-7b", "--precision.fp8", "rowwise", "--hardware", str(only_tensorwise),
+                 "--nodes", "1"]) == 2
+    assert "test-fp8 has no measured FP8 matmul rate (rowwise)" in capsys.readouterr().err
+    assert main([*argv, "--fp8", "tensorwise", "--precision", "fp32"]) == 2  # the config's own rule
+    assert "precision.fp8: FP8 matmuls need a bf16 mode" in capsys.readouterr().err
+
+
+def test_an_fp8_plan_is_capped_only_by_a_measured_fp8_best_and_its_emitted_config_keeps_fp8(tmp_path, capsys):
+    """[best_mfu] fp8 = 0 (none measured): no cap, said so; a measured one caps. The emitted config trains FP8, and
+    `--calibrate` reads a run's precision.fp8 back."""
+    fast = [[1.0, 2000.0], [1e15, 2000.0]]  # far above any MFU hlat has measured in bf16
+    uncapped, capped = tmp_path / "uncapped.toml", tmp_path / "capped.toml"
+    uncapped.write_text(fp8_profile(fast, [[1.0, 600.0]]).to_toml())
+    capped.write_text(fp8_profile(fast, [[1.0, 600.0]], fp8=0.6).to_toml())
+    emit = tmp_path / "plan.toml"
+    argv = ["--model", "llama2-7b", "--seq-len", "4096", "--precision", "bf16_sr", "--fp8", "tensorwise",
+            "--dp-shard", "8", "--recompute", "selective", "--global-batch", "64"]
+    out = _flag_plan([*argv, "--hardware", str(uncapped), "--emit", str(emit)], capsys)
+    (plan,) = out["plans"]
+    assert out["fp8"] == "tensorwise" and out["measured_best_mfu"] is None
+    assert not plan["above_measured_best"] and plan["mfu"] == plan["predicted_mfu"] > 0.544
+    assert any("no measured best MFU caps this plan" in note for note in out["notes"])
+    (plan,) = _flag_plan([*argv, "--hardware", str(capped)], capsys)["plans"]
+    assert plan["above_measured_best"] and plan["mfu"] == 0.6
+    emitted = load_toml(emit)
+    assert emitted["precision"] == {"mode": "bf16_sr", "fp8": "tensorwise"}
+    assert build_config(emitted).precision.fp8 == "tensorwise"
+    from hlat.planner.cli import run_sample
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.toml").write_text('[model]\npreset = "tiny"\n[train]\nseq_len = 256\nglobal_batch = 8\n'
+                                         'micro_batch = 8\n[precision]\nmode = "bf16_sr"\nfp8 = "rowwise"\n'
+                                         '[parallel]\ndp_shard = 1\n')
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "step_time_s": 1.0}) + "\n"
+                                                   for i in range(1, 6)))
+    assert run_sample(str(run_dir), load_profile("cpu")).workload.fp8 == "rowwise"
+    with pytest.raises(HlatError, match="precision.fp8: cpu has no measured FP8 matmul rate"):
+        run(plan_args("--hardware", "cpu", "--calibrate", str(run_dir)), [])
+
+
+def test_a_search_prices_fp8_only_when_the_workload_asks_for_it():
+    """A profile's FP8 rates change no bf16 plan: the search never switches precision by itself."""
+    work = Workload(model_config(**ONE_B), 4096, 64, "bf16_mixed")
+    p5 = load_profile("p5.48xlarge")
+    with_fp8 = fp8_profile([[1.0, 2000.0]], p5.measured.matmul_bf16)
+    plain, offered = search(work, p5, 1), search(work, with_fp8, 1)
+    assert [(p.layout, p.time) for p in plain.plans] == [(p.layout, p.time) for p in offered.plans]
+    asked = search(replace(work, fp8="tensorwise"), with_fp8, 1)
+    assert asked.plans[0].time.total < plain.plans[0].time.total
+
+
+def test_a_rehearsal_of_another_fp8_recipe_is_another_job():
+    from hlat.planner.rehearsal import rehearsal_mismatch
+
+    work, layout = Workload(model_config("tiny"), 32, 8, "bf16_sr", fp8="tensorwise"), Layout.of()
+    data = {"model_config": asdict(work.model), "seq_len": 32, "global_batch": 8, "precision": "bf16_sr",
+            "micro_batch": 1, "parallel": asdict(layout.parallel)}
+    assert rehearsal_mismatch(data, work, layout) == "fp8 'none' (planned: 'tensorwise')"  # written before fp8
+    assert rehearsal_mismatch({**data, "fp8": "tensorwise"}, work, layout) is None

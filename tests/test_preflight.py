@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from dataclasses import replace
 
 import pytest
 
@@ -68,6 +69,7 @@ def test_a_delayed_rank_and_a_rank_whose_numerics_differ_are_named(tmp_path, war
     (["--dtypes", "fp16"], "--dtypes"),
     (["--dp", "hsdp"], "--dp: expected fsdp, zero1, ddp or none"),
     (["--threshold", "2"], "--threshold"),
+    (["--fp8", "blockwise"], "--fp8: expected tensorwise, rowwise or none"),
 ])
 def test_bad_options_are_one_line_errors(argv, message, capsys):
     from hlat.cli import main
@@ -100,3 +102,67 @@ def test_a_single_process_preflight_times_the_configs_block_as_the_trainer_runs_
     t = step_time(work, layout, load_profile(str(out)))
     assert t.layer == "measured block"
     assert t.compute == pytest.approx(2 * (4 * measured.block_s[0] + measured.ends_s[0]))
+    # a CPU has no FP8 tensor cores: nothing measured, said in one line (torchao's emulation is no hardware figure)
+    assert report["fp8"].startswith("FP8 matmuls: not measured: cpu has no FP8 tensor cores")
+    assert not (measured.matmul_fp8_tensorwise or measured.matmul_fp8_rowwise)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_rates_time_torchaos_float8_linear_at_each_block_linears_shape(recipe):
+    """The path a GPU with FP8 tensor cores takes, on torchao's emulated Float8Linear (its speed means nothing
+    here): one [forward FLOPs, TFLOP/s] row per distinct FLOP count of the blocks' linear layers, at every
+    micro-batch and tensor-parallel degree asked for, each rate positive."""
+    pytest.importorskip("torchao")
+    from functools import partial
+
+    import torch
+
+    from hlat.measure.fp8 import float8_linear, linear_rates
+    from hlat.measure.options import Options
+    from hlat.planner.costs import block_linears, matmul_flops
+    from hlat.planner.profiles import Measured
+    from hlat.planner.timing import linears_forward
+
+    model, cpu = model_config("tiny"), torch.device("cpu")
+    options = Options(model=model, seq_len=32, micro_batch=2, other_micro_batches=(1,), tps=(1, 2), repeats=1,
+                      precision="bf16_mixed")
+    make = partial(float8_linear, recipe=recipe, device=cpu, dtype=torch.float32, emulate=True)
+    assert type(make(64, 32)).__name__ == "Float8Linear"
+    rows, table = linear_rates(options, cpu, make, f"fp8 {recipe}")
+    flops = {matmul_flops(shape) for mb in (1, 2) for tp in (1, 2)
+             for shape in block_linears(model, 32 * mb, tp).values()}
+    assert [flop for flop, _ in table] == sorted(flops) and all(rate > 0 for _, rate in table)
+    assert (rows[0].what, rows[0].shape) == (f"linear wq tp1/wk tp1/wv tp1/wo tp1 fp8 {recipe} (fwd+bwd)",
+                                             "32x256x256")
+    # at one micro-batch and tp degree the planner prices a block's linears at exactly their measured time: the
+    # rows' seconds, each counted for every linear layer of its shape (w1, w3 and w2 share a FLOP count)
+    rows, table = linear_rates(replace(options, other_micro_batches=(), tps=(1,)), cpu, make, f"fp8 {recipe}")
+    profile = replace(load_profile("cpu"), measured=Measured(matmul_bf16=[[1.0, 1.0]],
+                                                             **{f"matmul_fp8_{recipe}": table}))
+    work = Workload(model, 32, 2, "bf16_mixed", fp8=recipe)
+    measured = sum(row.seconds * (row.what.count("/") + 1) for row in rows)
+    assert 3 * linears_forward(work, [], 64, 1, profile) == pytest.approx(measured, rel=1e-9)
+
+
+def test_fp8_is_measured_only_on_fp8_tensor_cores_and_says_why_not(monkeypatch):
+    """An A100 (compute capability 8.0) has none; an H100 (9.0) has them, given torchao."""
+    import importlib.util
+
+    import torch
+
+    from hlat.measure import fp8
+    from hlat.measure.options import Options
+
+    options = Options(model=model_config("tiny"), seq_len=32, micro_batch=1, precision="bf16_sr")
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert fp8.measure_fp8(options, cuda) == ("FP8 matmuls: not measured: NVIDIA A100-SXM4-80GB (compute capability "
+                                              "8.0) has no FP8 tensor cores (8.9 or above); emulation is no hardware "
+                                              "figure", [], {})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    installed = importlib.util.find_spec("torchao") is not None
+    assert fp8.fp8_unsupported(cuda) == ("" if installed else "torchao is not installed (pip install 'hlat[fp8]')")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert fp8.fp8_unsupported(cuda) == "torchao is not installed (pip install 'hlat[fp8]')"
+    assert fp8.measure_fp8(replace(options, fp8=()), cuda)[0] == "FP8 matmuls: not measured (--fp8 none)"

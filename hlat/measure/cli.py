@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from hlat import HlatError
 from hlat.measure import rehearse_cli
+from hlat.optim.config import FP8_RECIPES
 
 if TYPE_CHECKING:
     from hlat.measure.options import Options
@@ -40,6 +41,10 @@ def add_preflight_arguments(parser: argparse.ArgumentParser) -> None:
                                                  "the ranks tensor parallelism leaves: fsdp, zero1, ddp, or none "
                                                  "(default: the config's)")
     parser.add_argument("--dtypes", default="", help="fp32,bf16 (default: the precision mode's compute dtype)")
+    parser.add_argument("--fp8", default=",".join(FP8_RECIPES),
+                        help="precision.fp8 recipes to time a torchao Float8Linear in (forward + backward) at each "
+                             "block linear's shape, where the device has FP8 tensor cores (CUDA compute capability "
+                             f">= 8.9) and torchao is installed: {', '.join(FP8_RECIPES)} (default: all), or none")
     parser.add_argument("--sizes", default="", help="collective sizes in bytes, comma-separated "
                                                     "(default 4 KiB to 16 MiB and the model's own messages)")
     parser.add_argument("--repeats", type=int, default=5,
@@ -72,9 +77,9 @@ def preflight_options(args: argparse.Namespace, overrides: list[str]) -> Options
     micro_batches = comma_ints(args.micro_batches, "--micro-batches") or (config.train.micro_batch,)
     return Options(model=config.model, seq_len=config.train.seq_len, micro_batch=max(micro_batches),
                    other_micro_batches=micro_batches, tps=tensor_parallel_degrees(args.tp, config),
-                   dtypes=compute_dtypes(args.dtypes, config), repeats=args.repeats, threshold=args.threshold,
-                   memory_fraction=args.memory_fraction, delay_rank=delay_rank, delay_ms=delay_ms,
-                   perturb_rank=args.debug_perturb, precision=config.precision.mode,
+                   dtypes=compute_dtypes(args.dtypes, config), fp8=fp8_recipes(args.fp8), repeats=args.repeats,
+                   threshold=args.threshold, memory_fraction=args.memory_fraction, delay_rank=delay_rank,
+                   delay_ms=delay_ms, perturb_rank=args.debug_perturb, precision=config.precision.mode,
                    sequence_parallel=config.parallel.sequence_parallel,
                    recompute=config.parallel.activation_checkpoint,
                    data_parallel=data_parallel_arrangements(args.dp, config.parallel),
@@ -98,6 +103,16 @@ def compute_dtypes(text: str, config: Config) -> tuple[str, ...]:
     if set(dtypes) - {"fp32", "bf16"}:
         raise HlatError(f"--dtypes: expected fp32 and/or bf16, got {text!r}")
     return dtypes
+
+
+def fp8_recipes(text: str) -> tuple[str, ...]:
+    """--fp8: recipes of precision.fp8, comma-separated, or none."""
+    if text == "none":
+        return ()
+    recipes = tuple(r for r in text.split(",") if r)
+    if not recipes or set(recipes) - set(FP8_RECIPES):
+        raise HlatError(f"--fp8: expected {', '.join(FP8_RECIPES)} or none, got {text!r}")
+    return recipes
 
 
 def tensor_parallel_degrees(text: str, config: Config) -> tuple[int, ...]:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from hlat.models.config import ModelConfig
 from hlat.optim import OptimConfig
+from hlat.optim.config import FP8_RECIPES
 from hlat.planner.layout import Layout
 from hlat.planner.memory import sharded_units
 
@@ -20,6 +21,7 @@ class Options:
     tps: tuple[int, ...] = (1,)  # tensor-parallel degrees whose matmul shapes are measured
     other_micro_batches: tuple[int, ...] = ()  # the matmul shapes of these micro-batches are measured too
     dtypes: tuple[str, ...] = ("fp32",)
+    fp8: tuple[str, ...] = FP8_RECIPES  # recipes whose FP8 linears are timed, where the device has FP8 tensor cores
     sizes: tuple[int, ...] = tuple(2 ** k for k in range(12, 25, 3))  # bytes per device: 4 KiB to 16 MiB
     repeats: int = 5
     threshold: float = 0.8  # a device or link below this share of the median (or of the profile) fails

@@ -3,6 +3,7 @@ hardware. One process, or every rank under torchrun (gloo on CPU, NCCL on CUDA):
 
 - compute (`compute.py`): matmuls at the shapes the model runs (per tensor-parallel degree), causal attention
   (SDPA) at the sequence length, the memory-bound operations (norm, activation, rotary, residual, loss) as GB/s;
+  on a device with FP8 tensor cores, the blocks' linear layers as torchao's FP8 training runs them (`fp8.py`);
   whole blocks of the real model as the trainer runs them, and the trainer's update (`blocks.py`, over
   `timed_model.py`);
 - communication (`collectives.py`): all-reduce, all-gather and reduce-scatter bus bandwidth over a sweep of
@@ -30,6 +31,7 @@ import torch.distributed as dist
 from hlat.measure.blocks import block_fields, block_rows, measure_blocks
 from hlat.measure.collectives import measure_communication
 from hlat.measure.compute import measure_compute
+from hlat.measure.fp8 import measure_fp8
 from hlat.measure.health import check_memory, mismatched_ranks, numerics_digest, problems, straggler_scores
 from hlat.measure.options import Options
 from hlat.measure.report import Report, rounded
@@ -70,6 +72,9 @@ def measure_and_check(options: Options, device: torch.device, rank: int, world: 
     start = time.perf_counter()
     report.compute, fields = measure_compute(options, device)
     compute_s = time.perf_counter() - start  # the straggler check's compute time: nothing here waits for a rank
+    report.fp8, fp8_rows, fp8_fields = measure_fp8(options, device)
+    report.compute += fp8_rows
+    fields.update(fp8_fields)
     block_timings, update = measure_blocks(options, device, world)
     report.compute += block_rows(block_timings, update)
     fields.update(block_fields(block_timings, update))

@@ -45,8 +45,8 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     summary = {"config": args.config, "model": cfg.model.preset or cfg.model.family, "world_size": setup.world_size,
                "layout": setup.planned_layout.describe(), "parallel": setup.layout.__dict__,
                "model_config": cfg.model.__dict__, "micro_batch": cfg.train.micro_batch,
-               "seq_len": cfg.train.seq_len, "global_batch": cfg.train.global_batch,
-               "precision": cfg.precision.mode, "device": cfg.train.device, "hardware": setup.hardware.name,
+               "seq_len": cfg.train.seq_len, "global_batch": cfg.train.global_batch, "precision": cfg.precision.mode,
+               "fp8": cfg.precision.fp8, "device": cfg.train.device, "hardware": setup.hardware.name,
                "micro_batches": {"rehearsed": setup.micro_batches, "step": setup.step_micro_batches},
                "notes": notes(setup), "ranks": results}
     if args.json:

@@ -63,6 +63,7 @@ class Report:
     mismatched: list[int] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     measured: Measured = field(default_factory=Measured)
+    fp8: str = ""  # one line: which FP8 recipes were measured, or why none was
 
 
 def rounded(measured: Measured) -> Measured:
@@ -113,6 +114,7 @@ def show(report: Report) -> None:
         f"rank {s.rank} {s.score:.2f}" for s in report.stragglers))
     numerics = f"differ on ranks {report.mismatched}" if report.mismatched else "identical on every rank"
     console.print(f"numerics: {numerics}; memory: {report.memory}")
+    console.print(report.fp8)
 
 
 def compute_table(report: Report) -> Table:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args, get_type_hints
 
 from hlat.config import ConfigError
 from hlat.optim.modes import MODES
@@ -54,3 +54,4 @@ class PrecisionConfig:
 
 
 IMPLEMENTED_MODES = tuple(MODES)
+FP8_RECIPES = tuple(r for r in get_args(get_type_hints(PrecisionConfig)["fp8"]) if r != "none")  # torchao's scalings

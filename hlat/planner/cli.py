@@ -14,13 +14,14 @@ from pathlib import Path
 from hlat import HlatError
 from hlat.config import ConfigError, update
 from hlat.models.config import PRESETS, model_config
+from hlat.optim.config import FP8_RECIPES, PrecisionConfig
 from hlat.optim.modes import MODES
 from hlat.parallel.config import ParallelConfig
 from hlat.planner.calibration import Sample, fit_factors, read_run
 from hlat.planner.layout import Layout, Workload, layout_problem
 from hlat.planner.profiles import HardwareProfile, load_profile, profile_names
 from hlat.planner.rehearsal import own_trainer_note, with_rehearsal
-from hlat.planner.report import Request, show
+from hlat.planner.report import Request, fp8_note, show
 from hlat.planner.search import OBJECTIVES, RECOMPUTE, TOLERANCE, evaluate, search
 from hlat.resources import recipe_names
 
@@ -51,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                     "max_seq_len, as `hlat describe`; the output says which)")
     parser.add_argument("--precision", choices=sorted(MODES), help="training precision mode (default: the "
                                                                    "config's, else bf16_mixed)")
+    parser.add_argument("--fp8", choices=("none", *FP8_RECIPES),
+                        help="FP8 matmuls in the blocks' linear layers with this scaling recipe (precision.fp8; "
+                             "default: the config's, else none), priced at the rates preflight measured for it")
     parser.add_argument("--compile", action="store_true", help="compiled blocks (parallel.compile; default: the "
                                                                "config's)")
     parser.add_argument("--objective", choices=OBJECTIVES, default="tokens_per_s",
@@ -155,7 +159,7 @@ def _request(args: argparse.Namespace, cfg, hw: HardwareProfile, nodes: int) -> 
     tokens = args.tokens or (cfg.train.steps * work.tokens_per_step if cfg else HLAT_TOKENS)
     if tokens <= 0:
         raise HlatError(f"--tokens: must be positive, got {tokens}")
-    notes = [line for line in (hw.measured.mismatch(work.precision),) if line]
+    notes = [line for line in (hw.measured.mismatch(work.precision), fp8_note(work, hw)) if line]
     return Request(work, hw, nodes, price, price_note, tokens, _layout(args, cfg, work, nodes * hw.devices_per_node),
                    notes, seq_len_from)
 
@@ -166,17 +170,18 @@ def _workload(args: argparse.Namespace, cfg) -> tuple[Workload, str]:
 
     if cfg:
         model, train = cfg.model, cfg.train
-        batch, precision, compiled = train.global_batch, cfg.precision.mode, cfg.parallel.compile
+        batch, precision, compiled = train.global_batch, cfg.precision, cfg.parallel.compile
     elif args.model:
         model = model_config(args.model)
-        batch, precision, compiled = 1024, "bf16_mixed", False
+        batch, precision, compiled = 1024, PrecisionConfig("bf16_mixed"), False
     else:
         raise HlatError("hlat plan: give --model PRESET or --config RECIPE_OR_FILE")
     seq_len, seq_len_from = figures_seq_len(args.seq_len, cfg.train.seq_len if cfg else None, model)
     batch = args.global_batch or batch
     if seq_len < 1 or batch < 1:
         raise HlatError(f"--seq-len and --global-batch must be positive, got {seq_len} and {batch}")
-    return Workload(model, seq_len, batch, args.precision or precision, args.compile or compiled), seq_len_from
+    return Workload(model, seq_len, batch, args.precision or precision.mode, args.compile or compiled,
+                    args.fp8 or precision.fp8), seq_len_from
 
 
 def _price(args: argparse.Namespace, cfg, hw: HardwareProfile) -> tuple[float, str]:
@@ -237,8 +242,9 @@ def run_sample(run_dir: str, hw: HardwareProfile) -> Sample:
         model = model_config(table.pop("preset", ""), **table)
         parallel = update(ParallelConfig(), config.get("parallel", {}), "parallel.")
         train = config["train"]
-        work = Workload(model, train["seq_len"], train["global_batch"], config["precision"]["mode"],
-                        parallel.compile)
+        precision = update(PrecisionConfig(), config["precision"], "precision.")
+        work = Workload(model, train["seq_len"], train["global_batch"], precision.mode, parallel.compile,
+                        precision.fp8)
     except (ConfigError, KeyError, TypeError) as e:
         raise HlatError(f"--calibrate {run_dir}: config.toml: {e}") from None
     if parallel.dp_shard == -1:

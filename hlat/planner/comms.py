@@ -17,9 +17,9 @@ the rest is priced by the fitted `dp_factor`.
 
 from __future__ import annotations
 
-from hlat.planner.costs import block_shape, dp_block_shape, interpolate
+from hlat.planner.costs import dp_block_shape, interpolate
 from hlat.planner.layout import Layout, Workload
-from hlat.planner.memory import sharded_units, stage_params
+from hlat.planner.memory import block_linear_weights, layer_params_per_device, sharded_units
 from hlat.planner.profiles import Fit, HardwareProfile, Links
 
 
@@ -121,30 +121,53 @@ def pipeline_send_time(work: Workload, layout: Layout, hw: HardwareProfile, fit:
     return 2 * layout.virtual_stages * (one + fit.p2p_ms * 1e-3)
 
 
-def dp_collective(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit, op: str, bytes_per_param: float,
-                  group: int, per_node: int, blocks: int = 1, rest: int = 1) -> float:
-    """Seconds of the data-parallel collectives `op` over the stage's parameters as the trainer issues them, the
-    blocks' `blocks` times and the rest of the stage's `rest` times. With measured or cited bandwidths, one
-    collective per `fully_shard` unit (each block, then the rest), each at its own size's rate; without, `blocks`
-    messages of them all (what the fitted dp_factor was fitted to)."""
+def gathered_bytes(work: Workload, layout: Layout) -> tuple[float, float]:
+    """Bytes per parameter `fully_shard` gathers, of each block and of the rest of the stage: the weights as
+    stored; with FP8 under tensorwise scaling torchao gathers the blocks' linear weights in FP8, 1 byte each
+    (`enable_fsdp_float8_all_gather`), and their biases and norms as stored. Rowwise scaling gathers as stored."""
+    stored = work.mode.weight_bytes
+    if work.fp8 != "tensorwise":
+        return stored, stored
+    block, linear = layer_params_per_device(work.model, layout.tp), block_linear_weights(work.model, layout.tp)
+    return (linear + (block - linear) * stored) / block, stored
+
+
+def dp_collective(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit, op: str,
+                  bytes_per_param: tuple[float, float], group: int, per_node: int, blocks: int = 1,
+                  rest: int = 1) -> float:
+    """Seconds of the data-parallel collectives `op` over the stage's parameters as the trainer issues them
+    (`bytes_per_param` of each block and of the rest), the blocks' `blocks` times and the rest of the stage's
+    `rest` times. With measured or cited bandwidths, one collective per `fully_shard` unit (each block, then the
+    rest), each at its own size's rate; without, `blocks` messages of them all (what the fitted dp_factor was
+    fitted to)."""
+    units = unit_bytes(work, layout, bytes_per_param)
     if not (getattr(hw.measured, op) or hw.links.source):
-        return blocks * link_time(hw, fit, op, stage_params(work.model, layout) * bytes_per_param, group, per_node)
-    return sum(times * count * link_time(hw, fit, op, params * bytes_per_param, group, per_node)
-               for times, (count, params) in zip((blocks, rest), sharded_units(work.model, layout)))
+        return blocks * link_time(hw, fit, op, sum(count * size for count, size in units), group, per_node)
+    return sum(times * count * link_time(hw, fit, op, size, group, per_node)
+               for times, (count, size) in zip((blocks, rest), units))
+
+
+def unit_bytes(work: Workload, layout: Layout, bytes_per_param: tuple[float, float]) -> list[tuple[int, float]]:
+    """(count, bytes per device) of the `fully_shard` units of the stage (`sharded_units`: each block, then the
+    rest) at `bytes_per_param` of each."""
+    return [(count, params * nbytes)
+            for (count, params), nbytes in zip(sharded_units(work.model, layout), bytes_per_param)]
 
 
 def fsdp_copies(work: Workload, layout: Layout, hw: HardwareProfile, gathers: tuple[int, int],
                 reductions: int) -> float:
     """Seconds `fully_shard` spends copying into and out of its flat communication buffers, at the measured
     bandwidth of a copy into a new buffer (else HBM's: the buffers are large): a gather (`gathers`: of each
-    block, and of the rest) copies the shard in (when there is more than one) and the whole unit out; a reduction
-    copies the whole gradient in and its shard out (with one shard, a plain copy). Replicated layouts pay these
-    too: the trainer runs them as fully_shard over a shard group of one."""
+    block, and of the rest) copies the shard in (when there is more than one) and the whole unit out, in the bytes
+    it gathers (`gathered_bytes`); a reduction copies the whole gradient in and its shard out (with one shard, a
+    plain copy). Replicated layouts pay these too: the trainer runs them as fully_shard over a shard group of
+    one."""
     mode, ds = work.mode, layout.dp_shard
-    gather = 2 * (1 + (1 / ds if ds > 1 else 0)) * mode.weight_bytes  # bytes moved (read + write) per parameter
+    gather = 2 * (1 + (1 / ds if ds > 1 else 0))  # passes (read + write) over each gathered byte
     reduce = 2 * (1 + 1 / ds) * mode.grad_bytes
-    moved = sum(count * params * (times * gather + reductions * reduce)
-                for times, (count, params) in zip(gathers, sharded_units(work.model, layout)))
+    moved = sum(count * params * (times * gather * nbytes + reductions * reduce)
+                for times, nbytes, (count, params) in zip(gathers, gathered_bytes(work, layout),
+                                                           sharded_units(work.model, layout)))
     return moved / ((hw.measured.copy_gbs or hw.hbm_gbs) * 1e9)
 
 
@@ -157,8 +180,7 @@ def measured_data_parallel(work: Workload, layout: Layout, hw: HardwareProfile, 
     if layout.dp == 1 or layout.pp > 1 or layout.sharding == "hsdp":
         return None
     model = work.model
-    shape = block_shape(model, work.seq_len, layout.micro_batch, work.precision, layout.tp,
-                        layout.sequence_parallel, layout.activation_checkpoint, compiled=layout.parallel.compile)
+    shape = layout.block_shape(work)
     per_micro_batch = []
     for accumulate in (False, layout.sharding != "fsdp"):
         timed = hw.measured.block(dp_block_shape(shape, layout.sharding, layout.dp, accumulate))
@@ -195,35 +217,36 @@ def data_parallel_time(work: Workload, layout: Layout, hw: HardwareProfile, fit:
     def exposed(traffic: float, hideable: float) -> float:
         return traffic - (overlap or 0.0) * min(traffic, hideable)
 
-    def raw(op: str, bytes_per_param: float, group: int, per_node: int) -> float:
+    def raw(op: str, bytes_per_param: tuple[float, float], group: int, per_node: int) -> float:
         if overlap is not None:
             return dp_collective(work, layout, hw, fit, op, bytes_per_param, group, per_node)
         passes = 2 if op == "all_reduce" else 1
-        params = stage_params(work.model, layout)
-        return sum(collective(hw, params * bytes_per_param, group, per_node, passes)) * fit.dp_factor
+        nbytes = sum(count * size for count, size in unit_bytes(work, layout, bytes_per_param))
+        return sum(collective(hw, nbytes, group, per_node, passes)) * fit.dp_factor
+
+    grads, gathered = (mode.grad_bytes, mode.grad_bytes), gathered_bytes(work, layout)
 
     # Gathers per step of (each block, the rest): FSDP gathers a block before its forward and again before its
     # backward, every micro-batch, but keeps the root unit (the rest) from forward through backward; ZeRO-1 (and
     # any layout under a pipeline schedule) gathers once; a replicated layout reshards its blocks after each
     # forward but not after a backward that does not reduce, so the next forward finds them gathered.
     time, copies = 0.0, 0.0
-    if layout.param_shard > 1 and layout.pp == 1:  # FSDP: gathered (as stored) and reduced every micro-batch
-        per_mb = (dp_collective(work, layout, hw, fit, "all_gather", mode.weight_bytes, ds, dp_per_node, 2, 1)
-                  + dp_collective(work, layout, hw, fit, "reduce_scatter", mode.grad_bytes, ds, dp_per_node))
+    if layout.param_shard > 1 and layout.pp == 1:  # FSDP: gathered and reduced every micro-batch
+        per_mb = (dp_collective(work, layout, hw, fit, "all_gather", gathered, ds, dp_per_node, 2, 1)
+                  + dp_collective(work, layout, hw, fit, "reduce_scatter", grads, ds, dp_per_node))
         time = m * (exposed(per_mb, compute) if overlap is not None else max(0.0, per_mb - compute))
         copies = fsdp_copies(work, layout, hw, (2 * m, m), m)
     elif ds > 1:  # gathered once per step and kept (ZeRO-1, and FSDP under a pipeline schedule)
-        traffic = (raw("reduce_scatter", mode.grad_bytes, ds, dp_per_node)
-                   + raw("all_gather", mode.weight_bytes, ds, dp_per_node))
+        traffic = raw("reduce_scatter", grads, ds, dp_per_node) + raw("all_gather", gathered, ds, dp_per_node)
         time = exposed(traffic, compute) if overlap is not None else traffic
         copies = fsdp_copies(work, layout, hw, (1, 1), 1)
     elif layout.dp > 1:
-        traffic = raw("all_reduce", mode.grad_bytes, layout.dp, dp_per_node)
+        traffic = raw("all_reduce", grads, layout.dp, dp_per_node)
         time = exposed(traffic, 2 / 3 * compute) if overlap is not None else traffic  # the last backward
         copies = fsdp_copies(work, layout, hw, (m + 1 if layout.pp == 1 else 1, 1), 1)
     # the copies are priced only with measured or cited figures: the fitted factors were fitted to other
     # trainers' runs
     time += copies if overlap is not None else 0.0
     if ds > 1 and layout.dp_replicate > 1:  # HSDP: the shards' gradients all-reduced across replicas, once
-        time += raw("all_reduce", mode.grad_bytes / ds, layout.dp_replicate, max(1, dp_per_node // ds))
+        time += raw("all_reduce", (mode.grad_bytes / ds,) * 2, layout.dp_replicate, max(1, dp_per_node // ds))
     return time

@@ -22,6 +22,17 @@ def layer_matmuls(model: ModelConfig, tokens: int, tp: int) -> dict[str, tuple[i
     return shapes
 
 
+def block_linears(model: ModelConfig, tokens: int, tp: int) -> dict[str, tuple[int, int, int]]:
+    """Forward matmuls of one layer's linear layers on one tensor-parallel rank, one per `nn.Linear` as the model
+    runs them (wq, wk, wv, wo and the MLP's w1, w3, w2), as (rows, inner, columns): what FP8 training converts, and
+    the shapes preflight times a `Float8Linear` at. Their FLOPs add up to `layer_matmuls`'."""
+    d, hd, f = model.dim, model.head_dim, model.ffn_dim // tp
+    heads, kv = model.n_heads // tp, max(1, model.kv_heads // tp)
+    mlp = {"w1": (tokens, d, f), "w3": (tokens, d, f)} if model.family == "llama" else {"w1": (tokens, d, f)}
+    return {"wq": (tokens, d, heads * hd), "wk": (tokens, d, kv * hd), "wv": (tokens, d, kv * hd),
+            "wo": (tokens, heads * hd, d), **mlp, "w2": (tokens, f, d)}
+
+
 def output_matmul(model: ModelConfig, tokens: int, tp: int) -> tuple[int, int, int]:
     return tokens, model.dim, model.vocab_size // tp
 
@@ -60,16 +71,17 @@ def optimizer_bytes(params: float, weight_bytes: int, grad_bytes: int, optimizer
 
 
 def block_shape(model: ModelConfig, seq_len: int, micro_batch: int, precision: str, tp: int, sp: bool,
-                recompute: str, compiled: bool = False) -> str:
+                recompute: str, compiled: bool = False, fp8: str = "none") -> str:
     """What a whole-block measurement depends on, as one string: the model's shape, the tensor-parallel degree
-    (and sequence parallelism), the recomputation mode, the micro-batch, the sequence, the precision mode and
-    whether the block was compiled (`parallel.compile`). Preflight records a block's time under this key and the
-    planner uses it only for a workload with the same key."""
+    (and sequence parallelism), the recomputation mode, the micro-batch, the sequence, the precision mode (and its
+    FP8 recipe, `precision.fp8`) and whether the block was compiled (`parallel.compile`). Preflight records a
+    block's time under this key and the planner uses it only for a workload with the same key."""
     m = model
     return (f"{m.family} dim{m.dim} layers{m.n_layers} heads{m.n_heads}/{m.kv_heads} ffn{m.ffn_dim} "
             f"vocab{m.vocab_size} rotary{m.rotary_pct:g} tied{int(m.tie_embeddings)} docmask{int(m.doc_mask)} "
             f"parallel_residual{int(m.parallel_residual and m.family == 'neox')} | tp{tp} sp{int(sp and tp > 1)} "
-            f"ac:{recompute} mb{micro_batch} seq{seq_len} {precision}{' compiled' if compiled else ''}")
+            f"ac:{recompute} mb{micro_batch} seq{seq_len} {precision}{f' fp8:{fp8}' if fp8 != 'none' else ''}"
+            f"{' compiled' if compiled else ''}")
 
 
 def dp_block_shape(shape: str, sharding: str, dp: int, accumulate: bool) -> str:

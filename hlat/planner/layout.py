@@ -7,8 +7,10 @@ from dataclasses import asdict, astuple, dataclass, fields, replace
 
 from hlat.config import ConfigError
 from hlat.models.config import ModelConfig
+from hlat.optim.config import PrecisionConfig
 from hlat.optim.modes import MODES
 from hlat.parallel.config import ParallelConfig, check_layout
+from hlat.planner.costs import block_shape
 
 
 @dataclass(frozen=True)
@@ -18,6 +20,10 @@ class Workload:
     global_batch: int  # sequences per optimizer step
     precision: str = "bf16_mixed"  # a key of hlat.optim.modes.MODES
     compile: bool = False  # the layouts a search proposes compile each block (`parallel.compile`), as the run will
+    fp8: str = "none"  # `precision.fp8`: the blocks' linear layers in FP8 with this scaling recipe (a bf16 mode)
+
+    def __post_init__(self) -> None:
+        PrecisionConfig(self.precision, self.fp8).validate()  # the config's own rules (FP8 over a bf16 mode)
 
     @property
     def mode(self):
@@ -154,6 +160,12 @@ class Layout:
         parts.append({"none": "AC:none", "selective": "AC:sel", "full": "AC:full"}[self.activation_checkpoint])
         return " ".join(parts)
 
+    def block_shape(self, work: Workload) -> str:
+        """The key under which preflight records a whole block of `work` run in this layout
+        (`hlat.planner.costs.block_shape`)."""
+        return block_shape(work.model, work.seq_len, self.micro_batch, work.precision, self.tp, self.sequence_parallel,
+                           self.activation_checkpoint, compiled=self.parallel.compile, fp8=work.fp8)
+
     def config_sections(self, work: Workload) -> dict:
         """The `[parallel]` and `[train]` config tables the trainer runs as they are: every layout field."""
         parallel = {k: getattr(self.parallel, k) for k in PARALLEL_FIELDS}
@@ -162,7 +174,8 @@ class Layout:
 
     def run_config(self, work: Workload) -> dict:
         """A complete config `hlat train` runs: the model, the precision mode and this layout."""
-        return {"model": asdict(work.model), "precision": {"mode": work.precision}, **self.config_sections(work)}
+        return {"model": asdict(work.model), "precision": {"mode": work.precision, "fp8": work.fp8},
+                **self.config_sections(work)}
 
 
 def layout_problem(work: Workload, layout: Layout, devices: int) -> str | None:

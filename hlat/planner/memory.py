@@ -49,12 +49,19 @@ def layer_params_per_device(model: ModelConfig, tp: int) -> float:
     matrices split over tp (the column-parallel ones with their biases), the norms and the row-parallel biases
     whole on every rank. When tp exceeds the kv heads every rank keeps the whole K and V projections (they are
     replicated, then each rank keeps the head its query heads use)."""
-    d, f, kv_out = model.dim, model.ffn_dim, 2 * model.kv_heads * model.head_dim
-    llama = model.family == "llama"
-    split = 2 * d * d + (3 if llama else 2) * d * f + (0 if llama else d + f)  # wq, wo, the MLP; wq's, w1's bias
-    kv = d * kv_out + (0 if llama else kv_out)
-    whole = 2 * d if llama else 4 * d + 2 * d  # RMSNorm weights; LayerNorm weights and biases, wo's and w2's bias
-    return split / tp + (kv if model.kv_heads % tp else kv / tp) + whole
+    d, kv_out = model.dim, 2 * model.kv_heads * model.head_dim
+    if model.family == "llama":  # no biases; the RMSNorm weights
+        return block_linear_weights(model, tp) + 2 * d
+    biases = (d + model.ffn_dim) / tp + (kv_out if model.kv_heads % tp else kv_out / tp)  # wq's, w1's; wk's, wv's
+    return block_linear_weights(model, tp) + biases + 4 * d + 2 * d  # LayerNorms' weights and biases; wo's, w2's
+
+
+def block_linear_weights(model: ModelConfig, tp: int) -> float:
+    """The weights (without biases) of one layer's linear layers on one tensor-parallel rank: wq, wk, wv, wo and
+    the MLP's, what FP8 training converts (K and V whole on every rank when tp exceeds the kv heads)."""
+    d, f, kv = model.dim, model.ffn_dim, 2 * model.kv_heads * model.head_dim * model.dim
+    split = 2 * d * d + (3 if model.family == "llama" else 2) * d * f  # wq, wo, the MLP
+    return split / tp + (kv if model.kv_heads % tp else kv / tp)
 
 
 def stage_params(model: ModelConfig, layout: Layout) -> float:

@@ -39,11 +39,16 @@ class Measured:
     Tables are [size, rate] rows sorted by size: matmuls by FLOPs per call (TFLOP/s achieved), attention by
     sequence length (TFLOP/s of the nominal FLOPs of `hlat.planner.costs.attention_flops`), collectives by bytes
     per device (bus bandwidth in GB/s, as nccl-tests report it; send_recv: bytes over seconds). Memory-bound
-    operations are GB/s of the nominal bytes of `hlat.planner.costs`."""
+    operations are GB/s of the nominal bytes of `hlat.planner.costs`. FP8 (`matmul_fp8_<recipe>`, one table per
+    `precision.fp8` scaling recipe): a torchao `Float8Linear` at each shape of `hlat.planner.costs.block_linears`,
+    forward + backward with its casts and scaling, as [forward FLOPs per call, TFLOP/s of the 3 x forward FLOPs
+    run] (one row per FLOP count, over every linear layer of it); only a device with FP8 tensor cores has them."""
 
     source: str = ""
     matmul_bf16: list[list[float]] = field(default_factory=list)
     matmul_fp32: list[list[float]] = field(default_factory=list)
+    matmul_fp8_tensorwise: list[list[float]] = field(default_factory=list)
+    matmul_fp8_rowwise: list[list[float]] = field(default_factory=list)
     attention_bf16: list[list[float]] = field(default_factory=list)
     attention_fp32: list[list[float]] = field(default_factory=list)
     norm_gbs: float = 0.0
@@ -81,9 +86,14 @@ class Measured:
         i = self.block_shapes.index(shape)
         return self.block_s[i], self.ends_s[i], self.embedding_s[i] if i < len(self.embedding_s) else 0.0
 
+    def fp8_matmul(self, recipe: str) -> list[list[float]]:
+        """The FP8 table of a `precision.fp8` recipe ([] where none was measured)."""
+        return getattr(self, f"matmul_fp8_{recipe}")
+
     def figures(self) -> dict[str, bool]:
         """Which figures were measured, by name."""
         return {"matmul": bool(self.matmul_bf16 or self.matmul_fp32),
+                "fp8 matmul": bool(self.matmul_fp8_tensorwise or self.matmul_fp8_rowwise),
                 "attention": bool(self.attention_bf16 or self.attention_fp32),
                 "whole block": bool(self.block_shapes),
                 "data-parallel block": any(" | dp" in shape for shape in self.block_shapes), "memory-bound": self.norm_gbs > 0,
@@ -131,15 +141,17 @@ class Links:
 @dataclass
 class BestMFU:
     """The best MFU hlat has measured on this device, per compute precision (bf16: every bf16 mode, which run
-    the same bf16 matmuls and differ only in the optimizer; fp32), with the results file it comes from. A plan
-    predicted above it is marked: no hlat run has reached it. 0: none measured."""
+    the same bf16 matmuls and differ only in the optimizer; fp32; fp8: a bf16 mode with FP8 block linears,
+    `precision.fp8`, its FLOPs counted against the bf16 peak like every MFU), with the results file it comes from.
+    A plan predicted above it is marked: no hlat run has reached it. 0: none measured (no cap)."""
 
     bf16: float = 0.0
     fp32: float = 0.0
+    fp8: float = 0.0
     source: str = ""
 
-    def of(self, precision: str) -> float:
-        return self.fp32 if precision == "fp32" else self.bf16
+    def of(self, precision: str, fp8: str = "none") -> float:
+        return self.fp8 if fp8 != "none" else self.fp32 if precision == "fp32" else self.bf16
 
 
 @dataclass
@@ -181,11 +193,12 @@ class HardwareProfile:
     def sources(self) -> str:
         """Which figures of the step-time model are measured (or derived from a measurement), which are cited
         from published runs, and which fall back to the fitted factors (a layer without a measured whole block
-        is composed from the measured operations, so blocks are not listed as fitted)."""
+        is composed from the measured operations, so blocks are not listed as fitted; FP8 is never fitted: a plan
+        that needs it unmeasured is refused)."""
         figures = self.measured.figures()
         cited = self.links.source and not figures["collectives"]
         measured = [k for k, v in figures.items() if v]
-        fitted = [k for k, v in figures.items() if not v and "block" not in k
+        fitted = [k for k, v in figures.items() if not v and "block" not in k and k != "fp8 matmul"
                   and not (cited and k in ("collectives", "overlap"))]
         if not measured and not cited:
             return f"all figures fitted ({self.fit.source})"

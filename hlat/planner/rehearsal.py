@@ -191,13 +191,14 @@ def load_rehearsal(path: str) -> dict:
 
 
 def rehearsal_mismatch(data: dict, work: Workload, layout: Layout) -> str | None:
-    """How the rehearsal's job differs from the planned one (its model, sequence, batch, precision or layout), or
-    None."""
+    """How the rehearsal's job differs from the planned one (its model, sequence, batch, precision, FP8 recipe or
+    layout), or None (a rehearsal written before `precision.fp8` ran none)."""
     theirs = {"model": ModelConfig(**data["model_config"]), "seq_len": data["seq_len"],
-              "global_batch": data["global_batch"], "precision": data["precision"],
+              "global_batch": data["global_batch"], "precision": data["precision"], "fp8": data.get("fp8", "none"),
               "micro_batch": data["micro_batch"], **data["parallel"]}
     ours = {"model": work.model, "seq_len": work.seq_len, "global_batch": work.global_batch,
-            "precision": work.precision, "micro_batch": layout.micro_batch, **layout.parallel.__dict__}
+            "precision": work.precision, "fp8": work.fp8, "micro_batch": layout.micro_batch,
+            **layout.parallel.__dict__}
     for key, value in theirs.items():
         if ours.get(key) != value:
             return f"{key} {value!r} (planned: {ours.get(key)!r})"

@@ -34,10 +34,28 @@ def si(x: float) -> str:
     return f"{x / 1e6:.3g}M" if x >= 1e6 else f"{x / 1e3:.3g}k" if x >= 1e3 else f"{x:.3g}"
 
 
+def compute_dtype(work: Workload) -> str:
+    """The dtype of the blocks' matmuls, as `[best_mfu]` names it."""
+    return "fp8" if work.fp8 != "none" else "fp32" if work.precision == "fp32" else "bf16"
+
+
+def fp8_note(work: Workload, hw: HardwareProfile) -> str:
+    """For an FP8 plan: how it is priced (conservatively for compiled blocks, which fuse the casts preflight timed
+    eager), and that no cap applies where hlat has measured no FP8 run ('' without FP8)."""
+    if work.fp8 == "none":
+        return ""
+    fused = "; compiled blocks fuse those casts: conservative" if work.compile else ""
+    cap = "" if hw.best_mfu.fp8 else (f"; hlat has measured no FP8 run on {hw.name} ([best_mfu] fp8 = 0), so no "
+                                      "measured best MFU caps this plan")
+    return (f"FP8 ({work.fp8}): the blocks' linear layers at the FP8 rates preflight measured (forward + backward "
+            f"of a torchao Float8Linear, its casts eager){fused}; the output layer and attention in bf16; memory as "
+            f"{work.precision}{cap}")
+
+
 def ceiling_note(req: Request) -> str:
     """The line that explains the mark on an MFU above the best hlat has measured on the hardware."""
-    best, hw = req.hw.best_mfu.of(req.work.precision), req.hw
-    dtype = "fp32" if req.work.precision == "fp32" else "bf16"
+    best, hw = req.hw.best_mfu.of(req.work.precision, req.work.fp8), req.hw
+    dtype = compute_dtype(req.work)
     return (f"* predicted above the best MFU hlat has measured on {hw.name} in {dtype} ({best:.1%}, "
             f"{hw.best_mfu.source}): no hlat run has reached more, so the plan promises that best (its step time, "
             "days and cost follow from it; --json gives the uncapped prediction)")
@@ -65,9 +83,10 @@ def print_json(req: Request, plans: list[Plan], note: str) -> None:
     work, hw = req.work, req.hw
     print(json.dumps({"model": work.model.preset, "hardware": hw.name, "nodes": req.nodes, "seq_len": work.seq_len,
                       "seq_len_from": req.seq_len_from,
-                      "global_batch": work.global_batch, "precision": work.precision, "compile": work.compile,
-                      "tokens": req.tokens, "price_per_node_hour": req.price or None, "price_source": req.price_note,
-                      "measured_best_mfu": hw.best_mfu.of(work.precision) or None,
+                      "global_batch": work.global_batch, "precision": work.precision, "fp8": work.fp8,
+                      "compile": work.compile, "tokens": req.tokens, "price_per_node_hour": req.price or None,
+                      "price_source": req.price_note,
+                      "measured_best_mfu": hw.best_mfu.of(work.precision, work.fp8) or None,
                       "measured_best_source": hw.best_mfu.source, "fit": hw.fit.source, "figures": hw.sources(),
                       "note": note, "notes": req.notes, "plans": [plan_row(p, req.tokens) for p in plans]},
                      indent=2))
@@ -99,7 +118,7 @@ def print_table(req: Request, plans: list[Plan], note: str) -> None:
                         f"device{'s' if devices > 1 else ''}): seq {work.seq_len} ({req.seq_len_from}), "
                         f"batch {work.global_batch} "
                         f"({si(work.tokens_per_step)} tokens), {work.precision}"
-                        f"{', compiled' if work.compile else ''}",
+                        f"{f', fp8 {work.fp8}' if work.fp8 != 'none' else ''}{', compiled' if work.compile else ''}",
                   caption="\n".join([f"{note}. Price: {price}. Figures: {hw.sources()}.", *marks]),
                   box=box.SIMPLE_HEAD)
     show_nodes = any(p.nodes != req.nodes for p in plans)

@@ -76,8 +76,8 @@ class Plan:
 
     @property
     def measured_best(self) -> float:
-        """The best MFU hlat has measured on this hardware in this precision's compute dtype (0: none)."""
-        return self.hw.best_mfu.of(self.work.precision)
+        """The best MFU hlat has measured on this hardware in this precision's compute dtype, FP8 apart (0: none)."""
+        return self.hw.best_mfu.of(self.work.precision, self.work.fp8)
 
     @property
     def above_measured_best(self) -> bool:

@@ -22,7 +22,9 @@ under a pipeline the embedding's share of it is the first stage's and the rest t
 composed from the measured operations (`measured_layer`), and without those from the fitted factors;
 `StepTime.layer` says which. A composed layer runs its memory-bound operations as the trainer does: eager, at the
 rates preflight measured them (eager kernels, each a pass over its tensors); compiled (`parallel.compile`), fused,
-so their nominal bytes stream at HBM bandwidth.
+so their nominal bytes stream at HBM bandwidth. With FP8 (`precision.fp8`) the blocks' linear layers are priced at
+the rates preflight measured for the recipe (a torchao `Float8Linear`, forward + backward with its casts), the
+output layer and attention at bf16's; without those rates the plan is refused (`check_fp8`): FP8 is never fitted.
 
 The host launches kernels ahead of the device, so its fixed per-layer cost shows only where the device finishes a
 layer sooner (small layers and micro-batches). Without fused attention the scores (micro-batch x heads x seq^2)
@@ -42,10 +44,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from hlat import HlatError
 from hlat.models.config import ModelConfig
 from hlat.planner.comms import (data_parallel_time, measured_data_parallel, pipeline_send_time, rate,
                                 sends_overlap, tensor_parallel_time)
-from hlat.planner.costs import (attention_flops, block_shape, layer_matmuls, loss_bytes, matmul_flops,
+from hlat.planner.costs import (attention_flops, block_linears, layer_matmuls, loss_bytes, matmul_flops,
                                 memory_op_bytes, optimizer_bytes, output_matmul)
 from hlat.planner.layout import Layout, Workload
 from hlat.planner.memory import stage_params
@@ -90,12 +93,36 @@ def recompute_flops_per_token(model: ModelConfig, seq_len: int, recompute: str) 
     return attention_core if recompute == "selective" else 0.0
 
 
+def check_fp8(work: Workload, hw: HardwareProfile) -> None:
+    """FP8 is priced from what preflight measured on the hardware and from nothing else: a plan with
+    `precision.fp8` on a profile without the recipe's FP8 rates (and bf16's, for the rest of the layer) is refused
+    in one line that says how to measure them."""
+    me = hw.measured
+    if work.fp8 == "none" or (me.fp8_matmul(work.fp8) and me.matmul_bf16):
+        return
+    missing = "bf16 matmul rate beside its FP8 ones" if me.fp8_matmul(work.fp8) else "FP8 matmul rate"
+    raise HlatError(f"precision.fp8: {hw.name} has no measured {missing} ({work.fp8}); run `hlat preflight --config "
+                    "CONFIG --out measured.toml` on one of its GPUs (FP8 tensor cores, torchao installed) and pass "
+                    "the profile it writes with --hardware measured.toml")
+
+
+def linears_forward(work: Workload, matmul: list[list[float]], tokens: int, tp: int, hw: HardwareProfile) -> float:
+    """Seconds of one layer's forward matmuls at their shapes' measured rates in the compute dtype (`matmul`); with
+    FP8, each linear layer at its recipe's measured rate, whose forward + backward (casts included) was timed as
+    one: a third of that time per pass."""
+    if work.fp8 == "none":
+        shapes, table = layer_matmuls(work.model, tokens, tp), matmul
+    else:
+        shapes, table = block_linears(work.model, tokens, tp), hw.measured.fp8_matmul(work.fp8)
+    return sum(matmul_flops(s) / rate(table, matmul_flops(s), 1e12) for s in shapes.values())
+
+
 def measured_layer(work: Workload, layout: Layout, hw: HardwareProfile) -> tuple[float, float] | None:
     """Seconds of one layer and of the output layer (with the loss) for one micro-batch, composed from the
     profile's measurements: matmuls at their shapes' measured rates (forward, then twice that for backward, and
-    the forward again under full recomputation), attention at the sequence length's rate, memory-bound bytes at
-    measured bandwidths (compiled: HBM's). None when the profile has no matmul measurements for the precision's
-    compute dtype."""
+    the forward again under full recomputation; FP8 linears at their recipe's), attention at the sequence length's
+    rate, memory-bound bytes at measured bandwidths (compiled: HBM's). None when the profile has no matmul
+    measurements for the precision's compute dtype."""
     me, model, t = hw.measured, work.model, layout.tp
     fp32 = work.precision == "fp32"
     matmul, attention = (me.matmul_fp32, me.attention_fp32) if fp32 else (me.matmul_bf16, me.attention_bf16)
@@ -104,8 +131,7 @@ def measured_layer(work: Workload, layout: Layout, hw: HardwareProfile) -> tuple
     tokens = work.seq_len * layout.micro_batch
     recompute = layout.activation_checkpoint
     passes = 4 if recompute == "full" else 3
-    forward = sum(matmul_flops(s) / rate(matmul, matmul_flops(s), 1e12)
-                  for s in layer_matmuls(model, tokens, t).values())
+    forward = linears_forward(work, matmul, tokens, t, hw)
     attn_flops = attention_flops(model, layout.micro_batch, work.seq_len, t)
     if attention:
         core = attn_flops / rate(attention, work.seq_len, 1e12)
@@ -141,10 +167,10 @@ def fitted_layer(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit) 
 
 def layer_time(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit) -> tuple[float, float, float, str]:
     """(seconds of one layer, of the output layer, of the embedding, how the layer was priced) for one
-    micro-batch: a measured block at exactly this shape, else composed from measured operations, else fitted."""
-    block = hw.measured.block(block_shape(work.model, work.seq_len, layout.micro_batch, work.precision, layout.tp,
-                                          layout.sequence_parallel, layout.activation_checkpoint,
-                                          compiled=layout.parallel.compile))
+    micro-batch: a measured block at exactly this shape, else composed from measured operations, else fitted. FP8
+    needs its measured rates (`check_fp8`)."""
+    check_fp8(work, hw)
+    block = hw.measured.block(layout.block_shape(work))
     if block:
         layer, ends, embedding = block
         embedding = embedding if layout.pp > 1 else 0.0
