@@ -57,6 +57,7 @@ def flops_per_token(setting: dict) -> float:
 def hlat_step(setting: dict, compile_: bool, device: torch.device):
     """hlat's single-process training step, built as `hlat train` builds it."""
     from hlat.optim import OptimConfig, build_optimizer
+    from hlat.optim.fp8 import convert_blocks
     from hlat.optim.precision import autocast, prepare_model
     from hlat.models import build_model
     from hlat.parallel import ParallelConfig, Topology, parallelize
@@ -66,6 +67,8 @@ def hlat_step(setting: dict, compile_: bool, device: torch.device):
     cfg, mode = hlat_model_config(setting), setting["hlat_mode"]
     pcfg = ParallelConfig(activation_checkpoint=setting["ac"], compile=compile_).resolved(1)
     model = prepare_model(build_model(cfg), mode)
+    if setting.get("fp8", "none") != "none":
+        convert_blocks(model, setting["fp8"], emulate=device.type == "cpu", fsdp_fp8_all_gather=False)
     [(_, model)] = parallelize(model, Topology(pcfg, None), device, seed=0)
     optimizer = build_optimizer(model, OptimConfig(), mode, seed=0)
     params = list(model.parameters())
@@ -98,6 +101,8 @@ def titan_step(setting: dict, compile_: bool, device: torch.device):
                                 max_seq_len=setting["seq"])
     with torch.device("meta"):
         model = Transformer(args)
+    if setting.get("fp8", "none") != "none":
+        titan_fp8(model, setting["fp8"], emulate=device.type == "cpu")
     if setting["ac"] != "none":
         apply_ac(model, ActivationCheckpoint(mode=setting["ac"]), model_compile_enabled=compile_)
     if compile_:
@@ -112,7 +117,7 @@ def titan_step(setting: dict, compile_: bool, device: torch.device):
         model.freqs_cis = freqs_cis
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
                                   fused=True)
-    context = torch.autocast("cuda", dtype=torch.bfloat16, enabled=not pure)
+    context = torch.autocast(device.type, dtype=torch.bfloat16, enabled=not pure)
 
     def step(inputs, targets):
         with context:
@@ -125,6 +130,21 @@ def titan_step(setting: dict, compile_: bool, device: torch.device):
         return loss.detach()
 
     return step
+
+
+def titan_fp8(model, recipe: str, emulate: bool) -> None:
+    """What torchtitan's Float8LinearConverter does on one GPU: every linear layer but the output projection (and
+    any whose dimensions are not multiples of 16) becomes a torchao Float8Linear with the recipe's config, and
+    under rowwise inductor emulates precision casts (pytorch/pytorch#150859)."""
+    import dataclasses
+
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
+    if recipe == "rowwise":
+        torch._inductor.config.emulate_precision_casts = True
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda module, fqn: fqn != "output" and (
+        module.in_features % 16 == 0 and module.out_features % 16 == 0))
 
 
 def run_one(system: str, name: str, compile_: bool, steps: int, warmup: int, batch: int) -> dict:

@@ -19,6 +19,7 @@ import io
 import logging
 
 import torch
+import torch._inductor.config
 from torch import nn
 
 from hlat import HlatError
@@ -83,6 +84,8 @@ def convert_blocks(model: nn.Module, recipe: str, emulate: bool, fsdp_fp8_all_ga
     float8 = load_torchao()
     config = dataclasses.replace(float8.Float8LinearConfig.from_recipe_name(recipe), emulate=emulate,
                                  enable_fsdp_float8_all_gather=fsdp_fp8_all_gather)
+    if recipe == "rowwise":  # compiled rowwise casts must round as eager ones do (pytorch/pytorch#150859)
+        torch._inductor.config.emulate_precision_casts = True
     float8.convert_to_float8_training(model, config=config, module_filter_fn=is_block_linear)
 
 
