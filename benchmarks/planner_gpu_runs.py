@@ -49,6 +49,17 @@ def gpu_step_runs() -> list[dict]:
              "measured_s": r["step_s"]} for r in rows if r["system"] == "hlat"]
 
 
+def gpu_suite_runs() -> list[dict]:
+    """hlat's 1B rows of gpu_suite_speed.jsonl (bf16 and FP8, compiled). The profile's FP8 rates were derived from
+    these very runs (benchmarks/fp8_rates_from_step.py), so the FP8 rows are in-sample: not targets."""
+    rows = [json.loads(line) for line in (RESULTS / "gpu_suite_speed.jsonl").read_text().splitlines()]
+    return [{"run": f"gpu_suite_speed.md 1b fp8 {r['fp8']}" + (" (in-sample)" if r["fp8"] != "none" else ""),
+             "target": r["fp8"] == "none",
+             "work": Workload(SETTINGS["1b"], r["seq"], r["batch"], r["mode"], r["compile"], r["fp8"]),
+             "layout": Layout.of(micro_batch=r["batch"], activation_checkpoint=r["ac"], compile=r["compile"]),
+             "measured_s": r["step_s"]} for r in rows if r["system"] == "hlat" and r["setting"] == "1b" and "step_s" in r]
+
+
 def train_run() -> dict:
     """The 7B `hlat train` run: its config as committed, its steady-state step (median of steps 20-300)."""
     cfg = load_config(ROOT / "benchmarks" / "gpu_7b_bf16_sr.toml")
@@ -80,7 +91,7 @@ def predict(run: dict, hw) -> dict:
     t = step_time(work, layout, hw)
     mfu = lambda s: work.model.flops_per_token(work.seq_len) * work.tokens_per_step / s / (hw.peak_tflops * 1e12)  # noqa: E731
     return {"run": run["run"], "target": run["target"], "model": work.model.preset or f"{work.model.dim}-dim",
-            "precision": work.precision, "recompute": layout.activation_checkpoint, "compile": work.compile,
+            "precision": work.precision + (f" + fp8 {work.fp8}" if work.fp8 != "none" else ""), "recompute": layout.activation_checkpoint, "compile": work.compile,
             "tokens_per_step": work.tokens_per_step, "measured_s": round(run["measured_s"], 4),
             "predicted_s": round(t.total, 4), "error": round(t.total / run["measured_s"] - 1, 4),
             "measured_mfu": round(mfu(run["measured_s"]), 4), "predicted_mfu": round(mfu(t.total), 4),
@@ -90,7 +101,7 @@ def predict(run: dict, hw) -> dict:
 def main() -> None:
     shipped = load_profile("p5.48xlarge")
     hw = replace(shipped, devices_per_node=1)  # every run is one process on one GPU
-    rows = [predict(run, hw) for run in [*gpu_step_runs(), train_run(), *small_runs()]]
+    rows = [predict(run, hw) for run in [*gpu_step_runs(), *gpu_suite_runs(), train_run(), *small_runs()]]
     header = ["run", "model", "precision", "recompute", "compiled", "measured s/step", "predicted", "error",
               "measured MFU", "predicted MFU", "within 15%"]
     table = markdown_table(header, [

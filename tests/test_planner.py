@@ -697,10 +697,10 @@ ONE_B = dict(family="llama", dim=2048, n_layers=16, n_heads=16, ffn_dim=5632, vo
 
 
 def fp8_profile(tensorwise: list[list[float]], bf16: list[list[float]], **best):
-    """The H100 profile with test-made matmul tables (and [best_mfu] fields)."""
+    """The H100 profile with test-made matmul tables, no rowwise one (and [best_mfu] fields: fp8 0 unless given)."""
     p5 = load_profile("p5.48xlarge")
-    measured = replace(p5.measured, matmul_bf16=bf16, matmul_fp8_tensorwise=tensorwise)
-    return replace(p5, name="test-fp8", measured=measured, best_mfu=replace(p5.best_mfu, **best))
+    measured = replace(p5.measured, matmul_bf16=bf16, matmul_fp8_tensorwise=tensorwise, matmul_fp8_rowwise=[])
+    return replace(p5, name="test-fp8", measured=measured, best_mfu=replace(p5.best_mfu, **{"fp8": 0.0, **best}))
 
 
 def test_an_fp8_plan_prices_the_block_linears_at_the_measured_fp8_rates():
@@ -754,12 +754,12 @@ def test_fsdp_gathers_the_block_linears_in_fp8_under_tensorwise_scaling():
 def test_a_profile_without_the_recipes_fp8_rates_refuses_the_plan_in_one_line(tmp_path, capsys):
     from hlat.cli import main
 
-    argv = ["plan", "--model", "llama2-7b", "--hardware", "p5.48xlarge", "--seq-len", "4096", "--precision",
+    argv = ["plan", "--model", "llama2-7b", "--hardware", "p5e.48xlarge", "--seq-len", "4096", "--precision",
             "bf16_sr", "--nodes", "1"]
     assert main([*argv, "--fp8", "tensorwise"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(
-        "hlat: error: precision.fp8: p5.48xlarge has no measured FP8 matmul rate (tensorwise); run `hlat preflight")
+        "hlat: error: precision.fp8: p5e.48xlarge has no measured FP8 matmul rate (tensorwise); run `hlat preflight")
     assert "--hardware measured.toml" in err
     # the config's precision.fp8 asks for it the same way; a profile with only the other recipe's table refuses too
     only_tensorwise = tmp_path / "tensorwise.toml"

@@ -158,8 +158,8 @@ def test_fp8_is_measured_only_on_fp8_tensor_cores_and_says_why_not(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     assert fp8.measure_fp8(options, cuda) == ("FP8 matmuls: not measured: NVIDIA A100-SXM4-80GB (compute capability "
-                                              "8.0) has no FP8 tensor cores (8.9 or above); emulation is no hardware "
-                                              "figure", [], {})
+                                              "8.0) has no FP8 tensor cores (8.9 or newer: Ada, Hopper, Blackwell); "
+                                              "emulation is no hardware figure", [], {})
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     installed = importlib.util.find_spec("torchao") is not None
     assert fp8.fp8_unsupported(cuda) == ("" if installed else "torchao is not installed (pip install 'hlat[fp8]')")

@@ -35,15 +35,23 @@ def fp8_support(recipe: str, device: torch.device) -> str:
     load_torchao()
     if device.type == "cpu":
         return "emulated"
+    why = fp8_unsupported(device)
+    if why:
+        raise HlatError(f"precision.fp8: {why}; set precision.fp8 = \"none\"")
+    return "native"
+
+
+def fp8_unsupported(device: torch.device) -> str:
+    """Why `device` cannot run FP8 matmuls natively ("" when it can): FP8 tensor cores are CUDA compute capability
+    8.9 and newer (Ada, Hopper, Blackwell); a CPU only emulates them."""
     if device.type != "cuda":
-        raise HlatError(f"precision.fp8: torchao's float8 training runs on CUDA GPUs (or emulated on a CPU), not on "
-                        f"{device.type!r} devices; set precision.fp8 = \"none\"")
+        return (f"{device.type} has no FP8 tensor cores (torchao's float8 training runs on CUDA GPUs, emulated on a "
+                "CPU)")
     capability = torch.cuda.get_device_capability(device)
     if capability < FP8_CAPABILITY:
-        raise HlatError(f"precision.fp8: {torch.cuda.get_device_name(device)} (compute capability "
-                        f"{capability[0]}.{capability[1]}) has no FP8 tensor cores (8.9 or newer: Ada, Hopper, "
-                        "Blackwell); set precision.fp8 = \"none\"")
-    return "native"
+        return (f"{torch.cuda.get_device_name(device)} (compute capability {capability[0]}.{capability[1]}) has no "
+                "FP8 tensor cores (8.9 or newer: Ada, Hopper, Blackwell)")
+    return ""
 
 
 def load_torchao():
@@ -81,12 +89,16 @@ def convert_blocks(model: nn.Module, recipe: str, emulate: bool, fsdp_fp8_all_ga
     """Swap the blocks' linear layers of a (meta) model for torchao Float8Linears, in place, before any parallel
     wrapping. `fsdp_fp8_all_gather` (tensorwise under FSDP): the sharded weights are cast to FP8 before they are
     all-gathered, half the bytes of bf16, with one scale per weight computed over all its shards."""
-    float8 = load_torchao()
-    config = dataclasses.replace(float8.Float8LinearConfig.from_recipe_name(recipe), emulate=emulate,
-                                 enable_fsdp_float8_all_gather=fsdp_fp8_all_gather)
+    load_torchao().convert_to_float8_training(model, config=float8_config(recipe, emulate, fsdp_fp8_all_gather),
+                                              module_filter_fn=is_block_linear)
+
+
+def float8_config(recipe: str, emulate: bool, fsdp_fp8_all_gather: bool = False):
+    """torchao's Float8LinearConfig of `recipe`, as hlat trains with it (and preflight times it)."""
     if recipe == "rowwise":  # compiled rowwise casts must round as eager ones do (pytorch/pytorch#150859)
         torch._inductor.config.emulate_precision_casts = True
-    float8.convert_to_float8_training(model, config=config, module_filter_fn=is_block_linear)
+    return dataclasses.replace(load_torchao().Float8LinearConfig.from_recipe_name(recipe), emulate=emulate,
+                               enable_fsdp_float8_all_gather=fsdp_fp8_all_gather)
 
 
 def converted(model: nn.Module) -> int:

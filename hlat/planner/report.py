@@ -40,15 +40,15 @@ def compute_dtype(work: Workload) -> str:
 
 
 def fp8_note(work: Workload, hw: HardwareProfile) -> str:
-    """For an FP8 plan: how it is priced (conservatively for compiled blocks, which fuse the casts preflight timed
-    eager), and that no cap applies where hlat has measured no FP8 run ('' without FP8)."""
+    """For an FP8 plan: how it is priced, that its rates are compiled ones (eager FP8 is far slower), and that no cap
+    applies where hlat has measured no FP8 run ('' without FP8)."""
     if work.fp8 == "none":
         return ""
-    fused = "; compiled blocks fuse those casts: conservative" if work.compile else ""
+    eager = "" if work.compile else "; without parallel.compile FP8's casts run as kernels of their own: slower"
     cap = "" if hw.best_mfu.fp8 else (f"; hlat has measured no FP8 run on {hw.name} ([best_mfu] fp8 = 0), so no "
                                       "measured best MFU caps this plan")
-    return (f"FP8 ({work.fp8}): the blocks' linear layers at the FP8 rates preflight measured (forward + backward "
-            f"of a torchao Float8Linear, its casts eager){fused}; the output layer and attention in bf16; memory as "
+    return (f"FP8 ({work.fp8}): the blocks' linear layers at the profile's measured FP8 rates (compiled, casts "
+            f"included; {hw.measured.source}){eager}; the output layer and attention in bf16; memory as "
             f"{work.precision}{cap}")
 
 
