@@ -12,7 +12,6 @@ def losses(device: str, mode: str = "fp32", steps: int = 4) -> list[float]:
     from hlat.models.config import model_config
     from hlat.optim import OptimConfig, build_optimizer
     from hlat.optim.precision import autocast, prepare_model
-    from hlat.models.loss import cross_entropy
 
     cfg = model_config("tiny")
     model = materialize(prepare_model(build_model(cfg), mode), device)
@@ -21,8 +20,7 @@ def losses(device: str, mode: str = "fp32", steps: int = 4) -> list[float]:
     out = []
     for _ in range(steps):
         with autocast(mode, torch.device(device)):
-            logits = model(tokens[:, :-1])
-        loss = cross_entropy(logits, tokens[:, 1:])
+            loss = model(tokens[:, :-1], targets=tokens[:, 1:])  # the chunked loss (model.loss_chunk)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -40,3 +38,4 @@ def test_fp32_on_cuda_follows_the_cpu():
 def test_bf16_modes_train_on_cuda(mode):
     run = losses("cuda", mode, steps=8)
     assert all(x == x for x in run) and run[-1] < run[0]
+

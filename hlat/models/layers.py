@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from hlat.models.config import ModelConfig
 from hlat.models.kv_cache import KVCache, LayerCache
+from hlat.models.loss import cross_entropy, linear_cross_entropy
 
 
 def rope_table(cfg: ModelConfig, device: torch.device | str | None = None) -> torch.Tensor:
@@ -169,10 +170,13 @@ class Transformer(nn.Module):
         self.register_buffer("rope", rope_table(cfg), persistent=False)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                doc_ids: torch.Tensor | None = None, cache: KVCache | None = None) -> torch.Tensor:
+                doc_ids: torch.Tensor | None = None, cache: KVCache | None = None,
+                targets: torch.Tensor | None = None, reduction: str = "mean") -> torch.Tensor:
         """tokens [batch, seq] (or hidden states); `positions` [batch, seq] index the rotary table (packed
         documents restart at 0); with `doc_ids` [batch, seq] a token attends only within its document.
-        With a `cache` (generation), tokens continue the sequence the cache holds (see hlat.models.generate)."""
+        With a `cache` (generation), tokens continue the sequence the cache holds (see hlat.models.generate).
+        Returns the logits, or with `targets` [batch, seq] (-100: ignored) the loss (`loss`); a part without the
+        output layer (a pipeline stage) returns its hidden states and leaves the targets to the last one."""
         h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
         if cache is not None:
             positions, mask = cache.positions_and_mask(tokens.shape[1])
@@ -188,7 +192,17 @@ class Transformer(nn.Module):
             cache.advance(tokens.shape[1])
         if self.norm is not None:
             h = self.norm(h)
-        return h if self.output is None else self.output(h)
+        if self.output is None:
+            return h
+        return self.output(h) if targets is None else self.loss(h, targets, reduction)
+
+    def loss(self, h: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        """The token cross-entropy of the final norm's output `h` (fp32 scalar, "mean" over the counted targets or
+        "sum"): chunk by chunk from the output weight with `model.loss_chunk` (never holding the logits), else
+        from the whole logits. Either way vocabulary-parallel under tensor parallelism, and a plain tensor."""
+        if self.cfg.loss_chunk:
+            return linear_cross_entropy(h, self.output.weight, targets, reduction, self.cfg.loss_chunk)
+        return cross_entropy(self.output(h), targets, reduction)
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
