@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 
@@ -9,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from hlat.models.config import ModelConfig
 from hlat.models.kv_cache import KVCache, LayerCache
@@ -40,11 +42,43 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     return x * cos + swapped * sin
 
 
-def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+def document_mask(doc_ids: torch.Tensor) -> torch.Tensor | BlockMask:
+    """Where a query may attend a key in rows of packed documents (`doc_ids` [batch, seq]): causal, and both in
+    the same document. On CUDA a FlexAttention BlockMask, so attention skips the other documents' blocks and no
+    [seq, seq] mask exists; elsewhere a dense [batch, 1, seq, seq] bool mask for SDPA (FlexAttention has no
+    backward pass on the CPU). `Attention` runs whichever kernel the mask is for."""
+    if doc_ids.device.type == "cuda":
+        return document_block_mask(doc_ids)
+    return dense_document_mask(doc_ids)
+
+
+def dense_document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     """[batch, 1, seq, seq], True where a query may attend a key: causal, and both in the same document."""
     seq = doc_ids.shape[1]
     causal = torch.ones(seq, seq, dtype=torch.bool, device=doc_ids.device).tril()
     return ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal).unsqueeze(1)
+
+
+def document_block_mask(doc_ids: torch.Tensor) -> BlockMask:
+    """`dense_document_mask` as FlexAttention's block-sparse mask, one for every head (so a tensor-parallel
+    rank's local heads use it as it is)."""
+    def same_document_causal(batch, head, query, key):
+        return (doc_ids[batch, query] == doc_ids[batch, key]) & (query >= key)
+
+    batch, seq = doc_ids.shape
+    return create_block_mask(same_document_causal, batch, None, seq, seq, device=doc_ids.device)
+
+
+def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask, gqa: bool) -> torch.Tensor:
+    """flex_attention, compiled as it must be (uncompiled it materialises the whole score matrix): traced into
+    the graph of a compiled block (`parallel.compile`), else compiled once per process."""
+    kernel = flex_attention if torch.compiler.is_compiling() else compiled_flex_attention()
+    return kernel(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+
+
+@functools.cache
+def compiled_flex_attention():
+    return torch.compile(flex_attention)
 
 
 class Attention(nn.Module):
@@ -69,8 +103,11 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if cache is not None:  # generation: attend to the cached keys and values of earlier positions too
             k, v = cache.store(k, v)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                             enable_gqa=k.shape[1] != q.shape[1])
+        gqa = k.shape[1] != q.shape[1]
+        if isinstance(mask, BlockMask):
+            out = flex(q, k, v, mask, gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).flatten(-2))
 
 
