@@ -62,7 +62,6 @@ def hlat_step(setting: dict, compile_: bool, device: torch.device):
     from hlat.models import build_model
     from hlat.parallel import ParallelConfig, Topology, parallelize
     from hlat.parallel.grads import clip_grad_norm
-    from hlat.models.loss import cross_entropy
 
     cfg, mode = hlat_model_config(setting), setting["hlat_mode"]
     pcfg = ParallelConfig(activation_checkpoint=setting["ac"], compile=compile_).resolved(1)
@@ -76,8 +75,7 @@ def hlat_step(setting: dict, compile_: bool, device: torch.device):
 
     def step(inputs, targets):
         with context:
-            logits = model(inputs)
-        loss = cross_entropy(logits, targets)
+            loss = model(inputs, targets=targets)  # the trainer's loss: chunked per model.loss_chunk
         loss.backward()
         clip_grad_norm(params, 1.0)
         optimizer.step()
@@ -240,7 +238,6 @@ def trajectory(preset: str, mode: str, device: torch.device, steps: int, batch: 
     from hlat.optim.precision import autocast, prepare_model
     from hlat.parallel import ParallelConfig, Topology, parallelize
     from hlat.parallel.grads import clip_grad_norm
-    from hlat.models.loss import cross_entropy
 
     cfg, fp64 = model_config(preset), mode == "fp64"
     mode = "fp32" if fp64 else mode
@@ -257,10 +254,9 @@ def trajectory(preset: str, mode: str, device: torch.device, steps: int, batch: 
     losses, norms = [], []
     for i in range(steps):
         tokens = data[i % 4].to(device)
-        with autocast(mode, device):
-            logits = model(tokens[:, :-1])
-        loss = (F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()) if fp64
-                else cross_entropy(logits, tokens[:, 1:]))
+        with autocast(mode, device):  # the reference's loss: F.cross_entropy of the float64 logits
+            loss = (F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()) if fp64
+                    else model(tokens[:, :-1], targets=tokens[:, 1:]))
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(params, 1.0) if fp64 else clip_grad_norm(params, 1.0)
         norms.append(norm.item())

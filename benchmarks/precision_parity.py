@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from hlat.data.config import DataConfig
 from hlat.data.packing import build_stream
@@ -55,8 +54,7 @@ def build(mode: str, model_cfg, optim_cfg: OptimConfig, seed: int):
 def forward_backward(mode: str, model, batch: dict, clip: float) -> tuple[float, float]:
     """The trainer's forward and backward (autocast, fp32 loss) and gradient clipping; the loss and the norm."""
     with autocast("fp32" if mode == PLAIN else mode, "cpu"):
-        logits = model(batch["inputs"])
-    loss = F.cross_entropy(logits.float().flatten(0, 1), batch["targets"].flatten())
+        loss = model(batch["inputs"], targets=batch["targets"])
     loss.backward()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip, foreach=True)
     return loss.item(), norm.float().item()

@@ -8,8 +8,8 @@ pipeline stage (the model's `n_layers` cut to match, everything else as the reci
 micro-batch, layout, precision, world size) and every figure is extrapolated linearly in the rank's blocks to
 the recipe's own (exact for the model states, which are linear in the blocks; for the rest, what a block adds is
 what the two rehearsals differ by). Micro-batches: one without a pipeline; with one, the fewest its schedule
-runs (pp). Compute is then scaled to the step's micro-batches, and the last stage's logits, which the schedule
-keeps for every micro-batch, to the step's count. The planner's figures are for the full-size rank.
+runs (pp). Compute is then scaled to the step's micro-batches, and what the last stage's head keeps (for every
+micro-batch under GPipe: `head_bytes`) to the step's count. The planner's figures are for the full-size rank.
 
     .venv/bin/python benchmarks/rehearse_recipes.py [--recipes hlat-7b,...] [--budget-s 3600]
 
@@ -88,7 +88,7 @@ class Rank:
 
     def memory(self) -> dict[str, float]:
         measured = {k: self.line(lambda r, k=k: r["memory"][k]["measured"]) for k in STATES}
-        if self.layout.parallel.stages() - 1 in self.stages:  # the schedule keeps every micro-batch's logits
+        if self.layout.parallel.stages() - 1 in self.stages:  # GPipe keeps every micro-batch's head
             measured["activations"] += head_bytes(self.work, self.layout, self.step) - head_bytes(
                 self.work, self.layout, self.micro)
         return measured

@@ -1,9 +1,12 @@
-"""model.doc_mask: a packed row gives every document the logits it gets when run alone."""
+"""model.doc_mask: a packed row gives every document the logits it gets when run alone; FlexAttention's block mask
+(CUDA's kernel) allows what the dense mask (the CPU's) allows."""
 
 import json
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import flex_attention
 
 from hlat.data.config import DataConfig
 from hlat.data.packing import build_stream
@@ -11,6 +14,7 @@ from hlat.data.sources import one_source
 from hlat.data.tokenizer import train_bpe
 from hlat.models import build_model
 from hlat.models.config import model_config
+from hlat.models.layers import dense_document_mask, document_block_mask, document_mask
 
 DOCS = [f"def f{i}(x):\n    return x * {i} + {'y' * (i % 9)}\n" for i in range(60)]
 
@@ -49,3 +53,40 @@ def test_packed_documents_match_running_alone(batches, family, packing):
                 n_docs += 1
                 differs += not torch.allclose(plain[row, where], alone)
     assert n_docs > 6 and differs > 3  # several documents per row, and without the mask they would differ
+
+
+def packed_doc_ids(lengths: list[list[int]]) -> torch.Tensor:
+    return torch.stack([torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row)) for row in lengths])
+
+
+# Rows of 384 tokens: three of FlexAttention's 128-token blocks, documents starting inside and across them.
+LENGTHS = [[100, 200, 84], [128, 256], [30, 30, 300, 24]]
+
+
+def test_block_mask_keeps_exactly_the_blocks_the_dense_mask_needs():
+    """The block mask CUDA's FlexAttention runs from (built on the CPU here) lists a block of 128 x 128 scores
+    exactly where the dense mask allows any of them, and its mask function is the dense mask elementwise."""
+    doc_ids = packed_doc_ids(LENGTHS)
+    dense = dense_document_mask(doc_ids)[:, 0]
+    block_mask = document_block_mask(doc_ids)
+    blocks = dense.unflatten(1, (3, 128)).unflatten(3, (3, 128)).any(4).any(2)
+    assert torch.equal(block_mask.to_dense()[:, 0].bool(), blocks)
+    index = torch.arange(384)
+    elementwise = block_mask.mask_mod(torch.arange(3)[:, None, None], 0, index[None, :, None], index[None, None, :])
+    assert torch.equal(elementwise, dense)
+    assert blocks.sum() == 3 * 6 - 2  # the second row's later blocks of queries skip its first document's keys
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_attention_forward_equals_sdpa_with_the_dense_mask():
+    """FlexAttention's forward on the CPU (eager: it has no backward pass here, which is why the CPU keeps the
+    dense mask) with the block mask gives SDPA's output with the dense mask, grouped-query heads included. float64:
+    the two differ by the order of sums over at most 384 keys, 2^-53 each, far below 1e-12."""
+    doc_ids = packed_doc_ids(LENGTHS)
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 4, 384, 16, generator=generator, dtype=torch.float64)
+    k, v = (torch.randn(3, 2, 384, 16, generator=generator, dtype=torch.float64) for _ in range(2))
+    flex = flex_attention(q, k, v, block_mask=document_block_mask(doc_ids), enable_gqa=True)
+    dense = F.scaled_dot_product_attention(q, k, v, attn_mask=dense_document_mask(doc_ids), enable_gqa=True)
+    torch.testing.assert_close(flex, dense, rtol=1e-12, atol=1e-12)
+    assert isinstance(document_mask(doc_ids), torch.Tensor)  # the CPU's choice: the dense mask

@@ -116,6 +116,9 @@ def expected_collectives(job: dict, stages: list[int]) -> dict[tuple[str, str], 
     # reduce-scatters out of them, and the same again in backward; the embedding reduce-scatters its output (and
     # gathers its gradient), the output projection gathers its input (and reduce-scatters its gradient)
     gathers = m * (4 * blocks + first + last)
+    # the vocabulary-parallel loss: per micro-batch (one chunk of model.loss_chunk tokens) each rank's log-sum-exp
+    # and target logit per token, gathered from every rank
+    loss_gathers, loss_gathered = last * m, last * m * tp * 2 * seq * 4
     sends = m * sum((s != n_stages - 1) + (s != 0) for s in stages)  # activations forward, gradients back
     params = tp_rank_params(job, stages)
     units = blocks + first + last  # fully_shard units with parameters: each block, and a first or last stage's rest
@@ -124,16 +127,15 @@ def expected_collectives(job: dict, stages: list[int]) -> dict[tuple[str, str], 
     tp_sharded = (5 if replicated_kv else 7) * blocks + first + last  # parameters whose gradient tp splits
     n_params = 9 * blocks + first + 2 * last
     return {
-        ("all_gather", "tp"): (gathers, gathers * activation),
+        ("all_gather", "tp"): (gathers + loss_gathers, gathers * activation + loss_gathered),
         ("reduce_scatter", "tp"): (gathers, gathers * activation),
         ("send", "pp"): (sends, sends * seq // tp * d * 4), ("recv", "pp"): (sends, sends * seq // tp * d * 4),
         ("all_gather", "dp_shard"): (units, params * 4), ("reduce_scatter", "dp_shard"): (units, params * 4),
         # FSDP all-reduces the gradient shards over the replicate dimension, here of one rank
         ("all_reduce", "dp_replicate"): (units, params * 4 / dp),
         # the norms' weight gradients (partial over tp under sequence parallelism), the replicated K and V
-        # weights' gradients, the vocabulary-parallel loss (max, sum and target logit per token and micro-batch),
-        # and clipping: one norm per gradient tp splits
-        ("all_reduce", "tp"): (None, 4 * ((2 * blocks + last) * d + kv_grads + last * m * 3 * seq + tp_sharded)),
+        # weights' gradients, and clipping: one norm per gradient tp splits
+        ("all_reduce", "tp"): (None, 4 * ((2 * blocks + last) * d + kv_grads + tp_sharded)),
         ("all_reduce", "dp_shard"): (None, 4 * n_params),  # clipping: every gradient is FSDP's shard
         ("all_reduce", "pp"): (1, 4),  # the squared gradient norm summed over the stages
         ("all_reduce", "world"): (1, 12),  # the step's loss and its stop and save flags

@@ -157,8 +157,8 @@ def run_rank(setup: Rehearsal, rank: int, run_dir: str) -> dict:
 
 
 def stage_shapes(cfg: Config) -> StageShapes:
-    hidden, compute = dtypes(cfg.precision.mode)
-    return StageShapes(cfg.train.micro_batch, cfg.train.seq_len, hidden, compute)
+    hidden, _ = dtypes(cfg.precision.mode)
+    return StageShapes(cfg.train.micro_batch, cfg.train.seq_len, hidden)
 
 
 def check_fits(setup: Rehearsal, topo: Topology, model, plan: RankPlan, device: torch.device) -> None:

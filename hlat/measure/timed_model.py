@@ -19,7 +19,6 @@ from hlat.measure.options import Options
 from hlat.measure.timing import timed_on_every_rank
 from hlat.models import build_model, materialize
 from hlat.models.layers import document_mask
-from hlat.models.loss import cross_entropy
 from hlat.optim.precision import autocast, prepare_model
 from hlat.parallel.data import apply_data_parallel, sync_gradients
 from hlat.parallel.recompute import apply_recomputation
@@ -128,8 +127,8 @@ def block_step(timed_model: TimedModel) -> None:
 def ends_step(timed_model: TimedModel) -> None:
     with loss_parallel() if timed_model.tp > 1 else contextlib.nullcontext():
         with autocast(timed_model.precision, timed_model.device):
-            logits = timed_model.rest(timed_model.tokens, doc_ids=timed_model.doc_ids)
-        cross_entropy(logits, timed_model.tokens).backward()
+            loss = timed_model.rest(timed_model.tokens, doc_ids=timed_model.doc_ids, targets=timed_model.tokens)
+        loss.backward()
 
 
 def embedding_step(timed_model: TimedModel) -> None:

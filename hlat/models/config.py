@@ -32,6 +32,10 @@ class ModelConfig:
     # attend only within each packed document, positions restarting per document (the loader then also
     # yields doc_ids and positions)
     doc_mask: bool = False
+    # tokens per chunk of the output layer and loss: the loss and its gradients are computed chunk by chunk from
+    # the hidden states, never holding the [tokens, vocab] logits (hlat.models.loss.linear_cross_entropy);
+    # 0 = the whole logits at once (the plain path, for comparison)
+    loss_chunk: int = 2048
 
     # --- derived shapes -------------------------------------------------------------------------
     @property
@@ -57,6 +61,8 @@ class ModelConfig:
         for field in ("dim", "n_layers", "n_heads", "ffn_dim", "vocab_size", "max_seq_len"):
             if getattr(self, field) <= 0:
                 raise bad(field, f"must be positive, got {getattr(self, field)}")
+        if self.loss_chunk < 0:
+            raise bad("loss_chunk", f"must be >= 0 (0: the whole logits at once), got {self.loss_chunk}")
         if self.n_kv_heads < 0:
             raise bad("n_kv_heads", f"must be >= 0, got {self.n_kv_heads}")
         if self.dim % self.n_heads:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 
@@ -9,9 +10,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from hlat.models.config import ModelConfig
 from hlat.models.kv_cache import KVCache, LayerCache
+from hlat.models.loss import cross_entropy, linear_cross_entropy
 
 
 def rope_table(cfg: ModelConfig, device: torch.device | str | None = None) -> torch.Tensor:
@@ -39,11 +42,43 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     return x * cos + swapped * sin
 
 
-def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+def document_mask(doc_ids: torch.Tensor) -> torch.Tensor | BlockMask:
+    """Where a query may attend a key in rows of packed documents (`doc_ids` [batch, seq]): causal, and both in
+    the same document. On CUDA a FlexAttention BlockMask, so attention skips the other documents' blocks and no
+    [seq, seq] mask exists; elsewhere a dense [batch, 1, seq, seq] bool mask for SDPA (FlexAttention has no
+    backward pass on the CPU). `Attention` runs whichever kernel the mask is for."""
+    if doc_ids.device.type == "cuda":
+        return document_block_mask(doc_ids)
+    return dense_document_mask(doc_ids)
+
+
+def dense_document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     """[batch, 1, seq, seq], True where a query may attend a key: causal, and both in the same document."""
     seq = doc_ids.shape[1]
     causal = torch.ones(seq, seq, dtype=torch.bool, device=doc_ids.device).tril()
     return ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal).unsqueeze(1)
+
+
+def document_block_mask(doc_ids: torch.Tensor) -> BlockMask:
+    """`dense_document_mask` as FlexAttention's block-sparse mask, one for every head (so a tensor-parallel
+    rank's local heads use it as it is)."""
+    def same_document_causal(batch, head, query, key):
+        return (doc_ids[batch, query] == doc_ids[batch, key]) & (query >= key)
+
+    batch, seq = doc_ids.shape
+    return create_block_mask(same_document_causal, batch, None, seq, seq, device=doc_ids.device)
+
+
+def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask, gqa: bool) -> torch.Tensor:
+    """flex_attention, compiled as it must be (uncompiled it materialises the whole score matrix): traced into
+    the graph of a compiled block (`parallel.compile`), else compiled once per process."""
+    kernel = flex_attention if torch.compiler.is_compiling() else compiled_flex_attention()
+    return kernel(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+
+
+@functools.cache
+def compiled_flex_attention():
+    return torch.compile(flex_attention)
 
 
 class Attention(nn.Module):
@@ -68,8 +103,11 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if cache is not None:  # generation: attend to the cached keys and values of earlier positions too
             k, v = cache.store(k, v)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                             enable_gqa=k.shape[1] != q.shape[1])
+        gqa = k.shape[1] != q.shape[1]
+        if isinstance(mask, BlockMask):
+            out = flex(q, k, v, mask, gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).flatten(-2))
 
 
@@ -169,10 +207,13 @@ class Transformer(nn.Module):
         self.register_buffer("rope", rope_table(cfg), persistent=False)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                doc_ids: torch.Tensor | None = None, cache: KVCache | None = None) -> torch.Tensor:
+                doc_ids: torch.Tensor | None = None, cache: KVCache | None = None,
+                targets: torch.Tensor | None = None, reduction: str = "mean") -> torch.Tensor:
         """tokens [batch, seq] (or hidden states); `positions` [batch, seq] index the rotary table (packed
         documents restart at 0); with `doc_ids` [batch, seq] a token attends only within its document.
-        With a `cache` (generation), tokens continue the sequence the cache holds (see hlat.models.generate)."""
+        With a `cache` (generation), tokens continue the sequence the cache holds (see hlat.models.generate).
+        Returns the logits, or with `targets` [batch, seq] (-100: ignored) the loss (`loss`); a part without the
+        output layer (a pipeline stage) returns its hidden states and leaves the targets to the last one."""
         h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
         if cache is not None:
             positions, mask = cache.positions_and_mask(tokens.shape[1])
@@ -188,7 +229,17 @@ class Transformer(nn.Module):
             cache.advance(tokens.shape[1])
         if self.norm is not None:
             h = self.norm(h)
-        return h if self.output is None else self.output(h)
+        if self.output is None:
+            return h
+        return self.output(h) if targets is None else self.loss(h, targets, reduction)
+
+    def loss(self, h: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        """The token cross-entropy of the final norm's output `h` (fp32 scalar, "mean" over the counted targets or
+        "sum"): chunk by chunk from the output weight with `model.loss_chunk` (never holding the logits), else
+        from the whole logits. Either way vocabulary-parallel under tensor parallelism, and a plain tensor."""
+        if self.cfg.loss_chunk:
+            return linear_cross_entropy(h, self.output.weight, targets, reduction, self.cfg.loss_chunk)
+        return cross_entropy(self.output(h), targets, reduction)
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:

@@ -2,8 +2,9 @@
 
 Attention and MLP input projections are column-parallel and output projections row-parallel, so each block
 needs one all-gather and one reduce-scatter (sequence parallel) or one all-reduce. The embedding is
-vocabulary-parallel, and the output projection keeps the logits sharded over the vocabulary: the loss is
-computed under `loss_parallel()`, so full logits are never gathered.
+vocabulary-parallel, and so is the loss: the chunked loss (hlat.models.loss.linear_cross_entropy) takes the
+output weight's local rows, and with `model.loss_chunk = 0` the output projection keeps the logits sharded over
+the vocabulary for a loss under `loss_parallel()`; full logits are never gathered.
 """
 
 from __future__ import annotations

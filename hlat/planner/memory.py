@@ -2,7 +2,8 @@
 parallelism and pipeline schedule (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
 Transformer Models"), and a fixed framework overhead. Everything is for the busiest device: the first pipeline
 stage, which holds the most micro-batches in flight, charged with what the last stage's head keeps as well (the
-final norm, the output projection's input and the logits)."""
+final norm, and the loss's gradients computed in forward or, without chunks, the output projection's input and the
+logits)."""
 
 from __future__ import annotations
 
@@ -158,19 +159,26 @@ def in_flight(layout: Layout, microbatches: int) -> float:
 
 
 def head_bytes(work: Workload, layout: Layout, microbatches: int, stack: str = "hlat") -> float:
-    """What the last stage's head keeps for backward: the final norm's input and output (on a sequence shard
-    under sequence parallelism, like a block's norms), the output projection's input (all-gathered, at full
-    size, under sequence parallelism), and the logits (vocabulary-parallel across tp): one micro-batch's in the
-    compute dtype and in fp32 for the loss, and under a pipeline schedule every micro-batch's output, which
-    torch's schedules keep until the step ends. A Megatron-style stack: the one micro-batch's logits."""
+    """What the last stage's head keeps for backward, for each micro-batch between its forward and its backward
+    there (every one under GPipe, one under the 1F1B schedules and without a pipeline): the final norm's input and
+    output (on a sequence shard under sequence parallelism, like a block's norms), and with the chunked loss
+    (`model.loss_chunk`) the gradients it computed in forward, for the output projection's input (every token, in
+    the residual stream's dtype) and for the output weight (its vocabulary rows, fp32); with the whole logits
+    (`loss_chunk = 0`) the output projection's input (all-gathered under sequence parallelism) and the logits
+    (vocabulary-parallel across tp) in the compute dtype and in fp32 for the loss. A Megatron-style stack: the
+    one micro-batch's logits."""
     model, t = work.model, layout.tp
     tokens = work.seq_len * layout.micro_batch
     if stack != "hlat":
         return (work.compute_bytes + 4) * tokens * model.vocab_size / t
     s, r = tokens * model.dim * work.compute_bytes, tokens * model.dim * work.mode.weight_bytes
     norm = (2 if model.family == "llama" else 1) * r / (t if layout.sequence_parallel else 1)
-    kept = microbatches if layout.pp > 1 else 1
-    return norm + s + (work.compute_bytes * kept + 4) * tokens * model.vocab_size / t
+    if model.loss_chunk:
+        loss = r + 4 * model.vocab_size * model.dim / t
+    else:
+        loss = s + (work.compute_bytes + 4) * tokens * model.vocab_size / t
+    waiting = microbatches if layout.pp > 1 and layout.pp_schedule == "gpipe" else 1
+    return waiting * (norm + loss)
 
 
 def blocks_activation_bytes(work: Workload, layout: Layout, hw: HardwareProfile, layers: float) -> float:
@@ -192,13 +200,14 @@ def rebuilt_bytes(work: Workload, layout: Layout, hw: HardwareProfile) -> float:
 
 def cast_bytes(work: Workload, layout: Layout, layers: int, output: bool) -> float:
     """bf16_mixed: the bf16 copy autocast makes of every parameter a matmul reads (`layers` blocks' but their
-    norms, and the output projection's), kept for backward by the forward passes that share it (a step's, under a
-    pipeline schedule; one micro-batch's otherwise)."""
+    norms, and with the whole logits, `model.loss_chunk = 0`, the output projection's: the chunked loss casts it
+    for its forward alone), kept for backward by the forward passes that share it (a step's, under a pipeline
+    schedule; one micro-batch's otherwise)."""
     if work.precision != "bf16_mixed":
         return 0.0
     model, bf16 = work.model, 2
     norms = (2 if model.family == "llama" else 4) * model.dim
-    projection = model.vocab_size * model.dim / layout.tp if output else 0.0
+    projection = model.vocab_size * model.dim / layout.tp if output and not model.loss_chunk else 0.0
     return bf16 * (layers * (layer_params_per_device(model, layout.tp) - norms) + projection)
 
 

@@ -27,7 +27,6 @@ from hlat.data.packing import DataStream, Ranks, build_stream
 from hlat.data.sources import Source, resolve_sources, source_files
 from hlat.data.tokenizer import get_tokenizer
 from hlat.models import build_model, count_params
-from hlat.models.loss import cross_entropy
 from hlat.optim import build_optimizer
 from hlat.optim.fp8 import convert_blocks, fp8_support, precompute_scales_after_step
 from hlat.optim.precision import autocast, prepare_model
@@ -199,8 +198,7 @@ def build_parts(cfg: Config, inputs: RunInputs, topo: Topology, shapes: StageSha
     return Model(
         parts=parts,
         optimizers=optimizers,
-        schedule=(build_schedule(stages, topo, inputs.device, per_rank, cross_entropy, shapes) if layout.pp > 1
-                  else None),
+        schedule=build_schedule(stages, topo, inputs.device, per_rank, shapes) if layout.pp > 1 else None,
         first_stage=any(sid == 0 for sid, _ in stages), last_stage=any(sid == n_stages - 1 for sid, _ in stages),
         sharded_grads=layout.dp_shard > 1 and not layout.zero1,
         autocast=autocast(cfg.precision.mode, inputs.device),

@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 from rich.console import Console
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from hlat import HlatError
 from hlat.data.packing import DataStream
@@ -36,7 +35,6 @@ from hlat.train.health import Health
 from hlat.train.metrics import StepReport
 from hlat.train.saving import Checkpoints
 from hlat.train.validation import Validation
-from hlat.models.loss import cross_entropy
 
 
 @dataclass
@@ -82,10 +80,6 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
 
 
-def plain(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 @dataclass
 class Model:
     """The model parts (pipeline stages) this rank holds, their optimizers, and how a step runs them."""
@@ -97,7 +91,7 @@ class Model:
     last_stage: bool
     sharded_grads: bool  # FSDP keeps only its shard of the gradients
     autocast: contextlib.AbstractContextManager  # the precision mode's forward context
-    loss_context: Callable  # loss_parallel under tensor parallelism (the logits stay sharded), else a null context
+    loss_context: Callable  # loss_parallel under tensor parallelism (model.loss_chunk = 0: sharded logits), else null
 
     @functools.cached_property
     def params(self) -> list[nn.Parameter]:  # the parts do not change after build_parts
@@ -254,27 +248,27 @@ def forward_backward(model: Model, micro: list[dict], device: torch.device) -> t
     total = torch.zeros((), device=device)
     for i, batch in enumerate(micro):
         sync_gradients(model.parts[0], model.sharded_grads, last_micro_batch=i == len(micro) - 1)
-        targets = batch.pop("targets")
         with model.loss_context():
-            with model.autocast:
-                logits = model.parts[0](batch.pop("inputs"), **batch)  # extra keys (positions...) go to the model
-            loss = cross_entropy(logits, targets) / len(micro)
+            with model.autocast:  # the model computes the loss (extra keys, positions..., go to it too)
+                loss = model.parts[0](batch.pop("inputs"), **batch) / len(micro)
             loss.backward()
-        total += plain(loss.detach())
+        total += loss.detach()
     return total
 
 
 def pipelined_forward_backward(model: Model, micro: list[dict], device: torch.device) -> torch.Tensor:
-    """The micro-batches through the pipeline schedule: the first stage feeds the inputs, the last computes the
-    loss (and returns the micro-batches' mean loss; the other stages return 0)."""
+    """The micro-batches through the pipeline schedule: the first stage feeds the inputs, the last is given the
+    targets and returns each micro-batch's loss (the schedule's loss_fn passes it on); the mean of those on the
+    last stage, 0 on the others."""
     inputs = torch.cat([b["inputs"] for b in micro]) if model.first_stage else None
     targets = torch.cat([b["targets"] for b in micro]) if model.last_stage else None
     microbatch_losses: list[torch.Tensor] = []
     with model.autocast, model.loss_context():
-        model.schedule.step(*([inputs] if model.first_stage else []), target=targets, losses=microbatch_losses)
+        model.schedule.step(*([inputs] if model.first_stage else []), target=targets, losses=microbatch_losses,
+                            return_outputs=False, **({"targets": targets} if model.last_stage else {}))
     if not model.last_stage:
         return torch.zeros((), device=device)
-    return torch.stack([plain(loss.detach()) for loss in microbatch_losses]).mean()
+    return torch.stack([loss.detach() for loss in microbatch_losses]).mean()
 
 
 def reduce_step(topo: Topology, local_loss: torch.Tensor, stop_requested: bool, save_written: bool

@@ -16,13 +16,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from hlat import HlatError
 from hlat.data.packing import IGNORE, rows_to_batch
 from hlat.data.sources import Source, held_out, iter_documents, resolve_paths, resolve_sources, source_files
 from hlat.data.tokenizer import Tokenizer
-from hlat.models.loss import cross_entropy
 from hlat.train.config import Config
 
 
@@ -87,13 +85,9 @@ def evaluate(model: nn.Module, batches: list[dict[str, torch.Tensor]], device: t
     count = 0
     for batch in batches:
         batch = {k: t.to(device) for k, t in batch.items()}
-        targets = batch.pop("targets")
-        with loss_context():
-            with autocast:
-                logits = model(batch.pop("inputs"), **batch)
-            loss = cross_entropy(logits, targets, reduction="sum")
-        total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).double()
-        count += int((targets != IGNORE).sum())
+        with loss_context(), autocast:
+            total += model(batch.pop("inputs"), reduction="sum", **batch).double()
+        count += int((batch["targets"] != IGNORE).sum())
     return Evaluation(total.item() / count, count)
 
 
