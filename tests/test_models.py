@@ -87,6 +87,17 @@ def test_init_std():
             assert abs(p.mean().item()) < want / 10, name
 
 
+def test_the_seed_sets_every_initial_weight():
+    """Each parameter draws from a generator of its own, keyed by the run's seed and its name: another seed changes
+    every random weight, the same seed gives the same ones (torch's CPU generator keeps 32 bits of a seed)."""
+    cfg = small("llama")
+    runs = [dict(materialize(build_model(cfg), "cpu", seed).named_parameters()) for seed in (0, 1, 1)]
+    for name, p in runs[0].items():
+        if "norm" not in name:
+            assert not torch.equal(p, runs[1][name]), name
+        assert torch.equal(runs[1][name], runs[2][name]), name
+
+
 def reference_partial_rope(x, positions, head_dim, rotary_dim, theta):
     """Slice out the rotated dimensions (first rotary_dim/2 of each half in hlat's layout), rotate them the
     usual rotate-half way in float64 and concatenate them back with the passed-through ones."""

@@ -144,7 +144,9 @@ def initial_value(param: torch.Tensor, name: str, std: float, seed: int) -> torc
     full = torch.empty(param.shape, dtype=torch.float32)
     if std in (0.0, 1.0):
         return full.fill_(std)
-    generator = torch.Generator().manual_seed(seed * 2**32 + zlib.crc32(name.encode()))
+    # torch's CPU generator keeps only the low 32 bits of its seed: the run's seed is mixed into them (seed 0 keeps
+    # each parameter's crc32), so that train.seed changes every weight
+    generator = torch.Generator().manual_seed((zlib.crc32(name.encode()) + seed * 0x9E3779B1) % 2**32)
     return full.normal_(0.0, std, generator=generator)
 
 
