@@ -1,16 +1,23 @@
 #!/usr/bin/env bash
-# The GPU suite on a lent GPU machine, unattended: installs the wheels carried in .whl/ (torchao, torchtitan and
-# what they need beyond the machine's image: docs/devices.md), then runs the parts asked for (default: speed) and
-# writes everything into OUT (suite.log beside the parts' files).
+# The GPU suite on a lent GPU machine, unattended (docs/devices.md, "The GPU suite"): installs the wheels carried
+# in .whl/ (torchao, torchtitan and what they need beyond the machine's image), then runs each part asked for
+# (default: speed, 7b, figure; about 5 minutes each, --budget-s PART=SECONDS to change one) and after each part
+# packs everything it wrote into OUT/suite.tar.gz, beside the parts' tables (OUT/PART.md) and OUT/suite.log:
+# a part cut short still leaves what the earlier ones measured.
 #
-#     bash benchmarks/gpu_suite.sh "$OUT" speed --budget-s 280
+#     bash benchmarks/gpu_suite.sh "$OUT" speed 7b figure
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?usage: gpu_suite.sh OUT [PART] [suite options]}; shift
-part=${1:-speed}; shift || true
-mkdir -p "$out"
+out=${1:?usage: gpu_suite.sh OUT [PART ...]}; shift
+parts=("$@"); [ ${#parts[@]} -gt 0 ] || parts=(speed 7b figure)
+results=/tmp/hlat-gpu-suite/results
+rm -rf "$results"; mkdir -p "$results" "$out"
 {
     source benchmarks/gpu_setup.sh || exit 1
-    python3 -c "import torchao, torchtitan; print('torchao', torchao.__version__)"
-    python3 benchmarks/gpu_suite.py "$part" --out "$out" "$@"
+    python3 -c "import torchao; print('torchao', torchao.__version__)"
+    for part in "${parts[@]}"; do
+        python3 benchmarks/gpu_suite.py "$part" --out "$results" ${SUITE_ARGS:-}
+        tar czf "$out/suite.tar.gz" -C "$results" .
+        cp "$results"/*.md "$out"/ 2>/dev/null
+    done
 } 2>&1 | tee "$out/suite.log"
