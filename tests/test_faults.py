@@ -360,6 +360,75 @@ def test_supervisor_restarts_after_kill_9_bit_exact_and_leaves_nothing_behind(np
     assert not session_processes(supervisor.pid) and not [p for p in doomed if alive(p)]
 
 
+def launch_rendered_torchrun(cfg_file: Path, port: int) -> list[str]:
+    """The `hlat torchrun` command `hlat launch` renders into a SLURM script for this config (2 ranks on 1 node,
+    2 restarts), with its rendezvous on this host."""
+    done = subprocess.run([sys.executable, "-m", "hlat", "launch", "--config", str(cfg_file), "--target", "slurm",
+                           "--nodes", "1", "--nproc-per-node", "2", "--cluster.max_restarts", "2"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    line = next(line for line in done.stdout.splitlines() if line.startswith("srun hlat torchrun"))
+    line = line.replace('"$head_node:29500"', f"127.0.0.1:{port}").replace('"$SLURM_JOB_ID"', "7")
+    return [sys.executable, "-m", "hlat", *line.removesuffix(" &").split()[2:]]  # the script runs it in the background
+
+
+def restarting_torchrun(cfg_file: Path) -> list[str]:
+    return [sys.executable, "-m", "hlat", "torchrun", "--standalone", "--nproc-per-node=2", "--max-restarts=2", "-m",
+            "hlat", "train", "--config", str(cfg_file)]
+
+
+@pytest.fixture(scope="module")
+def restart_job(tmp_path_factory) -> tuple[Path, object]:
+    """A 2-rank job of 10 steps checkpointing every 3, and its uninterrupted run (in reference/ beside it)."""
+    root = tmp_path_factory.mktemp("restart")
+    cfg = config(root / "run", steps=10, decay_steps=10, ckpt_every=3)
+    cfg.data.workers = 0
+    cfg_file = write_config(root / "c.toml", cfg)
+    done = subprocess.run([*restarting_torchrun(cfg_file), "--train.run_dir", str(root / "reference")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return cfg_file, cfg
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launched", ["hlat torchrun", "as hlat launch renders it"])
+def test_torchrun_restarts_a_killed_worker_in_place_bit_exact(launched, restart_job, tmp_path):
+    """kill -9 of one rank of a 2-rank job that torchrun restarts in place (--max-restarts, no supervisor): the
+    new attempt forms its process group (each attempt in its own namespace of the job's store), continues the run
+    from its last checkpoint although its command line has no --resume, and ends with an uninterrupted run's
+    losses and weights."""
+    cfg_file, cfg = restart_job
+    run = tmp_path / "run"
+    command = (restarting_torchrun(cfg_file) if launched == "hlat torchrun"
+               else launch_rendered_torchrun(cfg_file, free_port()))
+    job = subprocess.Popen([*command, "--train.run_dir", str(run)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, start_new_session=True)
+    try:
+        metrics, deadline = run / "metrics.jsonl", time.time() + 120
+        while (not metrics.exists() or len(metrics.read_text().splitlines()) < 5) and time.time() < deadline:
+            time.sleep(0.05)
+        os.kill(children(job.pid)[-1], signal.SIGKILL)  # one worker (the job is torchrun itself)
+        out, _ = job.communicate(timeout=300)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == 0, out[-5000:]
+    assert "resumed from" in out and "Connection refused" not in out
+    reference = cfg_file.parent / "reference"
+    assert [(r["loss"], r["grad_norm"]) for r in strict_records(run)] == \
+        [(r["loss"], r["grad_norm"]) for r in strict_records(reference)]
+    weights, ref_weights = trained_state(run, cfg)[0], trained_state(reference, cfg)[0]
+    assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def two_ranks_training(tmp_path: Path, launcher: list[str], **fields) -> subprocess.Popen:
     """A 2-rank job (FSDP) of endless steps under `launcher`, once it has logged 2 steps."""
     cfg = config(tmp_path / "run", steps=10_000, decay_steps=10_000, **fields)

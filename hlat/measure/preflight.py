@@ -23,7 +23,6 @@ import contextlib
 import socket
 import time
 from collections.abc import Iterator
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -36,8 +35,8 @@ from hlat.measure.health import check_memory, mismatched_ranks, numerics_digest,
 from hlat.measure.options import Options
 from hlat.measure.report import Report, rounded
 from hlat.parallel.config import world_size_from_env
-from hlat.parallel.device import backend_for, pick_device
-from hlat.parallel.mesh import gather_objects
+from hlat.parallel.device import pick_device
+from hlat.parallel.mesh import gather_objects, start_process_group
 from hlat.planner.profiles import Measured
 
 
@@ -55,8 +54,7 @@ def process_group(device: torch.device, world: int) -> Iterator[None]:
     """Under torchrun, a process group for the run unless the caller has one already."""
     started_here = world > 1 and not dist.is_initialized()
     if started_here:
-        dist.init_process_group(backend_for(device), timeout=timedelta(minutes=5),
-                                device_id=None if device.type == "cpu" else device)
+        start_process_group(device, timeout_s=300, bind_device=True)
     try:
         yield
     finally:

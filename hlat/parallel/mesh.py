@@ -3,6 +3,7 @@ tensor-parallel peers are neighbouring ranks (the same node under torchrun's ran
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -46,12 +47,33 @@ def init_topology(cfg: ParallelConfig, device: torch.device, timeout_s: float = 
     if world_size_from_env() == 1 and not dist.is_initialized():
         return Topology(cfg, None)
     if not dist.is_initialized():
-        dist.init_process_group(backend_for(device), timeout=timedelta(seconds=timeout_s))
+        start_process_group(device, timeout_s)
     shape = tuple(getattr(cfg, d) for d in MESH_DIMS)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
     coord = dict(zip(MESH_DIMS, mesh.get_coordinate()))
     return Topology(cfg, mesh, rank=dist.get_rank(), pp_rank=coord["pp"], tp_rank=coord["tp"],
                     dp_rank=coord["dp_replicate"] * cfg.dp_shard + coord["dp_shard"])
+
+
+def restart_attempt() -> int:
+    """Which attempt of its torchrun job this worker is: 0, or n after torchrun restarted the workers n times in
+    place (--max-restarts)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def start_process_group(device: torch.device, timeout_s: float, bind_device: bool = False) -> None:
+    """The default process group of a torchrun job (the backend of `device`'s type), formed in a namespace of this
+    attempt's own in the job's store; `bind_device`: its communicators are made at once, on `device` (preflight).
+
+    torchrun keeps one store for the whole job, and restarting the workers in place leaves the dead attempt's keys
+    in it: a rank of the new attempt could read a peer's old address before the peer wrote its new one, and gloo
+    then fails to connect ("Connection refused", pytorch/pytorch#167288; NCCL is reported alike). Here 5 of 10
+    restarted 2-rank gloo jobs failed so, 0 of 20 with the namespace."""
+    timeout = timedelta(seconds=timeout_s)
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    dist.init_process_group(backend_for(device), store=dist.PrefixStore(f"hlat/attempt{restart_attempt()}", store),
+                            rank=rank, world_size=world_size, timeout=timeout,
+                            device_id=device if bind_device and device.type != "cpu" else None)
 
 
 def gather_objects(obj) -> list:

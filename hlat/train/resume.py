@@ -11,6 +11,7 @@ from torch import nn
 from hlat import HlatError
 from hlat.config import to_dict
 from hlat.optim.schedule import lr_at
+from hlat.parallel.mesh import restart_attempt
 from hlat.train.checkpoint import (CONFIG_FILE, DamagedCheckpoint, latest_checkpoint, newest_good_checkpoint,
                                    verified_checkpoint)
 from hlat.train.config import Config, load_config
@@ -67,8 +68,10 @@ def find_resume_checkpoint(cfg: Config) -> tuple[Path | None, list[DamagedCheckp
     """The checkpoint to resume from, and the damaged checkpoints passed over to find it.
 
     `--resume auto` takes the newest checkpoint that verifies against its manifest (none: start fresh if the
-    run has no checkpoint at all); a checkpoint named explicitly is verified and refused if damaged."""
-    resume = cfg.train.resume
+    run has no checkpoint at all); a checkpoint named explicitly is verified and refused if damaged. A worker that
+    torchrun restarted in place runs the command line its run started with: it continues that run (auto), rather
+    than being refused the checkpoints its first attempt wrote."""
+    resume = cfg.train.resume or ("auto" if restart_attempt() else "")
     if not resume:
         if latest_checkpoint(cfg.train.run_dir):  # never overwrite a run's checkpoints by starting afresh
             raise HlatError(f"train.run_dir: {cfg.train.run_dir} already holds checkpoints; continue it with "
