@@ -34,7 +34,7 @@ from pathlib import Path
 from results_io import RESULTS, markdown_table, write_results
 
 from hlat.planner.cli import run_sample
-from hlat.planner.profiles import load_profile
+from hlat.profiles import load_profile
 from hlat.planner.timing import step_time
 
 CPU_LAYOUTS = {  # name: (processes, overrides)

@@ -88,7 +88,7 @@ def test_files_sharding_gives_each_data_parallel_rank_its_own_files(tmp_path):
     the files, takes its micro-batches of each step from its own stream, and keeps its own data state."""
     from hlat.parallel.config import ParallelConfig
     from hlat.parallel.mesh import Topology
-    from hlat.train.config import build_config
+    from hlat.config.job import build_config
     from hlat.train.loop import open_stream
     from hlat.train.trainer import Batches
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from hlat.cli import main
-from hlat.train import files
+from hlat import files
 from hlat.train.checkpoint import complete_checkpoints, verify_checkpoint
 from hlat.train.metrics import MetricsLog
 from test_faults import write_config

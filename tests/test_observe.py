@@ -22,7 +22,7 @@ from hlat.models.generate import generate, next_token
 from hlat.models.hf import write_hf_dir
 from hlat.models.kv_cache import KVCache
 from hlat.train.checkpoint import complete_checkpoints, verify_checkpoint
-from hlat.train.config import build_config
+from hlat.config.job import build_config
 from hlat.tools.inference import load_trained
 from hlat.train.loop import train
 

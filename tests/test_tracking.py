@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hlat.cli import main
-from hlat.train.config import build_config
+from hlat.config.job import build_config
 from hlat.train.loop import train
 
 CORPUS = os.path.join(os.path.dirname(json.__file__), "*.py")

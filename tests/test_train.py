@@ -10,7 +10,7 @@ import torch
 from hlat.cli import main
 from hlat.models import build_model, materialize
 from hlat.train.checkpoint import complete_checkpoints, load_checkpoint
-from hlat.train.config import build_config
+from hlat.config.job import build_config
 from hlat.train.loop import train
 
 CORPUS = os.path.join(os.path.dirname(json.__file__), "*.py")  # a few real files, on every machine

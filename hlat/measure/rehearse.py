@@ -37,9 +37,9 @@ from hlat.parallel.device import pick_device
 from hlat.parallel.pipeline import StageShapes
 from hlat.planner.layout import Layout, Workload
 from hlat.planner.memory import GIB
-from hlat.planner.profiles import HardwareProfile, load_profile
+from hlat.profiles import HardwareProfile, load_profile
 from hlat.planner.rehearsal import RankPlan, rank_plan, rank_traffic
-from hlat.train.config import Config
+from hlat.config.job import Config
 from hlat.train.goodput import Goodput
 from hlat.train.health import Health
 from hlat.train.loop import RunInputs, build_parts

@@ -15,7 +15,7 @@ from pathlib import Path
 from hlat import HlatError
 from hlat.config import load_toml
 from hlat.planner.layout import Layout, Workload
-from hlat.planner.profiles import FACTORS, Fit, HardwareProfile
+from hlat.profiles import FACTORS, Fit, HardwareProfile
 from hlat.planner.timing import step_time
 
 

@@ -9,7 +9,7 @@ from typing import Iterator
 from hlat import HlatError
 from hlat.planner.layout import Layout, Workload, layout_problem
 from hlat.planner.memory import Memory, memory
-from hlat.planner.profiles import HardwareProfile
+from hlat.profiles import HardwareProfile
 from hlat.planner.timing import StepTime, step_time
 
 OBJECTIVES = ("tokens_per_s", "tokens_per_dollar")

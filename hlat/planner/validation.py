@@ -15,7 +15,7 @@ from pathlib import Path
 from hlat.models.config import model_config
 from hlat.planner.layout import Layout, Workload, layout_problem
 from hlat.planner.calibration import Sample, fit_factors
-from hlat.planner.profiles import FACTORS, HARDWARE_DIR, Fit, HardwareProfile, load_profile
+from hlat.profiles import FACTORS, HARDWARE_DIR, Fit, HardwareProfile, load_profile
 from hlat.planner.timing import step_time
 
 VALIDATION_DIR = Path(os.environ.get("HLAT_VALIDATION_DIR", HARDWARE_DIR.parent.parent / "shared" / "validation"))

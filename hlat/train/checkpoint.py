@@ -39,7 +39,7 @@ from torch.torch_version import TorchVersion
 
 from hlat import HlatError
 from hlat.parallel.mesh import gather_objects
-from hlat.train.files import (checkpoint_root, checkpoint_step, complete_checkpoints, latest_checkpoint,
+from hlat.files import (checkpoint_root, checkpoint_step, complete_checkpoints, latest_checkpoint,
                               refused_write)
 
 if TYPE_CHECKING:

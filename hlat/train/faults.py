@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from hlat import HANG_EXIT, HlatError
-from hlat.train.config import TrainConfig
-from hlat.train.files import WriteFailed, report_and_exit, write_text, writing
+from hlat.config.job import TrainConfig
+from hlat.files import WriteFailed, report_and_exit, write_text, writing
 
 
 class BadSteps:

@@ -29,7 +29,7 @@ from torch import nn
 
 from hlat.parallel import Topology
 from hlat.parallel.mesh import gather_objects
-from hlat.train.config import HealthConfig
+from hlat.config.job import HealthConfig
 
 
 class Stopwatch:

@@ -34,9 +34,9 @@ from hlat.parallel import ParallelConfig, Topology, init_topology, parallelize
 from hlat.parallel.device import pick_device
 from hlat.parallel.pipeline import StageShapes, build_schedule
 from hlat.train.checkpoint import DamagedCheckpoint, set_aside
-from hlat.train.config import Config
+from hlat.config.job import Config
 from hlat.train.faults import StopRequest, Watchdog
-from hlat.train.files import quiet_refused_writes_in_threads, write_text, writing
+from hlat.files import quiet_refused_writes_in_threads, write_text, writing
 from hlat.train.goodput import Goodput
 from hlat.train.health import Health
 from hlat.train.metrics import StepReport

@@ -15,8 +15,9 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from hlat.train.config import Config, CostConfig
-from hlat.train.files import append_text, write_text, writing
+from hlat.config.job import Config, CostConfig
+from hlat.files import append_text, write_text, writing
+from hlat.profiles import load_profile
 from hlat.train.tracking import numeric, open_trackers
 
 # Peak dense bf16 FLOP/s per device (vendor figures; dense, no sparsity). CPUs get a nominal figure (cores x
@@ -104,8 +105,6 @@ def resolve_cost(cfg: CostConfig, devices: int) -> Cost | None:
         return Cost(cfg.price_per_device_hour, devices, f"cost.price_per_device_hour = {cfg.price_per_device_hour}")
     if not cfg.hardware:
         return None
-    from hlat.planner.profiles import load_profile
-
     profile = load_profile(cfg.hardware)
     node_price = profile.price(cfg.pricing)
     per_device = node_price / profile.devices_per_node

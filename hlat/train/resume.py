@@ -13,8 +13,8 @@ from hlat.config import to_dict
 from hlat.optim.schedule import lr_at
 from hlat.train.checkpoint import (CONFIG_FILE, DamagedCheckpoint, latest_checkpoint, newest_good_checkpoint,
                                    verified_checkpoint)
-from hlat.train.config import Config, load_config
-from hlat.train.files import checkpoint_step
+from hlat.config.job import Config, load_config
+from hlat.files import checkpoint_step
 
 # What a resume may change without a word: where and how it runs, not what it computes.
 _UNWATCHED = {"data", "parallel", "cluster", "eval", "cost", "health", "tracking", "train.run_dir", "train.resume",

@@ -19,8 +19,8 @@ from hlat.parallel import Topology
 from hlat.parallel.mesh import gather_objects
 from hlat.train.best import BestCheckpoint
 from hlat.train.checkpoint import MANIFEST, Checkpointer, Snapshot, complete_checkpoints, latest_checkpoint
-from hlat.train.config import Config
-from hlat.train.files import checkpoint_step, free_bytes, size_text
+from hlat.config.job import Config
+from hlat.files import checkpoint_step, free_bytes, size_text
 from hlat.train.faults import weights_finite
 from hlat.train.goodput import Goodput
 

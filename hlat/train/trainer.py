@@ -28,7 +28,7 @@ from hlat.parallel.data import sync_gradients
 from hlat.parallel.grads import clip_grad_norm
 from hlat.train.checkpoint import (Snapshot, load_checkpoint, newest_good_checkpoint, resolve_checkpoint,
                                    set_aside)
-from hlat.train.config import Config
+from hlat.config.job import Config
 from hlat.train.faults import BadSteps, Watchdog, bad_step_action, poison_gradients
 from hlat.train.goodput import Goodput
 from hlat.train.health import Health

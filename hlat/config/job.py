@@ -1,5 +1,7 @@
 """The whole job's config: one typed dataclass per section, loaded from TOML plus command-line overrides and
-validated before any work starts."""
+validated before any work starts. The model, data, optimizer, precision and parallel sections are their packages'
+own (`hlat/<package>/config.py`); the training run's, evaluation's, cost's, cluster's, health's and tracking's are
+here. Torch-free, like the machinery it is built on (`hlat.config`)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from hlat.data.config import DataConfig
 from hlat.models.config import ModelConfig, preset_config
 from hlat.optim.config import OptimConfig, PrecisionConfig
 from hlat.parallel.config import ParallelConfig, check_layout, world_size_from_env
+from hlat.profiles import HardwareProfile, load_profile
 from hlat.resources import config_path
 
 
@@ -118,8 +121,6 @@ class ClusterConfig:
         if not self.hardware:
             devices = 0 if self.accelerator == "cpu" else self.devices_per_node or self.nproc_per_node
             return NodeRequest(self.accelerator or "gpu", devices, "", 0, self.cpus, self.memory_gib)
-        from hlat.planner.profiles import load_profile
-
         try:
             hw = load_profile(self.hardware)
         except HlatError as e:
@@ -135,9 +136,9 @@ class ClusterConfig:
         return NodeRequest(hw.accelerator, devices, hw.fabric, hw.fabric_devices,
                            self.cpus or int(0.9 * hw.vcpus), self.memory_gib or int(0.9 * hw.host_memory_gib))
 
-    def check_against(self, hw, instead) -> None:
+    def check_against(self, hw: HardwareProfile, instead: HardwareProfile | None) -> None:
         """The cluster against its hardware profile `hw`; `instead`: the profile to propose when hlat cannot train
-        on `hw` (both HardwareProfile)."""
+        on `hw`."""
         if hw.unsupported:
             nodes = -(-self.world_size // instead.devices_per_node)
             raise ConfigError(f"cluster.hardware: {hw.name}: training needs other hardware: {hw.unsupported}; "
@@ -176,8 +177,6 @@ class CostConfig:
         if self.price_per_device_hour < 0:
             raise ConfigError(f"cost.price_per_device_hour: must be >= 0, got {self.price_per_device_hour}")
         if self.hardware and not self.price_per_device_hour:
-            from hlat.planner.profiles import load_profile
-
             try:
                 profile = load_profile(self.hardware)
             except HlatError as e:
