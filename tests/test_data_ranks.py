@@ -90,7 +90,7 @@ def test_files_sharding_gives_each_data_parallel_rank_its_own_files(tmp_path):
     from hlat.parallel.mesh import Topology
     from hlat.config.job import build_config
     from hlat.train.loop import open_stream
-    from hlat.train.trainer import Batches
+    from hlat.train.step import Batches
 
     files = [jsonl(tmp_path / f"{letter}.jsonl", [letter * 30] * 4) for letter in "abcd"]
     cfg = build_config({"data": {"workers": 0, "shuffle_rows": 0},

@@ -15,6 +15,7 @@ from hlat.config import ConfigError, load_toml, merge_tables, parse_overrides, s
 from hlat.data.config import DataConfig
 from hlat.models.config import ModelConfig, preset_config
 from hlat.optim.config import OptimConfig, PrecisionConfig
+from hlat.optim.schedule import lr_at
 from hlat.parallel.config import ParallelConfig, check_layout, world_size_from_env
 from hlat.profiles import HardwareProfile, load_profile
 from hlat.resources import config_path
@@ -68,6 +69,10 @@ class TrainConfig:
         if not re.fullmatch(r"[a-z][a-z0-9_]*", self.device):
             raise ConfigError(f"train.device: {self.device!r} is not 'auto', 'cpu' or a device type such as 'cuda'")
         return self
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
 
 
 @dataclass
@@ -335,6 +340,12 @@ class Config:
             raise ConfigError("eval.every: validation during training is not supported with pipeline parallelism "
                               "(parallel.pp > 1); evaluate checkpoints with `hlat eval` instead")
         return p
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of optimizer step `step` (0-based): optim's warmup, then its cosine decay over
+        optim.decay_steps, or over the whole run (train.steps) when that is 0."""
+        optim = self.optim
+        return lr_at(step, optim.lr, optim.min_lr, optim.warmup_steps, optim.decay_steps or self.train.steps)
 
     def to_toml(self) -> str:
         return to_toml(to_dict(self))

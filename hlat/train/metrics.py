@@ -50,35 +50,32 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 class Interval:
-    """The steps since the last log line. Loss and gradient norm are summed (and the norm's maximum kept) on the
-    device, so a step adds no host synchronisation; `close` reads them all back in one transfer. Its seconds are
-    the steps' own (`StepResult.seconds`): a checkpoint's stall, a validation and the logging itself between them
-    are not a step's time (they are goodput.json's)."""
+    """The steps since the last log line: their loss and gradient norm, as each step read them from the device with
+    its bad-step decision (`hlat.train.step.TrainStep`), summed here on the host; logging reads nothing more from
+    the device. Its seconds are the steps' own (`StepResult.seconds`): a checkpoint's stall, a validation and the
+    logging itself between them are not a step's time (they are goodput.json's)."""
 
-    def __init__(self, device: torch.device, data_wait_s: float = 0.0):
-        self.device = device
+    def __init__(self, data_wait_s: float = 0.0):
         self.reset(data_wait_s)
 
     def reset(self, data_wait_s: float) -> None:
         self.seconds, self.steps, self.data_wait_s = 0.0, 0, data_wait_s
-        self._sums = torch.zeros(4, device=self.device)  # loss sum, grad-norm sum, grad-norm max, last grad norm
+        self.loss_sum = self.norm_sum = self.norm_max = self.norm_last = 0.0
 
-    def add(self, loss: torch.Tensor, grad_norm: torch.Tensor, seconds: float) -> None:
-        norm = grad_norm.detach().float()
-        self._sums[0] += loss.detach().float()
-        self._sums[1] += norm
-        torch.maximum(self._sums[2], norm, out=self._sums[2])
-        self._sums[3].copy_(norm)
+    def add(self, loss: float, grad_norm: float, seconds: float) -> None:
+        self.loss_sum += loss
+        self.norm_sum += grad_norm
+        if math.isnan(grad_norm) or grad_norm > self.norm_max:  # a NaN, once in, stays the maximum
+            self.norm_max = grad_norm
+        self.norm_last = grad_norm
         self.steps += 1
         self.seconds += seconds
 
     def close(self, data_wait_s: float) -> dict:
         """{loss (mean), grad_norm (last step's), grad_norm_mean, grad_norm_max, seconds, data_wait_s}; resets."""
-        loss_sum, norm_sum, norm_max, norm_last = self._sums.tolist()  # the one host sync of the interval
-        seconds = self.seconds
-        out = {"loss": loss_sum / self.steps, "grad_norm": norm_last, "grad_norm_mean": norm_sum / self.steps,
-               "grad_norm_max": norm_max, "seconds": seconds, "steps": self.steps,
-               "data_wait_s": data_wait_s - self.data_wait_s}
+        out = {"loss": self.loss_sum / self.steps, "grad_norm": self.norm_last,
+               "grad_norm_mean": self.norm_sum / self.steps, "grad_norm_max": self.norm_max, "seconds": self.seconds,
+               "steps": self.steps, "data_wait_s": data_wait_s - self.data_wait_s}
         self.reset(data_wait_s)
         return out
 
@@ -206,14 +203,14 @@ TENSORBOARD_TAGS = {
 
 
 class StepReport:
-    """The run's metrics as it trains: each step's loss and gradient norm kept on the device (`Interval`); every
+    """The run's metrics as it trains: each step's loss and gradient norm added up (`Interval`); every
     `train.log_every` steps, and at the first and last step, a stop and a validation, one record to
     metrics.jsonl, TensorBoard and the experiment trackers (main rank) and one console line."""
 
     def __init__(self, cfg: Config, device: torch.device, devices: int, is_main: bool, console: Console):
         self.cfg, self.device, self.is_main, self.console = cfg, device, is_main, console
         settings = cfg.train
-        self.tokens_per_step = settings.global_batch * settings.seq_len
+        self.tokens_per_step = settings.tokens_per_step
         self.peak = peak_flops(device, settings.peak_flops) * devices
         self.flops_per_token = cfg.model.flops_per_token(settings.seq_len)
         self.cost = resolve_cost(cfg.cost, devices)
@@ -232,9 +229,9 @@ class StepReport:
         self.elapsed_before = float(records[-1].get("elapsed_s") or 0.0) if records else 0.0
         self.start, self.stream = step, stream
         self.run_start = time.perf_counter()
-        self.interval = Interval(self.device, stream.wait_time_s)
+        self.interval = Interval(stream.wait_time_s)
 
-    def add(self, loss: torch.Tensor, grad_norm: torch.Tensor, seconds: float) -> None:
+    def add(self, loss: float, grad_norm: float, seconds: float) -> None:
         self.interval.add(loss, grad_norm, seconds)
 
     def due(self, step: int, stopping: bool) -> bool:
