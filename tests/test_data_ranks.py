@@ -8,9 +8,9 @@ import torch
 import torch.distributed as dist
 from test_data import CharTokenizer, jsonl, same, take
 
+from hlat.data import packing as packing_module
 from hlat.data.config import DataConfig
 from hlat.data.exchange import side_group
-from hlat.data import packing as packing_module
 from hlat.data.packing import Ranks, build_stream
 from hlat.data.sources import one_source
 

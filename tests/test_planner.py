@@ -6,23 +6,27 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 from dataclasses import asdict, replace
+from pathlib import Path
 
 import pytest
 
 from hlat import HlatError
 from hlat.config import ConfigError, load_toml
+from hlat.config.job import build_config
 from hlat.models.config import model_config
+from hlat.planner.calibration import Sample, fit_factors, nnls
 from hlat.planner.cli import add_arguments, run
+from hlat.planner.comms import collective
 from hlat.planner.layout import Layout, Workload, layout_problem
 from hlat.planner.memory import head_bytes, layer_activation_bytes, memory, stage_params
-from hlat.planner.calibration import Sample, fit_factors, nnls
-from hlat.profiles import FACTORS, Fit, load_profile, profile_names
 from hlat.planner.search import candidates, evaluate, search
-from hlat.planner.comms import collective
 from hlat.planner.timing import step_time
-from hlat.planner.validation import VALIDATION_DIR
-from hlat.config.job import build_config
+from hlat.profiles import FACTORS, Fit, load_profile, profile_names
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the validation samples' home
+from planner_samples import VALIDATION_DIR  # noqa: E402
 
 TRN1 = load_profile("trn1.32xlarge")
 ONLY_FLOPS = Fit(flops_factor=1.0, layer_overhead_ms=0.0, intra_factor=0.0, inter_factor=0.0, dp_factor=0.0)
@@ -355,7 +359,7 @@ needs_data = pytest.mark.skipif(not VALIDATION_DIR.is_dir(), reason="validation 
 
 @needs_data
 def test_a100_fit_is_stored_and_holds_on_held_out_vtrain_runs():
-    from hlat.planner.validation import best_layout_ranks, fit_a100, mape, split, vtrain_samples
+    from planner_samples import best_layout_ranks, fit_a100, mape, split, vtrain_samples
 
     multi, single = vtrain_samples("multi"), vtrain_samples("single")
     (multi_fit, multi_held), (single_fit, single_held) = split(multi), split(single)
@@ -373,7 +377,7 @@ def test_a100_fit_is_stored_and_holds_on_held_out_vtrain_runs():
 
 @needs_data
 def test_trn1_fit_is_stored_and_predicts_every_published_run():
-    from hlat.planner.validation import fit_trn1, relative_errors, trainium_samples
+    from planner_samples import fit_trn1, relative_errors, trainium_samples
 
     samples = trainium_samples()
     fit = fit_trn1(samples)
@@ -383,7 +387,7 @@ def test_trn1_fit_is_stored_and_predicts_every_published_run():
 
 @needs_data
 def test_published_a100_runs_out_of_sample():
-    from hlat.planner.validation import a100_published
+    from planner_samples import a100_published
 
     errors = []
     for sample, layouts in a100_published():

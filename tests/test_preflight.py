@@ -12,8 +12,8 @@ import pytest
 from hlat.models.config import model_config
 from hlat.planner.costs import block_shape, dp_block_shape, optimizer_bytes
 from hlat.planner.layout import Layout, Workload
-from hlat.profiles import load_profile
 from hlat.planner.timing import step_time
+from hlat.profiles import load_profile
 from warm_torchrun import WarmTorchrun
 
 

@@ -11,8 +11,8 @@ PACKAGE = ROOT / "hlat"
 
 # Shared vocabulary, below every package and importing only itself: hlat/__init__.py, the config machinery
 # (hlat/config/__init__.py), where the shipped files are (resources.py), hardware profiles (profiles.py), the run
-# directory's files (files.py) and the console.
-SHARED = {"hlat", "hlat.config", "hlat.resources", "hlat.profiles", "hlat.files", "hlat.console"}
+# directory's files (files.py), the console, and a DTensor's local and full views (dtensor.py).
+SHARED = {"hlat", "hlat.config", "hlat.resources", "hlat.profiles", "hlat.files", "hlat.console", "hlat.dtensor"}
 # What each package may import of hlat's other packages. Commands -> tools, measurement, job control, planner ->
 # train -> the job config (hlat.config.job, made of each package's own config section) -> {models, parallel, data,
 # optim} -> shared vocabulary. A package's cli.py is a command and may import what any command may.

@@ -1,6 +1,7 @@
 """Experiment tracking: Weights & Biases (offline) and MLflow (its file store) receive the records metrics.jsonl
-gets, each at its step (skipped when the package is not installed); a backend whose package is missing is one
-line before any work."""
+gets, each at its step, and the run's name and config, read back from what each wrote in the run directory (both
+packages are test dependencies: these tests run, never skip); a backend whose package is missing is one line
+before any work."""
 
 import json
 import os
@@ -49,16 +50,27 @@ def wandb_records(path: Path) -> list[bytes]:
 
 
 def wandb_history(run_dir: Path) -> dict[int, dict]:
+    """The history of the one offline W&B run in `run_dir`, whose name, project and config are checked, and which
+    must have exited cleanly (an exit record, code 0)."""
     from wandb.proto import wandb_internal_pb2
 
     (log,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
-    history = {}
+    history, runs, exits = {}, [], []
     for raw in wandb_records(log):
         record = wandb_internal_pb2.Record()
         record.ParseFromString(raw)
-        if record.WhichOneof("record_type") == "history":
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
             items = {"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in record.history.item}
             history[record.history.step.num] = {k: v for k, v in items.items() if not k.startswith("_")}
+        elif kind == "run":
+            runs.append(record.run)
+        elif kind == "exit":
+            exits.append(record.exit.exit_code)
+    (run,) = runs
+    config = {item.key: json.loads(item.value_json) for item in run.config.update}
+    assert (run.display_name, run.project, config["train"]["steps"], config["model"]["dim"]) == ("tiny", "tests", 4, 64)
+    assert exits == [0]
     return history
 
 
@@ -67,7 +79,7 @@ def mlflow_history(run_dir: Path) -> dict[int, dict]:
 
     client = mlflow.MlflowClient(tracking_uri=(run_dir / "mlruns").as_uri())
     (run,) = client.search_runs([client.get_experiment_by_name("tests").experiment_id])
-    assert run.info.run_name == "tiny" and run.data.params["train.steps"] == "4"
+    assert (run.info.run_name, run.data.params["train.steps"], run.data.params["model.dim"]) == ("tiny", "4", "64")
     assert run.info.status == "FINISHED"
     history: dict[int, dict] = {}
     for key in run.data.metrics:
@@ -78,7 +90,6 @@ def mlflow_history(run_dir: Path) -> dict[int, dict]:
 
 @pytest.mark.parametrize("backend", ["wandb", "mlflow"])
 def test_tracking_gets_the_records_of_metrics_jsonl(backend, tmp_path, monkeypatch):
-    pytest.importorskip(backend)
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)  # hlat turns on MLflow 3's file store itself
     expected = tracked_run(tmp_path / "run", backend)
     assert expected[2]["val_loss"] > 0 and "val_loss" not in expected[3]

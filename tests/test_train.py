@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from hlat.cli import main
+from hlat.config.job import build_config
 from hlat.models import build_model, materialize
 from hlat.train.checkpoint import complete_checkpoints, load_checkpoint
-from hlat.config.job import build_config
 from hlat.train.loop import train
 from hlat.train.step import TrainStep
 

@@ -41,7 +41,7 @@ class TrainConfig:
     device: str = "auto"  # auto (the available accelerator, else cpu) | cpu | an accelerator type: cuda, xpu, neuron...
     peak_flops: float = 0.0  # per device, for MFU; 0 looks the device up in hlat.train.metrics.PEAK_FLOPS
     # fault handling (docs/fault-tolerance.md)
-    on_bad_step: str = "skip"  # a non-finite loss or gradient norm (or a spike): skip | rollback | stop
+    on_bad_step: Literal["skip", "rollback", "stop"] = "skip"  # a non-finite loss or gradient norm (or a spike)
     max_bad_steps: int = 5  # bad steps in a row after which the run stops (skip, rollback)
     spike_sigmas: float = 0.0  # > 0: a loss this many running deviations above the running mean is a bad step
     hang_timeout_s: float = 0.0  # > 0: no step finished for this long ends the process (stacks in the run dir)
@@ -61,8 +61,6 @@ class TrainConfig:
                               f"{self.micro_batch}")
         if self.seq_len > model.max_seq_len:
             raise ConfigError(f"train.seq_len: {self.seq_len} exceeds model.max_seq_len {model.max_seq_len}")
-        if self.on_bad_step not in ("skip", "rollback", "stop"):
-            raise ConfigError(f"train.on_bad_step: {self.on_bad_step!r} is not one of 'skip', 'rollback', 'stop'")
         for name in ("max_bad_steps", "collective_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"train.{name}: must be positive, got {getattr(self, name)}")

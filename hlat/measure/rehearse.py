@@ -1,9 +1,10 @@
 """`hlat rehearse`: one process becomes rank R of the full-size job (a fake process group: every collective and
 pipeline send completes at once, every local tensor keeps its real shape) and runs the trainer's own path: the
 config's checks, the mesh, the model on meta, its split, sharding and precision, the optimizer, the checkpoint's
-state dict, and training steps of that rank's real compute (the trainer's own `hlat.train.step.TrainStep`). It measures what the rank holds
-(`hlat.measure.footprint`), what its step computes and issues (`hlat.measure.traffic`), and sets the planner's
-figures for the same layout and rank beside them (`hlat.planner.rehearsal`).
+state dict, and training steps of that rank's real compute (the trainer's own `hlat.train.step.TrainStep`). It
+measures what the rank holds (`hlat.measure.footprint`), what its step computes and issues
+(`hlat.measure.traffic`), and sets the planner's figures for the same layout and rank beside them
+(`hlat.planner.rehearsal`).
 
 What cannot run in a fake world is replaced and said so: the data stream (its ranks exchange over a side group)
 by random tokens, the checkpoint write (DCP agrees on a plan across ranks) by counting the state dict it would
@@ -21,9 +22,11 @@ import torch
 import torch.distributed as dist
 
 from hlat import HlatError
+from hlat.config.job import Config
 from hlat.console import make_console
+from hlat.dtensor import local
 from hlat.measure.fake_world import Deliveries, join_fake_world
-from hlat.measure.footprint import KeptForBackward, available_bytes, local, meta_elements, optimizer_tensors, storages
+from hlat.measure.footprint import KeptForBackward, available_bytes, meta_elements, optimizer_tensors, storages
 from hlat.measure.report import local_profile
 from hlat.measure.timing import sync_device
 from hlat.measure.traffic import Collectives, group_names
@@ -35,13 +38,12 @@ from hlat.parallel.device import pick_device
 from hlat.parallel.pipeline import StageShapes
 from hlat.planner.layout import Layout, Workload
 from hlat.planner.memory import GIB
-from hlat.profiles import HardwareProfile, load_profile
 from hlat.planner.rehearsal import RankPlan, rank_plan, rank_traffic
-from hlat.config.job import Config
+from hlat.profiles import HardwareProfile, load_profile
+from hlat.train.checkpoint import Snapshot
 from hlat.train.health import Health
 from hlat.train.loop import build_parts
 from hlat.train.metrics import peak_memory_bytes
-from hlat.train.checkpoint import Snapshot
 from hlat.train.step import Batches, ModelParts, TrainStep
 
 

@@ -19,10 +19,10 @@ from hlat.optim.modes import MODES
 from hlat.parallel.config import ParallelConfig
 from hlat.planner.calibration import Sample, fit_factors, read_run
 from hlat.planner.layout import Layout, Workload, layout_problem
-from hlat.profiles import HardwareProfile, load_profile, profile_names
 from hlat.planner.rehearsal import own_trainer_note, with_rehearsal
 from hlat.planner.report import Request, fp8_note, show
 from hlat.planner.search import OBJECTIVES, RECOMPUTE, TOLERANCE, evaluate, search
+from hlat.profiles import HardwareProfile, load_profile, profile_names
 from hlat.resources import recipe_names
 
 HLAT_TOKENS = 1.8e12  # HLAT's training budget: the default for a preset

@@ -28,9 +28,9 @@ import torch.distributed as dist
 from rich.console import Console
 from torch import nn
 
+from hlat.config.job import HealthConfig
 from hlat.parallel import Topology
 from hlat.parallel.mesh import gather_objects
-from hlat.config.job import HealthConfig
 
 
 class Stopwatch:

@@ -22,11 +22,13 @@ from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel
 
 from hlat import HlatError
+from hlat.config.job import Config
 from hlat.console import make_console
 from hlat.data.exchange import side_group
 from hlat.data.packing import DataStream, Ranks, build_stream
 from hlat.data.sources import Source, resolve_sources, source_files
 from hlat.data.tokenizer import get_tokenizer
+from hlat.files import quiet_refused_writes_in_threads, write_text, writing
 from hlat.models import build_model, count_params
 from hlat.optim import build_optimizer
 from hlat.optim.fp8 import convert_blocks, fp8_support, precompute_scales_after_step
@@ -35,16 +37,14 @@ from hlat.parallel import ParallelConfig, Topology, init_topology, parallelize
 from hlat.parallel.device import pick_device
 from hlat.parallel.pipeline import StageShapes, build_schedule
 from hlat.train.checkpoint import DamagedCheckpoint, set_aside
-from hlat.config.job import Config
 from hlat.train.faults import StopRequest, Watchdog
-from hlat.files import quiet_refused_writes_in_threads, write_text, writing
 from hlat.train.goodput import Goodput
 from hlat.train.health import Health
 from hlat.train.metrics import StepReport
 from hlat.train.resume import check_start, find_resume_checkpoint
 from hlat.train.saving import Checkpoints, checkpoint_bytes, local_elements
-from hlat.train.tracking import require_backends
 from hlat.train.step import Batches, ModelParts, TrainStep
+from hlat.train.tracking import require_backends
 from hlat.train.trainer import Trainer
 from hlat.train.validation import Validation
 

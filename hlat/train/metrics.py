@@ -16,7 +16,7 @@ import torch
 from rich.console import Console
 
 from hlat.config.job import Config, CostConfig
-from hlat.files import append_text, write_text, writing
+from hlat.files import append_text, read_metrics, write_text, writing
 from hlat.profiles import load_profile
 from hlat.train.tracking import numeric, open_trackers
 
@@ -138,16 +138,13 @@ class MetricsLog:
         self.trackers = trackers or []
 
     def records(self) -> list[dict]:
-        if not self.path.exists():
-            return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line]
+        return read_metrics(self.path) if self.path.exists() else []
 
     def truncate_after(self, step: int) -> None:
         """On resume, drop records past the checkpoint's step: those steps are about to be run again."""
-        if not self.path.exists():
-            return
-        kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-        write_text(self.path, "".join(line + "\n" for line in kept), self.run_dir)
+        if self.path.exists():
+            kept = [record for record in self.records() if record["step"] <= step]
+            write_text(self.path, "".join(json.dumps(record) + "\n" for record in kept), self.run_dir)
 
     def write(self, record: dict) -> None:
         record = {k: json_safe(v) for k, v in record.items()}

@@ -10,10 +10,10 @@ from torch import nn
 
 from hlat import HlatError
 from hlat.config import to_dict
-from hlat.train.checkpoint import (CONFIG_FILE, DamagedCheckpoint, latest_checkpoint, newest_good_checkpoint,
-                                   verified_checkpoint)
 from hlat.config.job import Config, load_config
 from hlat.files import checkpoint_step
+from hlat.train.checkpoint import (CONFIG_FILE, DamagedCheckpoint, latest_checkpoint, newest_good_checkpoint,
+                                   verified_checkpoint)
 
 # What a resume may change without a word: where and how it runs, not what it computes.
 _UNWATCHED = {"data", "parallel", "cluster", "eval", "cost", "health", "tracking", "train.run_dir", "train.resume",
