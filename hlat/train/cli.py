@@ -44,8 +44,8 @@ def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from hlat.console import make_console
     from rich.table import Table
 
-    from hlat.jobs.torchrun import mark_finished
     from hlat.config.job import load_config
+    from hlat.jobs.torchrun import mark_finished
     from hlat.train.loop import train
 
     if args.max_restarts:
@@ -75,8 +75,8 @@ def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def run_supervised(args: argparse.Namespace, overrides: list[str]) -> int:
-    from hlat.jobs.supervise import supervise
     from hlat.config.job import load_config
+    from hlat.jobs.supervise import supervise
 
     if args.max_restarts < 0 or args.nproc_per_node < 1:
         raise HlatError(f"--max-restarts must be >= 0 and --nproc-per-node >= 1, got {args.max_restarts} and "
