@@ -92,12 +92,12 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
         make_run_dir(cfg, topo)
         goodput = Goodput(Path(cfg.train.run_dir), topo.is_main, entered)  # this start counts from here
         tokenizer = load_tokenizer(cfg, topo, inputs.sources)
-        model = build_parts(cfg, inputs.model, topo, inputs.device, inputs.fp8)
+        parts = build_parts(cfg, inputs.model, topo, inputs.device, inputs.fp8)
         stream = open_stream(cfg, topo, tokenizer, inputs.sources)
         cleanup.callback(stream.close)  # stops the tokenizer workers
         per_rank = inputs.layout.microbatches(cfg.train.global_batch, cfg.train.micro_batch)
-        train_step = TrainStep(cfg, topo, inputs.device, model, Batches(stream, topo, per_rank),
-                               Health(cfg.health, topo, inputs.device, model.parts, console))
+        train_step = TrainStep(cfg, topo, inputs.device, parts, Batches(stream, topo, per_rank),
+                               Health(cfg.health, topo, inputs.device, parts.parts, console))
         trainer = Trainer(
             cfg=cfg, console=console, train_step=train_step, goodput=goodput,
             checkpoints=Checkpoints(cfg, topo, inputs.device, goodput),
