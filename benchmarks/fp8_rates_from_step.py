@@ -18,7 +18,7 @@ import sys
 from hlat.models.config import model_config
 from hlat.planner.comms import rate
 from hlat.planner.costs import block_linears, matmul_flops
-from hlat.planner.profiles import load_profile
+from hlat.profiles import load_profile
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from gpu_step import SETTINGS  # noqa: E402

@@ -236,7 +236,7 @@ def one_gpu_profile(cpu: bool):
     """The shipped profile the planner prices one GPU of the device with (the CPU mode: the `cpu` profile)."""
     from dataclasses import replace
 
-    from hlat.planner.profiles import load_profile
+    from hlat.profiles import load_profile
 
     return replace(load_profile("cpu" if cpu else "p5.48xlarge"), devices_per_node=1)
 

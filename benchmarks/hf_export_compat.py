@@ -25,10 +25,10 @@ import torch
 import transformers
 
 from hlat.cli import main as hlat
+from hlat.config.job import load_config
 from hlat.data.tokenizer import load_tokenizer
 from hlat.models import build_model, materialize
 from hlat.train.checkpoint import latest_checkpoint, load_checkpoint
-from hlat.train.config import load_config
 
 sys.path.insert(0, str(Path(__file__).parent))
 from results_io import markdown_table, write_results  # noqa: E402

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from hlat.planner.profiles import load_profile
+from hlat.profiles import load_profile
 
 TABLES = ("matmul_bf16", "matmul_fp8_tensorwise", "matmul_fp8_rowwise")
 

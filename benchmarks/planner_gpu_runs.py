@@ -25,11 +25,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 from results_io import RESULTS, markdown_table, write_results  # noqa: E402
 
+from hlat.config.job import load_config  # noqa: E402
 from hlat.models.config import model_config  # noqa: E402
 from hlat.planner.layout import Layout, Workload  # noqa: E402
-from hlat.planner.profiles import load_profile  # noqa: E402
 from hlat.planner.timing import step_time  # noqa: E402
-from hlat.train.config import load_config  # noqa: E402
+from hlat.profiles import load_profile  # noqa: E402
 
 TARGET = 0.15
 ROOT = Path(__file__).resolve().parents[1]

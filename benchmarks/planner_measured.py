@@ -34,8 +34,8 @@ from pathlib import Path
 from results_io import RESULTS, markdown_table, write_results
 
 from hlat.planner.cli import run_sample
-from hlat.planner.profiles import load_profile
 from hlat.planner.timing import step_time
+from hlat.profiles import load_profile
 
 CPU_LAYOUTS = {  # name: (processes, overrides)
     "single": (1, {}),

@@ -19,11 +19,11 @@ from dataclasses import asdict, replace
 from hlat.models.config import model_config
 from hlat.planner.layout import Layout, Workload
 from hlat.planner.memory import GIB
-from hlat.planner.profiles import FACTORS, load_profile
 from hlat.planner.search import evaluate, search
 from hlat.planner.timing import step_time
-from hlat.planner.validation import (VALIDATION_DIR, a100_published, best_layout_ranks, fit_a100, fit_trn1, mape,
-                                     relative_errors, split, trainium_samples, vtrain_samples)
+from hlat.profiles import FACTORS, load_profile
+from planner_samples import (VALIDATION_DIR, a100_published, best_layout_ranks, fit_a100, fit_trn1, mape,
+                             relative_errors, split, trainium_samples, vtrain_samples)
 from results_io import markdown_table
 
 

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from hlat.train.config import load_config
+from hlat.config.job import load_config
 from precision_parity import BYTES_PER_PARAM, build, forward_backward
 from results_io import markdown_table, write_results
 

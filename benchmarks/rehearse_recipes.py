@@ -29,11 +29,11 @@ from pathlib import Path
 
 from results_io import RESULTS, markdown_table, write_results
 
+from hlat.config.job import load_config
 from hlat.planner.layout import Layout, Workload
 from hlat.planner.memory import GIB, head_bytes
-from hlat.planner.profiles import load_profile
 from hlat.planner.rehearsal import rank_layers, rank_plan, rank_traffic
-from hlat.train.config import load_config
+from hlat.profiles import load_profile
 
 RECIPES = ("hlat-7b", "hlat-70b", "neox-20b", "pythia-6.9b")
 BLOCKS = (1, 2)  # blocks per pipeline stage rehearsed

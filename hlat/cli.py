@@ -1,7 +1,7 @@
-"""The `hlat` command. Each package that adds commands registers them from its own `cli.py` (`register`): the run
-(`hlat.jobs`: train, torchrun, launch), configs and models (`hlat.train`: config, describe), data (`hlat.data`),
-hardware measurement (`hlat.measure`: preflight, rehearse), planning (`hlat.planner`: plan) and post-run tools
-(`hlat.tools`: eval, generate, compare, import-hf, export-hf, checkpoint verify).
+"""The `hlat` command. Each package that adds commands registers them from its own `cli.py` (`register`): the run,
+configs and models (`hlat.train`: train, config, describe), job control (`hlat.jobs`: torchrun, launch), data
+(`hlat.data`), hardware measurement (`hlat.measure`: preflight, rehearse), planning (`hlat.planner`: plan) and
+post-run tools (`hlat.tools`: eval, generate, compare, import-hf, export-hf, checkpoint verify).
 
 Heavy imports (torch) happen inside the commands, so `hlat describe` and `hlat plan` start instantly. User mistakes
 raise HlatError, printed here as one line with a non-zero exit and no traceback.
@@ -15,7 +15,7 @@ import sys
 
 from hlat import ERROR_EXIT, HlatError, __version__
 
-COMMAND_MODULES = ("hlat.jobs.cli", "hlat.train.cli", "hlat.tools.cli", "hlat.data.cli", "hlat.measure.cli",
+COMMAND_MODULES = ("hlat.train.cli", "hlat.jobs.cli", "hlat.tools.cli", "hlat.data.cli", "hlat.measure.cli",
                    "hlat.planner.cli")
 
 

@@ -19,7 +19,7 @@ from hlat.optim.modes import MODES
 from hlat.parallel.recompute import apply_recomputation
 from hlat.planner.layout import Layout, Workload
 from hlat.planner.memory import layer_activation_bytes, memory, stage_params
-from hlat.planner.profiles import load_profile
+from hlat.profiles import load_profile
 
 MODEL = dict(n_layers=3, dim=128, n_heads=4, ffn_dim=352, vocab_size=512, max_seq_len=256)
 SEQ, MB = 256, 2  # large enough that checkpointing's saved RNG state (5 KB per block on CPU) is noise

@@ -9,9 +9,9 @@ import pytest
 
 from hlat.cli import main
 from hlat.config import ConfigError
+from hlat.config.job import Config, build_config, load_config
 from hlat.optim import lr_at
-from hlat.planner.profiles import load_profile
-from hlat.train.config import Config, build_config, load_config
+from hlat.profiles import load_profile
 
 
 def test_preset_then_overrides():

@@ -8,9 +8,9 @@ import torch
 import torch.distributed as dist
 from test_data import CharTokenizer, jsonl, same, take
 
+from hlat.data import packing as packing_module
 from hlat.data.config import DataConfig
 from hlat.data.exchange import side_group
-from hlat.data import packing as packing_module
 from hlat.data.packing import Ranks, build_stream
 from hlat.data.sources import one_source
 
@@ -88,9 +88,9 @@ def test_files_sharding_gives_each_data_parallel_rank_its_own_files(tmp_path):
     the files, takes its micro-batches of each step from its own stream, and keeps its own data state."""
     from hlat.parallel.config import ParallelConfig
     from hlat.parallel.mesh import Topology
-    from hlat.train.config import build_config
+    from hlat.config.job import build_config
     from hlat.train.loop import open_stream
-    from hlat.train.trainer import Batches
+    from hlat.train.step import Batches
 
     files = [jsonl(tmp_path / f"{letter}.jsonl", [letter * 30] * 4) for letter in "abcd"]
     cfg = build_config({"data": {"workers": 0, "shuffle_rows": 0},

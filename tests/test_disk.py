@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from hlat import files
 from hlat.cli import main
-from hlat.train import files
 from hlat.train.checkpoint import complete_checkpoints, verify_checkpoint
 from hlat.train.metrics import MetricsLog
 from test_faults import write_config
@@ -125,8 +125,8 @@ def test_full_disk_in_torch_save_names_the_disk_not_the_zip_writer(tmp_path, cap
 
 SUPERVISED = """
 import sys
-import hlat.jobs.supervise as supervise
 from hlat.cli import main
+import hlat.jobs.supervise as supervise
 child = sys.argv[1]  # the trainer's script, in place of `python -m hlat train`
 supervise.child_command = lambda train_args, nproc: [sys.executable, "-c", child, *train_args]
 sys.exit(main(["train", *sys.argv[2:]]))

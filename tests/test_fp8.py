@@ -11,10 +11,10 @@ import torch
 from safetensors.torch import load_file
 
 from hlat import HlatError
+from hlat.config.job import build_config
 from hlat.models import build_model
 from hlat.optim.fp8 import convert_blocks, converted, fp8_support
 from hlat.tools.inference import load_trained_model
-from hlat.train.config import build_config
 from hlat.train.loop import train
 from test_parallel import MODELS, job, torchrun, trajectory, write_toml
 

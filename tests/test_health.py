@@ -7,7 +7,7 @@ import socket
 
 from rich.console import Console
 
-from hlat.train.config import HealthConfig, build_config
+from hlat.config.job import HealthConfig, build_config
 from hlat.train.health import SlowRanks
 
 CORPUS = os.path.join(os.path.dirname(json.__file__), "*.py")

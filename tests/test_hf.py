@@ -240,7 +240,7 @@ def test_exported_run_generates_in_transformers(family, tmp_path, capsys):
     from hlat.data.tokenizer import load_tokenizer
     from hlat.models import materialize
     from hlat.train.checkpoint import latest_checkpoint, load_checkpoint
-    from hlat.train.config import load_config
+    from hlat.config.job import load_config
 
     corpus = str(Path(json.__file__).parent / "*.py")
     model = ["--model.preset", "tiny-neox" if family == "neox" else "tiny", "--model.dim", "64", "--model.n_layers",

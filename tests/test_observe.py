@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from hlat.cli import main
 from hlat.config import ConfigError
+from hlat.config.job import build_config
 from hlat.data.sources import held_out, iter_documents
 from hlat.data.tokenizer import load_tokenizer
 from hlat.models import build_model, materialize
@@ -21,9 +22,8 @@ from hlat.models.config import model_config
 from hlat.models.generate import generate, next_token
 from hlat.models.hf import write_hf_dir
 from hlat.models.kv_cache import KVCache
-from hlat.train.checkpoint import complete_checkpoints, verify_checkpoint
-from hlat.train.config import build_config
 from hlat.tools.inference import load_trained
+from hlat.train.checkpoint import complete_checkpoints, verify_checkpoint
 from hlat.train.loop import train
 
 CORPUS_DIR = os.path.dirname(json.__file__)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hlat.config import ConfigError, update
-from hlat.train.config import build_config
+from hlat.config.job import build_config
 from hlat.train.loop import train
 from warm_torchrun import WarmTorchrun
 

@@ -6,23 +6,27 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 from dataclasses import asdict, replace
+from pathlib import Path
 
 import pytest
 
 from hlat import HlatError
 from hlat.config import ConfigError, load_toml
+from hlat.config.job import build_config
 from hlat.models.config import model_config
+from hlat.planner.calibration import Sample, fit_factors, nnls
 from hlat.planner.cli import add_arguments, run
+from hlat.planner.comms import collective
 from hlat.planner.layout import Layout, Workload, layout_problem
 from hlat.planner.memory import head_bytes, layer_activation_bytes, memory, stage_params
-from hlat.planner.calibration import Sample, fit_factors, nnls
-from hlat.planner.profiles import FACTORS, Fit, load_profile, profile_names
 from hlat.planner.search import candidates, evaluate, search
-from hlat.planner.comms import collective
 from hlat.planner.timing import step_time
-from hlat.planner.validation import VALIDATION_DIR
-from hlat.train.config import build_config
+from hlat.profiles import FACTORS, Fit, load_profile, profile_names
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the validation samples' home
+from planner_samples import VALIDATION_DIR  # noqa: E402
 
 TRN1 = load_profile("trn1.32xlarge")
 ONLY_FLOPS = Fit(flops_factor=1.0, layer_overhead_ms=0.0, intra_factor=0.0, inter_factor=0.0, dp_factor=0.0)
@@ -355,7 +359,7 @@ needs_data = pytest.mark.skipif(not VALIDATION_DIR.is_dir(), reason="validation 
 
 @needs_data
 def test_a100_fit_is_stored_and_holds_on_held_out_vtrain_runs():
-    from hlat.planner.validation import best_layout_ranks, fit_a100, mape, split, vtrain_samples
+    from planner_samples import best_layout_ranks, fit_a100, mape, split, vtrain_samples
 
     multi, single = vtrain_samples("multi"), vtrain_samples("single")
     (multi_fit, multi_held), (single_fit, single_held) = split(multi), split(single)
@@ -373,7 +377,7 @@ def test_a100_fit_is_stored_and_holds_on_held_out_vtrain_runs():
 
 @needs_data
 def test_trn1_fit_is_stored_and_predicts_every_published_run():
-    from hlat.planner.validation import fit_trn1, relative_errors, trainium_samples
+    from planner_samples import fit_trn1, relative_errors, trainium_samples
 
     samples = trainium_samples()
     fit = fit_trn1(samples)
@@ -383,7 +387,7 @@ def test_trn1_fit_is_stored_and_predicts_every_published_run():
 
 @needs_data
 def test_published_a100_runs_out_of_sample():
-    from hlat.planner.validation import a100_published
+    from planner_samples import a100_published
 
     errors = []
     for sample, layouts in a100_published():
@@ -398,7 +402,7 @@ def test_a_measured_block_prices_only_the_workload_it_was_measured_at():
     """A whole block timed by preflight is the per-layer time (tensor-parallel collectives included) and the
     measured ends replace the output layer, but only at exactly the shape it was taken at."""
     from hlat.planner.costs import block_shape
-    from hlat.planner.profiles import Measured
+    from hlat.profiles import Measured
 
     model, work = model_config("tiny"), Workload(model_config("tiny"), 64, 8, "fp32")
     shape = block_shape(model, 64, 2, "fp32", 2, True, "none")
@@ -418,7 +422,7 @@ def test_a_measured_block_prices_only_the_workload_it_was_measured_at():
 
 def test_a_pipeline_charges_the_measured_embedding_to_its_first_stage_and_the_rest_of_the_ends_to_its_last():
     from hlat.planner.costs import block_shape
-    from hlat.planner.profiles import Measured
+    from hlat.profiles import Measured
 
     model, work = model_config("tiny"), Workload(model_config("tiny"), 64, 8, "fp32")
     shape = block_shape(model, 64, 2, "fp32", 1, False, "none")
@@ -435,7 +439,7 @@ def test_a_pipeline_charges_the_measured_embedding_to_its_first_stage_and_the_re
 def test_data_parallel_traffic_is_priced_as_fully_shard_runs_it():
     """With measured collectives: one collective per unit (each block, then the rest), the root unit gathered
     once per micro-batch under FSDP, and buffer copies that a replicated layout pays for each re-gather."""
-    from hlat.planner.profiles import Measured
+    from hlat.profiles import Measured
 
     model = model_config("small")
     blocks = model.n_layers * model.layer_params()
@@ -459,7 +463,7 @@ def test_blocks_timed_under_the_layouts_data_parallelism_price_its_traffic():
     last reduces and the others accumulate. Another data-parallel size (or none timed) falls back to pricing the
     collectives."""
     from hlat.planner.costs import block_shape, dp_block_shape
-    from hlat.planner.profiles import Measured
+    from hlat.profiles import Measured
 
     model = model_config("tiny")
     work = Workload(model, 64, 8, "fp32")  # 4 micro-batches per rank at dp 2
@@ -496,7 +500,7 @@ def test_cited_collectives_follow_nccl_tests_bus_bandwidth_and_share_the_nodes_n
     """With [links], a collective takes the cited bus bandwidth at its size: within a node the intra rows, across
     nodes the rows at the node count (interpolated between cited counts), shared by the groups of a node."""
     from hlat.planner.comms import link_time
-    from hlat.planner.profiles import Links
+    from hlat.profiles import Links
 
     links = Links(source="test", intra_all_reduce=[[1e6, 100.0], [1e9, 400.0]],
                   inter_all_reduce=[[2, 1e9, 200.0], [8, 1e9, 50.0]], inter_all_gather=[[2, 1e9, 300.0]])
@@ -734,7 +738,7 @@ def test_fsdp_gathers_the_block_linears_in_fp8_under_tensorwise_scaling():
     """torchao's FP8 all-gather: 1 byte per block-linear weight instead of bf16_sr's 2 (rowwise gathers bf16);
     biases, norms, the embedding and the output layer as stored. At 1 GB/s over 2 ranks a gather of n bytes per
     device takes n / 2 ns; each block is gathered twice a micro-batch."""
-    from hlat.planner.profiles import Measured
+    from hlat.profiles import Measured
 
     model = model_config("small")
     d, f = model.dim, model.ffn_dim

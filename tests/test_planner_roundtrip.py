@@ -9,11 +9,11 @@ import os
 import pytest
 
 from hlat.config import load_toml
+from hlat.config.job import build_config
 from hlat.models.config import model_config
 from hlat.planner.cli import run_sample
 from hlat.planner.layout import Layout, Workload
-from hlat.planner.profiles import load_profile
-from hlat.train.config import build_config
+from hlat.profiles import load_profile
 
 CPU = load_profile("cpu")
 CORPUS = os.path.join(os.path.dirname(json.__file__), "*.py")  # a few files: the first round is quickly made

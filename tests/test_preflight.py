@@ -12,8 +12,8 @@ import pytest
 from hlat.models.config import model_config
 from hlat.planner.costs import block_shape, dp_block_shape, optimizer_bytes
 from hlat.planner.layout import Layout, Workload
-from hlat.planner.profiles import load_profile
 from hlat.planner.timing import step_time
+from hlat.profiles import load_profile
 from warm_torchrun import WarmTorchrun
 
 
@@ -120,7 +120,7 @@ def test_fp8_rates_time_torchaos_float8_linear_at_each_block_linears_shape(recip
     from hlat.measure.fp8 import float8_linear, linear_rates
     from hlat.measure.options import Options
     from hlat.planner.costs import block_linears, matmul_flops
-    from hlat.planner.profiles import Measured
+    from hlat.profiles import Measured
     from hlat.planner.timing import linears_forward
 
     model, cpu = model_config("tiny"), torch.device("cpu")

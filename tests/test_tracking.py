@@ -1,6 +1,7 @@
 """Experiment tracking: Weights & Biases (offline) and MLflow (its file store) receive the records metrics.jsonl
-gets, each at its step (skipped when the package is not installed); a backend whose package is missing is one
-line before any work."""
+gets, each at its step, read back from what each wrote in the run directory (MLflow's also the run's name, config and
+status); both packages are test dependencies, so these tests run rather than skip. A backend whose package is
+missing is one line before any work."""
 
 import json
 import os
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hlat.cli import main
-from hlat.train.config import build_config
+from hlat.config.job import build_config
 from hlat.train.loop import train
 
 CORPUS = os.path.join(os.path.dirname(json.__file__), "*.py")
@@ -67,7 +68,7 @@ def mlflow_history(run_dir: Path) -> dict[int, dict]:
 
     client = mlflow.MlflowClient(tracking_uri=(run_dir / "mlruns").as_uri())
     (run,) = client.search_runs([client.get_experiment_by_name("tests").experiment_id])
-    assert run.info.run_name == "tiny" and run.data.params["train.steps"] == "4"
+    assert (run.info.run_name, run.data.params["train.steps"], run.data.params["model.dim"]) == ("tiny", "4", "64")
     assert run.info.status == "FINISHED"
     history: dict[int, dict] = {}
     for key in run.data.metrics:
@@ -78,7 +79,6 @@ def mlflow_history(run_dir: Path) -> dict[int, dict]:
 
 @pytest.mark.parametrize("backend", ["wandb", "mlflow"])
 def test_tracking_gets_the_records_of_metrics_jsonl(backend, tmp_path, monkeypatch):
-    pytest.importorskip(backend)
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)  # hlat turns on MLflow 3's file store itself
     expected = tracked_run(tmp_path / "run", backend)
     assert expected[2]["val_loss"] > 0 and "val_loss" not in expected[3]

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from hlat.cli import main
+from hlat.config.job import build_config
 from hlat.models import build_model, materialize
 from hlat.train.checkpoint import complete_checkpoints, load_checkpoint
-from hlat.train.config import build_config
 from hlat.train.loop import train
+from hlat.train.step import TrainStep
 
 CORPUS = os.path.join(os.path.dirname(json.__file__), "*.py")  # a few real files, on every machine
 TINY = {"preset": "tiny", "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128,
@@ -65,6 +66,50 @@ def test_metrics_and_learning(tmp_path):
     assert summary.last_loss < 0.85 * summary.first_loss  # from ln(512) = 6.24 to below the unigram entropy
     assert [s for s, _ in complete_checkpoints(tmp_path / "run")] == [20, 30]  # keep_checkpoints prunes
     assert (tmp_path / "run" / "tokenizer.json").is_file()
+
+
+class HostReads:
+    """Counts, inside each call of `TrainStep`, the calls that read a tensor's values to the host (on an accelerator,
+    a device-to-host transfer; on a CPU the same calls, though nothing moves). Reads of the optimizers' step
+    counters are left out: torch's AdamW and hlat's BF16AdamW keep them as host tensors on every device
+    (`state["step"]`), so reading them transfers nothing anywhere."""
+
+    CALLS = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__")
+
+    def __init__(self, monkeypatch):
+        self.per_step: list[int] = []
+        self.stepping, self.optimizers = False, []
+        for name in self.CALLS:
+            monkeypatch.setattr(torch.Tensor, name, self.counted(getattr(torch.Tensor, name)))
+        real_step = TrainStep.__call__
+
+        def step(train_step, *args):
+            self.optimizers, self.stepping = train_step.parts.optimizers, True
+            self.per_step.append(0)
+            try:
+                return real_step(train_step, *args)
+            finally:
+                self.stepping = False
+
+        monkeypatch.setattr(TrainStep, "__call__", step)
+
+    def counted(self, real):
+        def read(tensor, *args, **kwargs):
+            if self.stepping and not any(tensor is state.get("step") for optimizer in self.optimizers
+                                         for state in optimizer.state.values()):
+                self.per_step[-1] += 1
+            return real(tensor, *args, **kwargs)
+        return read
+
+
+def test_a_step_reads_from_the_device_once(tmp_path, monkeypatch):
+    """The loss, the gradient norm and the stop and save flags come back in one transfer (hlat.train.step), which
+    the bad-step decision needs before the update; logging and checkpointing read nothing more inside a step."""
+    reads = HostReads(monkeypatch)
+    cfg = config(tmp_path / "run", steps=3, ckpt_every=2, async_checkpoint=True)
+    cfg.data.workers = 0  # the stream in this process: its reads, if any, would count
+    train(cfg)
+    assert reads.per_step == [1, 1, 1]
 
 
 def test_partial_checkpoint_is_ignored(tmp_path):

@@ -497,7 +497,8 @@ class DataStream:
         return min(source.state.start[0] for source in self.sources)
 
     def stats(self) -> dict[str, float]:
-        """Counters of the rows cut so far (up to a shuffle window ahead of those taken), for the metrics log."""
+        """Counters of the rows cut so far (up to a shuffle window ahead of those taken), for inspecting a stream;
+        the training metrics do not record them."""
         out: dict[str, float] = {"data_wait_s": round(self.wait_time_s, 4), "data_epoch": self.epoch}
         totals = dict.fromkeys(("docs", "bad", "rows", "pad", "split_docs"), 0)
         for source in self.sources:

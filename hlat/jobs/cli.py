@@ -1,34 +1,18 @@
-"""`hlat train` (alone, under torchrun, or supervised with --max-restarts), `hlat torchrun` and `hlat launch`."""
+"""`hlat torchrun` (torchrun, with hlat's exit code after a stop) and `hlat launch` (a multi-node job file)."""
 
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
-
-from hlat import HlatError
-from hlat.config import OVERRIDES_HELP
 
 
 def register(commands) -> None:
-    p = commands.add_parser("train", help="train a model from a config",
-                            description=f"Train from a TOML config. {OVERRIDES_HELP}")
-    p.add_argument("--config", action="append", help="TOML config file or recipe name (default: the built-in "
-                                                      "defaults); repeat it to lay later files over earlier ones")
-    p.add_argument("--resume", help="'auto' (latest complete checkpoint of the run dir, if any) or a checkpoint path")
-    p.add_argument("--print-config", action="store_true", help="print the resolved config, every field, and exit")
-    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
-                   help="supervise the job: start it again (with --resume auto) after up to N failures")
-    p.add_argument("--nproc-per-node", type=int, default=1, metavar="K",
-                   help="with --max-restarts: run a single-node torchrun job of K processes")
-    p.set_defaults(func=run_train, overrides=True)
-
     commands.add_parser("torchrun", help="torchrun (same arguments), exiting 0 when a stop signal found every "
                                          "trainer checkpointed (torchrun itself exits 1)", add_help=False)
 
     p = commands.add_parser("launch", help="render a multi-node SLURM script or Kubernetes PyTorchJob for a config",
                             description="Render a multi-node job for the config's [cluster] table (time limit, stop "
-                                        "signal, restarts, volumes: see hlat/train/config.py ClusterConfig); config "
+                                        "signal, restarts, volumes: see hlat/config/job.py ClusterConfig); config "
                                         "overrides (--section.key value) are passed on.")
     p.add_argument("--config", action="append", required=True,
                    help="TOML config file or recipe name (repeatable, merged in order)")
@@ -40,54 +24,6 @@ def register(commands) -> None:
                                                       "(cluster.hardware = '', cluster.accelerator = cpu)")
     p.add_argument("--out", help="file to write (default: print)")
     p.set_defaults(func=run_launch, overrides=True)
-
-
-def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
-    from hlat.console import make_console
-    from rich.table import Table
-
-    from hlat.jobs.torchrun import mark_finished
-    from hlat.train.config import load_config
-    from hlat.train.loop import train
-
-    if args.max_restarts:
-        return run_supervised(args, overrides)
-    if args.nproc_per_node != 1:
-        raise HlatError("--nproc-per-node goes with --max-restarts (otherwise launch with torchrun)")
-    if args.resume is not None:
-        overrides = overrides + ["--train.resume", args.resume]
-    cfg = load_config(args.config, overrides)
-    if args.print_config:
-        print(cfg.to_toml(), end="")
-        return 0
-    console = make_console()
-    s = train(cfg, console)
-    mark_finished()
-    if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 speaks for the job
-        return 0
-    table = Table(title="run summary", show_header=False)
-    for name, value in (("run directory", s.run_dir), ("steps", f"{s.steps:,}"),
-                        ("tokens seen", f"{s.tokens_seen:,}"), ("tokens/s", f"{s.tokens_per_s:,.0f}"),
-                        ("first loss", f"{s.first_loss:.4f}"), ("last loss", f"{s.last_loss:.4f}"),
-                        ("checkpoint", s.checkpoint), ("bad steps skipped", f"{s.bad_steps:,}"),
-                        ("goodput (ETTR)", f"{s.ettr:.1%} of the wall time since the run began (goodput.json)")):
-        table.add_row(name, value)
-    console.print(table)
-    return 0
-
-
-def run_supervised(args: argparse.Namespace, overrides: list[str]) -> int:
-    from hlat.jobs.supervise import supervise
-    from hlat.train.config import load_config
-
-    if args.max_restarts < 0 or args.nproc_per_node < 1:
-        raise HlatError(f"--max-restarts must be >= 0 and --nproc-per-node >= 1, got {args.max_restarts} and "
-                        f"{args.nproc_per_node}")
-    if args.resume not in (None, "auto"):
-        raise HlatError(f"--resume {args.resume}: a supervised job always resumes with --resume auto")
-    cfg = load_config(args.config, overrides)  # a bad config fails here, once, not on every restart
-    train_args = [a for config in args.config or [] for a in ("--config", config)] + overrides
-    return supervise(train_args, Path(cfg.train.run_dir), args.max_restarts, args.nproc_per_node)
 
 
 def run_launch(args: argparse.Namespace, overrides: list[str]) -> int:

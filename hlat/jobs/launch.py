@@ -22,7 +22,7 @@ from pathlib import PurePosixPath
 
 from hlat import ERROR_EXIT
 from hlat.config import ConfigError
-from hlat.train.config import ClusterConfig, Config, NodeRequest, load_config
+from hlat.config.job import ClusterConfig, Config, NodeRequest, load_config
 
 RDZV_PORT = 29500
 K8S_WORKDIR = "/workspace"  # the container's working directory; relative run directories land on the volume

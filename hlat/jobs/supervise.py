@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from hlat import ERROR_EXIT
-from hlat.train.files import append_text, writing
+from hlat.files import append_text, writing
 
 
 def child_command(train_args: list[str], nproc: int) -> list[str]:

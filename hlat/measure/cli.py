@@ -16,7 +16,7 @@ from hlat.optim.config import FP8_RECIPES
 if TYPE_CHECKING:
     from hlat.measure.options import Options
     from hlat.parallel.config import ParallelConfig
-    from hlat.train.config import Config
+    from hlat.config.job import Config
 
 
 def register(commands) -> None:
@@ -63,7 +63,7 @@ def add_preflight_arguments(parser: argparse.ArgumentParser) -> None:
 def preflight_options(args: argparse.Namespace, overrides: list[str]) -> Options:
     """The config (with overrides) and the flags as `Options`; a bad flag is a one-line `HlatError`."""
     from hlat.measure.options import Options, default_sizes
-    from hlat.train.config import load_config
+    from hlat.config.job import load_config
 
     if args.model:
         overrides = ["--model.preset", args.model] + overrides

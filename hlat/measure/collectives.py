@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from hlat.measure.options import Options
 from hlat.measure.report import CollectiveRow, LinkRow
-from hlat.measure.timing import sync_device, timed
+from hlat.measure.timing import timed, timed_together
 from hlat.parallel.mesh import gather_objects
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
@@ -70,22 +70,20 @@ def collective_times(op: str, full: torch.Tensor, shard: torch.Tensor, options: 
                      rank: int) -> tuple[list[float], float]:
     """Seconds of each timed repeat of `op` (after one untimed), every rank starting together, and the seconds
     this rank delayed before entering them all."""
-    times, waited = [], 0.0
-    for repeat in range(options.repeats + 1):
-        dist.barrier()
+    delays = []
+
+    def run() -> None:
         start = time.perf_counter()
         debug_delay(options, rank)
-        waited += time.perf_counter() - start
+        delays.append(time.perf_counter() - start)
         if op == "all_reduce":
             dist.all_reduce(full)
         elif op == "all_gather":
             dist.all_gather_single(full, shard)
         else:
             dist.reduce_scatter_single(shard, full)
-        sync_device(full.device)
-        if repeat:
-            times.append(time.perf_counter() - start)
-    return times, waited
+
+    return timed_together(run, full.device, options.repeats), sum(delays)
 
 
 def bulk_size(options: Options) -> int:
@@ -109,10 +107,7 @@ def measure_links(options: Options, device: torch.device, rank: int, world: int,
 def link_times(src: int, dst: int, message: torch.Tensor, options: Options, rank: int) -> list[float]:
     """Seconds of each timed repeat of `message` sent from `src` to `dst` (after one untimed), as this rank saw
     them (meaningful on the pair's two ranks)."""
-    times = []
-    for repeat in range(options.repeats + 1):
-        dist.barrier()
-        start = time.perf_counter()
+    def run() -> None:
         if rank == src:
             debug_delay(options, rank)
             dist.send(message, dst)
@@ -121,10 +116,8 @@ def link_times(src: int, dst: int, message: torch.Tensor, options: Options, rank
             debug_delay(options, rank)
             dist.recv(message, src)
             dist.send(message[:1], src)
-        sync_device(message.device)
-        if repeat:
-            times.append(time.perf_counter() - start)
-    return times
+
+    return timed_together(run, message.device, options.repeats)
 
 
 def measure_overlap(options: Options, device: torch.device) -> float:

@@ -17,15 +17,12 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from hlat.dtensor import local
+
 CASTS = (torch.ops.aten._to_copy.default,)  # what autocast runs to cast a parameter
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def storages(tensors) -> dict[int, int]:

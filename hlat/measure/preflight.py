@@ -37,7 +37,7 @@ from hlat.measure.report import Report, rounded
 from hlat.parallel.config import world_size_from_env
 from hlat.parallel.device import pick_device
 from hlat.parallel.mesh import gather_objects, start_process_group
-from hlat.planner.profiles import Measured
+from hlat.profiles import Measured
 
 
 def run_preflight(options: Options) -> Report:

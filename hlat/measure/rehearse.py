@@ -1,9 +1,10 @@
 """`hlat rehearse`: one process becomes rank R of the full-size job (a fake process group: every collective and
 pipeline send completes at once, every local tensor keeps its real shape) and runs the trainer's own path: the
 config's checks, the mesh, the model on meta, its split, sharding and precision, the optimizer, the checkpoint's
-state dict, and training steps of that rank's real compute (`Trainer.train_step`). It measures what the rank holds
-(`hlat.measure.footprint`), what its step computes and issues (`hlat.measure.traffic`), and sets the planner's
-figures for the same layout and rank beside them (`hlat.planner.rehearsal`).
+state dict, and training steps of that rank's real compute (the trainer's own `hlat.train.step.TrainStep`). It
+measures what the rank holds (`hlat.measure.footprint`), what its step computes and issues
+(`hlat.measure.traffic`), and sets the planner's figures for the same layout and rank beside them
+(`hlat.planner.rehearsal`).
 
 What cannot run in a fake world is replaced and said so: the data stream (its ranks exchange over a side group)
 by random tokens, the checkpoint write (DCP agrees on a plan across ranks) by counting the state dict it would
@@ -14,22 +15,22 @@ from __future__ import annotations
 import contextlib
 import copy
 import multiprocessing
-import tempfile
 import time
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from hlat import HlatError
+from hlat.config.job import Config
 from hlat.console import make_console
+from hlat.dtensor import local
 from hlat.measure.fake_world import Deliveries, join_fake_world
-from hlat.measure.footprint import KeptForBackward, available_bytes, local, meta_elements, optimizer_tensors, storages
+from hlat.measure.footprint import KeptForBackward, available_bytes, meta_elements, optimizer_tensors, storages
 from hlat.measure.report import local_profile
 from hlat.measure.timing import sync_device
 from hlat.measure.traffic import Collectives, group_names
-from hlat.models import build_model, count_params
+from hlat.models import build_model
 from hlat.optim.fp8 import fp8_support
 from hlat.optim.precision import dtypes
 from hlat.parallel import ParallelConfig, Topology, init_topology, shard_parts
@@ -37,15 +38,13 @@ from hlat.parallel.device import pick_device
 from hlat.parallel.pipeline import StageShapes
 from hlat.planner.layout import Layout, Workload
 from hlat.planner.memory import GIB
-from hlat.planner.profiles import HardwareProfile, load_profile
 from hlat.planner.rehearsal import RankPlan, rank_plan, rank_traffic
-from hlat.train.config import Config
-from hlat.train.goodput import Goodput
+from hlat.profiles import HardwareProfile, load_profile
+from hlat.train.checkpoint import Snapshot
 from hlat.train.health import Health
-from hlat.train.loop import RunInputs, build_parts
+from hlat.train.loop import build_parts
 from hlat.train.metrics import peak_memory_bytes
-from hlat.train.saving import Checkpoints
-from hlat.train.trainer import Batches, Trainer
+from hlat.train.step import Batches, ModelParts, TrainStep
 
 
 @dataclass
@@ -122,35 +121,31 @@ def rehearse_rank(setup: Rehearsal, rank: int) -> dict:
     try:
         # only a pipeline receives (Deliveries sends every op through Python: kept out of the timed steps otherwise)
         deliveries = Deliveries() if setup.layout.pp > 1 else contextlib.nullcontext()
-        with deliveries, tempfile.TemporaryDirectory(prefix="hlat-rehearse-") as run_dir:
-            return run_rank(setup, rank, run_dir)
+        with deliveries:
+            return run_rank(setup, rank)
     finally:
         dist.destroy_process_group()
 
 
-def run_cfg(setup: Rehearsal, run_dir: str) -> Config:
-    """The config the rank trains with: the rehearsed micro-batches per step, a run directory of its own, and
-    synchronous checkpoints (an asynchronous writer starts a process group of its own; nothing is written)."""
-    train = replace(setup.cfg.train, run_dir=run_dir, async_checkpoint=False,
-                    global_batch=setup.micro_batches * setup.cfg.train.micro_batch * setup.layout.dp)
+def run_cfg(setup: Rehearsal) -> Config:
+    """The config the rank trains with: the rehearsed micro-batches per step."""
+    train = replace(setup.cfg.train, global_batch=setup.micro_batches * setup.cfg.train.micro_batch * setup.layout.dp)
     return replace(setup.cfg, train=train)
 
 
-def run_rank(setup: Rehearsal, rank: int, run_dir: str) -> dict:
-    cfg, device = run_cfg(setup, run_dir), pick_device(setup.cfg.train.device)
+def run_rank(setup: Rehearsal, rank: int) -> dict:
+    cfg, device = run_cfg(setup), pick_device(setup.cfg.train.device)
     reset_peak(device)
     model = build_model(cfg.model)
     topo = init_topology(setup.layout, device)
     plan = rank_plan(setup.work, setup.planned_layout, setup.hardware, topo.pp_rank, setup.micro_batches)
     check_fits(setup, topo, model, plan, device)
     started = time.perf_counter()
-    inputs = RunInputs(setup.layout, device, [], model, count_params(model), None, [], [],
-                       fp8_support(cfg.precision.fp8, device))
-    parts = build_parts(cfg, inputs, topo, stage_shapes(cfg))
+    parts = build_parts(cfg, model, topo, device, fp8_support(cfg.precision.fp8, device), stage_shapes(cfg))
     startup_s = time.perf_counter() - started
-    trainer = rehearsal_trainer(cfg, topo, device, parts)
-    steps = run_steps(trainer, setup.steps)
-    report = rank_report(setup, topo, trainer, steps, plan)
+    train_step = rehearsal_step(cfg, topo, device, parts)
+    steps = run_steps(train_step, setup.steps)
+    report = rank_report(setup, topo, train_step, steps, plan)
     report["time"]["startup_s"] = startup_s
     report["peak_memory"] = peak_memory(device)
     return report
@@ -194,28 +189,24 @@ class SyntheticTokens:
         return {"synthetic": True}
 
 
-def rehearsal_trainer(cfg: Config, topo: Topology, device: torch.device, model) -> Trainer:
-    """The trainer with what a step uses; the services after a step (metrics, validation, watchdog) are not
-    rehearsed, and the slow-rank check, which compares ranks that are not there, is off."""
-    goodput, console = Goodput(Path(cfg.train.run_dir), False, time.time()), make_console(quiet=True)
+def rehearsal_step(cfg: Config, topo: Topology, device: torch.device, parts: ModelParts) -> TrainStep:
+    """The trainer's step on random tokens; the slow-rank check, which compares ranks that are not there, is off
+    (the services after a step, metrics, checkpoints and validation, are not rehearsed)."""
     per_rank = topo.cfg.microbatches(cfg.train.global_batch, cfg.train.micro_batch)
-    health = Health(replace(cfg.health, slow_intervals=0), topo, device, model.parts, console)
-    return Trainer(cfg=cfg, topo=topo, device=device, console=console, model=model,
-                   batches=Batches(SyntheticTokens(cfg), topo, per_rank), goodput=goodput,
-                   checkpoints=Checkpoints(cfg, topo, device, goodput), report=None, validation=None, watchdog=None,
-                   health=health)
+    health = Health(replace(cfg.health, slow_intervals=0), topo, device, parts.parts, make_console(quiet=True))
+    return TrainStep(cfg, topo, device, parts, Batches(SyntheticTokens(cfg), topo, per_rank), health)
 
 
 class PhaseClock:
     """Seconds a step spends in its parts' forward passes and in its optimizers' updates (hooks on both; the rest
     is backward, the loss, the step's all-reduce and clipping), and the gradients' bytes as the updates read them."""
 
-    def __init__(self, trainer: Trainer):
-        self.device, self.forward_s, self.update_s, self.grads, self.began = trainer.device, 0.0, 0.0, 0, 0.0
-        self.handles = [hook for part in trainer.model.parts
+    def __init__(self, parts: ModelParts, device: torch.device):
+        self.device, self.forward_s, self.update_s, self.grads, self.began = device, 0.0, 0.0, 0, 0.0
+        self.handles = [hook for part in parts.parts
                         for hook in (part.register_forward_pre_hook(self.start),
                                      part.register_forward_hook(self.stop_forward))]
-        self.handles += [hook for opt in trainer.model.optimizers
+        self.handles += [hook for opt in parts.optimizers
                          for hook in (opt.register_step_pre_hook(self.start_update),
                                       opt.register_step_post_hook(self.stop_update))]
 
@@ -255,19 +246,18 @@ class Steps:
     skipped: str | None  # why the last update was dropped (train.on_bad_step), if it was
 
 
-def run_steps(trainer: Trainer, steps: int) -> Steps:
-    """`steps` training steps through `Trainer.train_step`; the last one records its collectives and samples
-    what it keeps for backward."""
-    seconds, dims = [], group_names(trainer.topo.mesh)
+def run_steps(train_step: TrainStep, steps: int) -> Steps:
+    """`steps` training steps of the trainer's `TrainStep`; the last one records its collectives and samples what
+    it keeps for backward."""
+    seconds, dims = [], group_names(train_step.topo.mesh)
     for i in range(steps):
         with contextlib.ExitStack() as stack:
             if i == steps - 1:  # hooks and synchronisations only where they are read
-                clock = PhaseClock(trainer)
+                clock = PhaseClock(train_step.parts, train_step.device)
                 stack.callback(clock.remove)
                 collectives = stack.enter_context(Collectives(dims))
-                kept = stack.enter_context(KeptForBackward(trainer.model.parts))
-            result = trainer.train_step(False)
-        trainer.step += 1
+                kept = stack.enter_context(KeptForBackward(train_step.parts.parts))
+            result = train_step(i, stop_requested=False, save_written=False)
         seconds.append(result.seconds)
     seconds[-1] -= kept.seconds
     return Steps(seconds, clock.forward_s, clock.update_s, clock.grads, collectives, kept, result.bad)
@@ -285,9 +275,9 @@ def peak_memory(device: torch.device) -> dict:
     return {"kind": kind, "bytes": peak_memory_bytes(device)}
 
 
-def rank_report(setup: Rehearsal, topo: Topology, trainer: Trainer, steps: Steps, plan: RankPlan) -> dict:
+def rank_report(setup: Rehearsal, topo: Topology, train_step: TrainStep, steps: Steps, plan: RankPlan) -> dict:
     """What the rank holds, computes and issues, beside the planner's figures for it."""
-    model, m, M = trainer.model, setup.step_micro_batches, setup.micro_batches
+    model, m, M = train_step.parts, setup.step_micro_batches, setup.micro_batches
     params = [p for part in model.parts for p in part.parameters()]
     measured = {"params": sum(storages(params).values()), "grads": steps.grads,
                 "optimizer": sum(storages(optimizer_tensors(model.optimizers)).values()), **steps.kept.peak}
@@ -309,7 +299,7 @@ def rank_report(setup: Rehearsal, topo: Topology, trainer: Trainer, steps: Steps
                  "step_compute_s": {"measured": forward_backward * m / M, "planned": step_plan.compute_s}},
         "collectives": scaled_collectives(steps.collectives.rows(), setup, rank_traffic(
             setup.work, setup.planned_layout, setup.hardware, topo.pp_rank, m)),
-        "checkpoint": {**checkpoint_bytes(trainer), "planned": plan.params + plan.optimizer},
+        "checkpoint": {**checkpoint_bytes(train_step.snapshot(setup.steps)), "planned": plan.params + plan.optimizer},
         "skipped_update": steps.skipped,
     }
 
@@ -346,13 +336,13 @@ def scaled_collectives(rows: list[dict], setup: Rehearsal, planned: dict[tuple[s
     return rows
 
 
-def checkpoint_bytes(trainer: Trainer) -> dict:
-    """Bytes of the checkpoint's state dict on this rank (`Trainer.snapshot`), and its share of what is written:
+def checkpoint_bytes(snapshot: Snapshot) -> dict:
+    """Bytes of the checkpoint's state dict on this rank (`TrainStep.snapshot`), and its share of what is written:
     a tensor replicated over some mesh dimensions is written once among its holders."""
     from torch.distributed.tensor import DTensor
 
     held = share = 0.0
-    for t in tensors_in(trainer.snapshot().state_dict()):
+    for t in tensors_in(snapshot.state_dict()):
         nbytes = local(t).numel() * t.element_size()
         replicas = 1
         if isinstance(t, DTensor):

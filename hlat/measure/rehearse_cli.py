@@ -37,7 +37,7 @@ def ranks(text: str) -> list[int] | None:
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
     from hlat.measure.rehearse import prepare, rehearse
-    from hlat.train.config import load_config
+    from hlat.config.job import load_config
 
     cfg = load_config(args.config, overrides)
     setup = prepare(cfg, args.world_size, ranks(args.rank), args.steps, args.micro_batches, args.hardware)

@@ -10,7 +10,7 @@ import torch
 from rich.table import Table
 
 from hlat.console import make_console
-from hlat.planner.profiles import HardwareProfile, Measured, load_profile
+from hlat.profiles import HardwareProfile, Measured, load_profile
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""How every preflight figure is taken: the fastest of a few calls, on each rank, and gathered across ranks."""
+"""How every preflight figure is taken: the fastest of a few calls, on each rank, and gathered across ranks; or, for
+communication, each of a few calls that every rank starts together."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 from hlat.parallel.mesh import gather_objects
 
@@ -27,6 +29,20 @@ def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float
         sync_device(device)
         times.append(time.perf_counter() - start)
     return min(times)
+
+
+def timed_together(fn: Callable[[], object], device: torch.device, repeats: int) -> list[float]:
+    """Seconds of each of `repeats` calls of fn() after one untimed, every rank starting each call together (a
+    barrier), until the device has finished it."""
+    times = []
+    for repeat in range(repeats + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        sync_device(device)
+        if repeat:
+            times.append(time.perf_counter() - start)
+    return times
 
 
 def timed_on_every_rank(fn: Callable[[], object], device: torch.device, repeats: int) -> float:

@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from hlat.dtensor import full
+
 IGNORE_INDEX = -100  # F.cross_entropy's default: the target of a padding position
 
 
@@ -24,7 +26,7 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = 
     tensor either way."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction=reduction)
-    return loss.full_tensor() if isinstance(loss, DTensor) else loss
+    return full(loss)
 
 
 @dataclass(frozen=True)

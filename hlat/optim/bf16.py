@@ -15,6 +15,8 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from hlat.dtensor import local
+
 ROUNDINGS = ("stochastic", "kahan", "nearest")
 _KEEP_BF16_BITS = -65536  # 0xFFFF0000 as int32: sign, exponent and the 7 mantissa bits bf16 keeps
 
@@ -65,10 +67,6 @@ def rounding_seed(seed: int, step: int, index: int, shard: tuple[int, ...] = ())
     (unlike hash()), so a resumed run and every data-parallel replica draw the same bits."""
     key = ",".join(map(str, (seed, step, index, *shard))).encode()
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
-
-
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _like_param(grad: Tensor, p: Tensor) -> Tensor:
@@ -152,7 +150,7 @@ class BF16AdamW(torch.optim.Optimizer):
                                 (lr / (1 - beta1**step), math.sqrt(1 - beta2**step))))
             if not updates:
                 continue
-            device = _local(updates[0][0]).device
+            device = local(updates[0][0]).device
             scalars = {"one_minus_beta1": 1 - beta1, "beta2": beta2, "one_minus_beta2": 1 - beta2, "eps": eps,
                        "decay": 1 - lr * wd}
             compiled = device.type in COMPILED_UPDATE_DEVICES
@@ -168,8 +166,8 @@ class BF16AdamW(torch.optim.Optimizer):
                     key_lo, key_hi = key & _MASK32, key >> 32
                 compensation = state.get("compensation")
                 grad = _like_param(p.grad, p)
-                tensors = [_local(t).view(-1) for t in (p, grad, state["exp_avg"], state["exp_avg_sq"])]
-                update(*tensors, None if compensation is None else _local(compensation).view(-1),
+                tensors = [local(t).view(-1) for t in (p, grad, state["exp_avg"], state["exp_avg_sq"])]
+                update(*tensors, None if compensation is None else local(compensation).view(-1),
                        **scalars, neg_step_size=-step_size, bias_correction2_sqrt=bias_correction2_sqrt,
                        key_lo=key_lo, key_hi=key_hi, rounding=self.rounding)
         return loss

@@ -15,7 +15,8 @@ PURE_BF16 = {"bf16_sr": "stochastic", "bf16_kahan": "kahan"}
 def prepare_model(model: nn.Module, mode: str) -> nn.Module:
     """Cast the parameters (and floating buffers such as the rope table, which the model casts to the activation
     dtype anyway) to bf16 for the pure-bf16 modes; leave fp32 and bf16_mixed models in fp32. In place, keeping
-    tied parameters tied; call it after materialising and before any parallel wrapping."""
+    tied parameters tied; the trainer calls it on the meta-device model, before any parallel wrapping and before
+    materialising, so the parameters are allocated in their final dtype."""
     return model.to(torch.bfloat16) if mode in PURE_BF16 else model
 
 

@@ -6,6 +6,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from hlat.dtensor import full
+
 
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float, pp_group: dist.ProcessGroup | None = None
                    ) -> torch.Tensor:
@@ -24,7 +26,7 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float, pp_group: dist.P
         # accumulated in fp32 even for bf16 gradients, whose own norm would be off by up to 2**-8
         norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in group])
         norm = torch.linalg.vector_norm(norms)
-        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
+        squares.append(full(norm) ** 2)
     device = grads[0].device if grads else torch.device("cpu")
     total = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
     if pp_group is not None:

@@ -7,16 +7,16 @@ series of small non-negative least-squares problems on relative errors, each sol
 from __future__ import annotations
 
 import itertools
-import json
 import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hlat import HlatError
 from hlat.config import load_toml
+from hlat.files import read_metrics
 from hlat.planner.layout import Layout, Workload
-from hlat.planner.profiles import FACTORS, Fit, HardwareProfile
 from hlat.planner.timing import step_time
+from hlat.profiles import FACTORS, Fit, HardwareProfile
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,7 @@ def read_run(run_dir: str | Path, skip: int = 1) -> tuple[dict, float]:
     if not (metrics.is_file() and (run / "config.toml").is_file()):
         raise HlatError(f"--calibrate: {run} is not an hlat run directory (needs config.toml and metrics.jsonl)")
     config = load_toml(run / "config.toml")
-    times = [json.loads(line)["step_time_s"] for line in metrics.read_text().splitlines() if line.strip()]
+    times = [record["step_time_s"] for record in read_metrics(metrics) if "step_time_s" in record]
     times = times[skip:] or times
     if not times:
         raise HlatError(f"--calibrate: {metrics} has no logged steps")

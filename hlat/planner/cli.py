@@ -19,10 +19,10 @@ from hlat.optim.modes import MODES
 from hlat.parallel.config import ParallelConfig
 from hlat.planner.calibration import Sample, fit_factors, read_run
 from hlat.planner.layout import Layout, Workload, layout_problem
-from hlat.planner.profiles import HardwareProfile, load_profile, profile_names
 from hlat.planner.rehearsal import own_trainer_note, with_rehearsal
 from hlat.planner.report import Request, fp8_note, show
 from hlat.planner.search import OBJECTIVES, RECOMPUTE, TOLERANCE, evaluate, search
+from hlat.profiles import HardwareProfile, load_profile, profile_names
 from hlat.resources import recipe_names
 
 HLAT_TOKENS = 1.8e12  # HLAT's training budget: the default for a preset
@@ -148,7 +148,7 @@ def _load_config(args: argparse.Namespace, overrides: list[str]):
         if overrides:
             raise HlatError(f"hlat plan: {overrides[0]}: --section.key overrides apply to a --config")
         return None
-    from hlat.train.config import load_config
+    from hlat.config.job import load_config
 
     return load_config(args.config, (["--model.preset", args.model] if args.model else []) + overrides)
 
@@ -166,7 +166,7 @@ def _request(args: argparse.Namespace, cfg, hw: HardwareProfile, nodes: int) -> 
 
 def _workload(args: argparse.Namespace, cfg) -> tuple[Workload, str]:
     """What the plan trains, and what set its sequence length (`figures_seq_len`, as `hlat describe`)."""
-    from hlat.train.config import figures_seq_len
+    from hlat.config.job import figures_seq_len
 
     if cfg:
         model, train = cfg.model, cfg.train

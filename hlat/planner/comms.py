@@ -20,7 +20,7 @@ from __future__ import annotations
 from hlat.planner.costs import dp_block_shape, interpolate
 from hlat.planner.layout import Layout, Workload
 from hlat.planner.memory import block_linear_weights, layer_params_per_device, sharded_units
-from hlat.planner.profiles import Fit, HardwareProfile, Links
+from hlat.profiles import Fit, HardwareProfile, Links
 
 
 def rate(table: list[list[float]], size: float, unit: float) -> float:

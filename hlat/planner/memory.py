@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from hlat.models.config import ModelConfig
 from hlat.planner.layout import Layout, Workload
-from hlat.planner.profiles import HardwareProfile
+from hlat.profiles import HardwareProfile
 
 GIB = 2**30
 

@@ -17,12 +17,12 @@ from pathlib import Path
 from hlat import HlatError
 from hlat.models.config import ModelConfig
 from hlat.parallel.config import stage_layers
+from hlat.planner.comms import message_bytes
 from hlat.planner.layout import Layout, Workload
 from hlat.planner.memory import (GIB, Memory, blocks_activation_bytes, cast_bytes, head_bytes,
                                  layer_params_per_device, memory, rebuilt_bytes)
-from hlat.planner.profiles import HardwareProfile
-from hlat.planner.comms import message_bytes
 from hlat.planner.timing import micro_batch
+from hlat.profiles import HardwareProfile
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ from pathlib import Path
 from hlat.config import to_toml
 from hlat.planner.layout import Layout, Workload
 from hlat.planner.memory import GIB
-from hlat.planner.profiles import HardwareProfile
 from hlat.planner.search import Plan
+from hlat.profiles import HardwareProfile
 
 
 @dataclass

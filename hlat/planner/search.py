@@ -9,8 +9,8 @@ from typing import Iterator
 from hlat import HlatError
 from hlat.planner.layout import Layout, Workload, layout_problem
 from hlat.planner.memory import Memory, memory
-from hlat.planner.profiles import HardwareProfile
 from hlat.planner.timing import StepTime, step_time
+from hlat.profiles import HardwareProfile
 
 OBJECTIVES = ("tokens_per_s", "tokens_per_dollar")
 RECOMPUTE = ("none", "selective", "full")

@@ -52,7 +52,7 @@ from hlat.planner.costs import (attention_flops, block_linears, layer_matmuls, l
                                 memory_op_bytes, optimizer_bytes, output_matmul)
 from hlat.planner.layout import Layout, Workload
 from hlat.planner.memory import stage_params
-from hlat.planner.profiles import Fit, HardwareProfile
+from hlat.profiles import Fit, HardwareProfile
 
 
 @dataclass(frozen=True)

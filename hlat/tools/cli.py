@@ -130,7 +130,7 @@ def evaluate_checkpoint(checkpoint: Path, args: argparse.Namespace, device, made
 
     from hlat.data.tokenizer import tokenizer_digest
     from hlat.tools.inference import load_trained
-    from hlat.train.files import checkpoint_step
+    from hlat.files import checkpoint_step
     from hlat.train.validation import evaluate, validation_batches, validation_documents
 
     cfg, model, tokenizer = load_trained(checkpoint, device, args.dtype, args.tokenizer)
@@ -169,7 +169,7 @@ def run_generate(args: argparse.Namespace, overrides: list[str]) -> int:
 def run_checkpoint_verify(args: argparse.Namespace, overrides: list[str]) -> int:
     """Each checkpoint named, or each of a run directory, checked against its manifest: 1 if any is damaged."""
     from hlat.train.checkpoint import DamagedCheckpoint, checkpoints_in, verify_checkpoint
-    from hlat.train.files import checkpoint_step
+    from hlat.files import checkpoint_step
 
     damaged = 0
     for checkpoint in [c for path in args.paths for c in checkpoints_in(path)]:

@@ -9,12 +9,12 @@ gradient norm, `grad_norm_mean`; runs from before it existed give their last ste
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from hlat import HlatError
+from hlat.files import read_metrics
 
 METRICS = {"loss": "training loss", "grad_norm": "gradient norm", "val_loss": "validation loss"}
 
@@ -37,18 +37,11 @@ def read_run(path: str | Path, label: str) -> Run:
     if not metrics.is_file():
         raise HlatError(f"{path}: no metrics.jsonl (give a run directory or a metrics.jsonl file)")
     series: dict[str, dict[int, float]] = {m: {} for m in METRICS}
-    for n, line in enumerate(metrics.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-            step = int(record["step"])
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-            raise HlatError(f"{metrics}:{n}: not a metrics record") from None
+    for record in read_metrics(metrics):
         for metric in METRICS:
             value = _value(record, metric)
             if isinstance(value, (int, float)) and math.isfinite(value):
-                series[metric][step] = float(value)
+                series[metric][record["step"]] = float(value)
     if not series["loss"]:
         raise HlatError(f"{metrics}: no logged loss")
     return Run(label, series)

@@ -9,11 +9,11 @@ import torch
 from torch import nn
 
 from hlat import HlatError
+from hlat.config.job import Config, load_config
 from hlat.data.tokenizer import Tokenizer, load_tokenizer, tokenizer_file_in
 from hlat.models import build_model, materialize
 from hlat.models.generate import generate
 from hlat.train.checkpoint import CONFIG_FILE, load_checkpoint, verified_checkpoint
-from hlat.train.config import Config, load_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 

@@ -8,12 +8,12 @@ from pathlib import Path
 import tokenizers
 
 from hlat import HlatError
+from hlat.config.job import Config
 from hlat.data.tokenizer import Tokenizer
 from hlat.models import build_model
 from hlat.models.hf import read_hf_dir, write_hf_dir
 from hlat.tools.inference import load_trained_model, saved_tokenizer
 from hlat.train.checkpoint import model_state, write_checkpoint
-from hlat.train.config import Config
 
 
 def import_hf(hf_dir: str | Path, out: str | Path) -> Path:

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from hlat.files import write_text
 from hlat.train.checkpoint import Snapshot, checkpoint_root, write_checkpoint
-from hlat.train.files import write_text
 
 BEST_FILE = "best.json"
 

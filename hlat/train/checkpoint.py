@@ -38,9 +38,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.torch_version import TorchVersion
 
 from hlat import HlatError
-from hlat.parallel.mesh import gather_objects
-from hlat.train.files import (checkpoint_root, checkpoint_step, complete_checkpoints, latest_checkpoint,
+from hlat.files import (checkpoint_root, checkpoint_step, complete_checkpoints, latest_checkpoint,
                               refused_write)
+from hlat.parallel.mesh import gather_objects
 
 if TYPE_CHECKING:
     from rich.console import Console

@@ -1,5 +1,5 @@
-"""Fault handling in the training loop: the bad-step policy, the hang watchdog and stop signals
-(docs/fault-tolerance.md)."""
+"""Fault handling in the training loop: the bad-step check and policy, the fault a test injects to exercise them
+(train.debug_nan_step), the hang watchdog and stop signals (docs/fault-tolerance.md)."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from hlat import HANG_EXIT, HlatError
-from hlat.train.config import TrainConfig
-from hlat.train.files import WriteFailed, report_and_exit, write_text, writing
+from hlat.config.job import TrainConfig
+from hlat.files import WriteFailed, report_and_exit, write_text, writing
 
 
 class BadSteps:
@@ -36,7 +36,6 @@ class BadSteps:
         self.spike_sigmas, self.max_in_a_row = spike_sigmas, max_in_a_row
         self.mean = self.var = 0.0
         self.good = self.in_a_row = self.total = 0
-        self.injected = False  # train.debug_nan_step has fired
 
     def check(self, loss: float, grad_norm: float) -> str | None:
         """The reason the step is bad, or None (then it joins the running statistics)."""
@@ -89,10 +88,22 @@ def weights_finite(params: list[torch.Tensor]) -> bool:
     return bool(local.item())
 
 
-def poison_gradients(params: list[torch.Tensor]) -> None:
-    for p in params:
-        if p.grad is not None:
-            p.grad.fill_(float("nan"))
+class InjectedNaN:
+    """train.debug_nan_step, a fault injected to test the bad-step policy: that step's gradients and loss become
+    NaN, once per process (a rollback that runs the step number again trains on); 0 injects nothing."""
+
+    def __init__(self, step: int):
+        self.step, self.fired = step, False
+
+    def __call__(self, step: int, local_loss: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
+        """`local_loss` of step `step` (1-based), poisoned with the gradients of `params` if this is the step."""
+        if step != self.step or self.fired:
+            return local_loss
+        self.fired = True
+        for p in params:
+            if p.grad is not None:
+                p.grad.fill_(float("nan"))
+        return local_loss * float("nan")
 
 
 class Watchdog:
@@ -196,7 +207,7 @@ def kill_stopped_sibling(seen: dict) -> bool:
 
 class StopRequest:
     """SIGTERM/SIGINT ask the loop to checkpoint and stop after the current step instead of dying mid-step;
-    ranks agree on it each step (with the loss: `hlat.train.trainer.reduce_step`), so they all save the same step."""
+    ranks agree on it each step (with the loss: `hlat.train.step.reduce_step`), so they all save the same step."""
 
     def __init__(self):
         self.requested = False

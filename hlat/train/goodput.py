@@ -16,7 +16,7 @@ import json
 import time
 from pathlib import Path
 
-from hlat.train.files import write_text
+from hlat.files import write_text
 
 FIELDS = ("productive_s", "pending_s", "lost_s", "recomputed_s", "startup_s", "checkpoint_s", "data_wait_s",
           "bad_step_s")

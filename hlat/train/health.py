@@ -4,7 +4,8 @@ A synchronous job runs at the pace of its slowest rank, and the other ranks wait
 (FSDP's gathers and reductions between blocks, tensor parallelism's inside them, the step's all-reduce), so
 the step time says that the job slowed down, not which rank did. Each rank therefore times its own compute: the
 forward of each of its model blocks, from after the block's parameters are gathered (FSDP's hook, which runs
-first) to the block's output, summed over the step; and its wait in the step's all-reduce (`reduce_step`).
+first) to the block's output, summed over the step; and its wait in the step's all-reduce
+(`hlat.train.step.reduce_step`), both added up once the step's figures are read (nothing waits for them).
 Host clocks on the CPU, timing events on an accelerator (a host clock would time only the kernels' launch).
 
 Every `train.log_every` steps the ranks' means since the last record are gathered in one small all-gather (three
@@ -27,9 +28,9 @@ import torch.distributed as dist
 from rich.console import Console
 from torch import nn
 
+from hlat.config.job import HealthConfig
 from hlat.parallel import Topology
 from hlat.parallel.mesh import gather_objects
-from hlat.train.config import HealthConfig
 
 
 class Stopwatch:
@@ -57,7 +58,7 @@ class Stopwatch:
     def seconds(self, start, end) -> float:
         if self.device is None:
             return end - start
-        end.synchronize()  # recorded before the host read the step's all-reduce: already done
+        end.synchronize()  # recorded before the host read the step's figures: already done
         return start.elapsed_time(end) / 1e3
 
 
@@ -128,7 +129,7 @@ class Health:
         delay_rank, delay_s = cfg.delay()
         self.delay_s = delay_s if delay_rank == topo.rank else 0.0
         self.checking = dist.is_initialized() and topo.world_size > 1 and cfg.slow_intervals > 0
-        self.timing, self.started, self.spans = False, None, []
+        self.timing, self.started, self.spans, self.wait = False, None, [], (None, None)
         self.totals = [0.0, 0.0, 0]  # compute seconds, wait seconds, steps since the last record
         self.slow = SlowRanks(cfg, gather_objects(socket.gethostname()) if self.checking else [], console)
         blocks = [block for part in parts for block in part.layers.values()]
@@ -163,13 +164,18 @@ class Health:
 
     @contextlib.contextmanager
     def at_collective(self):
-        """The step's all-reduce, whose result the host reads: this rank's wait in it, and, now that the step's
-        marks are all behind the host, the step's compute, added to the interval."""
+        """The step's all-reduce: this rank's wait in it, marked (and added up by `step_read`)."""
         start = self.clock.mark() if self.checking else None
         yield
         if self.checking:
+            self.wait = (start, self.clock.mark())
+
+    def step_read(self) -> None:
+        """The host has read the step's figures, so every mark of the step is behind it: the step's compute and its
+        wait are added to the interval without waiting for the device."""
+        if self.checking:
             self.totals[0] += sum(self.clock.seconds(a, b) for a, b in self.spans)
-            self.totals[1] += self.clock.seconds(start, self.clock.mark())
+            self.totals[1] += self.clock.seconds(*self.wait)
             self.totals[2] += 1
         self.spans.clear()
         self.clock.rewind()

@@ -2,8 +2,9 @@
 
 `train` reads in the order the run happens (docs/architecture.md): everything checkable before any process group
 (`check_inputs`) -> process group and mesh -> tokenizer -> model split, sharded, materialised and initialised ->
-optimizers -> data stream -> the run's services -> restore a checkpoint if resuming -> steps -> the last commit.
-Each piece of work is a named helper below it; a step and what follows it are `hlat.train.trainer.Trainer`'s.
+optimizers -> data stream -> the step and the run's services -> restore a checkpoint if resuming -> steps -> the
+last commit. Each piece of work is a named helper below it; a step is `hlat.train.step.TrainStep`'s, what follows
+it `hlat.train.trainer.Trainer`'s.
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel
 
 from hlat import HlatError
+from hlat.config.job import Config
 from hlat.console import make_console
 from hlat.data.exchange import side_group
 from hlat.data.packing import DataStream, Ranks, build_stream
 from hlat.data.sources import Source, resolve_sources, source_files
 from hlat.data.tokenizer import get_tokenizer
+from hlat.files import quiet_refused_writes_in_threads, write_text, writing
 from hlat.models import build_model, count_params
 from hlat.optim import build_optimizer
 from hlat.optim.fp8 import convert_blocks, fp8_support, precompute_scales_after_step
@@ -34,16 +37,15 @@ from hlat.parallel import ParallelConfig, Topology, init_topology, parallelize
 from hlat.parallel.device import pick_device
 from hlat.parallel.pipeline import StageShapes, build_schedule
 from hlat.train.checkpoint import DamagedCheckpoint, set_aside
-from hlat.train.config import Config
 from hlat.train.faults import StopRequest, Watchdog
-from hlat.train.files import quiet_refused_writes_in_threads, write_text, writing
 from hlat.train.goodput import Goodput
 from hlat.train.health import Health
 from hlat.train.metrics import StepReport
 from hlat.train.resume import check_start, find_resume_checkpoint
 from hlat.train.saving import Checkpoints, checkpoint_bytes, local_elements
+from hlat.train.step import Batches, ModelParts, TrainStep
 from hlat.train.tracking import require_backends
-from hlat.train.trainer import Batches, Model, Trainer
+from hlat.train.trainer import Trainer
 from hlat.train.validation import Validation
 
 
@@ -90,23 +92,23 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
         make_run_dir(cfg, topo)
         goodput = Goodput(Path(cfg.train.run_dir), topo.is_main, entered)  # this start counts from here
         tokenizer = load_tokenizer(cfg, topo, inputs.sources)
-        model = build_parts(cfg, inputs, topo)
+        parts = build_parts(cfg, inputs.model, topo, inputs.device, inputs.fp8)
         stream = open_stream(cfg, topo, tokenizer, inputs.sources)
         cleanup.callback(stream.close)  # stops the tokenizer workers
         per_rank = inputs.layout.microbatches(cfg.train.global_batch, cfg.train.micro_batch)
+        train_step = TrainStep(cfg, topo, inputs.device, parts, Batches(stream, topo, per_rank),
+                               Health(cfg.health, topo, inputs.device, parts.parts, console))
         trainer = Trainer(
-            cfg=cfg, topo=topo, device=inputs.device, console=console, model=model,
-            batches=Batches(stream, topo, per_rank), goodput=goodput,
+            cfg=cfg, console=console, train_step=train_step, goodput=goodput,
             checkpoints=Checkpoints(cfg, topo, inputs.device, goodput),
             report=StepReport(cfg, inputs.device, topo.world_size, topo.is_main, console),
             validation=Validation(cfg, tokenizer, inputs.sources),
-            watchdog=Watchdog(cfg.train.hang_timeout_s, Path(cfg.train.run_dir), topo.rank, topo.world_size),
-            health=Health(cfg.health, topo, inputs.device, model.parts, console))
+            watchdog=Watchdog(cfg.train.hang_timeout_s, Path(cfg.train.run_dir), topo.rank, topo.world_size))
         cleanup.callback(trainer.checkpoints.close)
         cleanup.callback(trainer.report.close)
         trainer.restore(inputs.resume_from)
         check_disk(trainer, inputs)
-        announce(trainer, inputs.n_params)
+        announce(trainer, inputs)
         goodput.start_up_done()
         run_steps(trainer)
         trainer.checkpoints.commit()
@@ -177,31 +179,33 @@ def load_tokenizer(cfg: Config, topo: Topology, sources: list[Source]):
     return tokenizer
 
 
-def build_parts(cfg: Config, inputs: RunInputs, topo: Topology, shapes: StageShapes | None = None) -> Model:
-    """This rank's parts of the model, in the precision mode's dtype (cast on meta, before sharding) with the
-    blocks' linear layers in FP8 under precision.fp8, split, parallelised and initialised; one optimizer per part;
-    the pipeline schedule that runs them, if any (its stages given their boundaries' `shapes`, or inferring them
-    from the first micro-batch)."""
+def build_parts(cfg: Config, model: nn.Module, topo: Topology, device: torch.device, fp8: str,
+                shapes: StageShapes | None = None) -> ModelParts:
+    """This rank's parts of the meta-device `model`, in the precision mode's dtype (cast on meta, before sharding)
+    with the blocks' linear layers in FP8 under precision.fp8 (`fp8`: "native" or "emulated" on `device`, as
+    `hlat.optim.fp8.fp8_support` says), split, parallelised and initialised; one optimizer per part; the pipeline
+    schedule that runs them, if any (its stages given their boundaries' `shapes`, or inferring them from the first
+    micro-batch)."""
     torch.manual_seed(cfg.train.seed)
     layout, n_stages = topo.cfg, topo.cfg.stages()
-    model = prepare_model(inputs.model, cfg.precision.mode)
+    model = prepare_model(model, cfg.precision.mode)
     fp8_all_gather = cfg.precision.fp8 == "tensorwise" and layout.dp_shard > 1
     if cfg.precision.fp8 != "none":
-        convert_blocks(model, cfg.precision.fp8, inputs.fp8 == "emulated", fp8_all_gather)
-    stages = parallelize(model, topo, inputs.device, cfg.train.seed)
+        convert_blocks(model, cfg.precision.fp8, fp8 == "emulated", fp8_all_gather)
+    stages = parallelize(model, topo, device, cfg.train.seed)
     parts = [module for _, module in stages]
     per_rank = layout.microbatches(cfg.train.global_batch, cfg.train.micro_batch)
     optimizers = [build_optimizer(part, cfg.optim, cfg.precision.mode, cfg.train.seed) for part in parts]
     if fp8_all_gather:
         for optimizer, part in zip(optimizers, parts):
             precompute_scales_after_step(optimizer, part)
-    return Model(
+    return ModelParts(
         parts=parts,
         optimizers=optimizers,
-        schedule=build_schedule(stages, topo, inputs.device, per_rank, shapes) if layout.pp > 1 else None,
+        schedule=build_schedule(stages, topo, device, per_rank, shapes) if layout.pp > 1 else None,
         first_stage=any(sid == 0 for sid, _ in stages), last_stage=any(sid == n_stages - 1 for sid, _ in stages),
         sharded_grads=layout.dp_shard > 1 and not layout.zero1,
-        autocast=autocast(cfg.precision.mode, inputs.device),
+        autocast=autocast(cfg.precision.mode, device),
         loss_context=loss_parallel if layout.tp > 1 else contextlib.nullcontext)
 
 
@@ -227,20 +231,19 @@ def check_disk(trainer: Trainer, inputs: RunInputs) -> None:
         trainer.console.print(warning, soft_wrap=True, highlight=False, markup=False)
 
 
-def announce(trainer: Trainer, n_params: int) -> None:
-    cfg, world = trainer.cfg, trainer.topo.world_size
-    tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
+def announce(trainer: Trainer, inputs: RunInputs) -> None:
+    cfg, world = trainer.cfg, trainer.train_step.topo.world_size
     trainer.console.print(
-        f"training {cfg.model.preset or cfg.model.family} ({n_params:,} parameters) on {trainer.device}"
-        f"{f' x {world} ranks' if dist.is_initialized() else ''}, {cfg.train.steps} steps of {tokens_per_step:,} "
-        f"tokens, run dir {cfg.train.run_dir}", soft_wrap=True, highlight=False)
+        f"training {cfg.model.preset or cfg.model.family} ({inputs.n_params:,} parameters) on {inputs.device}"
+        f"{f' x {world} ranks' if dist.is_initialized() else ''}, {cfg.train.steps} steps of "
+        f"{cfg.train.tokens_per_step:,} tokens, run dir {cfg.train.run_dir}", soft_wrap=True, highlight=False)
 
 
 def run_steps(trainer: Trainer) -> None:
     """Steps until `train.steps`, or until a stop signal, after which the run checkpoints and stops."""
     with StopRequest().installed() as stop, trainer.watchdog:
         while trainer.step < trainer.cfg.train.steps:
-            result = trainer.train_step(stop.requested)
+            result = trainer.train_step(trainer.step, stop.requested, trainer.checkpoints.written())
             trainer.after_step(result)
             if result.stopping:
                 trainer.console.print(f"stopped by signal at step {trainer.step}; checkpoint "
@@ -250,12 +253,12 @@ def run_steps(trainer: Trainer) -> None:
 
 def summary(trainer: Trainer, resume_from: Path | None) -> Summary:
     settings, report = trainer.cfg.train, trainer.report
-    tokens_per_step = settings.global_batch * settings.seq_len
     elapsed = time.perf_counter() - report.run_start
     ran = trainer.step - trainer.start
-    return Summary(run_dir=str(Path(settings.run_dir)), steps=trainer.step, tokens_seen=trainer.step * tokens_per_step,
-                   tokens_per_s=ran * tokens_per_step / elapsed if elapsed > 0 else 0.0,
+    return Summary(run_dir=str(Path(settings.run_dir)), steps=trainer.step,
+                   tokens_seen=trainer.step * settings.tokens_per_step,
+                   tokens_per_s=ran * settings.tokens_per_step / elapsed if elapsed > 0 else 0.0,
                    first_loss=report.losses[0] if report.losses else float("nan"),
                    last_loss=report.losses[-1] if report.losses else float("nan"),
                    checkpoint=str(trainer.checkpoints.saved or resume_from or ""), ettr=trainer.goodput.ettr(),
-                   bad_steps=trainer.bad_steps.total)
+                   bad_steps=trainer.train_step.bad_steps.total)

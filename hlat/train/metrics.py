@@ -15,8 +15,9 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from hlat.train.config import Config, CostConfig
-from hlat.train.files import append_text, write_text, writing
+from hlat.config.job import Config, CostConfig
+from hlat.files import append_text, read_metrics, write_text, writing
+from hlat.profiles import load_profile
 from hlat.train.tracking import numeric, open_trackers
 
 # Peak dense bf16 FLOP/s per device (vendor figures; dense, no sparsity). CPUs get a nominal figure (cores x
@@ -49,35 +50,32 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 class Interval:
-    """The steps since the last log line. Loss and gradient norm are summed (and the norm's maximum kept) on the
-    device, so a step adds no host synchronisation; `close` reads them all back in one transfer. Its seconds are
-    the steps' own (`StepResult.seconds`): a checkpoint's stall, a validation and the logging itself between them
-    are not a step's time (they are goodput.json's)."""
+    """The steps since the last log line: their loss and gradient norm, as each step read them from the device with
+    its bad-step decision (`hlat.train.step.TrainStep`), summed here on the host; logging reads nothing more from
+    the device. Its seconds are the steps' own (`StepResult.seconds`): a checkpoint's stall, a validation and the
+    logging itself between them are not a step's time (they are goodput.json's)."""
 
-    def __init__(self, device: torch.device, data_wait_s: float = 0.0):
-        self.device = device
+    def __init__(self, data_wait_s: float = 0.0):
         self.reset(data_wait_s)
 
     def reset(self, data_wait_s: float) -> None:
         self.seconds, self.steps, self.data_wait_s = 0.0, 0, data_wait_s
-        self._sums = torch.zeros(4, device=self.device)  # loss sum, grad-norm sum, grad-norm max, last grad norm
+        self.loss_sum = self.norm_sum = self.norm_max = self.norm_last = 0.0
 
-    def add(self, loss: torch.Tensor, grad_norm: torch.Tensor, seconds: float) -> None:
-        norm = grad_norm.detach().float()
-        self._sums[0] += loss.detach().float()
-        self._sums[1] += norm
-        torch.maximum(self._sums[2], norm, out=self._sums[2])
-        self._sums[3].copy_(norm)
+    def add(self, loss: float, grad_norm: float, seconds: float) -> None:
+        self.loss_sum += loss
+        self.norm_sum += grad_norm
+        if math.isnan(grad_norm) or grad_norm > self.norm_max:  # a NaN, once in, stays the maximum
+            self.norm_max = grad_norm
+        self.norm_last = grad_norm
         self.steps += 1
         self.seconds += seconds
 
     def close(self, data_wait_s: float) -> dict:
         """{loss (mean), grad_norm (last step's), grad_norm_mean, grad_norm_max, seconds, data_wait_s}; resets."""
-        loss_sum, norm_sum, norm_max, norm_last = self._sums.tolist()  # the one host sync of the interval
-        seconds = self.seconds
-        out = {"loss": loss_sum / self.steps, "grad_norm": norm_last, "grad_norm_mean": norm_sum / self.steps,
-               "grad_norm_max": norm_max, "seconds": seconds, "steps": self.steps,
-               "data_wait_s": data_wait_s - self.data_wait_s}
+        out = {"loss": self.loss_sum / self.steps, "grad_norm": self.norm_last,
+               "grad_norm_mean": self.norm_sum / self.steps, "grad_norm_max": self.norm_max, "seconds": self.seconds,
+               "steps": self.steps, "data_wait_s": data_wait_s - self.data_wait_s}
         self.reset(data_wait_s)
         return out
 
@@ -104,8 +102,6 @@ def resolve_cost(cfg: CostConfig, devices: int) -> Cost | None:
         return Cost(cfg.price_per_device_hour, devices, f"cost.price_per_device_hour = {cfg.price_per_device_hour}")
     if not cfg.hardware:
         return None
-    from hlat.planner.profiles import load_profile
-
     profile = load_profile(cfg.hardware)
     node_price = profile.price(cfg.pricing)
     per_device = node_price / profile.devices_per_node
@@ -142,16 +138,13 @@ class MetricsLog:
         self.trackers = trackers or []
 
     def records(self) -> list[dict]:
-        if not self.path.exists():
-            return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line]
+        return read_metrics(self.path) if self.path.exists() else []
 
     def truncate_after(self, step: int) -> None:
         """On resume, drop records past the checkpoint's step: those steps are about to be run again."""
-        if not self.path.exists():
-            return
-        kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-        write_text(self.path, "".join(line + "\n" for line in kept), self.run_dir)
+        if self.path.exists():
+            kept = [record for record in self.records() if record["step"] <= step]
+            write_text(self.path, "".join(json.dumps(record) + "\n" for record in kept), self.run_dir)
 
     def write(self, record: dict) -> None:
         record = {k: json_safe(v) for k, v in record.items()}
@@ -207,14 +200,14 @@ TENSORBOARD_TAGS = {
 
 
 class StepReport:
-    """The run's metrics as it trains: each step's loss and gradient norm kept on the device (`Interval`); every
+    """The run's metrics as it trains: each step's loss and gradient norm added up (`Interval`); every
     `train.log_every` steps, and at the first and last step, a stop and a validation, one record to
     metrics.jsonl, TensorBoard and the experiment trackers (main rank) and one console line."""
 
     def __init__(self, cfg: Config, device: torch.device, devices: int, is_main: bool, console: Console):
         self.cfg, self.device, self.is_main, self.console = cfg, device, is_main, console
         settings = cfg.train
-        self.tokens_per_step = settings.global_batch * settings.seq_len
+        self.tokens_per_step = settings.tokens_per_step
         self.peak = peak_flops(device, settings.peak_flops) * devices
         self.flops_per_token = cfg.model.flops_per_token(settings.seq_len)
         self.cost = resolve_cost(cfg.cost, devices)
@@ -233,9 +226,9 @@ class StepReport:
         self.elapsed_before = float(records[-1].get("elapsed_s") or 0.0) if records else 0.0
         self.start, self.stream = step, stream
         self.run_start = time.perf_counter()
-        self.interval = Interval(self.device, stream.wait_time_s)
+        self.interval = Interval(stream.wait_time_s)
 
-    def add(self, loss: torch.Tensor, grad_norm: torch.Tensor, seconds: float) -> None:
+    def add(self, loss: float, grad_norm: float, seconds: float) -> None:
         self.interval.add(loss, grad_norm, seconds)
 
     def due(self, step: int, stopping: bool) -> bool:

@@ -10,12 +10,11 @@ from torch import nn
 
 from hlat import HlatError
 from hlat.config import to_dict
-from hlat.optim.schedule import lr_at
+from hlat.config.job import Config, load_config
+from hlat.files import checkpoint_step
 from hlat.parallel.mesh import restart_attempt
 from hlat.train.checkpoint import (CONFIG_FILE, DamagedCheckpoint, latest_checkpoint, newest_good_checkpoint,
                                    verified_checkpoint)
-from hlat.train.config import Config, load_config
-from hlat.train.files import checkpoint_step
 
 # What a resume may change without a word: where and how it runs, not what it computes.
 _UNWATCHED = {"data", "parallel", "cluster", "eval", "cost", "health", "tracking", "train.run_dir", "train.resume",
@@ -56,12 +55,8 @@ def config_changes(saved: Config, current: Config) -> list[str]:
 def schedule_changes(saved: Config, current: Config, step: int) -> bool:
     """Whether the learning rate of any step from `step` on differs (the decay horizon is optim.decay_steps, or
     train.steps when that is 0, so a longer run reshapes the schedule)."""
-    def schedule(cfg: Config, at: int) -> float:
-        optim = cfg.optim
-        return lr_at(at, optim.lr, optim.min_lr, optim.warmup_steps, optim.decay_steps or cfg.train.steps)
-
     last = max(saved.train.steps, current.train.steps, saved.optim.decay_steps, current.optim.decay_steps)
-    return any(schedule(saved, s) != schedule(current, s) for s in range(step, last + 1))
+    return any(saved.lr_at(s) != current.lr_at(s) for s in range(step, last + 1))
 
 
 def find_resume_checkpoint(cfg: Config) -> tuple[Path | None, list[DamagedCheckpoint]]:

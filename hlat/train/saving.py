@@ -11,16 +11,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from hlat import HlatError
+from hlat.config.job import Config
+from hlat.dtensor import local
+from hlat.files import checkpoint_step, free_bytes, size_text
 from hlat.optim.modes import MODES
 from hlat.parallel import Topology
 from hlat.parallel.mesh import gather_objects
 from hlat.train.best import BestCheckpoint
 from hlat.train.checkpoint import MANIFEST, Checkpointer, Snapshot, complete_checkpoints, latest_checkpoint
-from hlat.train.config import Config
-from hlat.train.files import checkpoint_step, free_bytes, size_text
 from hlat.train.faults import weights_finite
 from hlat.train.goodput import Goodput
 
@@ -138,4 +138,4 @@ def checkpoint_bytes(resume_from: Path | None, n_params: int, mode: str) -> int:
 
 def local_elements(params: list[torch.Tensor]) -> int:
     """The parameter elements this rank holds (its shards of sharded ones)."""
-    return sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params)
+    return sum(local(p).numel() for p in params)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from hlat import optional_import
 from hlat.config import to_dict
-from hlat.train.config import Config, TrackingConfig
+from hlat.config.job import Config, TrackingConfig
 
 PACKAGES = {"wandb": "wandb", "mlflow": "mlflow"}
 INSTALL = "'hlat[tracking]'"

@@ -18,10 +18,10 @@ import torch
 from torch import nn
 
 from hlat import HlatError
+from hlat.config.job import Config
 from hlat.data.packing import IGNORE, rows_to_batch
 from hlat.data.sources import Source, held_out, iter_documents, resolve_paths, resolve_sources, source_files
 from hlat.data.tokenizer import Tokenizer
-from hlat.train.config import Config
 
 
 def validation_documents(cfg: Config, sources: list[Source] | None = None, paths: list[str] | None = None

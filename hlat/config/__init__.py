@@ -2,7 +2,8 @@
 
 Every value is checked against its field's type as it is set, so an unknown key, a wrong type or a bad
 choice is reported with the field's full dotted name before any work starts. Torch-free on purpose: the
-planner and `hlat describe` import this without paying for torch.
+planner and `hlat describe` import this without paying for torch. The job's config itself (`Config`, its sections
+and `load_config`) is `hlat.config.job`.
 """
 
 from __future__ import annotations

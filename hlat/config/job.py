@@ -1,5 +1,7 @@
 """The whole job's config: one typed dataclass per section, loaded from TOML plus command-line overrides and
-validated before any work starts."""
+validated before any work starts. The model, data, optimizer, precision and parallel sections are their packages'
+own (`hlat/<package>/config.py`); the training run's, evaluation's, cost's, cluster's, health's and tracking's are
+here. Torch-free, like the machinery it is built on (`hlat.config`)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ from hlat.config import ConfigError, load_toml, merge_tables, parse_overrides, s
 from hlat.data.config import DataConfig
 from hlat.models.config import ModelConfig, preset_config
 from hlat.optim.config import OptimConfig, PrecisionConfig
+from hlat.optim.schedule import lr_at
 from hlat.parallel.config import ParallelConfig, check_layout, world_size_from_env
+from hlat.profiles import HardwareProfile, load_profile
 from hlat.resources import config_path
 
 
@@ -37,7 +41,7 @@ class TrainConfig:
     device: str = "auto"  # auto (the available accelerator, else cpu) | cpu | an accelerator type: cuda, xpu, neuron...
     peak_flops: float = 0.0  # per device, for MFU; 0 looks the device up in hlat.train.metrics.PEAK_FLOPS
     # fault handling (docs/fault-tolerance.md)
-    on_bad_step: str = "skip"  # a non-finite loss or gradient norm (or a spike): skip | rollback | stop
+    on_bad_step: Literal["skip", "rollback", "stop"] = "skip"  # a non-finite loss or gradient norm (or a spike)
     max_bad_steps: int = 5  # bad steps in a row after which the run stops (skip, rollback)
     spike_sigmas: float = 0.0  # > 0: a loss this many running deviations above the running mean is a bad step
     hang_timeout_s: float = 0.0  # > 0: no step finished for this long ends the process (stacks in the run dir)
@@ -57,14 +61,16 @@ class TrainConfig:
                               f"{self.micro_batch}")
         if self.seq_len > model.max_seq_len:
             raise ConfigError(f"train.seq_len: {self.seq_len} exceeds model.max_seq_len {model.max_seq_len}")
-        if self.on_bad_step not in ("skip", "rollback", "stop"):
-            raise ConfigError(f"train.on_bad_step: {self.on_bad_step!r} is not one of 'skip', 'rollback', 'stop'")
         for name in ("max_bad_steps", "collective_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"train.{name}: must be positive, got {getattr(self, name)}")
         if not re.fullmatch(r"[a-z][a-z0-9_]*", self.device):
             raise ConfigError(f"train.device: {self.device!r} is not 'auto', 'cpu' or a device type such as 'cuda'")
         return self
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
 
 
 @dataclass
@@ -118,8 +124,6 @@ class ClusterConfig:
         if not self.hardware:
             devices = 0 if self.accelerator == "cpu" else self.devices_per_node or self.nproc_per_node
             return NodeRequest(self.accelerator or "gpu", devices, "", 0, self.cpus, self.memory_gib)
-        from hlat.planner.profiles import load_profile
-
         try:
             hw = load_profile(self.hardware)
         except HlatError as e:
@@ -135,9 +139,9 @@ class ClusterConfig:
         return NodeRequest(hw.accelerator, devices, hw.fabric, hw.fabric_devices,
                            self.cpus or int(0.9 * hw.vcpus), self.memory_gib or int(0.9 * hw.host_memory_gib))
 
-    def check_against(self, hw, instead) -> None:
+    def check_against(self, hw: HardwareProfile, instead: HardwareProfile | None) -> None:
         """The cluster against its hardware profile `hw`; `instead`: the profile to propose when hlat cannot train
-        on `hw` (both HardwareProfile)."""
+        on `hw`."""
         if hw.unsupported:
             nodes = -(-self.world_size // instead.devices_per_node)
             raise ConfigError(f"cluster.hardware: {hw.name}: training needs other hardware: {hw.unsupported}; "
@@ -176,8 +180,6 @@ class CostConfig:
         if self.price_per_device_hour < 0:
             raise ConfigError(f"cost.price_per_device_hour: must be >= 0, got {self.price_per_device_hour}")
         if self.hardware and not self.price_per_device_hour:
-            from hlat.planner.profiles import load_profile
-
             try:
                 profile = load_profile(self.hardware)
             except HlatError as e:
@@ -336,6 +338,12 @@ class Config:
             raise ConfigError("eval.every: validation during training is not supported with pipeline parallelism "
                               "(parallel.pp > 1); evaluate checkpoints with `hlat eval` instead")
         return p
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of optimizer step `step` (0-based): optim's warmup, then its cosine decay over
+        optim.decay_steps, or over the whole run (train.steps) when that is 0."""
+        optim = self.optim
+        return lr_at(step, optim.lr, optim.min_lr, optim.warmup_steps, optim.decay_steps or self.train.steps)
 
     def to_toml(self) -> str:
         return to_toml(to_dict(self))

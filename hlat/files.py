@@ -1,4 +1,6 @@
-"""A run directory's files and the one way they are written (docs/fault-tolerance.md, "Failed writes").
+"""A run directory's files: where its checkpoints are, its metrics.jsonl read back (`read_metrics`, for the trainer,
+`hlat compare` and `hlat plan --calibrate`), and the one way they are written (docs/fault-tolerance.md, "Failed
+writes"). Torch-free: the supervisor and the planner import it.
 
 Checkpoints, metrics.jsonl, TensorBoard events, goodput.json, restarts.jsonl, hang stamps, config.toml and the
 tokenizer are all written inside `writing`: a write refused because the disk is full, the quota is spent, the file
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import re
 import shutil
@@ -50,6 +53,22 @@ def checkpoint_step(path: Path) -> int | None:
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
     done = complete_checkpoints(run_dir)
     return done[-1][1] if done else None
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The records of a run's metrics.jsonl, in order (blank lines skipped); a line that is not a JSON record with
+    a step is a one-line HlatError naming the file and the line."""
+    records = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            record["step"] = int(record["step"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            raise HlatError(f"{path}:{n}: not a metrics record") from None
+        records.append(record)
+    return records
 
 
 class WriteFailed(HlatError):

@@ -1,7 +1,8 @@
 """Published and measured training runs as planner samples: the data the profiles' factors are fitted on and the
-predictions are checked against (`docs/planner-validation.md`, `benchmarks/planner_validation.py`).
+predictions are checked against (`docs/planner-validation.md`, by `benchmarks/planner_validation.py` and
+tests/test_planner.py).
 
-The data lives outside the package, in the steering checkout's `shared/validation/` (or $HLAT_VALIDATION_DIR);
+The data lives outside the repository, in the steering checkout's `shared/validation/` (or $HLAT_VALIDATION_DIR);
 a user's machine need not have it.
 """
 
@@ -13,12 +14,13 @@ from dataclasses import replace
 from pathlib import Path
 
 from hlat.models.config import model_config
-from hlat.planner.layout import Layout, Workload, layout_problem
 from hlat.planner.calibration import Sample, fit_factors
-from hlat.planner.profiles import FACTORS, HARDWARE_DIR, Fit, HardwareProfile, load_profile
+from hlat.planner.layout import Layout, Workload, layout_problem
 from hlat.planner.timing import step_time
+from hlat.profiles import FACTORS, Fit, HardwareProfile, load_profile
 
-VALIDATION_DIR = Path(os.environ.get("HLAT_VALIDATION_DIR", HARDWARE_DIR.parent.parent / "shared" / "validation"))
+VALIDATION_DIR = Path(os.environ.get("HLAT_VALIDATION_DIR",
+                                    Path(__file__).resolve().parents[2] / "shared" / "validation"))
 
 
 def _rows(name: str) -> list[dict]:

@@ -1,0 +1,15 @@
+"""A tensor's two views under DTensor, written once: this rank's local part (`local`) and the whole tensor (`full`,
+gathered from the ranks for a sharded one: a collective); a plain tensor is both."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t

@@ -1,0 +1,214 @@
+"""One optimizer step on every rank, as an object of its own (`TrainStep`): the model parts this rank runs and
+their optimizers (`ModelParts`), its micro-batches (`Batches`), its health timing (`Health`), the bad-step check
+(`BadSteps`) with the fault a test may inject (`InjectedNaN`), and where the rank sits (`Topology`).
+`hlat.train.loop.train` builds it for the trainer, and `hlat rehearse` for one rank of a full-size job, each with
+what it has; what happens after a step (metrics, checkpoints, the bad-step policy) is the trainer's.
+
+A step reads from the device once: after the gradient norm, one transfer brings the global loss, the gradient norm
+and the flags agreed in the step's all-reduce (a stop requested, an asynchronous save written), which the host needs
+to decide whether the optimizers update.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hlat.config.job import Config
+from hlat.data.packing import DataStream
+from hlat.parallel import Topology
+from hlat.parallel.data import sync_gradients
+from hlat.parallel.grads import clip_grad_norm
+from hlat.train.checkpoint import Snapshot
+from hlat.train.faults import BadSteps, InjectedNaN
+from hlat.train.health import Health
+
+
+@dataclass
+class StepResult:
+    """What one step produced, as the host read it."""
+
+    loss: float  # the global batch's mean loss
+    grad_norm: float  # the global gradient norm before clipping
+    lr: float
+    bad: str | None  # why the update was dropped (train.on_bad_step), or None
+    stopping: bool  # a stop signal reached some rank: checkpoint and stop after this step
+    save_written: bool  # every rank has written its part of the asynchronous save in flight: commit it
+    seconds: float  # the step's wall time
+    data_wait_s: float  # of which waiting for data
+
+
+@dataclass
+class ModelParts:
+    """The model parts (pipeline stages) this rank holds, their optimizers, and how a step runs them."""
+
+    parts: list[nn.Module]
+    optimizers: list[torch.optim.Optimizer]
+    schedule: object | None  # the pipeline schedule, if pp > 1
+    first_stage: bool
+    last_stage: bool
+    sharded_grads: bool  # FSDP keeps only its shard of the gradients
+    autocast: contextlib.AbstractContextManager  # the precision mode's forward context
+    loss_context: Callable  # loss_parallel under tensor parallelism (model.loss_chunk = 0: sharded logits), else null
+
+    @functools.cached_property
+    def params(self) -> list[nn.Parameter]:  # the parts do not change after build_parts
+        return [p for part in self.parts for p in part.parameters()]
+
+
+class Batches:
+    """This rank's micro-batches for each step, which its stream gives it (docs/data.md).
+
+    `global` data sharding: every rank's stream is a part of the one global stream, so that each rank trains on
+    micro-batches dp_rank, dp_rank + dp, ... of each step's global batch (those a single process would run) and
+    the data state is the same on all ranks: one copy in the checkpoint, which resumes under any layout.
+    `files`: each data-parallel rank reads its own files, for storage that cannot serve every rank all the data;
+    the data states are per rank and a resume needs the same data-parallel size."""
+
+    def __init__(self, stream: DataStream, topo: Topology, per_rank: int):
+        self.stream, self.rank, self.per_rank = stream, topo.rank, per_rank
+        self.shared = topo.cfg.data_sharding == "global"
+
+    def next_step(self, device: torch.device) -> list[dict]:
+        micro = [next(self.stream) for _ in range(self.per_rank)]
+        return [{k: to_device(t, device) for k, t in batch.items()} for batch in micro]
+
+    @property
+    def state_key(self) -> str:
+        """The checkpoint key of the trainer state (which holds the data position): one for all ranks, or one per
+        rank when each reads its own files."""
+        return "trainer" if self.shared else f"trainer_rank{self.rank}"
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch tensor on `device`; from pinned host memory off the CPU, so the copy does not wait for the
+    device's queued work (a copy from pageable memory would)."""
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
+
+
+@dataclass
+class TrainStep:
+    """This rank's part of each optimizer step, called with the steps done so far (the module's docstring says what
+    it holds and reads); the bad-step check and the injected fault keep their state from step to step."""
+
+    cfg: Config
+    topo: Topology
+    device: torch.device
+    parts: ModelParts
+    batches: Batches
+    health: Health
+    bad_steps: BadSteps = field(init=False)
+    fault: InjectedNaN = field(init=False)
+
+    def __post_init__(self):
+        settings = self.cfg.train
+        self.bad_steps = BadSteps(settings.spike_sigmas, settings.max_bad_steps)
+        self.fault = InjectedNaN(settings.debug_nan_step)
+
+    def __call__(self, step: int, stop_requested: bool, save_written: bool) -> StepResult:
+        """Optimizer step `step` + 1 on every rank: forward and backward, the loss summed and the stop and save
+        flags agreed in one all-reduce, the gradient norm clipped, one read of those figures by the host, and the
+        update unless the step is bad. `save_written`: this rank has written its part of the asynchronous save
+        in flight."""
+        started, waited = time.perf_counter(), self.batches.stream.wait_time_s
+        lr = self.set_lr(step)
+        micro = self.batches.next_step(self.device)
+        with self.health.computing():
+            local_loss = forward_backward(self.parts, micro, self.device)
+        local_loss = self.fault(step + 1, local_loss, self.parts.params)
+        with self.health.at_collective():
+            reduced = reduce_step(local_loss, stop_requested, save_written)
+        grad_norm = clip_grad_norm(self.parts.params, self.cfg.optim.clip_grad_norm, self.pp_group)
+        loss, norm, stopping, written = read_figures(reduced, grad_norm, self.topo)  # the step's one read
+        self.health.step_read()
+        bad = self.bad_steps.check(loss, norm)
+        for optimizer in self.parts.optimizers:
+            if bad is None:
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return StepResult(loss, norm, lr, bad, stopping, written, time.perf_counter() - started,
+                          self.batches.stream.wait_time_s - waited)
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup | None:
+        """The pipeline group, over which gradient norms sum (None without pipeline parallelism)."""
+        return self.topo.group("pp") if self.topo.cfg.pp > 1 else None
+
+    def set_lr(self, step: int) -> float:
+        lr = self.cfg.lr_at(step)
+        for optimizer in self.parts.optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+        return lr
+
+    def snapshot(self, step: int) -> Snapshot:
+        """What a checkpoint after `step` steps holds: model and optimizer states, the step, the data position, RNG."""
+        trainer_state = {"step": step, "data": self.batches.stream.state_dict(), "rng": rng_state()}
+        return Snapshot(self.parts.parts, self.parts.optimizers, trainer_state, self.batches.state_key)
+
+
+def forward_backward(model: ModelParts, micro: list[dict], device: torch.device) -> torch.Tensor:
+    """Forward and backward over this rank's micro-batches; the mean loss of those (0 off the last stage)."""
+    if model.schedule is not None:
+        return pipelined_forward_backward(model, micro, device)
+    total = torch.zeros((), device=device)
+    for i, batch in enumerate(micro):
+        sync_gradients(model.parts[0], model.sharded_grads, last_micro_batch=i == len(micro) - 1)
+        with model.loss_context():
+            with model.autocast:  # the model computes the loss (extra keys, positions..., go to it too)
+                loss = model.parts[0](batch.pop("inputs"), **batch) / len(micro)
+            loss.backward()
+        total += loss.detach()
+    return total
+
+
+def pipelined_forward_backward(model: ModelParts, micro: list[dict], device: torch.device) -> torch.Tensor:
+    """The micro-batches through the pipeline schedule: the first stage feeds the inputs, the last is given the
+    targets and returns each micro-batch's loss (the schedule's loss_fn passes it on); the mean of those on the
+    last stage, 0 on the others."""
+    inputs = torch.cat([b["inputs"] for b in micro]) if model.first_stage else None
+    targets = torch.cat([b["targets"] for b in micro]) if model.last_stage else None
+    microbatch_losses: list[torch.Tensor] = []
+    with model.autocast, model.loss_context():
+        model.schedule.step(*([inputs] if model.first_stage else []), target=targets, losses=microbatch_losses,
+                            return_outputs=False, **({"targets": targets} if model.last_stage else {}))
+    if not model.last_stage:
+        return torch.zeros((), device=device)
+    return torch.stack([loss.detach() for loss in microbatch_losses]).mean()
+
+
+def reduce_step(local_loss: torch.Tensor, stop_requested: bool, save_written: bool) -> torch.Tensor:
+    """[the losses, the ranks asked to stop, the ranks that have written their part of the asynchronous save in
+    flight], each summed over every rank by one all-reduce and left on the device (`read_figures` reads them)."""
+    flags = torch.tensor([float(stop_requested), float(save_written)], device=local_loss.device)
+    packed = torch.cat([local_loss.float().reshape(1), flags])
+    if dist.is_initialized():
+        dist.all_reduce(packed)
+    return packed
+
+
+def read_figures(reduced: torch.Tensor, grad_norm: torch.Tensor, topo: Topology) -> tuple[float, float, bool, bool]:
+    """The step's one read from the device, in one transfer: the loss over the global batch (the mean over
+    data-parallel ranks of the last stage's losses; tensor-parallel peers hold the same value), the gradient norm,
+    whether any rank was asked to stop, and whether every rank has written the asynchronous save in flight."""
+    both = torch.cat([reduced, grad_norm.float().reshape(1).to(reduced.device)])
+    loss_sum, stops, written, norm = both.tolist()
+    return loss_sum / (topo.cfg.dp * topo.cfg.tp), norm, stops > 0, written == topo.world_size
+
+
+def rng_state() -> dict:
+    return {"cpu": torch.get_rng_state().tolist(),
+            "cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else []}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(torch.tensor(state["cpu"], dtype=torch.uint8))
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
