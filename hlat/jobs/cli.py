@@ -47,6 +47,7 @@ def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from rich.table import Table
 
     from hlat.jobs.torchrun import mark_finished
+    from hlat.jobs.writer import writing_run_dir
     from hlat.train.config import load_config
     from hlat.train.loop import train
 
@@ -61,7 +62,8 @@ def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
         print(cfg.to_toml(), end="")
         return 0
     console = make_console()
-    s = train(cfg, console)
+    with writing_run_dir(cfg.train.run_dir):  # before anything is written there: one job per run directory
+        s = train(cfg, console)
     mark_finished()
     if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 speaks for the job
         return 0
