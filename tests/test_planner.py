@@ -304,6 +304,61 @@ def test_cli_rejects_bad_input_in_one_line(argv, message):
         run(plan_args(*argv), [])
 
 
+# --- a layout that does not suit its hardware (hlat/planner/advice.py) -------------------------------------------------
+
+def plan_output(capsys, *argv: str) -> str:
+    from hlat.cli import main
+
+    assert main(["plan", *argv]) == 0
+    return capsys.readouterr().out
+
+
+def searched(capsys, *argv: str) -> dict:
+    """What `--search` puts first, as --json gives it."""
+    return json.loads(plan_output(capsys, *argv, "--search", "--json", "--top", "1"))["plans"][0]
+
+
+def advice_lines(out: str) -> list[str]:
+    return [line for line in out.splitlines() if "tensor parallelism across nodes" in line or "needlessly" in line]
+
+
+def test_the_70b_recipes_tp32_on_p5_names_the_cross_node_group_and_the_planners_layout(capsys):
+    """HLAT-70B's trn1 layout (TP32) on 8-GPU p5 nodes: one line names the tensor-parallel group across nodes and
+    what --search finds on the same 256 nodes, with its step time, MFU, days and price; the table shows both."""
+    best = searched(capsys, "--config", "hlat-70b", "--hardware", "p5.48xlarge")
+    out = plan_output(capsys, "--config", "hlat-70b", "--hardware", "p5.48xlarge")
+    (line,) = advice_lines(out)
+    assert line.startswith("tensor parallelism across nodes: TP32 PP8 DP8 mb1 1F1B SP ZeRO-1 AC:sel puts each TP32 "
+                           "group on 4 p5.48xlarge nodes of 8 processes")
+    days, dollars = best["budget"]["days"], best["budget"]["dollars"]
+    assert (f"`hlat plan --search` on 256 x p5.48xlarge chooses {best['layout']}: {best['step_time_s']['total']:.3g} "
+            f"s/step, {best['mfu']:.1%} MFU, {days:,.1f} days, ${dollars / 1e6:.3g}M (for 1.89T tokens)") in line
+    assert f"  2   {best['layout']}" in out and "#2: what --search chooses" in out
+    assert best["layout"].startswith("TP8 ")  # within a node
+    both = json.loads(plan_output(capsys, "--config", "hlat-70b", "--hardware", "p5.48xlarge", "--json"))
+    assert [p["layout"] for p in both["plans"]][1] == best["layout"] and line in both["notes"]
+
+
+def test_a_layout_that_suits_its_hardware_gets_no_line(capsys):
+    """The recipe on its own trn1 cluster, and on p5 the layout the search chooses, are left alone."""
+    assert advice_lines(plan_output(capsys, "--config", "hlat-70b")) == []
+    assert advice_lines(plan_output(capsys, "--config", "hlat-7b")) == []
+    best = searched(capsys, "--config", "hlat-70b", "--hardware", "p5.48xlarge")["parallel"]
+    out = plan_output(capsys, "--config", "hlat-70b", "--hardware", "p5.48xlarge", "--tp", str(best["tp"]), "--pp",
+                      str(best["pp"]), "--virtual-stages", str(best["virtual_stages"]), "--zero1", "--recompute",
+                      best["activation_checkpoint"])
+    assert advice_lines(out) == [] and "  2 " not in out
+
+
+def test_on_trn2_the_70b_recipes_layout_is_named_for_its_links_not_its_nodes(capsys):
+    """trn2's 64 NeuronCores per node hold TP32 whole, but its links make the trn1 layout needlessly slow there:
+    its communication is more than a quarter of its step and the search's layout is more than 1.25x faster."""
+    best = searched(capsys, "--config", "hlat-70b", "--hardware", "trn2.48xlarge")
+    (line,) = advice_lines(plan_output(capsys, "--config", "hlat-70b", "--hardware", "trn2.48xlarge"))
+    assert line.startswith("TP32 PP8 DP64 mb1 1F1B SP ZeRO-1 AC:sel is needlessly slow on trn2.48xlarge's links")
+    assert f"`hlat plan --search` on 256 x trn2.48xlarge chooses {best['layout']}: " in line
+
+
 # --- profiles and calibration ---------------------------------------------------------------------------------------
 
 def test_profiles_load_and_bad_ones_are_named(tmp_path):

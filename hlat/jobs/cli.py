@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 from hlat import HlatError
@@ -62,10 +63,12 @@ def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
         print(cfg.to_toml(), end="")
         return 0
     console = make_console()
+    if (rank := os.environ.get("RANK", "0")) == "0" and (line := seen_cluster_advice(cfg)):
+        console.print(line, soft_wrap=True, highlight=False, markup=False)
     with writing_run_dir(cfg.train.run_dir):  # before anything is written there: one job per run directory
         s = train(cfg, console)
     mark_finished()
-    if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 speaks for the job
+    if rank != "0":  # under torchrun, rank 0 speaks for the job
         return 0
     table = Table(title="run summary", show_header=False)
     for name, value in (("run directory", s.run_dir), ("steps", f"{s.steps:,}"),
@@ -76,6 +79,17 @@ def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
         table.add_row(name, value)
     console.print(table)
     return 0
+
+
+def seen_cluster_advice(cfg) -> str | None:
+    """The planner's line on the layout (a tensor-parallel group across nodes, needlessly slow links:
+    hlat.planner.advice) on the cluster torchrun started this job on: WORLD_SIZE processes, LOCAL_WORLD_SIZE of them
+    on each node, of the config's cluster.hardware."""
+    from hlat.planner.advice import config_advice
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    return config_advice(cfg, world // per_node, per_node) if world > 1 else None
 
 
 def run_supervised(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -94,6 +108,8 @@ def run_supervised(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def run_launch(args: argparse.Namespace, overrides: list[str]) -> int:
     from hlat.jobs.launch import render
+    from hlat.planner.advice import config_advice
+    from hlat.train.config import load_config
 
     cluster = [*(["--cluster.nodes", str(args.nodes)] if args.nodes is not None else []),
                *(["--cluster.nproc_per_node", str(args.nproc_per_node)] if args.nproc_per_node is not None else []),
@@ -104,4 +120,7 @@ def run_launch(args: argparse.Namespace, overrides: list[str]) -> int:
         print(f"wrote {args.out}")
     else:
         print(text, end="")
+    cfg = load_config(args.config, cluster + overrides)
+    if line := config_advice(cfg, cfg.cluster.nodes, cfg.cluster.nproc_per_node):
+        print(f"hlat launch: {line}", file=sys.stderr)  # the job file stays whole on stdout
     return 0

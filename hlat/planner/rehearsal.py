@@ -168,13 +168,18 @@ def data_parallel_traffic(work: Workload, layout: Layout, params: float, layers:
     return traffic
 
 
+def own_trainer_memory(plan) -> Memory | None:
+    """`plan`'s memory as hlat's own trainer keeps it, where its profile prices another stack's activations
+    (NeuronX Distributed's on trn1, which recompute or shard what torch's tensor parallelism keeps whole); None
+    where the profile's figures are hlat's own."""
+    return None if plan.hw.activations == "hlat" else memory(plan.work, plan.layout,
+                                                             replace(plan.hw, activations="hlat"))
+
+
 def own_trainer_note(plan) -> str | None:
-    """Where `plan`'s profile prices another stack's activations (NeuronX Distributed's on trn1, which recompute
-    or shard what torch's tensor parallelism keeps whole) and hlat's own trainer would not fit: say so."""
-    if plan.hw.activations == "hlat" or not plan.memory.fits:
-        return None
-    own = memory(plan.work, plan.layout, replace(plan.hw, activations="hlat"))
-    if own.fits:
+    """Where `plan` fits as its profile's stack keeps memory but hlat's own trainer would not: say so."""
+    own = own_trainer_memory(plan)
+    if own is None or own.fits or not plan.memory.fits:
         return None
     return (f"memory as {plan.hw.name}'s stack keeps it ({plan.hw.activations}); hlat's own trainer {own.shortfall()}"
             " (docs/rehearsal.md)")
