@@ -879,3 +879,19 @@ def test_a_rehearsal_of_another_fp8_recipe_is_another_job():
             "micro_batch": 1, "parallel": asdict(layout.parallel)}
     assert rehearsal_mismatch(data, work, layout) == "fp8 'none' (planned: 'tensorwise')"  # written before fp8
     assert rehearsal_mismatch({**data, "fp8": "tensorwise"}, work, layout) is None
+
+
+def test_a_rehearsal_of_another_job_names_only_the_fields_that_differ(tmp_path):
+    """A rehearsal of the 70B with 8 layers and another micro-batch, offered to the 80-layer plan: one line naming
+    model.n_layers and micro_batch, not two whole model configs."""
+    from hlat.train.config import load_config
+
+    cfg = load_config(["hlat-70b"], [])
+    rehearsal = {"model_config": asdict(replace(cfg.model, n_layers=8)), "seq_len": 4096, "global_batch": 1024,
+                 "precision": "bf16_mixed", "micro_batch": 2, "parallel": asdict(cfg.resolved_parallel(8192)),
+                 "ranks": [], "world_size": 8192, "hardware": "cpu"}
+    (tmp_path / "r.json").write_text(json.dumps(rehearsal))
+    with pytest.raises(HlatError) as refused:
+        run(plan_args("--config", "hlat-70b", "--rehearsal", str(tmp_path / "r.json")), [])
+    assert str(refused.value).endswith("rehearsed a different job: model.n_layers 8 (planned: 80); micro_batch 2 "
+                                       "(planned: 1)")
