@@ -136,9 +136,9 @@ def test_hlat_eval_names_each_checkpoint_it_evaluates(runs, capsys):
         assert json.loads(capsys.readouterr().out) == row
     assert main(["eval", str(runs[0]), *common, "--all"]) == 0
     header, *table = capsys.readouterr().out.splitlines()
-    assert header.split() == ["step", "loss", "perplexity", "tokens", "checkpoint"]
+    assert header.split() == ["step", "loss", "perplexity", "tokens", "set", "checkpoint"]
     assert [line.split() for line in table] == [[str(r["step"]), f"{r['loss']:.4f}", f"{r['perplexity']:.2f}",
-                                                 f"{r['tokens']:,}", r["checkpoint"]] for r in rows[:2]]
+                                                 f"{r['tokens']:,}", "-", r["checkpoint"]] for r in rows[:2]]
 
 
 def test_output_to_a_pipe_is_never_wrapped(tmp_path):
@@ -308,9 +308,34 @@ def test_named_validation_sets_and_the_best_checkpoint(tmp_path, capsys):
 
     assert evaluated(best_dir, str(prose)) == pytest.approx(best["value"], rel=1e-5)
     assert evaluated(run, *code) == pytest.approx(logged[-1]["val_code_loss"], rel=1e-5)
+    # without --data, each of the run's own sets, as training evaluated them (eval.batches = 2)
+    assert main(["eval", str(run), "--json", "--max-batches", "2"]) == 0
+    rows = {row["set"]: row for row in map(json.loads, capsys.readouterr().out.splitlines())}
+    assert list(rows) == ["", "code", "prose"]
+    for name, row in rows.items():
+        assert row["loss"] == pytest.approx(logged[-1][f"val_{name + '_' if name else ''}loss"], rel=1e-5)
     train(replace(cfg, train=replace(cfg.train, run_dir=str(tmp_path / "again"), resume=str(best_dir),
                                      steps=best["step"] + 1)))
     assert [r["step"] for r in records(tmp_path / "again")] == [best["step"] + 1]
+    compared(run, tmp_path / "again", capsys)
+
+
+def compared(run, other, capsys) -> None:
+    """`hlat compare` of two runs that logged named validation sets: a panel each in the figure, two columns each
+    in the table, and their deviations (the resumed run's step is the first run's step again: none)."""
+    from hlat.tools.compare import plot, read_run
+
+    titles = plot([read_run(run, "a"), read_run(other, "b")], run.parent / "cmp.png")
+    assert titles == ["training loss", "gradient norm", "validation loss", "validation loss: code",
+                      "validation loss: prose"]
+    capsys.readouterr()
+    assert main(["compare", str(run), str(other), "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["deviations"]
+    for metric in ("val_loss", "val_code_loss", "val_prose_loss"):
+        assert row[metric] == {"steps": 1, "max": 0.0, "mean": 0.0}
+    assert main(["compare", str(run), str(other)]) == 0
+    header = capsys.readouterr().out
+    assert all(f"{m} {s}" in header for m in ("val_code_loss", "val_prose_loss") for s in ("max", "mean"))
 
 
 @pytest.mark.parametrize("fields, message", [
