@@ -6,6 +6,7 @@ import math
 import os
 import re
 import time
+from collections import Counter
 from dataclasses import replace
 
 import pytest
@@ -348,3 +349,44 @@ def compared(run, other, capsys) -> None:
 def test_validation_sets_and_keep_best_are_checked(fields, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         build_config({"eval": {"every": 1, **fields}})
+
+
+def test_the_data_mix_is_logged_per_source_over_each_interval_and_the_run(tmp_path, capsys):
+    """Two weighted sources whose documents share no letter, so each row's source shows in its text: metrics.jsonl,
+    TensorBoard and the console carry each source's target share and the shares of the token positions trained on,
+    over each interval and over the run, equal to a count of the same rows made here from their letters (the
+    stream rebuilt as the trainer builds it, with the run's tokenizer)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from hlat.data.packing import Ranks, build_stream
+    from hlat.data.sources import resolve_sources
+
+    for name, letters in (("kjv", "abc"), ("shakespeare", "xyz")):
+        docs = [" ".join(letters[(i + j) % 3] * (1 + (i * j) % 5) for j in range(12 + i % 9)) for i in range(200)]
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    run = tmp_path / "run"
+    cfg = build_config({"model": dict(TINY), "data": {"sources": [f"kjv:0.3:{tmp_path}/kjv.jsonl",
+                                                                   f"shakespeare:0.7:{tmp_path}/shakespeare.jsonl"],
+                                                       "workers": 0},
+                        "train": {"steps": 6, "global_batch": 8, "micro_batch": 4, "seq_len": 32, "log_every": 2,
+                                  "run_dir": str(run)}})
+    train(cfg)
+    logged = records(run)
+    assert "mix run/target: kjv " in capsys.readouterr().out  # on the first record's line
+    stream = build_stream(cfg.data, load_tokenizer(run / "tokenizer.json"), resolve_sources(cfg.data), 32, 4,
+                          ranks=Ranks(accum=2))
+    counted, previous = Counter(), Counter()
+    for record in logged:
+        while sum(counted.values()) < record["tokens_seen"]:
+            for row in next(stream)["inputs"].tolist():
+                text = set(stream.tokenizer.decode(row))
+                counted["kjv" if text & set("abc") else "shakespeare"] += len(row)
+        interval = sum(counted.values()) - sum(previous.values())
+        for name, weight in (("kjv", 0.3), ("shakespeare", 0.7)):
+            assert record[f"mix_{name}_target"] == weight and record[f"mix_{name}_tokens"] == counted[name]
+            assert record[f"mix_{name}_run"] == pytest.approx(counted[name] / record["tokens_seen"])
+            assert record[f"mix_{name}_interval"] == pytest.approx((counted[name] - previous[name]) / interval)
+        previous = Counter(counted)
+    events = EventAccumulator(str(run))
+    events.Reload()
+    assert [e.value for e in events.Scalars("data_mix/kjv_run")] == pytest.approx([r["mix_kjv_run"] for r in logged])
