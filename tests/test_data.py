@@ -176,6 +176,16 @@ def test_config_validation(data, message):
     assert update(DataConfig(), {"paths": ["x/*.jsonl"], "seed": 3}, "data.").validate().seed == 3
 
 
+
+def test_a_missing_reader_names_the_package_it_needs(monkeypatch):
+    """pyarrow and zstandard are dependencies of hlat (not of its `formats` extra): a broken install says which
+    package to install."""
+    from hlat.data.sources import reader
+
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)  # as if it were not installed
+    with pytest.raises(HlatError, match=r"reading \.parquet files needs .*'pyarrow': pip install pyarrow$"):
+        reader("parquet", "reading .parquet files")
+
 # --- formats and bad input -------------------------------------------------------------------------------
 
 

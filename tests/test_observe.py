@@ -198,6 +198,26 @@ def test_generate_cli_greedy_matches_the_function(runs, capsys):
     assert first == "def " + tok.decode([t for t in new if t != tok.eos_id])
 
 
+
+def test_an_imported_checkpoint_keeps_its_tokenizer_and_samples_come_apart(runs, tmp_path, capsys):
+    """`hlat import-hf` puts the transformers directory's tokenizer into the checkpoint, where `hlat generate`
+    finds it (without one it says where it looked); several samples each follow a line of their own."""
+    assert main(["export-hf", str(runs[0]), "--out", str(tmp_path / "hf")]) == 0
+    assert main(["import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt")]) == 0
+    assert capsys.readouterr().out.endswith("(with its tokenizer, tokenizer.json)\n")
+    sampled = []
+    for source in (tmp_path / "ckpt", runs[0]):  # the imported weights and the run's own, greedy
+        assert main(["generate", str(source), "--prompt", "def ", "--max-new-tokens", "6", "--temperature", "0",
+                     "--samples", "2", "--seed", "4"]) == 0
+        sampled.append(capsys.readouterr().out)
+    assert sampled[0] == sampled[1]
+    first, *rest = sampled[0].split("--- sample 2 of 2 (seed 5)\n")
+    assert first.startswith("--- sample 1 of 2 (seed 4)\ndef ") and rest == [first.split("\n", 1)[1]]
+    (tmp_path / "hf" / "tokenizer.json").unlink()
+    assert main(["import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "bare")]) == 0
+    assert main(["generate", str(tmp_path / "bare"), "--prompt", "def "]) == 2
+    assert f"{tmp_path / 'bare'}: no tokenizer in it or in its run directory" in capsys.readouterr().err
+
 def random_model(preset: str, **fields):
     """A model with large random weights (std 0.5): its greedy choices are far from ties."""
     cfg = model_config(preset, dim=64, n_layers=2, n_heads=4, ffn_dim=128, vocab_size=256, max_seq_len=128,

@@ -359,6 +359,29 @@ def test_on_trn2_the_70b_recipes_layout_is_named_for_its_links_not_its_nodes(cap
     assert f"`hlat plan --search` on 256 x trn2.48xlarge chooses {best['layout']}: " in line
 
 
+def test_a_plan_on_another_stacks_memory_shows_hlats_own_beside_it(capsys):
+    """trn1's profile prices NeuronX Distributed's activations: the table's memory of HLAT-70B's layout says what
+    hlat's own trainer would need beside it, as the breakdown and the JSON do; an hlat-priced profile adds nothing."""
+    out = plan_output(capsys, "--config", "hlat-70b")
+    (row,) = [line for line in out.splitlines() if line.lstrip().startswith("1 ")]
+    own = json.loads(plan_output(capsys, "--config", "hlat-70b", "--json"))["plans"][0]
+    assert own["memory_gib"]["total"] < 16 < own["hlat_trainer_memory_gib"]
+    assert f"{own['memory_gib']['total']:.1f} (hlat {own['hlat_trainer_memory_gib']:.1f})" in row
+    assert f"(as trn1.32xlarge's stack keeps it, megatron; hlat's own trainer: {own['hlat_trainer_memory_gib']:.1f} " \
+           "GiB)" in out
+    p5 = json.loads(plan_output(capsys, "--config", "hlat-70b", "--hardware", "p5.48xlarge", "--json"))["plans"][0]
+    assert p5["hlat_trainer_memory_gib"] is None
+
+
+def test_shipped_profiles_and_recipes_cite_nothing_outside_the_package():
+    """A path such as ../shared/validation/README.md exists only beside this repository's development checkout,
+    not where the package is installed; a price source or comment that a plan prints must not send users there."""
+    from hlat.resources import HARDWARE_DIR, RECIPES_DIR
+
+    for path in [*HARDWARE_DIR.glob("*.toml"), *RECIPES_DIR.glob("*.toml")]:
+        assert "../" not in path.read_text() and "shared/validation" not in path.read_text(), path
+
+
 # --- profiles and calibration ---------------------------------------------------------------------------------------
 
 def test_profiles_load_and_bad_ones_are_named(tmp_path):

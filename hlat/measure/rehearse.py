@@ -148,7 +148,8 @@ def run_rank(setup: Rehearsal, rank: int, run_dir: str) -> dict:
     topo = init_topology(setup.layout, device)
     plan = rank_plan(setup.work, setup.planned_layout, setup.hardware, topo.pp_rank, setup.micro_batches)
     check_fits(setup, topo, model, plan, device)
-    progress.say(f"start-up: its {plan.layers} blocks split, sharded, materialised and initialised on {device}")
+    blocks = f"{plan.layers} block{'s' * (plan.layers != 1)}"
+    progress.say(f"start-up: its {blocks} split, sharded, materialised and initialised on {device}")
     started = time.perf_counter()
     inputs = RunInputs(setup.layout, device, [], model, count_params(model), None, [], [],
                        fp8_support(cfg.precision.fp8, device))

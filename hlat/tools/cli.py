@@ -83,7 +83,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 def run_import_hf(args: argparse.Namespace, overrides: list[str]) -> int:
     from hlat.tools.interop import import_hf
 
-    print(f"wrote {import_hf(args.hf_dir, args.out)}")
+    checkpoint, tokenizer_note = import_hf(args.hf_dir, args.out)
+    print(f"wrote {checkpoint} ({tokenizer_note})")
     return 0
 
 
@@ -170,6 +171,8 @@ def run_generate(args: argparse.Namespace, overrides: list[str]) -> int:
     for i in range(args.samples):
         text = sample_text(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_p,
                            args.seed + i)
+        if args.samples > 1:  # a sample may span lines: each starts with a line of its own
+            print(f"--- sample {i + 1} of {args.samples} (seed {args.seed + i})")
         print(args.prompt + text)
     return 0
 
