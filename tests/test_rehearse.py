@@ -329,3 +329,23 @@ def test_a_shortened_rehearsals_fit_extrapolates_to_the_full_job(shortened):
     added = (full["memory"]["activations"]["step"]["planned"] - short["memory"]["activations"]["step"]["planned"])
     assert short["full_job_fits"]["needed"] == pytest.approx(full["fits"]["needed"], abs=0.10 * added)
     assert short["memory"]["gathered"]["measured"] == full["memory"]["gathered"]["measured"] == 0
+
+
+def test_progress_counts_each_micro_batchs_forward_and_backward(monkeypatch, capsys):
+    """Within a step, the lines count the micro-batches whose forward and whose backward began on this rank's
+    first part (here every line is due)."""
+    import torch
+
+    from hlat.measure import progress
+
+    monkeypatch.setattr(progress, "EVERY_S", 0.0)
+    part, said = torch.nn.Linear(2, 2), progress.Progress(3, 64)
+    with said.watching(part, 2):
+        said.step(1, 1)
+        losses = [part(torch.ones(1, 2)).sum() for _ in range(2)]  # both forwards first, as 1F1B's warm-up
+        for loss in losses:
+            loss.backward()
+    lines = [line.split(" (")[0] for line in capsys.readouterr().err.splitlines()]
+    assert lines == ["hlat rehearse: rank 3 of 64: step 1 of 1",
+                     *(f"hlat rehearse: rank 3 of 64: step 1 of 1: micro-batch {f} of 2 forward, {b} backward"
+                       for f, b in ((1, 0), (2, 0), (2, 1), (2, 2)))]
