@@ -180,11 +180,11 @@ def test_config_validation(data, message):
 def test_a_missing_reader_names_the_package_it_needs(monkeypatch):
     """pyarrow and zstandard are dependencies of hlat (not of its `formats` extra): a broken install says which
     package to install."""
-    from hlat.data.sources import reader
+    from hlat.data.sources import format_reader
 
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)  # as if it were not installed
     with pytest.raises(HlatError, match=r"reading \.parquet files needs .*'pyarrow': pip install pyarrow$"):
-        reader("parquet", "reading .parquet files")
+        format_reader("parquet", "reading .parquet files")
 
 # --- formats and bad input -------------------------------------------------------------------------------
 

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from hlat import HlatError
+from hlat.train.files import writing
 
 LOCK_FILE = "writer.lock"
 HEARTBEAT_S = 30.0  # how often the holder rewrites its record
@@ -107,6 +108,7 @@ class RunDirLock:
         self.run_dir, self.fd = Path(run_dir), -1
         self.me = Holder(job_id(), socket.gethostname(), os.getpid(), time.time(), time.time())
         self.stop = threading.Event()
+        self.beating = threading.Thread(target=self._beat, name="hlat-writer-heartbeat", daemon=True)
 
     def acquire(self) -> None:
         try:
@@ -116,11 +118,13 @@ class RunDirLock:
             raise HlatError(f"train.run_dir: cannot write {e.filename or self.run_dir}: {e.strerror}") from None
         try:
             self._claim()
+            with writing(self.run_dir / LOCK_FILE, self.run_dir):  # a full disk: one line
+                self._write()
         except BaseException:
             os.close(self.fd)
+            self.fd = -1
             raise
-        self._write()
-        threading.Thread(target=self._beat, name="hlat-writer-heartbeat", daemon=True).start()
+        self.beating.start()
 
     def _claim(self) -> None:
         """Take the lock, or refuse in one line naming the job that holds it."""
@@ -196,6 +200,7 @@ class RunDirLock:
         if self.fd < 0:
             return
         self.stop.set()
+        self.beating.join()  # its last write done before the descriptor closes (and its number is reused)
         with contextlib.suppress(OSError):
             os.ftruncate(self.fd, 0)
         os.close(self.fd)  # closing drops the flock

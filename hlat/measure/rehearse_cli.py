@@ -44,9 +44,12 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
 
     cfg = load_config(args.config, overrides)
     setup = prepare(cfg, args.world_size, ranks(args.rank), args.steps, args.micro_batches, args.hardware)
-    stated = load_config(args.config, []) if overrides else cfg
-    setup.changes = job_changes(stated, cfg, setup.world_size)
-    setup.full_layers = stated.model.n_layers if stated.model.n_layers != cfg.model.n_layers else 0
+    try:
+        stated = load_config(args.config, []) if overrides else cfg
+        setup.changes = job_changes(stated, cfg, setup.world_size)
+        setup.full_layers = stated.model.n_layers if stated.model.n_layers != cfg.model.n_layers else 0
+    except HlatError:  # the files alone do not make a job: what the command line added is all that can be said
+        setup.changes = [" ".join(overrides)]
     job = first_line(cfg, setup)
     print(f"hlat rehearse: {job}", file=sys.stderr, flush=True)  # before the progress lines, the job rehearsed
     results = rehearse(setup)
