@@ -375,7 +375,8 @@ def test_the_data_mix_is_logged_per_source_over_each_interval_and_the_run(tmp_pa
     """Two weighted sources whose documents share no letter, so each row's source shows in its text: metrics.jsonl,
     TensorBoard and the console carry each source's target share and the shares of the token positions trained on,
     over each interval and over the run, equal to a count of the same rows made here from their letters (the
-    stream rebuilt as the trainer builds it, with the run's tokenizer)."""
+    stream rebuilt as the trainer builds it, with the run's tokenizer); over whole shuffle windows the run's share
+    is within one row of the weight (the mixer's bound, test_the_mix_counts_each_sources_rows_as_taken...)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from hlat.data.packing import Ranks, build_stream
@@ -385,9 +386,10 @@ def test_the_data_mix_is_logged_per_source_over_each_interval_and_the_run(tmp_pa
         docs = [" ".join(letters[(i + j) % 3] * (1 + (i * j) % 5) for j in range(12 + i % 9)) for i in range(200)]
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     run = tmp_path / "run"
+    # a shuffle window of one step's rows: every record falls on whole windows (test_data.py's bound applies)
     cfg = build_config({"model": dict(TINY), "data": {"sources": [f"kjv:0.3:{tmp_path}/kjv.jsonl",
                                                                    f"shakespeare:0.7:{tmp_path}/shakespeare.jsonl"],
-                                                       "workers": 0},
+                                                       "workers": 0, "shuffle_rows": 8},
                         "train": {"steps": 6, "global_batch": 8, "micro_batch": 4, "seq_len": 32, "log_every": 2,
                                   "run_dir": str(run)}})
     train(cfg)
@@ -405,6 +407,8 @@ def test_the_data_mix_is_logged_per_source_over_each_interval_and_the_run(tmp_pa
         for name, weight in (("kjv", 0.3), ("shakespeare", 0.7)):
             assert record[f"mix_{name}_target"] == weight and record[f"mix_{name}_tokens"] == counted[name]
             assert record[f"mix_{name}_run"] == pytest.approx(counted[name] / record["tokens_seen"])
+            rows = record["tokens_seen"] // 32  # within (k - 1) / rows of the weight, k = 2 sources
+            assert abs(record[f"mix_{name}_run"] - weight) < 1 / rows
             assert record[f"mix_{name}_interval"] == pytest.approx((counted[name] - previous[name]) / interval)
         previous = Counter(counted)
     events = EventAccumulator(str(run))

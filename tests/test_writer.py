@@ -55,6 +55,10 @@ def test_a_restart_of_the_same_job_waits_for_its_earlier_lock(tmp_path, monkeypa
     with pytest.raises(HlatError, match="job slurm 41, pid"):
         RunDirLock(tmp_path / "run").acquire()
     monkeypatch.setenv("SLURM_JOB_ID", "41")
+    monkeypatch.setattr(writer, "OWN_WAIT_S", 0.0)
+    with pytest.raises(HlatError, match="still held by an earlier start of this job .job slurm 41, pid"):
+        RunDirLock(tmp_path / "run").acquire()  # it lives on: a requeue while the old job lingers
+    monkeypatch.setattr(writer, "OWN_WAIT_S", 60.0)
     monkeypatch.setattr(writer.time, "sleep", lambda s: job.stdin.close() or job.wait())  # it lapses while waiting
     lock = RunDirLock(tmp_path / "run")
     lock.acquire()
@@ -95,6 +99,17 @@ def test_without_flock_a_live_pid_on_this_host_refuses_and_a_dead_one_does_not(t
         else:
             lock.acquire()
             lock.release()
+
+
+def test_a_start_refused_before_writing_leaves_no_directory_behind(tmp_path):
+    with pytest.raises(HlatError, match="refused"):
+        with writing_run_dir(tmp_path / "new" / "run"):
+            raise HlatError("its inputs were refused")
+    assert not (tmp_path / "new" / "run").exists()
+    (tmp_path / "old").mkdir()
+    with writing_run_dir(tmp_path / "old"):
+        (tmp_path / "old" / "config.toml").write_text("")
+    assert {p.name for p in (tmp_path / "old").iterdir()} == {"config.toml", LOCK_FILE}
 
 
 def test_ranks_other_than_0_leave_the_run_dir_to_rank_0(tmp_path, monkeypatch):

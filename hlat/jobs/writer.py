@@ -111,6 +111,7 @@ class RunDirLock:
         self.beating = threading.Thread(target=self._beat, name="hlat-writer-heartbeat", daemon=True)
 
     def acquire(self) -> None:
+        self.created = not self.run_dir.exists()  # a start that fails its checks then leaves no directory behind
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self.fd = os.open(self.run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
@@ -131,7 +132,11 @@ class RunDirLock:
         locked, holder = self._try_lock(), self._read()
         same_job = bool(holder and self.me.job and holder.job == self.me.job)
         if locked is False and same_job:
-            locked = self._wait_for_own(holder)  # this job's earlier start, dead, its lock not yet lapsed
+            if not self._wait_for_own(holder):  # this job's earlier start, dead, its lock not yet lapsed...
+                raise HlatError(f"train.run_dir: {self.run_dir} is still held by an earlier start of this job "
+                                f"({holder.describe()}) after {OWN_WAIT_S:.0f} s: it lives on; stop it, then start "
+                                "again")  # ...or alive after all (a requeue while the old job lingers)
+            return
         if locked is False:
             silent = holder and time.time() - holder.heartbeat > 2 * HEARTBEAT_S
             raise self._refusal(holder, "; a lost node's lock lapses when the file server notices" if silent else "")
@@ -196,13 +201,17 @@ class RunDirLock:
                 self._write()
 
     def release(self) -> None:
-        """Empty the record (a clean end leaves no holder behind) and drop the lock."""
+        """Empty the record (a clean end leaves no holder behind) and drop the lock; remove a directory this claim
+        made if the run wrote nothing else in it (its inputs were refused)."""
         if self.fd < 0:
             return
         self.stop.set()
         self.beating.join()  # its last write done before the descriptor closes (and its number is reused)
         with contextlib.suppress(OSError):
             os.ftruncate(self.fd, 0)
+            if self.created and [p.name for p in self.run_dir.iterdir()] == [LOCK_FILE]:
+                (self.run_dir / LOCK_FILE).unlink()
+                self.run_dir.rmdir()
         os.close(self.fd)  # closing drops the flock
         self.fd = -1
 
