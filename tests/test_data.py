@@ -176,6 +176,16 @@ def test_config_validation(data, message):
     assert update(DataConfig(), {"paths": ["x/*.jsonl"], "seed": 3}, "data.").validate().seed == 3
 
 
+
+def test_a_missing_reader_names_the_package_it_needs(monkeypatch):
+    """pyarrow and zstandard are dependencies of hlat (not of its `formats` extra): a broken install says which
+    package to install."""
+    from hlat.data.sources import format_reader
+
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)  # as if it were not installed
+    with pytest.raises(HlatError, match=r"reading \.parquet files needs .*'pyarrow': pip install pyarrow$"):
+        format_reader("parquet", "reading .parquet files")
+
 # --- formats and bad input -------------------------------------------------------------------------------
 
 
@@ -446,6 +456,34 @@ def test_mixing_proportions_over_a_million_tokens(tmp_path):
                                      3))
 
 
+
+def test_the_mix_counts_each_sources_rows_as_taken_and_holds_the_weights(tmp_path):
+    """`DataStream.mix()` counts each source's token positions as its rows are taken: the count made here from the
+    rows' own letters, kept through a resume. How close to the weights: the mixer gives each row to the source
+    furthest behind its weight's share of the rows cut. A source's deficit w n - count (after n rows) grows by w
+    each row and drops by 1 when it is chosen, which happens only while deficit + w is the largest of the k
+    sources, hence at least 1/k (the deficits sum to 0): it never falls to -1, so none rises to k - 1 either.
+    Whole shuffle windows are taken exactly as they were cut, so after n rows in whole windows each share is within
+    (k - 1) / n of its weight: far inside the standard error sqrt(w (1 - w) / n) that drawing each row's source at
+    random by weight would give (0.011 for w = 0.5 at these 1,984 rows, against 2 / 1,984)."""
+    for name, n in (("prose", 50), ("code", 80), ("math", 20)):
+        jsonl(tmp_path / name / "0.jsonl", [f"{name} {j} " + name[0] * (j * 7 % 300) for j in range(n)])
+    cfg = DataConfig(sources=[f"prose:5:{tmp_path}/prose", f"code:3:{tmp_path}/code", f"math:2:{tmp_path}/math"],
+                     workers=0, shuffle_rows=64, round_bytes=4096)
+    s = build_stream(cfg, CharTokenizer(), resolve_sources(cfg), seq_len=64, batch_size=8)
+    counts = Counter()
+    for b in take(s, 31 * 64 // 8):  # 31 whole windows of 64 rows
+        for row in b["inputs"].tolist():
+            counts[_source_of(row)] += len(row)
+    weights = {"prose": 0.5, "code": 0.3, "math": 0.2}
+    assert s.mix() == {name: (pytest.approx(w), counts[name]) for name, w in weights.items()}
+    rows = sum(counts.values()) // 64
+    for name, w in weights.items():
+        assert abs(counts[name] / 64 / rows - w) < (len(weights) - 1) / rows
+    resumed = build_stream(cfg, CharTokenizer(), resolve_sources(cfg), seq_len=64, batch_size=8)
+    resumed.load_state_dict(s.state_dict())
+    assert resumed.mix() == s.mix()
+
 def _source_of(row) -> str:
     """Rows never mix sources; each source's documents are made of its own letters."""
     letters = set(CharTokenizer().decode(row)) & set("pcm")
@@ -565,6 +603,7 @@ def test_a_state_saved_by_an_earlier_hlat_resumes(tmp_path, monkeypatch, packing
     take(s, 7)
     now = s.state_dict()  # the same format and position; the files and their sizes (data/changes.py) are added beside
     assert now["fingerprint"].pop("listing") == {"prose": {"prose.jsonl": 712}, "code": {"code.jsonl": 1080}}
+    assert sum(now.pop("taken")) == now["rows"]  # and each source's rows taken (the data mix), also added
     assert now == saved
     resumed = _two_sources(packing)
     resumed.load_state_dict(saved)

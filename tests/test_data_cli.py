@@ -72,5 +72,7 @@ def test_tokenize_writes_a_token_file_the_loader_reads(data, tmp_path, capsys):
     assert run(parse(["inspect", f"{out}.tokens.bin", "--tokenizer", str(tok_path), "--json"]), []) == 0
     inspected = json.loads(capsys.readouterr().out)  # the token file read back: its documents and tokens
     assert (inspected["documents"], inspected["tokens"], inspected["characters"]) == (21, result["tokens"], 0)
+    assert run(parse(["inspect", f"{out}.tokens.bin"]), []) == 0  # no tokenizer needed to count a token file's
+    assert f"{21:>10,} {0:>13,} {result['tokens']:>12,} {0:>6,}  total" in capsys.readouterr().out
     with pytest.raises(HlatError, match="--tokenizer is required"):
         run(parse(["tokenize", str(d), "--out", str(out)]), [])

@@ -5,6 +5,7 @@ import subprocess
 
 import pytest
 
+from hlat import HlatError
 from hlat.cli import main
 
 
@@ -215,3 +216,43 @@ def test_a_cluster_that_contradicts_its_hardware_is_refused(target, args, messag
     assert main(["launch", "--config", "hlat-7b", "--target", target, *args]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_a_launch_whose_tensor_parallelism_spans_nodes_says_so_beside_the_planners_layout(capsys):
+    """On stderr (the job file stays whole on stdout), one line: the 70B recipe's TP32 on 8-GPU p5 nodes, and on trn2
+    nodes running 16 processes each; a layout that suits its nodes gets none."""
+    for args, group in ((P5 + ["--nodes", "256"], "on 4 p5.48xlarge nodes of 8 processes"),
+                        (["--cluster.hardware", "trn2.48xlarge", "--nodes", "512", "--nproc-per-node", "16"],
+                         "on 2 trn2.48xlarge nodes of 16 processes")):
+        assert main(["launch", "--config", "hlat-70b", "--target", "slurm", *args]) == 0
+        out, err = capsys.readouterr()
+        assert out.startswith("#!/bin/bash") and err.count("\n") == 1
+        assert err.startswith("hlat launch: tensor parallelism across nodes: TP32 ") and group in err
+        assert "`hlat plan --search` on " in err and " chooses TP" in err
+    render(capsys, "--target", "slurm", *TRN2)  # hlat-7b's TP8 on trn2: within a node, its links used well
+    assert capsys.readouterr().err == ""
+
+
+def test_train_names_a_tensor_parallel_group_across_the_nodes_torchrun_gives_it(capsys, monkeypatch, tmp_path):
+    """`hlat train` reads the cluster it runs on from torchrun (WORLD_SIZE processes, LOCAL_WORLD_SIZE per node) and
+    says so before training starts; without a hardware profile it names the group alone."""
+    import hlat.train.loop
+
+    def stop(cfg, console):
+        raise HlatError("not training in this test")
+
+    monkeypatch.setattr(hlat.train.loop, "train", stop)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2048")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    run = ["--train.run_dir", str(tmp_path / "run")]
+    assert main(["train", "--config", "hlat-70b", "--cluster.hardware", "p5.48xlarge", *run]) == 2
+    out = capsys.readouterr().out
+    assert out.startswith("tensor parallelism across nodes: TP32 PP8 DP8 mb1 1F1B SP ZeRO-1 AC:sel puts each TP32 "
+                          "group on 4 p5.48xlarge nodes of 8 processes") and "`hlat plan --search` on 256 x" in out
+    assert main(["train", "--config", "hlat-70b", "--cluster.hardware", "", *run]) == 2
+    assert capsys.readouterr().out.startswith("tensor parallelism across nodes: parallel.tp 32 spans nodes of 8 "
+                                              "processes")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")  # trn1's 32 NeuronCores hold TP32 whole
+    assert main(["train", "--config", "hlat-70b", *run]) == 2
+    assert capsys.readouterr().out == ""

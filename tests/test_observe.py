@@ -6,6 +6,7 @@ import math
 import os
 import re
 import time
+from collections import Counter
 from dataclasses import replace
 
 import pytest
@@ -136,9 +137,9 @@ def test_hlat_eval_names_each_checkpoint_it_evaluates(runs, capsys):
         assert json.loads(capsys.readouterr().out) == row
     assert main(["eval", str(runs[0]), *common, "--all"]) == 0
     header, *table = capsys.readouterr().out.splitlines()
-    assert header.split() == ["step", "loss", "perplexity", "tokens", "checkpoint"]
+    assert header.split() == ["step", "loss", "perplexity", "tokens", "set", "checkpoint"]
     assert [line.split() for line in table] == [[str(r["step"]), f"{r['loss']:.4f}", f"{r['perplexity']:.2f}",
-                                                 f"{r['tokens']:,}", r["checkpoint"]] for r in rows[:2]]
+                                                 f"{r['tokens']:,}", "-", r["checkpoint"]] for r in rows[:2]]
 
 
 def test_output_to_a_pipe_is_never_wrapped(tmp_path):
@@ -196,6 +197,26 @@ def test_generate_cli_greedy_matches_the_function(runs, capsys):
     (new,) = generate(model, [ids], 12, eos_id=tok.eos_id)
     assert first == "def " + tok.decode([t for t in new if t != tok.eos_id])
 
+
+
+def test_an_imported_checkpoint_keeps_its_tokenizer_and_samples_come_apart(runs, tmp_path, capsys):
+    """`hlat import-hf` puts the transformers directory's tokenizer into the checkpoint, where `hlat generate`
+    finds it (without one it says where it looked); several samples each follow a line of their own."""
+    assert main(["export-hf", str(runs[0]), "--out", str(tmp_path / "hf")]) == 0
+    assert main(["import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt")]) == 0
+    assert capsys.readouterr().out.endswith("(with its tokenizer, tokenizer.json)\n")
+    sampled = []
+    for source in (tmp_path / "ckpt", runs[0]):  # the imported weights and the run's own, greedy
+        assert main(["generate", str(source), "--prompt", "def ", "--max-new-tokens", "6", "--temperature", "0",
+                     "--samples", "2", "--seed", "4"]) == 0
+        sampled.append(capsys.readouterr().out)
+    assert sampled[0] == sampled[1]
+    first, *rest = sampled[0].split("--- sample 2 of 2 (seed 5)\n")
+    assert first.startswith("--- sample 1 of 2 (seed 4)\ndef ") and rest == [first.split("\n", 1)[1]]
+    (tmp_path / "hf" / "tokenizer.json").unlink()
+    assert main(["import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "bare")]) == 0
+    assert main(["generate", str(tmp_path / "bare"), "--prompt", "def "]) == 2
+    assert f"{tmp_path / 'bare'}: no tokenizer in it or in its run directory" in capsys.readouterr().err
 
 def random_model(preset: str, **fields):
     """A model with large random weights (std 0.5): its greedy choices are far from ties."""
@@ -308,9 +329,34 @@ def test_named_validation_sets_and_the_best_checkpoint(tmp_path, capsys):
 
     assert evaluated(best_dir, str(prose)) == pytest.approx(best["value"], rel=1e-5)
     assert evaluated(run, *code) == pytest.approx(logged[-1]["val_code_loss"], rel=1e-5)
+    # without --data, each of the run's own sets, as training evaluated them (eval.batches = 2)
+    assert main(["eval", str(run), "--json", "--max-batches", "2"]) == 0
+    rows = {row["set"]: row for row in map(json.loads, capsys.readouterr().out.splitlines())}
+    assert list(rows) == ["", "code", "prose"]
+    for name, row in rows.items():
+        assert row["loss"] == pytest.approx(logged[-1][f"val_{name + '_' if name else ''}loss"], rel=1e-5)
     train(replace(cfg, train=replace(cfg.train, run_dir=str(tmp_path / "again"), resume=str(best_dir),
                                      steps=best["step"] + 1)))
     assert [r["step"] for r in records(tmp_path / "again")] == [best["step"] + 1]
+    compared(run, tmp_path / "again", capsys)
+
+
+def compared(run, other, capsys) -> None:
+    """`hlat compare` of two runs that logged named validation sets: a panel each in the figure, two columns each
+    in the table, and their deviations (the resumed run's step is the first run's step again: none)."""
+    from hlat.tools.compare import plot, read_run
+
+    titles = plot([read_run(run, "a"), read_run(other, "b")], run.parent / "cmp.png")
+    assert titles == ["training loss", "gradient norm", "validation loss", "validation loss: code",
+                      "validation loss: prose"]
+    capsys.readouterr()
+    assert main(["compare", str(run), str(other), "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["deviations"]
+    for metric in ("val_loss", "val_code_loss", "val_prose_loss"):
+        assert row[metric] == {"steps": 1, "max": 0.0, "mean": 0.0}
+    assert main(["compare", str(run), str(other)]) == 0
+    header = capsys.readouterr().out
+    assert all(f"{m} {s}" in header for m in ("val_code_loss", "val_prose_loss") for s in ("max", "mean"))
 
 
 @pytest.mark.parametrize("fields, message", [
@@ -323,3 +369,48 @@ def test_named_validation_sets_and_the_best_checkpoint(tmp_path, capsys):
 def test_validation_sets_and_keep_best_are_checked(fields, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         build_config({"eval": {"every": 1, **fields}})
+
+
+def test_the_data_mix_is_logged_per_source_over_each_interval_and_the_run(tmp_path, capsys):
+    """Two weighted sources whose documents share no letter, so each row's source shows in its text: metrics.jsonl,
+    TensorBoard and the console carry each source's target share and the shares of the token positions trained on,
+    over each interval and over the run, equal to a count of the same rows made here from their letters (the
+    stream rebuilt as the trainer builds it, with the run's tokenizer); over whole shuffle windows the run's share
+    is within one row of the weight (the mixer's bound, test_the_mix_counts_each_sources_rows_as_taken...)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from hlat.data.packing import Ranks, build_stream
+    from hlat.data.sources import resolve_sources
+
+    for name, letters in (("kjv", "abc"), ("shakespeare", "xyz")):
+        docs = [" ".join(letters[(i + j) % 3] * (1 + (i * j) % 5) for j in range(12 + i % 9)) for i in range(200)]
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    run = tmp_path / "run"
+    # a shuffle window of one step's rows: every record falls on whole windows (test_data.py's bound applies)
+    cfg = build_config({"model": dict(TINY), "data": {"sources": [f"kjv:0.3:{tmp_path}/kjv.jsonl",
+                                                                   f"shakespeare:0.7:{tmp_path}/shakespeare.jsonl"],
+                                                       "workers": 0, "shuffle_rows": 8},
+                        "train": {"steps": 6, "global_batch": 8, "micro_batch": 4, "seq_len": 32, "log_every": 2,
+                                  "run_dir": str(run)}})
+    train(cfg)
+    logged = records(run)
+    assert "mix run/target: kjv " in capsys.readouterr().out  # on the first record's line
+    stream = build_stream(cfg.data, load_tokenizer(run / "tokenizer.json"), resolve_sources(cfg.data), 32, 4,
+                          ranks=Ranks(accum=2))
+    counted, previous = Counter(), Counter()
+    for record in logged:
+        while sum(counted.values()) < record["tokens_seen"]:
+            for row in next(stream)["inputs"].tolist():
+                text = set(stream.tokenizer.decode(row))
+                counted["kjv" if text & set("abc") else "shakespeare"] += len(row)
+        interval = sum(counted.values()) - sum(previous.values())
+        for name, weight in (("kjv", 0.3), ("shakespeare", 0.7)):
+            assert record[f"mix_{name}_target"] == weight and record[f"mix_{name}_tokens"] == counted[name]
+            assert record[f"mix_{name}_run"] == pytest.approx(counted[name] / record["tokens_seen"])
+            rows = record["tokens_seen"] // 32  # within (k - 1) / rows of the weight, k = 2 sources
+            assert abs(record[f"mix_{name}_run"] - weight) < 1 / rows
+            assert record[f"mix_{name}_interval"] == pytest.approx((counted[name] - previous[name]) / interval)
+        previous = Counter(counted)
+    events = EventAccumulator(str(run))
+    events.Reload()
+    assert [e.value for e in events.Scalars("data_mix/kjv_run")] == pytest.approx([r["mix_kjv_run"] for r in logged])

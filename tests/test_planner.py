@@ -308,6 +308,84 @@ def test_cli_rejects_bad_input_in_one_line(argv, message):
         run(plan_args(*argv), [])
 
 
+# --- a layout that does not suit its hardware (hlat/planner/advice.py) -------------------------------------------------
+
+def plan_output(capsys, *argv: str) -> str:
+    from hlat.cli import main
+
+    assert main(["plan", *argv]) == 0
+    return capsys.readouterr().out
+
+
+def searched(capsys, *argv: str) -> dict:
+    """What `--search` puts first, as --json gives it."""
+    return json.loads(plan_output(capsys, *argv, "--search", "--json", "--top", "1"))["plans"][0]
+
+
+def advice_lines(out: str) -> list[str]:
+    return [line for line in out.splitlines() if "tensor parallelism across nodes" in line or "needlessly" in line]
+
+
+def test_the_70b_recipes_tp32_on_p5_names_the_cross_node_group_and_the_planners_layout(capsys):
+    """HLAT-70B's trn1 layout (TP32) on 8-GPU p5 nodes: one line names the tensor-parallel group across nodes and
+    what --search finds on the same 256 nodes, with its step time, MFU, days and price; the table shows both."""
+    best = searched(capsys, "--config", "hlat-70b", "--hardware", "p5.48xlarge")
+    out = plan_output(capsys, "--config", "hlat-70b", "--hardware", "p5.48xlarge")
+    (line,) = advice_lines(out)
+    assert line.startswith("tensor parallelism across nodes: TP32 PP8 DP8 mb1 1F1B SP ZeRO-1 AC:sel puts each TP32 "
+                           "group on 4 p5.48xlarge nodes of 8 processes")
+    days, dollars = best["budget"]["days"], best["budget"]["dollars"]
+    assert (f"`hlat plan --search` on 256 x p5.48xlarge chooses {best['layout']}: {best['step_time_s']['total']:.3g} "
+            f"s/step, {best['mfu']:.1%} MFU, {days:,.1f} days, ${dollars / 1e6:.3g}M (for 1.89T tokens)") in line
+    assert f"  2   {best['layout']}" in out and "#2: what --search chooses" in out
+    assert best["layout"].startswith("TP8 ")  # within a node
+    both = json.loads(plan_output(capsys, "--config", "hlat-70b", "--hardware", "p5.48xlarge", "--json"))
+    assert [p["layout"] for p in both["plans"]][1] == best["layout"] and line in both["notes"]
+
+
+def test_a_layout_that_suits_its_hardware_gets_no_line(capsys):
+    """The recipe on its own trn1 cluster, and on p5 the layout the search chooses, are left alone."""
+    assert advice_lines(plan_output(capsys, "--config", "hlat-70b")) == []
+    assert advice_lines(plan_output(capsys, "--config", "hlat-7b")) == []
+    best = searched(capsys, "--config", "hlat-70b", "--hardware", "p5.48xlarge")["parallel"]
+    out = plan_output(capsys, "--config", "hlat-70b", "--hardware", "p5.48xlarge", "--tp", str(best["tp"]), "--pp",
+                      str(best["pp"]), "--virtual-stages", str(best["virtual_stages"]), "--zero1", "--recompute",
+                      best["activation_checkpoint"])
+    assert advice_lines(out) == [] and "  2 " not in out
+
+
+def test_on_trn2_the_70b_recipes_layout_is_named_for_its_links_not_its_nodes(capsys):
+    """trn2's 64 NeuronCores per node hold TP32 whole, but its links make the trn1 layout needlessly slow there:
+    its communication is more than a quarter of its step and the search's layout is more than 1.25x faster."""
+    best = searched(capsys, "--config", "hlat-70b", "--hardware", "trn2.48xlarge")
+    (line,) = advice_lines(plan_output(capsys, "--config", "hlat-70b", "--hardware", "trn2.48xlarge"))
+    assert line.startswith("TP32 PP8 DP64 mb1 1F1B SP ZeRO-1 AC:sel is needlessly slow on trn2.48xlarge's links")
+    assert f"`hlat plan --search` on 256 x trn2.48xlarge chooses {best['layout']}: " in line
+
+
+def test_a_plan_on_another_stacks_memory_shows_hlats_own_beside_it(capsys):
+    """trn1's profile prices NeuronX Distributed's activations: the table's memory of HLAT-70B's layout says what
+    hlat's own trainer would need beside it, as the breakdown and the JSON do; an hlat-priced profile adds nothing."""
+    out = plan_output(capsys, "--config", "hlat-70b")
+    (row,) = [line for line in out.splitlines() if line.lstrip().startswith("1 ")]
+    own = json.loads(plan_output(capsys, "--config", "hlat-70b", "--json"))["plans"][0]
+    assert own["memory_gib"]["total"] < 16 < own["hlat_trainer_memory_gib"]
+    assert f"{own['memory_gib']['total']:.1f} (hlat {own['hlat_trainer_memory_gib']:.1f})" in row
+    assert f"(as trn1.32xlarge's stack keeps it, megatron; hlat's own trainer: {own['hlat_trainer_memory_gib']:.1f} " \
+           "GiB)" in out
+    p5 = json.loads(plan_output(capsys, "--config", "hlat-70b", "--hardware", "p5.48xlarge", "--json"))["plans"][0]
+    assert p5["hlat_trainer_memory_gib"] is None
+
+
+def test_shipped_profiles_and_recipes_cite_nothing_outside_the_package():
+    """A path such as ../shared/validation/README.md exists only beside this repository's development checkout,
+    not where the package is installed; a price source or comment that a plan prints must not send users there."""
+    from hlat.resources import HARDWARE_DIR, RECIPES_DIR
+
+    for path in [*HARDWARE_DIR.glob("*.toml"), *RECIPES_DIR.glob("*.toml")]:
+        assert "../" not in path.read_text() and "shared/validation" not in path.read_text(), path
+
+
 # --- profiles and calibration ---------------------------------------------------------------------------------------
 
 def test_profiles_load_and_bad_ones_are_named(tmp_path):
@@ -828,3 +906,19 @@ def test_a_rehearsal_of_another_fp8_recipe_is_another_job():
             "micro_batch": 1, "parallel": asdict(layout.parallel)}
     assert rehearsal_mismatch(data, work, layout) == "fp8 'none' (planned: 'tensorwise')"  # written before fp8
     assert rehearsal_mismatch({**data, "fp8": "tensorwise"}, work, layout) is None
+
+
+def test_a_rehearsal_of_another_job_names_only_the_fields_that_differ(tmp_path):
+    """A rehearsal of the 70B with 8 layers and another micro-batch, offered to the 80-layer plan: one line naming
+    model.n_layers and micro_batch, not two whole model configs."""
+    from hlat.config.job import load_config
+
+    cfg = load_config(["hlat-70b"], [])
+    rehearsal = {"model_config": asdict(replace(cfg.model, n_layers=8)), "seq_len": 4096, "global_batch": 1024,
+                 "precision": "bf16_mixed", "micro_batch": 2, "parallel": asdict(cfg.resolved_parallel(8192)),
+                 "ranks": [], "world_size": 8192, "hardware": "cpu"}
+    (tmp_path / "r.json").write_text(json.dumps(rehearsal))
+    with pytest.raises(HlatError) as refused:
+        run(plan_args("--config", "hlat-70b", "--rehearsal", str(tmp_path / "r.json")), [])
+    assert str(refused.value).endswith("rehearsed a different job: model.n_layers 8 (planned: 80); micro_batch 2 "
+                                       "(planned: 1)")

@@ -218,8 +218,9 @@ def test_a_rank_that_cannot_fit_here_fails_before_allocating(tmp_path):
     config.write_text(config_text({**JOBS[1024], "dim": 2**20, "n_heads": 2**12, "kv_heads": 2**12}))
     done = hlat("rehearse", "--config", str(config), "--rank", "0")
     assert done.returncode == 2
-    assert done.stderr.startswith("hlat: error: rank 0 needs ") and " GiB available\n" in done.stderr
-    assert len(done.stderr.splitlines()) == 1
+    job, error = done.stderr.splitlines()  # what is rehearsed, then why it cannot be
+    assert job.startswith("hlat rehearse: llama, TP8 PP4 DP32 ") and job.endswith(": the job as its config states it")
+    assert error.startswith("hlat: error: rank 0 needs ") and error.endswith(" GiB available")
 
 
 @pytest.mark.parametrize("flags, line", [
@@ -264,3 +265,87 @@ def test_mixed_precision_activations_and_weight_casts_as_the_planner_says(tmp_pa
         memory = rank["memory"]
         assert memory["activations"]["measured"] == pytest.approx(memory["activations"]["planned"], rel=0.10)
         assert memory["parameter_casts"]["measured"] == memory["parameter_casts"]["planned"] > 0
+
+
+# A rank whose step makes no data-parallel copies (dp = 1: nothing is gathered), so that what a shortened
+# rehearsal extrapolates is its model states, which the planner prices exactly, and its activations.
+SHORTENED = dict(JOBS[1024], n_layers=16, global_batch=16, nodes=4, nproc_per_node=8)
+
+
+def shortened_job(tmp_path: Path) -> Path:
+    config = tmp_path / "job.toml"
+    config.write_text(config_text(SHORTENED) + 'hardware = "trn1.32xlarge"\n')
+    return config
+
+
+@pytest.fixture(scope="module")
+def shortened(tmp_path_factory) -> tuple[dict, list[str], Path]:
+    """Rank 0 of the 16-layer job rehearsed at 8 layers, its numbers made NaN (train.debug_nan_step) before its only
+    update: `hlat rehearse --json`, its stderr lines, the config."""
+    config = shortened_job(tmp_path_factory.mktemp("shortened"))
+    done = hlat("rehearse", "--config", str(config), "--rank", "0", "--steps", "1", "--micro-batches", "4",
+                "--model.n_layers", "8", "--train.debug_nan_step", "1", "--json")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout), done.stderr.splitlines(), config
+
+
+def test_non_finite_numbers_still_measure_the_update_and_a_shortened_job_says_so(shortened, capsys):
+    """NaN before the only update (a real run would drop it): the update runs, and its gradients and optimizer
+    states are measured at the planner's bytes, not as zero. The shortened model is named on the first line (before
+    any progress line) and in the verdict, beside the fit extrapolated to the config's 16 layers."""
+    from hlat.measure.rehearse_cli import show
+
+    out, err, _ = shortened
+    (rank,) = out["ranks"]
+    memory = rank["memory"]
+    assert rank["non_finite"] == "loss is nan"
+    assert memory["optimizer"]["measured"] == memory["optimizer"]["planned"] > 0
+    # the embedding's gradient comes out of DTensor whole over the vocabulary (docs/rehearsal.md), and with no data
+    # parallelism to reduce it, it stays so: the planner prices the rank's vocabulary shard of it
+    whole_embedding = SHORTENED["vocab_size"] * SHORTENED["dim"] * 4 * (1 - 1 / SHORTENED["tp"])
+    assert memory["grads"]["measured"] == memory["grads"]["planned"] + whole_embedding > whole_embedding
+    changed = "a CHANGED job: model.n_layers: 16 -> 8; train.debug_nan_step: 0 -> 1"
+    assert err[0].startswith("hlat rehearse: llama, TP8 PP4 DP1 ") and changed in err[0]
+    assert err[1].startswith("hlat rehearse: rank 0 of 32: start-up: its 2 blocks") and "step 1 of 1" in err[2]
+    show(out)
+    lines = capsys.readouterr().out.splitlines()
+    assert changed in lines[0]
+    (verdict,) = [line for line in lines if line.startswith("rank 0 fits one trn1.32xlarge device")]
+    assert "as changed (model.n_layers: 16 -> 8; train.debug_nan_step: 0 -> 1); at the config's 16 layers" in verdict
+    assert any(line.startswith("rank 0: loss is nan, as numbers in a fake world may be") for line in lines)
+
+
+@pytest.mark.slow
+def test_a_shortened_rehearsals_fit_extrapolates_to_the_full_job(shortened):
+    """The fit extrapolated from 8 layers against the 16-layer job rehearsed whole. The extrapolation adds the
+    planner's figures for the blocks added to what was measured, so its error is the planner's error on those
+    blocks: none on model states (test_model_states_equal_the_planner_and_the_layers_shapes), nothing gathered
+    (dp = 1), and on the activations at most the 10% the planner holds to (test_activations_within_ten_percent_of_
+    the_planner) of the activations the blocks add."""
+    out, _, config = shortened
+    done = hlat("rehearse", "--config", str(config), "--rank", "0", "--steps", "1", "--micro-batches", "4", "--json")
+    assert done.returncode == 0, done.stderr[-3000:]
+    (full,), (short,) = json.loads(done.stdout)["ranks"], out["ranks"]
+    added = (full["memory"]["activations"]["step"]["planned"] - short["memory"]["activations"]["step"]["planned"])
+    assert short["full_job_fits"]["needed"] == pytest.approx(full["fits"]["needed"], abs=0.10 * added)
+    assert short["memory"]["gathered"]["measured"] == full["memory"]["gathered"]["measured"] == 0
+
+
+def test_progress_counts_each_micro_batchs_forward_and_backward(monkeypatch, capsys):
+    """Within a step, the lines count the micro-batches whose forward and whose backward began on this rank's
+    first part (here every line is due)."""
+    import torch
+
+    from hlat.measure import progress
+
+    monkeypatch.setattr(progress, "EVERY_S", 0.0)
+    part, said = torch.nn.Linear(2, 2), progress.Progress(3, 64)
+    with said.watching(part, 2):
+        said.step(1, 1)
+        losses = [part(torch.ones(1, 2)).sum() for _ in range(2)]  # both forwards first, as 1F1B's warm-up
+        for loss in losses:
+            loss.backward()
+    lines = [line.split(" (")[0] for line in capsys.readouterr().err.splitlines()]
+    assert lines == ["hlat rehearse: rank 3 of 64: step 1 of 1",
+                     *(f"hlat rehearse: rank 3 of 64: step 1 of 1: micro-batch {f} of 2 forward, {b} backward"
+                       for f, b in ((1, 0), (2, 0), (2, 1), (2, 2)))]

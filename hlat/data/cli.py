@@ -86,8 +86,8 @@ def _tokenizer(args: argparse.Namespace, files):
 
 
 def inspect(files, text_field: str = "text", tokenizer=None, max_doc_bytes: int = 100_000_000) -> dict:
-    """Per file: documents, bytes of text, tokens (with a tokenizer) and bad records by reason, with the place
-    of the first of each."""
+    """Per file: documents, bytes of text, tokens (a token file's, counted; a text's with a tokenizer) and bad
+    records by reason, with the place of the first of each."""
     from hlat.data.rounds import encode as encode_documents
     from hlat.data.sources import START, Bad, Split, decode, read_split
 
@@ -109,19 +109,24 @@ def inspect(files, text_field: str = "text", tokenizer=None, max_doc_bytes: int 
                 first.setdefault(doc.reason, where)
                 continue
             docs += 1
-            chars += len(doc) if isinstance(doc, str) else 0  # a pre-tokenized document has no characters
+            if not isinstance(doc, str):  # a pre-tokenized document: its ids, no characters
+                tokens += len(doc)
+                continue
+            chars += len(doc)
             batch.append(doc)
             if len(batch) == 256:
                 tokens += encode()
         tokens += encode()
+        counted = tokenizer is not None or split.format == "tokens"
         rows.append({"file": str(f), "documents": docs, "characters": chars,
-                     "tokens": tokens if tokenizer else None, "bad": dict(bad), "first_bad": first})
+                     "tokens": tokens if counted else None, "bad": dict(bad), "first_bad": first})
     total_bad: Counter[str] = Counter()
     for row in rows:
         total_bad.update(row["bad"])
+    tokens = [r["tokens"] for r in rows]
     return {"files": rows, "documents": sum(r["documents"] for r in rows),
             "characters": sum(r["characters"] for r in rows),
-            "tokens": sum(r["tokens"] for r in rows) if tokenizer else None, "bad": dict(total_bad)}
+            "tokens": None if None in tokens else sum(tokens), "bad": dict(total_bad)}
 
 
 def _inspect_table(result: dict) -> str:

@@ -350,6 +350,7 @@ class DataStream:
         self.sources = [SourceStream(index, spec, self.packing, self.cfg.max_bad_fraction, warn=self.rank == 0)
                         for index, spec in enumerate(self.specs)]
         self.rows_taken = 0  # rows of the global sequence taken (by all ranks together)
+        self.taken = [0] * len(self.sources)  # of those, each source's
         self._window: Window | None = None
         self._learnt: dict[tuple[int, int], RoundInfo] = {}  # rounds learnt, not yet placed, by (source, round)
         self._my_tokens: dict[tuple[int, int], np.ndarray] = {}  # the tokens of this rank's rounds in use
@@ -423,6 +424,8 @@ class DataStream:
         takers = [self.takers[i // self.batch_size % ranks.dp] for i in range(len(rows))]  # by micro-batch
         mine, received = exchange_rows(rows, takers, self._maker, self._my_tokens, ranks.group)
         self.rows_taken += len(rows)
+        for row in rows:  # a row is cut from one source's token stream
+            self.taken[row[0].source] += 1
         self.exchanged_bytes += received
         self._forget_tokens()
         for i in range(0, len(mine), self.batch_size):
@@ -458,7 +461,7 @@ class DataStream:
         if self._window is None or self._window.index != self.rows_taken // self.window_size:
             self._start_window()  # the next step starts a window: its state is the present one
         state = {"version": STATE_VERSION, "fingerprint": self.fingerprint, "rows": self.rows_taken,
-                 "sources": [asdict(source.window_start) for source in self.sources]}
+                 "sources": [asdict(source.window_start) for source in self.sources], "taken": list(self.taken)}
         return {**state, "shard": list(self.shard)} if self.shard else state
 
     def load_state_dict(self, state: dict) -> None:
@@ -473,6 +476,7 @@ class DataStream:
         for source, saved in zip(self.sources, state["sources"]):
             source.restore(saved)
         self.rows_taken = state["rows"]
+        self.taken = list(state.get("taken", self.taken))  # a checkpoint from before it counts from this resume
 
     def _mismatch(self, state: dict) -> str:
         if state.get("version") != STATE_VERSION:
@@ -495,6 +499,13 @@ class DataStream:
     def epoch(self) -> int:
         """The lowest epoch being read among the sources."""
         return min(source.state.start[0] for source in self.sources)
+
+    def mix(self) -> dict[str, tuple[float, int]]:
+        """{source: (its weight's share, the token positions of its rows taken so far)}: every row is seq_len
+        positions, padding included (tokens_seen's unit; data_padding_fraction says how much is padding). The same
+        on every rank of the global stream; with data_sharding = "files", this rank's own rows."""
+        return {spec.name: (weight, rows * self.seq_len)
+                for spec, weight, rows in zip(self.specs, self.weights, self.taken)}
 
     def stats(self) -> dict[str, float]:
         """Counters of the rows cut so far (up to a shuffle window ahead of those taken), for inspecting a stream;

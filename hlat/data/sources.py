@@ -51,8 +51,13 @@ File = Path | str  # a local path, or an fsspec URL kept as a string
 
 
 
-# the optional package each format needs
+# the package each format needs (dependencies of hlat, imported only when a file of the format is read)
 READERS = {"parquet": "pyarrow.parquet", "arrow": "pyarrow.ipc", "jsonl.zst": "zstandard"}
+
+
+def format_reader(fmt: str, what: str):
+    """The module that reads `fmt` files, or one line naming the package to install."""
+    return optional_import(READERS[fmt], what, READERS[fmt].split(".")[0])
 
 
 def file_format(name: str) -> str | None:
@@ -255,7 +260,7 @@ def make_splits(files: list[File], world_size: int) -> list[Split]:
     couple of them."""
     sizes = {file: _size_or_zero(file) for file in files}
     for fmt in {file_format(str(file)) for file in files} & READERS.keys():
-        optional_import(READERS[fmt], f"reading .{fmt} files")
+        format_reader(fmt, f"reading .{fmt} files")
     piece = min(SPLIT_BYTES, max(MIN_SPLIT_BYTES, sum(sizes.values()) // (2 * world_size)))
     splits = []
     for file, size in sizes.items():
@@ -328,7 +333,7 @@ class _ZstdReader(io.RawIOBase):
     zstandard's own stream reader silently ends a truncated file."""
 
     def __init__(self, raw: io.BufferedIOBase):
-        self._zstd = optional_import(READERS["jsonl.zst"], "reading .jsonl.zst files")
+        self._zstd = format_reader("jsonl.zst", "reading .jsonl.zst files")
         self._raw, self._out = raw, b""
         self._decompressor = self._zstd.ZstdDecompressor().decompressobj()
 
@@ -431,7 +436,7 @@ def _column_rows(split: Split, schema, chunks, cursor: Cursor, text_field: str):
 
 
 def _parquet_rows(split: Split, f: io.BufferedIOBase, cursor: Cursor, text_field: str):
-    pq = optional_import(READERS["parquet"], f"Parquet file {split.file}")
+    pq = format_reader("parquet", f"Parquet file {split.file}")
     pf = pq.ParquetFile(f)
     chunks = ((pf.metadata.row_group(g).num_rows, lambda g=g: pf.read_row_group(g, columns=[text_field]).column(0))
               for g in range(pf.num_row_groups))
@@ -441,7 +446,7 @@ def _parquet_rows(split: Split, f: io.BufferedIOBase, cursor: Cursor, text_field
 def _arrow_rows(split: Split, f: io.BufferedIOBase, cursor: Cursor, text_field: str):
     """An Arrow IPC file (random access: batches before the cursor are not read) or stream (as written by HF
     datasets: read through)."""
-    ipc = optional_import(READERS["arrow"], f"Arrow file {split.file}")
+    ipc = format_reader("arrow", f"Arrow file {split.file}")
     pa = sys.modules["pyarrow"]
     try:
         reader = ipc.open_file(f)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 
@@ -28,6 +29,8 @@ def register(commands) -> None:
 
 def run_launch(args: argparse.Namespace, overrides: list[str]) -> int:
     from hlat.jobs.launch import render
+    from hlat.planner.advice import config_advice
+    from hlat.config.job import load_config
 
     cluster = [*(["--cluster.nodes", str(args.nodes)] if args.nodes is not None else []),
                *(["--cluster.nproc_per_node", str(args.nproc_per_node)] if args.nproc_per_node is not None else []),
@@ -38,4 +41,7 @@ def run_launch(args: argparse.Namespace, overrides: list[str]) -> int:
         print(f"wrote {args.out}")
     else:
         print(text, end="")
+    cfg = load_config(args.config, cluster + overrides)
+    if line := config_advice(cfg, cfg.cluster.nodes, cfg.cluster.nproc_per_node):
+        print(f"hlat launch: {line}", file=sys.stderr)  # the job file stays whole on stdout
     return 0

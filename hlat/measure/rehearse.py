@@ -16,7 +16,7 @@ import contextlib
 import copy
 import multiprocessing
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,7 @@ from hlat.console import make_console
 from hlat.dtensor import local
 from hlat.measure.fake_world import Deliveries, join_fake_world
 from hlat.measure.footprint import KeptForBackward, available_bytes, meta_elements, optimizer_tensors, storages
+from hlat.measure.progress import Progress
 from hlat.measure.report import local_profile
 from hlat.measure.timing import sync_device
 from hlat.measure.traffic import Collectives, group_names
@@ -36,11 +37,12 @@ from hlat.optim.precision import dtypes
 from hlat.parallel import ParallelConfig, Topology, init_topology, shard_parts
 from hlat.parallel.device import pick_device
 from hlat.parallel.pipeline import StageShapes
-from hlat.planner.layout import Layout, Workload
+from hlat.planner.layout import Layout, Workload, layout_problem
 from hlat.planner.memory import GIB
 from hlat.planner.rehearsal import RankPlan, rank_plan, rank_traffic
 from hlat.profiles import HardwareProfile, load_profile
 from hlat.train.checkpoint import Snapshot
+from hlat.train.faults import BadSteps
 from hlat.train.health import Health
 from hlat.train.loop import build_parts
 from hlat.train.metrics import peak_memory_bytes
@@ -61,6 +63,8 @@ class Rehearsal:
     step_micro_batches: int
     hardware: HardwareProfile  # the local device's, for the planner's compute and activations
     target: HardwareProfile | None  # the cluster's ([cluster] hardware), whose memory the rank must fit
+    changes: list[str] = field(default_factory=list)  # what the command line changed of the job its config states
+    full_layers: int = 0  # the config's model.n_layers when the rehearsal shortened the model (0: not shortened)
 
     @property
     def work(self) -> Workload:
@@ -135,16 +139,20 @@ def run_cfg(setup: Rehearsal) -> Config:
 
 def run_rank(setup: Rehearsal, rank: int) -> dict:
     cfg, device = run_cfg(setup), pick_device(setup.cfg.train.device)
+    progress = Progress(rank, setup.world_size)
     reset_peak(device)
     model = build_model(cfg.model)
     topo = init_topology(setup.layout, device)
     plan = rank_plan(setup.work, setup.planned_layout, setup.hardware, topo.pp_rank, setup.micro_batches)
     check_fits(setup, topo, model, plan, device)
+    blocks = f"{plan.layers} block{'s' * (plan.layers != 1)}"
+    progress.say(f"start-up: its {blocks} split, sharded, materialised and initialised on {device}")
     started = time.perf_counter()
     parts = build_parts(cfg, model, topo, device, fp8_support(cfg.precision.fp8, device), stage_shapes(cfg))
     startup_s = time.perf_counter() - started
     train_step = rehearsal_step(cfg, topo, device, parts)
-    steps = run_steps(train_step, setup.steps)
+    with progress.watching(parts.parts[0], train_step.batches.per_rank):  # a line per micro-batch on long steps
+        steps = run_steps(train_step, setup.steps, progress)
     report = rank_report(setup, topo, train_step, steps, plan)
     report["time"]["startup_s"] = startup_s
     report["peak_memory"] = peak_memory(device)
@@ -194,7 +202,23 @@ def rehearsal_step(cfg: Config, topo: Topology, device: torch.device, parts: Mod
     (the services after a step, metrics, checkpoints and validation, are not rehearsed)."""
     per_rank = topo.cfg.microbatches(cfg.train.global_batch, cfg.train.micro_batch)
     health = Health(replace(cfg.health, slow_intervals=0), topo, device, parts.parts, make_console(quiet=True))
-    return TrainStep(cfg, topo, device, parts, Batches(SyntheticTokens(cfg), topo, per_rank), health)
+    train_step = TrainStep(cfg, topo, device, parts, Batches(SyntheticTokens(cfg), topo, per_rank), health)
+    train_step.bad_steps = UpdateAnyway()
+    return train_step
+
+
+class UpdateAnyway(BadSteps):
+    """A rehearsal's numbers mean nothing (a faked collective delivers whatever its buffer held, NaN included), so
+    every update runs and the gradients it reads and the optimizer states it allocates are measured; `reason`
+    keeps why a real run would have dropped one."""
+
+    def __init__(self):
+        super().__init__(spike_sigmas=0.0, max_in_a_row=0)
+        self.reason: str | None = None
+
+    def check(self, loss: float, grad_norm: float) -> None:
+        self.reason = super().check(loss, grad_norm) or self.reason
+        return None
 
 
 class PhaseClock:
@@ -243,14 +267,15 @@ class Steps:
     grads: int
     collectives: Collectives
     kept: KeptForBackward
-    skipped: str | None  # why the last update was dropped (train.on_bad_step), if it was
+    non_finite: str | None  # why a real run would have dropped an update (which ran here all the same)
 
 
-def run_steps(train_step: TrainStep, steps: int) -> Steps:
+def run_steps(train_step: TrainStep, steps: int, progress: Progress) -> Steps:
     """`steps` training steps of the trainer's `TrainStep`; the last one records its collectives and samples what
     it keeps for backward."""
     seconds, dims = [], group_names(train_step.topo.mesh)
     for i in range(steps):
+        progress.step(i + 1, steps)
         with contextlib.ExitStack() as stack:
             if i == steps - 1:  # hooks and synchronisations only where they are read
                 clock = PhaseClock(train_step.parts, train_step.device)
@@ -260,7 +285,7 @@ def run_steps(train_step: TrainStep, steps: int) -> Steps:
             result = train_step(i, stop_requested=False, save_written=False)
         seconds.append(result.seconds)
     seconds[-1] -= kept.seconds
-    return Steps(seconds, clock.forward_s, clock.update_s, clock.grads, collectives, kept, result.bad)
+    return Steps(seconds, clock.forward_s, clock.update_s, clock.grads, collectives, kept, train_step.bad_steps.reason)
 
 
 def reset_peak(device: torch.device) -> None:
@@ -293,6 +318,7 @@ def rank_report(setup: Rehearsal, topo: Topology, train_step: TrainStep, steps: 
         "rank": topo.rank, "coordinates": {"pp": topo.pp_rank, "dp": topo.dp_rank, "tp": topo.tp_rank},
         "stages": topo.cfg.rank_stages(topo.pp_rank), "layers": plan.layers,
         "memory": memory, "fits": target_fit(setup, measured, in_flight),
+        "full_job_fits": full_job_fit(setup, topo.pp_rank, measured, in_flight),
         "time": {"steps_s": steps.seconds, "forward_s": steps.forward_s, "update_s": steps.update_s,
                  "backward_and_rest_s": forward_backward - steps.forward_s,
                  "compute_s": {"measured": forward_backward, "planned": plan.compute_s},
@@ -300,7 +326,7 @@ def rank_report(setup: Rehearsal, topo: Topology, train_step: TrainStep, steps: 
         "collectives": scaled_collectives(steps.collectives.rows(), setup, rank_traffic(
             setup.work, setup.planned_layout, setup.hardware, topo.pp_rank, m)),
         "checkpoint": {**checkpoint_bytes(train_step.snapshot(setup.steps)), "planned": plan.params + plan.optimizer},
-        "skipped_update": steps.skipped,
+        "non_finite": steps.non_finite,
     }
 
 
@@ -312,6 +338,31 @@ def target_fit(setup: Rehearsal, measured: dict, in_flight: float) -> dict | Non
     needed = sum(measured.values()) + measured["activations"] * (in_flight - 1) + setup.target.overhead_gib * GIB
     capacity = setup.target.memory_gib * GIB
     return {"hardware": setup.target.name, "needed": needed, "capacity": capacity, "fits": needed <= capacity}
+
+
+# a measured figure and the planner's `RankPlan` field that predicts it
+PLANNED = {"params": "params", "grads": "grads", "optimizer": "optimizer", "gathered": "gathered",
+           "activations": "activations", "parameter_casts": "casts"}
+
+
+def full_job_fit(setup: Rehearsal, pp_rank: int, measured: dict, in_flight: float) -> dict | None:
+    """For a rehearsal that shortened the model (model.n_layers): the fit at the config's depth, each measured
+    figure plus what the planner adds to it for the blocks the rank would hold in full (the embedding's and the
+    head's share, which the planner may not price exactly, stays as measured); why not, where the full job's
+    layout is refused."""
+    if not setup.full_layers or setup.target is None:
+        return None
+    work, layout = setup.work, setup.planned_layout
+    full = replace(work, model=replace(work.model, n_layers=setup.full_layers))
+    if problem := layout_problem(full, layout, setup.world_size):
+        return {"n_layers": setup.full_layers, "cannot": problem}
+    ours, theirs = (rank_plan(w, layout, setup.hardware, pp_rank, setup.step_micro_batches) for w in (work, full))
+    at_step = {**measured, "activations": measured["activations"] * in_flight}
+    needed = setup.target.overhead_gib * GIB + sum(
+        value + getattr(theirs, PLANNED[k]) - getattr(ours, PLANNED[k]) for k, value in at_step.items())
+    capacity = setup.target.memory_gib * GIB
+    return {"n_layers": setup.full_layers, "hardware": setup.target.name, "needed": needed, "capacity": capacity,
+            "fits": needed <= capacity}
 
 
 def scaled_collectives(rows: list[dict], setup: Rehearsal, planned: dict[tuple[str, str], float]) -> list[dict]:

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from hlat import HlatError
 from hlat.planner.memory import GIB
+
+WHERE_IT_RUNS = {"train.device", "train.run_dir"}  # overrides that move a rehearsal, not change its job
 
 
 def register(commands) -> None:
@@ -41,8 +44,17 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
 
     cfg = load_config(args.config, overrides)
     setup = prepare(cfg, args.world_size, ranks(args.rank), args.steps, args.micro_batches, args.hardware)
+    try:
+        stated = load_config(args.config, []) if overrides else cfg
+        setup.changes = job_changes(stated, cfg, setup.world_size)
+        setup.full_layers = stated.model.n_layers if stated.model.n_layers != cfg.model.n_layers else 0
+    except HlatError:  # the files alone do not make a job: what the command line added is all that can be said
+        setup.changes = [" ".join(overrides)]
+    job = first_line(cfg, setup)
+    print(f"hlat rehearse: {job}", file=sys.stderr, flush=True)  # before the progress lines, the job rehearsed
     results = rehearse(setup)
-    summary = {"config": args.config, "model": cfg.model.preset or cfg.model.family, "world_size": setup.world_size,
+    summary = {"job": job, "changes": setup.changes, "config": args.config,
+               "model": cfg.model.preset or cfg.model.family, "world_size": setup.world_size,
                "layout": setup.planned_layout.describe(), "parallel": setup.layout.__dict__,
                "model_config": cfg.model.__dict__, "micro_batch": cfg.train.micro_batch,
                "seq_len": cfg.train.seq_len, "global_batch": cfg.train.global_batch, "precision": cfg.precision.mode,
@@ -54,6 +66,25 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     else:
         show(summary)
     return 0
+
+
+def job_changes(stated, cfg, world: int) -> list[str]:
+    """What the command line changed of the job its config files state (`--section.key` overrides, a
+    `--world-size` other than [cluster]'s), where it runs apart."""
+    from hlat.train.resume import config_changes
+
+    changes = config_changes(stated, cfg, WHERE_IT_RUNS)
+    return changes + ([f"world size: {stated.cluster.world_size:,} -> {world:,}"]
+                      if world != stated.cluster.world_size else [])
+
+
+def first_line(cfg, setup) -> str:
+    """The job rehearsed, and whether it is the one its config states (then its verdicts are that job's)."""
+    layers = f" ({setup.full_layers} in the config: each fit is extrapolated to them)" if setup.full_layers else ""
+    changed = (f"a CHANGED job: {'; '.join(setup.changes)}{layers}" if setup.changes else
+               "the job as its config states it")
+    return (f"{cfg.model.preset or cfg.model.family}, {setup.planned_layout.describe()}, world "
+            f"{setup.world_size:,}, seq {cfg.train.seq_len}, {cfg.precision.mode}: {changed}")
 
 
 def notes(setup) -> list[str]:
@@ -70,20 +101,38 @@ def show(summary: dict) -> None:
     from hlat.console import make_console
 
     console = make_console()
-    console.print(f"hlat rehearse: {summary['model']}, {summary['layout']}, world {summary['world_size']:,}, "
-                  f"seq {summary['seq_len']}, {summary['precision']}; planner figures: {summary['hardware']}",
-                  highlight=False)
+    console.print(f"hlat rehearse: {summary['job']}; planner figures: {summary['hardware']}", highlight=False)
     for result in summary["ranks"]:
         console.print(rank_table(result))
         console.print(collective_table(result))
         if result["fits"]:
-            fit = result["fits"]
-            console.print(f"rank {result['rank']} {'fits' if fit['fits'] else 'does NOT fit'} one {fit['hardware']} "
-                          f"device: {fit['needed'] / GIB:.2f} of {fit['capacity'] / GIB:.0f} GiB", highlight=False)
-        if result["skipped_update"]:
-            console.print(f"the update was skipped: {result['skipped_update']}")
+            console.print(verdict(result, summary["changes"]), highlight=False)
+        if result["non_finite"]:
+            console.print(f"rank {result['rank']}: {result['non_finite']}, as numbers in a fake world may be (a "
+                          "faked collective delivers whatever its buffer held): the update ran all the same and its "
+                          "gradients and optimizer states are measured", highlight=False)
     for note in summary["notes"]:
         console.print(f"note: {note}", highlight=False)
+
+
+def fits(fit: dict) -> str:
+    return (f"{'fits' if fit['fits'] else 'does NOT fit'} one {fit['hardware']} device: {fit['needed'] / GIB:.2f} of "
+            f"{fit['capacity'] / GIB:.0f} GiB")
+
+
+def verdict(result: dict, changes: list[str]) -> str:
+    """Whether the rank fits its cluster's device; for a changed job, that it is the changed job's, and the fit
+    at the config's depth where the change shortened the model (or why it cannot be extrapolated)."""
+    line, full = f"rank {result['rank']} {fits(result['fits'])}", result["full_job_fits"]
+    if not changes:
+        return line
+    line += f" as changed ({'; '.join(changes)})"
+    if full and "cannot" in full:
+        return f"{line}; at the config's {full['n_layers']} layers it cannot be extrapolated: {full['cannot']}"
+    if full:
+        return (f"{line}; at the config's {full['n_layers']} layers, extrapolated (each figure plus the planner's "
+                f"for the blocks added), it {fits(full)}")
+    return f"{line}; not extrapolated to the job its config states (only a shorter model.n_layers is)"
 
 
 def rank_table(result: dict):

@@ -17,6 +17,7 @@ from hlat.models.config import PRESETS, model_config
 from hlat.optim.config import FP8_RECIPES, PrecisionConfig
 from hlat.optim.modes import MODES
 from hlat.parallel.config import ParallelConfig
+from hlat.planner.advice import advise
 from hlat.planner.calibration import Sample, fit_factors, read_run
 from hlat.planner.layout import Layout, Workload, layout_problem
 from hlat.planner.rehearsal import own_trainer_note, with_rehearsal
@@ -106,18 +107,27 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.calibrate:
         return _calibrate(args, hw)
     req = _request(args, cfg, hw, nodes)
-    if req.layout:
-        plan = evaluate(req.work, req.layout, hw, nodes, req.price)
-        plan, said = with_rehearsal(plan, args.rehearsal) if args.rehearsal else (plan, [])
-        said += [note] if (note := own_trainer_note(plan)) else []
-        origin = "given" if _layout_flags_given(args) else "of the config"
-        show(req, [plan], f"layout {origin}, {plan.layout.describe()}" + "".join(f"; {line}" for line in said),
-             args.json, args.emit if plan.memory.fits else None)
-        if not plan.memory.fits:
-            print(f"does not fit: {plan.memory.shortfall()}")
-            return 1
-        return 0
-    return _search(args, req)
+    return _predict(args, req) if req.layout else _search(args, req)
+
+
+def _predict(args: argparse.Namespace, req: Request) -> int:
+    """The given layout alone; beside it what --search chooses, when the layout does not suit the hardware (a
+    tensor-parallel group across nodes, or needlessly slow links: `hlat.planner.advice`)."""
+    plan = evaluate(req.work, req.layout, req.hw, req.nodes, req.price)
+    plan, said = with_rehearsal(plan, args.rehearsal) if args.rehearsal else (plan, [])
+    said += [note] if (note := own_trainer_note(plan)) else []
+    advice = advise(req.work, req.layout, req.hw, req.nodes, req.price, req.tokens)
+    plans = [plan, *([advice.best] if advice and advice.best else [])]
+    if advice:
+        req.notes.append(advice.line)
+        said += ["#2: what --search chooses"] if advice.best else []
+    origin = "given" if _layout_flags_given(args) else "of the config"
+    show(req, plans, f"layout {origin}, {plan.layout.describe()}" + "".join(f"; {line}" for line in said),
+         args.json, args.emit if plan.memory.fits else None)
+    if not plan.memory.fits:
+        print(f"does not fit: {plan.memory.shortfall()}")
+        return 1
+    return 0
 
 
 def _search(args: argparse.Namespace, req: Request) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from hlat import HlatError
@@ -168,13 +168,18 @@ def data_parallel_traffic(work: Workload, layout: Layout, params: float, layers:
     return traffic
 
 
+def own_trainer_memory(plan) -> Memory | None:
+    """`plan`'s memory as hlat's own trainer keeps it, where its profile prices another stack's activations
+    (NeuronX Distributed's on trn1, which recompute or shard what torch's tensor parallelism keeps whole); None
+    where the profile's figures are hlat's own."""
+    return None if plan.hw.activations == "hlat" else memory(plan.work, plan.layout,
+                                                             replace(plan.hw, activations="hlat"))
+
+
 def own_trainer_note(plan) -> str | None:
-    """Where `plan`'s profile prices another stack's activations (NeuronX Distributed's on trn1, which recompute
-    or shard what torch's tensor parallelism keeps whole) and hlat's own trainer would not fit: say so."""
-    if plan.hw.activations == "hlat" or not plan.memory.fits:
-        return None
-    own = memory(plan.work, plan.layout, replace(plan.hw, activations="hlat"))
-    if own.fits:
+    """Where `plan` fits as its profile's stack keeps memory but hlat's own trainer would not: say so."""
+    own = own_trainer_memory(plan)
+    if own is None or own.fits or not plan.memory.fits:
         return None
     return (f"memory as {plan.hw.name}'s stack keeps it ({plan.hw.activations}); hlat's own trainer {own.shortfall()}"
             " (docs/rehearsal.md)")
@@ -191,18 +196,20 @@ def load_rehearsal(path: str) -> dict:
 
 
 def rehearsal_mismatch(data: dict, work: Workload, layout: Layout) -> str | None:
-    """How the rehearsal's job differs from the planned one (its model, sequence, batch, precision, FP8 recipe or
-    layout), or None (a rehearsal written before `precision.fp8` ran none)."""
-    theirs = {"model": ModelConfig(**data["model_config"]), "seq_len": data["seq_len"],
-              "global_batch": data["global_batch"], "precision": data["precision"], "fp8": data.get("fp8", "none"),
-              "micro_batch": data["micro_batch"], **data["parallel"]}
-    ours = {"model": work.model, "seq_len": work.seq_len, "global_batch": work.global_batch,
-            "precision": work.precision, "fp8": work.fp8, "micro_batch": layout.micro_batch,
-            **layout.parallel.__dict__}
-    for key, value in theirs.items():
-        if ours.get(key) != value:
-            return f"{key} {value!r} (planned: {ours.get(key)!r})"
-    return None
+    """The fields in which the rehearsal's job differs from the planned one (its model's, sequence, batch,
+    precision, FP8 recipe or layout), each 'field rehearsed (planned: value)', or None (a rehearsal written before
+    `precision.fp8` ran none)."""
+    def fields(model: ModelConfig, job: dict) -> dict:
+        return {**{f"model.{k}": v for k, v in asdict(model).items()}, **job}
+
+    theirs = fields(ModelConfig(**data["model_config"]), {
+        "seq_len": data["seq_len"], "global_batch": data["global_batch"], "precision": data["precision"],
+        "fp8": data.get("fp8", "none"), "micro_batch": data["micro_batch"], **data["parallel"]})
+    ours = fields(work.model, {
+        "seq_len": work.seq_len, "global_batch": work.global_batch, "precision": work.precision, "fp8": work.fp8,
+        "micro_batch": layout.micro_batch, **asdict(layout.parallel)})
+    differ = [f"{key} {value!r} (planned: {ours.get(key)!r})" for key, value in theirs.items() if ours.get(key) != value]
+    return "; ".join(differ) or None
 
 
 def busiest(data: dict) -> dict:

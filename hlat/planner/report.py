@@ -11,6 +11,7 @@ from pathlib import Path
 from hlat.config import to_toml
 from hlat.planner.layout import Layout, Workload
 from hlat.planner.memory import GIB
+from hlat.planner.rehearsal import own_trainer_memory
 from hlat.planner.search import Plan
 from hlat.profiles import HardwareProfile
 
@@ -32,6 +33,11 @@ class Request:
 
 def si(x: float) -> str:
     return f"{x / 1e6:.3g}M" if x >= 1e6 else f"{x / 1e3:.3g}k" if x >= 1e3 else f"{x:.3g}"
+
+
+def budget_text(tokens: float) -> str:
+    """A token budget: '450B', '1.89T'."""
+    return f"{si(tokens / 1e9)}B" if tokens < 1e12 else f"{tokens / 1e12:.3g}T"
 
 
 def compute_dtype(work: Workload) -> str:
@@ -68,6 +74,8 @@ def plan_row(plan: Plan, tokens: float) -> dict:
         "layout": plan.layout.describe(), "nodes": plan.nodes, **plan.layout.config_sections(plan.work),
         "fits": m.fits, "memory_gib": {k: round(v / GIB, 3) for k, v in asdict(m).items()} | {
             "total": round(m.total / GIB, 3)},
+        # where the profile prices another stack's activations (trn: NeuronX Distributed's), hlat's own trainer's
+        "hlat_trainer_memory_gib": round(own.total / GIB, 3) if (own := own_trainer_memory(plan)) else None,
         "step_time_s": {k: round(v, 4) for k, v in asdict(t).items() if k not in ("layer", "data_parallel")} | {
             "total": round(t.total, 4)},
         "layer": t.layer, "data_parallel": t.data_parallel,
@@ -111,7 +119,7 @@ def print_table(req: Request, plans: list[Plan], note: str) -> None:
     console.width = max(console.width, 120)  # one line per layout, numbers unclipped
     work, hw = req.work, req.hw
     devices = req.nodes * hw.devices_per_node
-    budget = f"{si(req.tokens / 1e9)}B" if req.tokens < 1e12 else f"{req.tokens / 1e12:.3g}T"
+    budget = budget_text(req.tokens)
     price = f"${req.price:g}/node-hour, {req.price_note}" if req.price else req.price_note
     marks = [ceiling_note(req)] if any(p.above_measured_best for p in plans) else []
     table = Table(title=f"{work.model.preset or work.model.family} on {req.nodes} x {hw.name} ({devices:,} "
@@ -128,12 +136,18 @@ def print_table(req: Request, plans: list[Plan], note: str) -> None:
     for i, p in enumerate(plans, 1):
         days, dollars = p.budget(req.tokens)
         table.add_row(str(i), p.layout.describe(), *([str(p.nodes)] if show_nodes else []),
-                      f"{p.memory.total / GIB:.1f}", f"{p.step_s:.3g}", si(p.tokens_per_s),
+                      memory_cell(p), f"{p.step_s:.3g}", si(p.tokens_per_s),
                       f"{p.mfu:.1%}{'*' if p.above_measured_best else ''}",
                       si(p.tokens_per_dollar) if p.tokens_per_dollar else "-", f"{days:,.1f}",
                       f"${si(dollars)}" if dollars else "-")
     console.print(table)
     print_breakdown(console, plans[0], req.notes)
+
+
+def memory_cell(plan: Plan) -> str:
+    """GiB per device; where the profile prices another stack's activations, hlat's own trainer's beside it."""
+    own = own_trainer_memory(plan)
+    return f"{plan.memory.total / GIB:.1f}" + (f" (hlat {own.total / GIB:.1f})" if own else "")
 
 
 def print_breakdown(console, plan: Plan, notes: list[str]) -> None:
@@ -144,7 +158,9 @@ def print_breakdown(console, plan: Plan, notes: list[str]) -> None:
                   f"{f'; data parallelism: {t.data_parallel}' if t.data_parallel else ''})")
     console.print(f"#1 memory {m.total / GIB:.1f} of {m.capacity / GIB:.0f} GiB = weights {m.weights / GIB:.1f} "
                   f"+ grads {m.grads / GIB:.1f} + optimizer {m.optimizer / GIB:.1f} + activations "
-                  f"{m.activations / GIB:.1f} + FSDP buffers {m.buffers / GIB:.1f} + overhead {m.overhead / GIB:.1f}")
+                  f"{m.activations / GIB:.1f} + FSDP buffers {m.buffers / GIB:.1f} + overhead {m.overhead / GIB:.1f}"
+                  + (f" (as {plan.hw.name}'s stack keeps it, {plan.hw.activations}; hlat's own trainer: "
+                     f"{own.total / GIB:.1f} GiB)" if (own := own_trainer_memory(plan)) else ""))
     for line in notes:
         console.print(line)
 

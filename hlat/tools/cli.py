@@ -40,7 +40,8 @@ def register_eval(commands) -> None:
                    help="checkpoint directories, or run directories (each its latest checkpoint; with --all, "
                         "every one)")
     p.add_argument("--all", action="store_true", help="evaluate every checkpoint of each run directory, oldest first")
-    p.add_argument("--data", nargs="+", help="files, directories or globs (default: each run's [eval] data)")
+    p.add_argument("--data", nargs="+", help="files, directories or globs (default: each validation set of the run's "
+                                            "[eval]: eval.paths or eval.holdout, and each named one of eval.sets)")
     p.add_argument("--max-batches", type=int, default=0, help="evaluate at most this many batches (0: all the data)")
     p.add_argument("--batch-size", type=int, help="sequences per batch (default: train.micro_batch)")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: train.seq_len)")
@@ -82,7 +83,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 def run_import_hf(args: argparse.Namespace, overrides: list[str]) -> int:
     from hlat.tools.interop import import_hf
 
-    print(f"wrote {import_hf(args.hf_dir, args.out)}")
+    checkpoint, tokenizer_note = import_hf(args.hf_dir, args.out)
+    print(f"wrote {checkpoint} ({tokenizer_note})")
     return 0
 
 
@@ -105,50 +107,57 @@ def run_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     checkpoints = [c for path in args.checkpoints for c in (checkpoints_in(path) if args.all
                                                              else [resolve_checkpoint(path)])]
     if not args.json:
-        print(f"{'step':>10}  {'loss':>8}  {'perplexity':>10}  {'tokens':>12}  checkpoint")
+        print(f"{'step':>10}  {'loss':>8}  {'perplexity':>10}  {'tokens':>12}  {'set':<10}  checkpoint")
     made: dict = {}  # the evaluation batches, made once for the checkpoints that share their data and tokenizer
     damaged = 0
     for checkpoint in checkpoints:  # each printed once evaluated: a long list shows its progress
         try:
-            row = evaluate_checkpoint(checkpoint, args, device, made)
+            rows = evaluate_checkpoint(checkpoint, args, device, made)
         except DamagedCheckpoint as e:  # refused in its line; a curve over many checkpoints still gets the others
             print(f"hlat: error: {e}", file=sys.stderr, flush=True)
             damaged += 1
             continue
-        step = "-" if row["step"] is None else row["step"]
-        print(json.dumps(row) if args.json else f"{step:>10}  {row['loss']:>8.4f}  {row['perplexity']:>10.2f}  "
-                                                f"{row['tokens']:>12,}  {checkpoint}", flush=True)
+        for row in rows:
+            step = "-" if row["step"] is None else row["step"]
+            print(json.dumps(row) if args.json else f"{step:>10}  {row['loss']:>8.4f}  {row['perplexity']:>10.2f}  "
+                                                    f"{row['tokens']:>12,}  {row['set'] or '-':<10}  {checkpoint}",
+                  flush=True)
     if damaged and len(checkpoints) > 1:
         print(f"hlat eval: {damaged} of {len(checkpoints)} checkpoints damaged, not evaluated", file=sys.stderr)
     return ERROR_EXIT if damaged else 0
 
 
-def evaluate_checkpoint(checkpoint: Path, args: argparse.Namespace, device, made: dict) -> dict:
-    """The validation figures of one checkpoint (verified first) on --data or its run's [eval] data (its batches
-    taken from `made` when an earlier checkpoint made the same)."""
+def evaluate_checkpoint(checkpoint: Path, args: argparse.Namespace, device, made: dict) -> list[dict]:
+    """The validation figures of one checkpoint (verified first) on --data, or on each validation set of its run's
+    [eval] (its default set of eval.paths or eval.holdout, and each named one of eval.sets), a row each; the
+    batches taken from `made` when an earlier checkpoint made the same."""
     from dataclasses import asdict
 
     from hlat.data.tokenizer import tokenizer_digest
     from hlat.tools.inference import load_trained
     from hlat.files import checkpoint_step
-    from hlat.train.validation import evaluate, validation_batches, validation_documents
+    from hlat.train.validation import evaluate, validation_batches, validation_documents, validation_sets
 
     cfg, model, tokenizer = load_trained(checkpoint, device, args.dtype, args.tokenizer)
-    if not args.data and not cfg.eval.paths and not cfg.eval.holdout:
-        raise HlatError(f"--data: give the files to evaluate {checkpoint} on (its run has no [eval] paths or "
+    if not args.data and not cfg.eval.paths and not cfg.eval.holdout and not cfg.eval.sets:
+        raise HlatError(f"--data: give the files to evaluate {checkpoint} on (its run has no [eval] paths, sets or "
                         "holdout)")
     seq_len = args.seq_len or cfg.train.seq_len
     if seq_len > cfg.model.max_seq_len:
         raise HlatError(f"--seq-len: {seq_len} exceeds the model's max_seq_len {cfg.model.max_seq_len}")
     batch_size = args.batch_size or cfg.train.micro_batch
-    key = json.dumps([args.data, asdict(cfg.data), asdict(cfg.eval), tokenizer_digest(tokenizer), seq_len,
-                      batch_size, cfg.model.doc_mask], default=str)
-    if key not in made:
-        made[key] = validation_batches(validation_documents(cfg, paths=args.data), tokenizer, seq_len, batch_size,
-                                       args.max_batches or 2**62, cfg.model.doc_mask)
-    result = evaluate(model, made[key], device)
-    return {"checkpoint": str(checkpoint), "step": checkpoint_step(checkpoint), "loss": result.loss,
-            "perplexity": result.perplexity, "tokens": result.tokens}
+    sets = {"": validation_documents(cfg, paths=args.data)} if args.data else validation_sets(cfg, [])
+    rows = []
+    for name, documents in sets.items():
+        key = json.dumps([name, args.data, asdict(cfg.data), asdict(cfg.eval), tokenizer_digest(tokenizer), seq_len,
+                          batch_size, cfg.model.doc_mask], default=str)
+        if key not in made:
+            made[key] = validation_batches(documents, tokenizer, seq_len, batch_size, args.max_batches or 2**62,
+                                           cfg.model.doc_mask)
+        result = evaluate(model, made[key], device)
+        rows.append({"checkpoint": str(checkpoint), "step": checkpoint_step(checkpoint), "set": name,
+                     "loss": result.loss, "perplexity": result.perplexity, "tokens": result.tokens})
+    return rows
 
 
 def run_generate(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -162,6 +171,8 @@ def run_generate(args: argparse.Namespace, overrides: list[str]) -> int:
     for i in range(args.samples):
         text = sample_text(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_p,
                            args.seed + i)
+        if args.samples > 1:  # a sample may span lines: each starts with a line of its own
+            print(f"--- sample {i + 1} of {args.samples} (seed {args.seed + i})")
         print(args.prompt + text)
     return 0
 
@@ -186,7 +197,7 @@ def run_checkpoint_verify(args: argparse.Namespace, overrides: list[str]) -> int
 
 
 def run_compare(args: argparse.Namespace, overrides: list[str]) -> int:
-    from hlat.tools.compare import METRICS, deviations, plot, read_run
+    from hlat.tools.compare import deviations, metrics, plot, read_run
 
     labels = args.labels.split(",") if args.labels else [Path(r).name or str(r) for r in args.runs]
     if len(labels) != len(args.runs):
@@ -203,15 +214,16 @@ def run_compare(args: argparse.Namespace, overrides: list[str]) -> int:
     from hlat.console import make_console
     from rich.table import Table
 
+    shown = metrics(runs)  # the training metrics and every validation set the runs logged
     out = Table(title=f"relative deviation from {runs[0].label} over the steps both logged")
     out.add_column("run")
-    for metric in METRICS:
+    for metric in shown:
         out.add_column(f"{metric} max", justify="right")
         out.add_column(f"{metric} mean", justify="right")
     out.add_column("steps", justify="right")
     for row in table:
-        cells = [f"{row[m]['max']:.2%}" if m in row else "-" for m in METRICS]
-        means = [f"{row[m]['mean']:.2%}" if m in row else "-" for m in METRICS]
+        cells = [f"{row[m]['max']:.2%}" if m in row else "-" for m in shown]
+        means = [f"{row[m]['mean']:.2%}" if m in row else "-" for m in shown]
         steps = row["loss"]["steps"] if "loss" in row else 0
         out.add_row(row["run"], *[c for pair in zip(cells, means) for c in pair], str(steps))
     console = make_console()

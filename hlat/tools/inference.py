@@ -48,8 +48,8 @@ def load_trained(path: str | Path, device: torch.device | str = "cpu", dtype: st
         return cfg, model, load_tokenizer(tokenizer)
     saved = saved_tokenizer(checkpoint)
     if saved is None and not cfg.data.tokenizer:
-        raise HlatError(f"{checkpoint}: no tokenizer in {checkpoint.parent.parent} and data.tokenizer is not set; "
-                        "give --tokenizer")
+        raise HlatError(f"{checkpoint}: no tokenizer in it or in its run directory {checkpoint.parent.parent}, and "
+                        "data.tokenizer is not set; give --tokenizer")
     return cfg, model, saved or load_tokenizer(cfg.data.tokenizer)
 
 

@@ -3,28 +3,43 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import tokenizers
 
 from hlat import HlatError
 from hlat.config.job import Config
-from hlat.data.tokenizer import Tokenizer
+from hlat.data.tokenizer import Tokenizer, tokenizer_file_in
 from hlat.models import build_model
 from hlat.models.hf import read_hf_dir, write_hf_dir
 from hlat.tools.inference import load_trained_model, saved_tokenizer
 from hlat.train.checkpoint import model_state, write_checkpoint
 
 
-def import_hf(hf_dir: str | Path, out: str | Path) -> Path:
-    """Write the weights of a transformers Llama/GPT-NeoX directory as an hlat checkpoint (model only)."""
+def import_hf(hf_dir: str | Path, out: str | Path) -> tuple[Path, str]:
+    """Write the weights of a transformers Llama/GPT-NeoX directory as an hlat checkpoint (model only), with the
+    directory's tokenizer beside them, where `hlat generate` and `hlat eval` find it. Returns the checkpoint and a
+    note on the tokenizer."""
     out = Path(out)
     if (out / ".metadata").exists():
         raise HlatError(f"{out}: already holds a checkpoint; choose another --out")
     model_cfg, state = read_hf_dir(hf_dir)
     model = build_model(model_cfg)
     model.load_state_dict(state, strict=True, assign=True)  # checks names and shapes against hlat's model
-    return write_checkpoint(out, {"model": model_state([model])}, Config(model=model_cfg).to_toml())
+    written = write_checkpoint(out, {"model": model_state([model])}, Config(model=model_cfg).to_toml())
+    return written, _copy_tokenizer(Path(hf_dir), written)
+
+
+def _copy_tokenizer(hf_dir: Path, out: Path) -> str:
+    """Copy the tokenizer file hlat reads from `hf_dir` (tokenizer.json first; GPT-2's vocab.bpe with its
+    encoder.json) into the checkpoint `out` (outside its manifest: the weights are what it verifies)."""
+    found = tokenizer_file_in(hf_dir)
+    if found is None:
+        return f"no tokenizer in {hf_dir}: give hlat generate and hlat eval --tokenizer"
+    for file in [found, *([found.with_name("encoder.json")] if found.name == "vocab.bpe" else [])]:
+        shutil.copyfile(file, out / file.name)
+    return f"with its tokenizer, {found.name}"
 
 
 def export_hf(ckpt: str | Path, out: str | Path) -> tuple[Path, str]:

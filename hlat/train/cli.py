@@ -46,6 +46,7 @@ def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
 
     from hlat.config.job import load_config
     from hlat.jobs.torchrun import mark_finished
+    from hlat.jobs.writer import writing_run_dir
     from hlat.train.loop import train
 
     if args.max_restarts:
@@ -59,9 +60,12 @@ def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
         print(cfg.to_toml(), end="")
         return 0
     console = make_console()
-    s = train(cfg, console)
+    if (rank := os.environ.get("RANK", "0")) == "0" and (line := seen_cluster_advice(cfg)):
+        console.print(line, soft_wrap=True, highlight=False, markup=False)
+    with writing_run_dir(cfg.train.run_dir):  # before anything is written there: one job per run directory
+        s = train(cfg, console)
     mark_finished()
-    if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 speaks for the job
+    if rank != "0":  # under torchrun, rank 0 speaks for the job
         return 0
     table = Table(title="run summary", show_header=False)
     for name, value in (("run directory", s.run_dir), ("steps", f"{s.steps:,}"),
@@ -72,6 +76,17 @@ def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
         table.add_row(name, value)
     console.print(table)
     return 0
+
+
+def seen_cluster_advice(cfg) -> str | None:
+    """The planner's line on the layout (a tensor-parallel group across nodes, needlessly slow links:
+    hlat.planner.advice) on the cluster torchrun started this job on: WORLD_SIZE processes, LOCAL_WORLD_SIZE of them
+    on each node, of the config's cluster.hardware."""
+    from hlat.planner.advice import config_advice
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    return config_advice(cfg, world // per_node, per_node) if world > 1 else None
 
 
 def run_supervised(args: argparse.Namespace, overrides: list[str]) -> int:

@@ -178,10 +178,14 @@ class MetricsLog:
 
 
 def tensorboard_tag(key: str) -> str:
-    """A record field's TensorBoard tag: grouped with related curves; a named validation set's under eval/."""
+    """A record field's TensorBoard tag: grouped with related curves; a named validation set's under eval/, the
+    data mix's under data_mix/."""
     if key in TENSORBOARD_TAGS:
         return TENSORBOARD_TAGS[key]
-    return f"eval/{key.removeprefix('val_')}" if key.startswith("val_") else f"other/{key}"
+    for prefix, group in (("val_", "eval"), ("mix_", "data_mix")):
+        if key.startswith(prefix):
+            return f"{group}/{key.removeprefix(prefix)}"
+    return f"other/{key}"
 
 
 # Grouped so TensorBoard shows related curves together.
@@ -197,6 +201,32 @@ TENSORBOARD_TAGS = {
     "slowest_rank": "health/slowest_rank", "slowest_rank_ratio": "health/slowest_rank_ratio",
     "collective_wait_s": "health/collective_wait_s", "collective_wait_max_s": "health/collective_wait_max_s",
 }
+
+
+MIX_EVERY = 10  # records between console lines that show the data mix (the first and the last show it too)
+
+
+def mix_figures(mix: dict[str, tuple[float, int]], before: dict[str, int]) -> dict:
+    """With several data sources, each one's share of the token positions trained on: its target (its weight's
+    share), over the interval since `before` (each source's positions then) and over the run; and its positions."""
+    if len(mix) < 2:
+        return {}
+    interval = sum(tokens for _, tokens in mix.values()) - sum(before.values())
+    run = sum(tokens for _, tokens in mix.values())
+    out = {}
+    for name, (target, tokens) in mix.items():
+        out |= {f"mix_{name}_target": round(target, 6), f"mix_{name}_tokens": tokens,
+                f"mix_{name}_interval": (tokens - before[name]) / interval if interval else None,
+                f"mix_{name}_run": tokens / run if run else None}
+    return out
+
+
+def mix_text(record: dict) -> str:
+    """'  mix run/target: kjv 30.2%/30.0%, shakespeare 69.8%/70.0%' from a record's mix fields ('' without)."""
+    names = [k.removeprefix("mix_").removesuffix("_target") for k in record if k.startswith("mix_") and
+             k.endswith("_target")]
+    shares = ", ".join(f"{n} {record[f'mix_{n}_run'] or 0:.1%}/{record[f'mix_{n}_target']:.1%}" for n in names)
+    return f"  mix run/target: {shares}" if names else ""
 
 
 class StepReport:
@@ -225,6 +255,7 @@ class StepReport:
         records = self.metrics.records() if resumed else []
         self.elapsed_before = float(records[-1].get("elapsed_s") or 0.0) if records else 0.0
         self.start, self.stream = step, stream
+        self.mix_at = {name: tokens for name, (_, tokens) in stream.mix().items()}  # each source's, at the last record
         self.run_start = time.perf_counter()
         self.interval = Interval(stream.wait_time_s)
 
@@ -270,7 +301,14 @@ class StepReport:
             "bad_steps": bad_steps,  # dropped updates so far in this process (train.on_bad_step)
             "elapsed_s": round(elapsed, 3), "projected_time_s": round(projected, 3),
             **(self.cost.figures(elapsed, step * self.tokens_per_step, projected) if self.cost else {}),
+            **self.mix(),
         }
+
+    def mix(self) -> dict:
+        """The data mix's figures (`mix_figures`) of the interval ending now."""
+        mix = self.stream.mix()
+        before, self.mix_at = self.mix_at, {name: tokens for name, (_, tokens) in mix.items()}
+        return mix_figures(mix, before)
 
     def speed(self, stats: dict) -> tuple[float, float]:
         """Tokens per second and seconds per step over an interval."""
@@ -283,9 +321,10 @@ class StepReport:
         eta = "-" if step == self.start + 1 else format_duration(step_time * (settings.steps - step))
         spent = f"  ${record['cost_usd']:,.2f}" if self.cost else ""
         val = "".join(f"  {k} {v:7.4f}" for k, v in record.items() if k.startswith("val_") and k.endswith("loss"))
+        mix = mix_text(record) if (len(self.losses) - 1) % MIX_EVERY == 0 or step == settings.steps else ""
         return (f"step {step:>6}/{settings.steps}  loss {stats['loss']:7.4f}  grad_norm {stats['grad_norm']:6.3f}  "
                 f"lr {record['lr']:.2e}  {tokens_per_s:>9,.0f} tok/s  mfu {record['mfu'] or 0:6.2%}  "
-                f"eta {eta}{spent}{val}")
+                f"eta {eta}{spent}{val}{mix}")
 
     def close(self) -> None:
         self.metrics.close()

@@ -44,12 +44,13 @@ def _model_hint(path: Path) -> str:
     return "; the checkpoint was built with " + ", ".join(f"model.{k} = {model[k]!r}" for k in shape)
 
 
-def config_changes(saved: Config, current: Config) -> list[str]:
-    """'section.field: old -> new' for every field that changes what the run computes."""
+def config_changes(saved: Config, current: Config, unwatched: set[str] = _UNWATCHED) -> list[str]:
+    """'section.field: old -> new' for every field that changes what the run computes (of the sections and fields
+    not in `unwatched`)."""
     old, new = to_dict(saved), to_dict(current)
     return [f"{section}.{key}: {value!r} -> {new[section][key]!r}" for section, table in old.items()
-            if section not in _UNWATCHED for key, value in table.items()
-            if f"{section}.{key}" not in _UNWATCHED and new[section][key] != value]
+            if section not in unwatched for key, value in table.items()
+            if f"{section}.{key}" not in unwatched and new[section][key] != value]
 
 
 def schedule_changes(saved: Config, current: Config, step: int) -> bool:
