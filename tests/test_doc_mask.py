@@ -14,7 +14,7 @@ from hlat.data.sources import one_source
 from hlat.data.tokenizer import train_bpe
 from hlat.models import build_model
 from hlat.models.config import model_config
-from hlat.models.layers import dense_document_mask, document_block_mask, document_mask
+from hlat.models.layers import block_sparse_mask, dense_mask, document_mask, row_positions
 
 DOCS = [f"def f{i}(x):\n    return x * {i} + {'y' * (i % 9)}\n" for i in range(60)]
 
@@ -57,6 +57,16 @@ def test_packed_documents_match_running_alone(batches, family, packing):
 
 def packed_doc_ids(lengths: list[list[int]]) -> torch.Tensor:
     return torch.stack([torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row)) for row in lengths])
+
+
+def dense_document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    index = row_positions(doc_ids)
+    return dense_mask(index, index, doc_ids, doc_ids)
+
+
+def document_block_mask(doc_ids: torch.Tensor):
+    index = row_positions(doc_ids)
+    return block_sparse_mask(index, index, doc_ids, doc_ids)
 
 
 # Rows of 384 tokens: three of FlexAttention's 128-token blocks, documents starting inside and across them.
