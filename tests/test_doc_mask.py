@@ -100,3 +100,25 @@ def test_flex_attention_forward_equals_sdpa_with_the_dense_mask():
     dense = F.scaled_dot_product_attention(q, k, v, attn_mask=dense_document_mask(doc_ids), enable_gqa=True)
     torch.testing.assert_close(flex, dense, rtol=1e-12, atol=1e-12)
     assert isinstance(document_mask(doc_ids), torch.Tensor)  # the CPU's choice: the dense mask
+
+
+def test_a_context_parallel_ranks_mask_is_its_rows_of_the_whole_mask():
+    """Under context parallelism a rank's queries are its two chunks of each row and the keys every rank's chunks
+    in rank order; the mask made from their true positions within documents and their document ids is the whole
+    rows' mask, its rows and columns taken in that order."""
+    from hlat.parallel.context import split_batch
+
+    cp = 3  # 384-token rows in 6 chunks of 64, documents crossing chunk boundaries
+    doc_ids = packed_doc_ids(LENGTHS)
+    positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in LENGTHS])
+    index = row_positions(doc_ids)
+    whole = dense_document_mask(doc_ids)
+    parts = [split_batch({"inputs": index, "positions": positions, "doc_ids": doc_ids}, cp, rank) for rank in range(cp)]
+    key_order = torch.cat([part["inputs"] for part in parts], dim=1)  # each key's place in its row
+    key_positions = torch.cat([part["positions"] for part in parts], dim=1)
+    key_docs = torch.cat([part["doc_ids"] for part in parts], dim=1)
+    for part in parts:
+        mask = dense_mask(part["positions"], key_positions, part["doc_ids"], key_docs)
+        rows = torch.gather(whole[:, 0], 1, part["inputs"][:, :, None].expand(-1, -1, 384))
+        assert torch.equal(mask[:, 0], torch.gather(rows, 2, key_order[:, None, :].expand(-1, rows.shape[1], -1)))
+    assert sorted(key_order[0].tolist()) == list(range(384))
