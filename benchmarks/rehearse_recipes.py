@@ -1,6 +1,7 @@
-"""One rank of each seed recipe, rehearsed on this CPU (`hlat rehearse`): the first and the last pipeline stage of
-the job as the recipe states it (world size from its [cluster]), its bytes measured against the planner's, its
-compute time, its collective bytes per step, and whether it fits one device of the recipe's hardware.
+"""One rank of each seed recipe and long-context stage, rehearsed on this CPU (`hlat rehearse`): the first and the
+last pipeline stage of the job as the recipe states it (world size from its [cluster]), its bytes measured against
+the planner's, its compute time, its collective bytes per step, and whether it fits one device of the recipe's
+hardware.
 
 A whole rank's compute takes this 2-core host from several minutes (7B at TP 8) to an hour (70B at TP 32 and PP 8,
 whose 1F1B schedule needs at least 8 micro-batches); so each rank is rehearsed with 1 and with 2 blocks per
@@ -35,7 +36,7 @@ from hlat.planner.profiles import load_profile
 from hlat.planner.rehearsal import rank_layers, rank_plan, rank_traffic
 from hlat.train.config import load_config
 
-RECIPES = ("hlat-7b", "hlat-70b", "neox-20b", "pythia-6.9b")
+RECIPES = ("hlat-7b", "hlat-70b", "neox-20b", "pythia-6.9b", "hlat-7b-long", "hlat-70b-long")
 BLOCKS = (1, 2)  # blocks per pipeline stage rehearsed
 STATES = ("params", "grads", "optimizer", "gathered", "activations", "parameter_casts")
 RUNS = RESULTS / "rehearse_recipes_runs.json"

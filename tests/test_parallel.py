@@ -249,7 +249,8 @@ def test_impossible_layouts_are_refused_up_front(parallel, world, message, tmp_p
 
 @pytest.mark.parametrize("world, overrides, line", [
     ("4", ["--parallel.cp", "3"], "parallel.cp: 3 does not divide the world size 4"),
-    ("4", ["--parallel.cp", "4", "--train.seq_len", "36"], "parallel.cp: train.seq_len 36 is not divisible by 2 x cp = 8"),
+    ("4", ["--parallel.cp", "4", "--train.seq_len", "36"],
+     "parallel.cp: train.seq_len 36 is not divisible by 2 x cp = 8"),
 ])
 def test_context_parallel_refusals_are_one_line_before_any_process_group(world, overrides, line, tmp_path, capsys,
                                                                          monkeypatch):
@@ -261,6 +262,17 @@ def test_context_parallel_refusals_are_one_line_before_any_process_group(world, 
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"hlat: error: {line}") and "\n" not in err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("parallel", [{"pp": 2}, {"cp": 2}])
+def test_validation_during_training_is_refused_where_it_cannot_run(parallel, tmp_path):
+    cfg = build_config(job(tmp_path, "llama"))
+    update(cfg.parallel, parallel)
+    cfg.eval.every, cfg.eval.holdout = 2, 0.1
+    name, degree = next(iter(parallel.items()))
+    with pytest.raises(ConfigError, match=f"eval.every: validation during training is not supported with "
+                                          f"parallel.{name} > 1; evaluate checkpoints with `hlat eval` instead"):
+        cfg.resolved_parallel(degree)
 
 
 def test_selective_checkpointing_recomputes_only_attention():

@@ -76,8 +76,8 @@ def dense_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, query
     return mask.unsqueeze(1)
 
 
-def block_sparse_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, query_docs: torch.Tensor | None = None,
-               key_docs: torch.Tensor | None = None) -> BlockMask:
+def block_sparse_mask(query_positions: torch.Tensor, key_positions: torch.Tensor,
+                      query_docs: torch.Tensor | None = None, key_docs: torch.Tensor | None = None) -> BlockMask:
     """`attention_mask` as FlexAttention's block-sparse mask, one for every head (so a tensor-parallel rank's local
     heads use it as it is)."""
     def visible(batch, head, query, key):

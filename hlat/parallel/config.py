@@ -33,7 +33,7 @@ class ParallelConfig:
     dp_shard: int = -1  # FSDP degree; -1 fills what the other degrees leave of the world size (one of the two)
     tp: int = 1  # tensor parallelism (with sequence parallelism in the norm regions when sequence_parallel)
     pp: int = 1  # pipeline stages (x virtual_stages stage modules under interleaved_1f1b)
-    cp: int = 1  # context parallelism: each sequence split over cp ranks, which share FSDP's sharding (docs/long-context.md)
+    cp: int = 1  # context parallelism: sequences split over cp ranks, sharing FSDP's sharding (docs/long-context.md)
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
     virtual_stages: int = 2  # stage modules per pipeline rank under interleaved_1f1b
     sequence_parallel: bool = True

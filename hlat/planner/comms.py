@@ -6,8 +6,9 @@ a node, and across nodes at the run's node count); else the nominal link figures
 latency) times the profile's fitted `intra_factor` / `inter_factor`.
 
 What the trainer overlaps decides what is charged. Tensor-parallel collectives sit between a layer's matmuls and
-are charged in full, and so are context parallelism's gathers of keys and values (attention waits for them). Pipeline sends are charged per micro-batch (and in the bubble), except under the trainer's
-interleaved schedule, which posts its receives early (`sends_overlap`; see `hlat.planner.timing`). FSDP
+are charged in full, and so are context parallelism's gathers of keys and values (attention waits for them).
+Pipeline sends are charged per micro-batch (and in the bubble), except under the trainer's interleaved schedule,
+which posts its receives early (`sends_overlap`; see `hlat.planner.timing`). FSDP
 prefetches the next block's gather and reduce-scatters during backward, every micro-batch; replicated layouts and
 ZeRO-1 reduce during the last micro-batch's backward (ZeRO-1 gathers once, during the first forward). The share of that traffic which
 hides behind the compute it runs beside is the overlap preflight measured; with cited collectives it is the

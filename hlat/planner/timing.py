@@ -8,7 +8,7 @@ can fit them to measurements:
                            FLOPs / peak x flops_factor                              (device: recomputation included)
                            + attention scores / HBM bandwidth x attention_factor    (materialised attention only)
                            + tensor-parallel all-reduces x intra/inter_factor)      (4 per layer, 6 with full recompute)
-                     + context-parallel K/V all-gathers and reduce-scatters     (each rank: seq_len / cp of the tokens)
+                     + context-parallel K/V all-gathers, reduce-scatters x link     (a rank: seq_len / cp tokens)
     per micro-batch  = layers x per layer + output layer
                      + pipeline sends of activations and gradients x intra/inter_factor + p2p_ms each
     step             = micro-batches x per micro-batch + pipeline bubble x per micro-batch of the other stages
