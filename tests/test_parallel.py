@@ -194,6 +194,18 @@ def test_checkpoint_saved_under_context_parallelism_resumes_in_one_process(refer
     assert_close(trajectory(tmp_path / "run"), reference["llama"])
 
 
+def test_a_long_context_stage_continues_a_checkpoint_at_a_longer_sequence(tmp_path, warm_torchrun):
+    """The long-context stages' recipe in small (configs/hlat-7b-long.toml): weights trained at 32 tokens continue
+    at 64, with a larger rotary base, split over cp 2, and follow the single process continuing them."""
+    train(build_config(job(tmp_path / "pretrained", "llama", steps=2, ckpt_every=2)))
+    stage = job(tmp_path / "single", "llama", seq_len=64, init_from=str(tmp_path / "pretrained"))
+    stage["model"]["rope_theta"] = 500000.0
+    train(build_config(stage))
+    stage["train"]["run_dir"] = str(tmp_path / "run")
+    torchrun(warm_torchrun, 2, write_toml(tmp_path / "job.toml", stage), {"cp": 2})
+    assert_close(trajectory(tmp_path / "run"), trajectory(tmp_path / "single"))
+
+
 @pytest.fixture(scope="module")
 def saved_under_tp2_fsdp2(tmp_path_factory, warm_torchrun):
     """A run of 2 steps under tp 2 x dp 2, checkpointed at step 2."""

@@ -137,7 +137,6 @@ class Attention(nn.Module):
         if isinstance(mask, BlockMask):
             out = flex(q, k, v, mask, gqa)
         else:
-            mask = mask if mask is None or mask.dtype in (torch.bool, q.dtype) else mask.to(q.dtype)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).flatten(-2))
 

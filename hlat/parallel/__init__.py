@@ -1,7 +1,6 @@
 """Parallelism applied from outside the model, one function per concern, in torchtitan's order: pipeline
 split, tensor parallelism, context parallelism, activation checkpointing, compilation, data parallelism (over
-dp_shard x cp); then the (still meta)
-parts are allocated and initialised, identically to a single process.
+dp_shard x cp); then the (still meta) parts are allocated and initialised, identically to a single process.
 
 Torch is imported on first use, so `hlat.parallel.config` stays torch-free for `hlat describe` and the planner."""
 
