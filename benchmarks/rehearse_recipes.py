@@ -89,6 +89,10 @@ class Rank:
 
     def memory(self) -> dict[str, float]:
         measured = {k: self.line(lambda r, k=k: r["memory"][k]["measured"]) for k in STATES}
+        if self.layout.pp == 1 and self.layout.param_shard > 1:
+            # FSDP without a pipeline holds a block or two gathered at a time (the one in backward, the one it
+            # prefetches), whatever the blocks: the two-block rehearsal's peak, not a line through the blocks
+            measured["gathered"] = self.large["memory"]["gathered"]["measured"]
         if self.layout.parallel.stages() - 1 in self.stages:  # GPipe keeps every micro-batch's head
             measured["activations"] += head_bytes(self.work, self.layout, self.step) - head_bytes(
                 self.work, self.layout, self.micro)
@@ -190,9 +194,10 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=3600.0, help="per rehearsal")
     args = parser.parse_args()
     rows = collect([r for r in args.recipes.split(",") if r], args.budget_s)
-    caption = ("hlat rehearse, one rank of each seed recipe on this CPU (benchmarks/rehearse_recipes.py): "
-               "measured / planner per device at the recipe's world size, extrapolated from 1 and 2 blocks per "
-               "stage to the recipe's (activations at the step's micro-batches; gathered as rehearsed); compute "
+    caption = ("hlat rehearse, one rank of each seed recipe and long-context stage on this CPU "
+               "(benchmarks/rehearse_recipes.py): measured / planner per device at the recipe's world size, "
+               "extrapolated from 1 and 2 blocks per stage to the recipe's (activations at the step's micro-batches; "
+               "gathered as rehearsed, FSDP's without a pipeline at its two-block peak); compute "
                "on this CPU (forward and backward of the step's micro-batches, the update apart) against the "
                "planner's nominal `cpu` profile; collectives: bytes per step, all kinds and mesh dimensions, "
                "against what the planner prices; fits: the measured bytes, the gradients that accumulate whole "
