@@ -1,6 +1,7 @@
-"""One rank of each seed recipe, rehearsed on this CPU (`hlat rehearse`): the first and the last pipeline stage of
-the job as the recipe states it (world size from its [cluster]), its bytes measured against the planner's, its
-compute time, its collective bytes per step, and whether it fits one device of the recipe's hardware.
+"""One rank of each seed recipe and long-context stage, rehearsed on this CPU (`hlat rehearse`): the first and the
+last pipeline stage of the job as the recipe states it (world size from its [cluster]), its bytes measured against
+the planner's, its compute time, its collective bytes per step, and whether it fits one device of the recipe's
+hardware.
 
 A whole rank's compute takes this 2-core host from several minutes (7B at TP 8) to an hour (70B at TP 32 and PP 8,
 whose 1F1B schedule needs at least 8 micro-batches); so each rank is rehearsed with 1 and with 2 blocks per
@@ -35,7 +36,7 @@ from hlat.planner.memory import GIB, head_bytes
 from hlat.planner.rehearsal import rank_layers, rank_plan, rank_traffic
 from hlat.profiles import load_profile
 
-RECIPES = ("hlat-7b", "hlat-70b", "neox-20b", "pythia-6.9b")
+RECIPES = ("hlat-7b", "hlat-70b", "neox-20b", "pythia-6.9b", "hlat-7b-long", "hlat-70b-long")
 BLOCKS = (1, 2)  # blocks per pipeline stage rehearsed
 STATES = ("params", "grads", "optimizer", "gathered", "activations", "parameter_casts")
 RUNS = RESULTS / "rehearse_recipes_runs.json"
@@ -88,6 +89,10 @@ class Rank:
 
     def memory(self) -> dict[str, float]:
         measured = {k: self.line(lambda r, k=k: r["memory"][k]["measured"]) for k in STATES}
+        if self.layout.pp == 1 and self.layout.param_shard > 1:
+            # FSDP without a pipeline holds a block or two gathered at a time (the one in backward, the one it
+            # prefetches), whatever the blocks: the two-block rehearsal's peak, not a line through the blocks
+            measured["gathered"] = self.large["memory"]["gathered"]["measured"]
         if self.layout.parallel.stages() - 1 in self.stages:  # GPipe keeps every micro-batch's head
             measured["activations"] += head_bytes(self.work, self.layout, self.step) - head_bytes(
                 self.work, self.layout, self.micro)
@@ -189,9 +194,10 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=3600.0, help="per rehearsal")
     args = parser.parse_args()
     rows = collect([r for r in args.recipes.split(",") if r], args.budget_s)
-    caption = ("hlat rehearse, one rank of each seed recipe on this CPU (benchmarks/rehearse_recipes.py): "
-               "measured / planner per device at the recipe's world size, extrapolated from 1 and 2 blocks per "
-               "stage to the recipe's (activations at the step's micro-batches; gathered as rehearsed); compute "
+    caption = ("hlat rehearse, one rank of each seed recipe and long-context stage on this CPU "
+               "(benchmarks/rehearse_recipes.py): measured / planner per device at the recipe's world size, "
+               "extrapolated from 1 and 2 blocks per stage to the recipe's (activations at the step's micro-batches; "
+               "gathered as rehearsed, FSDP's without a pipeline at its two-block peak); compute "
                "on this CPU (forward and backward of the step's micro-batches, the update apart) against the "
                "planner's nominal `cpu` profile; collectives: bytes per step, all kinds and mesh dimensions, "
                "against what the planner prices; fits: the measured bytes, the gradients that accumulate whole "

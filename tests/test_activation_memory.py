@@ -45,10 +45,12 @@ def _live_tensors() -> dict[int, int]:
     return out
 
 
-def block_bytes(model: torch.nn.Module, tokens: torch.Tensor, name: str) -> int:
+def block_bytes(model: torch.nn.Module, tokens: torch.Tensor, name: str, **inputs) -> int:
     """Bytes block `name` keeps for backward after the model's forward pass: the tensors saved while it ran
     (saved-tensor hooks) and the tensors created while it ran that are still alive (checkpointing's caches),
-    without the parameters, the buffers and the block's output (the next block's input)."""
+    without the parameters, the buffers, the block's output (the next block's input) and what every block is
+    given alike (`planner.memory.mask_bytes` counts the mask once). `inputs`: the model's other inputs
+    (positions...)."""
     block = model.layers[name]
     state: dict = {"running": False, "saved": {}}
 
@@ -61,6 +63,8 @@ def block_bytes(model: torch.nn.Module, tokens: torch.Tensor, name: str) -> int:
     def enter(module, args):
         gc.collect()
         state["before"], state["running"] = _live_tensors(), True
+        # what every block is given alike (rows of the rotary table, the mask): made once per forward pass
+        state["shared"] = [_storage(t)[0] for t in args[1:] if isinstance(t, torch.Tensor)]
 
     def leave(module, args, output):
         gc.collect()
@@ -70,40 +74,49 @@ def block_bytes(model: torch.nn.Module, tokens: torch.Tensor, name: str) -> int:
 
     handles = [block.register_forward_pre_hook(enter), block.register_forward_hook(leave)]
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        logits = model(tokens)
+        logits = model(tokens, **inputs)
     for h in handles:
         h.remove()
     kept = {**state["saved"], **state["held"]}
     for t in [*model.parameters(), *model.buffers()]:
         kept.pop(_storage(t)[0], None)
-    kept.pop(state["output"], None)
+    for ptr in [state["output"], *state["shared"]]:
+        kept.pop(ptr, None)
     del logits
     return sum(kept.values())
 
 
-def measure(tp_mesh=None, sequence_parallel: bool = False) -> dict[str, float]:
+def measure(tp_mesh=None, sequence_parallel: bool = False, cp_mesh=None) -> dict[str, float]:
     """Bytes the middle block keeps, for each recomputation mode (fp32 activations): the least of three forward
     passes. The error is one-sided: a tensor made while the block ran and still referenced from outside it when
     it ends (likely a collective's output that its pending work still holds) is counted though the block does not
-    keep it. Under tensor parallelism with full recomputation, CI once measured one block input's bytes more."""
+    keep it. Under tensor parallelism with full recomputation, CI once measured one block input's bytes more. Under
+    context parallelism (`cp_mesh`) each rank runs its part of the sequences."""
+    from hlat.parallel.context import apply_context_parallel, split_batch
     from hlat.parallel.tensor import apply_tensor_parallel
 
     cfg = model_config("tiny", **MODEL)
     tokens = torch.randint(0, cfg.vocab_size, (MB, SEQ), generator=torch.Generator().manual_seed(0))
+    batch = {"inputs": tokens}
+    if cp_mesh is not None:
+        batch = split_batch(batch, cp_mesh.size(), cp_mesh.get_local_rank())
     result = {}
     for mode in MODES_:
         model = build_model(cfg)
         if tp_mesh is not None:
             apply_tensor_parallel(model, tp_mesh, sequence_parallel)
+        if cp_mesh is not None:
+            apply_context_parallel(model, cp_mesh)
         apply_recomputation(model, mode)
         materialize(model, torch.device("cpu"), 0)
-        result[mode] = min(block_bytes(model, tokens, "1") for _ in range(3))
+        inputs = {k: t for k, t in batch.items() if k != "inputs"}
+        result[mode] = min(block_bytes(model, batch["inputs"], "1", **inputs) for _ in range(3))
     return result
 
 
-def planned(tp: int, sequence_parallel: bool) -> dict[str, float]:
+def planned(tp: int, sequence_parallel: bool, cp: int = 1) -> dict[str, float]:
     cfg = model_config("tiny", **MODEL)
-    layout = Layout.of(tp=tp, micro_batch=MB, sequence_parallel=sequence_parallel)
+    layout = Layout.of(tp=tp, cp=cp, micro_batch=MB, sequence_parallel=sequence_parallel)
     return {mode: layer_activation_bytes(cfg, SEQ, layout, mode, 4, flash=True) for mode in MODES_}
 
 
@@ -126,6 +139,14 @@ def test_activation_bytes_match_under_tensor_and_sequence_parallelism(tmp_path, 
         _check(measured[str(sp)], planned(2, sp))
 
 
+def test_activation_bytes_match_under_context_parallelism(tmp_path, warm_torchrun):
+    """cp 2: each rank's queries are half of every sequence, and attention keeps both ranks' keys and values."""
+    done = warm_torchrun.call(2, "test_activation_memory:measure_under_context_parallelism",
+                              str(tmp_path / "measured.json"), timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    _check(json.loads((tmp_path / "measured.json").read_text()), planned(1, False, cp=2))
+
+
 @pytest.mark.parametrize("precision", sorted(MODES))
 def test_model_state_bytes_are_exact_for_every_precision_and_sharding(precision):
     cfg = model_config("tiny", **MODEL)
@@ -135,7 +156,9 @@ def test_model_state_bytes_are_exact_for_every_precision_and_sharding(precision)
     assert stage_params(cfg, Layout.of()) == params
     for layout, shard, opt_shard in ((Layout.of(dp_replicate=4), 1, 1), (Layout.of(dp_shard=4), 4, 4),
                                      (Layout.of(dp_shard=4, zero1=True), 1, 4),
-                                     (Layout.of(dp_replicate=2, dp_shard=2), 2, 2)):
+                                     (Layout.of(dp_replicate=2, dp_shard=2), 2, 2),
+                                     (Layout.of(cp=4), 4, 4),  # the context-parallel ranks share the sharding
+                                     (Layout.of(cp=2, dp_shard=2, zero1=True), 1, 4)):
         m = memory(work, layout, hw)
         assert (m.weights, m.grads, m.optimizer) == (params * mode.weight_bytes / shard,
                                                      params * mode.grad_bytes / shard,
@@ -150,6 +173,17 @@ def measure_under_tensor_parallelism(path: str) -> None:
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     out = {str(sp): measure(mesh, sp) for sp in (False, True)}
+    if dist.get_rank() == 0:
+        with open(path, "w") as f:
+            json.dump(out, f)
+
+
+def measure_under_context_parallelism(path: str) -> None:
+    """On each rank of a 2-rank job (tests/warm_torchrun.py): context parallelism 2."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    out = measure(cp_mesh=init_device_mesh("cpu", (2,), mesh_dim_names=("cp",)))
     if dist.get_rank() == 0:
         with open(path, "w") as f:
             json.dump(out, f)

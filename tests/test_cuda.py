@@ -74,7 +74,7 @@ def test_flex_attention_follows_the_dense_document_mask(recompute, monkeypatch):
         return {"loss": loss.detach(), **{name: p.grad for name, p in model.named_parameters()}}
 
     flex = loss_and_grads()
-    monkeypatch.setattr(layers, "document_mask", layers.dense_document_mask)
+    monkeypatch.setattr(layers, "attention_mask", layers.dense_mask)
     dense = loss_and_grads()
     for name, expected in dense.items():
         assert (flex[name] - expected).abs().max() <= 1e-4 * expected.abs().max(), name

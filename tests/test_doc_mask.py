@@ -14,7 +14,7 @@ from hlat.data.sources import one_source
 from hlat.data.tokenizer import train_bpe
 from hlat.models import build_model
 from hlat.models.config import model_config
-from hlat.models.layers import dense_document_mask, document_block_mask, document_mask
+from hlat.models.layers import block_sparse_mask, dense_mask, document_mask, row_positions
 
 DOCS = [f"def f{i}(x):\n    return x * {i} + {'y' * (i % 9)}\n" for i in range(60)]
 
@@ -59,6 +59,16 @@ def packed_doc_ids(lengths: list[list[int]]) -> torch.Tensor:
     return torch.stack([torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row)) for row in lengths])
 
 
+def dense_document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    index = row_positions(doc_ids)
+    return dense_mask(index, index, doc_ids, doc_ids)
+
+
+def document_block_mask(doc_ids: torch.Tensor):
+    index = row_positions(doc_ids)
+    return block_sparse_mask(index, index, doc_ids, doc_ids)
+
+
 # Rows of 384 tokens: three of FlexAttention's 128-token blocks, documents starting inside and across them.
 LENGTHS = [[100, 200, 84], [128, 256], [30, 30, 300, 24]]
 
@@ -90,3 +100,25 @@ def test_flex_attention_forward_equals_sdpa_with_the_dense_mask():
     dense = F.scaled_dot_product_attention(q, k, v, attn_mask=dense_document_mask(doc_ids), enable_gqa=True)
     torch.testing.assert_close(flex, dense, rtol=1e-12, atol=1e-12)
     assert isinstance(document_mask(doc_ids), torch.Tensor)  # the CPU's choice: the dense mask
+
+
+def test_a_context_parallel_ranks_mask_is_its_rows_of_the_whole_mask():
+    """Under context parallelism a rank's queries are its two chunks of each row and the keys every rank's chunks
+    in rank order; the mask made from their true positions within documents and their document ids is the whole
+    rows' mask, its rows and columns taken in that order."""
+    from hlat.parallel.context import split_batch
+
+    cp = 3  # 384-token rows in 6 chunks of 64, documents crossing chunk boundaries
+    doc_ids = packed_doc_ids(LENGTHS)
+    positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in LENGTHS])
+    index = row_positions(doc_ids)
+    whole = dense_document_mask(doc_ids)
+    parts = [split_batch({"inputs": index, "positions": positions, "doc_ids": doc_ids}, cp, rank) for rank in range(cp)]
+    key_order = torch.cat([part["inputs"] for part in parts], dim=1)  # each key's place in its row
+    key_positions = torch.cat([part["positions"] for part in parts], dim=1)
+    key_docs = torch.cat([part["doc_ids"] for part in parts], dim=1)
+    for part in parts:
+        mask = dense_mask(part["positions"], key_positions, part["doc_ids"], key_docs)
+        rows = torch.gather(whole[:, 0], 1, part["inputs"][:, :, None].expand(-1, -1, 384))
+        assert torch.equal(mask[:, 0], torch.gather(rows, 2, key_order[:, None, :].expand(-1, rows.shape[1], -1)))
+    assert sorted(key_order[0].tolist()) == list(range(384))

@@ -30,7 +30,7 @@ topo = init_topology(ParallelConfig(tp=8, pp=8, dp_replicate=16, dp_shard=4).res
 assert topo.world_size == 4096 and (topo.pp_rank, topo.dp_rank, topo.tp_rank) == (0, 0, 5), topo
 
 x = torch.arange(4.0)
-with Collectives(group_names(topo.mesh)) as recorded:
+with Collectives(group_names(topo)) as recorded:
     dist.all_reduce(x, group=topo.group("tp"))
     gathered = torch.zeros(16)
     dist.all_gather_into_tensor(gathered, x, group=topo.group("dp_shard"))

@@ -922,3 +922,53 @@ def test_a_rehearsal_of_another_job_names_only_the_fields_that_differ(tmp_path):
         run(plan_args("--config", "hlat-70b", "--rehearsal", str(tmp_path / "r.json")), [])
     assert str(refused.value).endswith("rehearsed a different job: model.n_layers 8 (planned: 80); micro_batch 2 "
                                        "(planned: 1)")
+
+
+# --- context parallelism -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("recipe, cp", [("hlat-7b-long", 2), ("hlat-70b-long", 8)])
+def test_search_proposes_context_parallelism_for_the_long_context_stages(recipe, cp, capsys):
+    """The long-context stages (32,768 tokens) state the layout `hlat plan --search` ranks first, which splits
+    each sequence over cp ranks and prices the gathers of keys and values it adds."""
+    from hlat.cli import main
+    from hlat.config.job import load_config
+
+    assert main(["plan", "--config", recipe, "--search", "--json"]) == 0
+    best = json.loads(capsys.readouterr().out)["plans"][0]
+    cfg = load_config(recipe)
+    stated = cfg.resolved_parallel(cfg.cluster.world_size)
+    fields = ("tp", "cp", "pp", "dp_replicate", "dp_shard", "zero1", "sequence_parallel", "activation_checkpoint")
+    assert {f: best["parallel"][f] for f in fields} == {f: getattr(stated, f) for f in fields}
+    assert best["parallel"]["cp"] == cp
+    assert best["fits"] and best["step_time_s"]["cp_comm"] > 0 and best["train"]["seq_len"] == 32768
+    assert f"CP{cp}" in best["layout"]
+
+
+def test_context_parallelism_is_searched_only_for_long_sequences():
+    """Each cp rank keeps at least 4,096 tokens of a sequence: pretraining's sequences are never split, 32,768-token
+    ones up to 8 ways."""
+    hw = load_profile("p5.48xlarge")
+    for seq_len, degrees in ((4096, {1}), (32768, {1, 2, 4, 8})):
+        work = Workload(model_config("llama2-7b"), seq_len, 64, "bf16_sr")
+        assert {layout.cp for layout in candidates(work, hw, 2)} == degrees, seq_len
+
+
+def test_context_parallelism_splits_activations_and_prices_its_gathers_on_their_link():
+    """cp 2 halves what a rank keeps of its sequences but for the keys and values it gathers from the other rank;
+    the model states stay as they were, sharded over dp_shard x cp; and the gathers cross the network once tp x cp
+    exceeds a node (tp innermost, cp next)."""
+    from hlat.planner.comms import context_parallel_time
+
+    work = Workload(model_config("llama2-70b"), 32768, 64, "bf16_sr")
+    hw = load_profile("cpu")
+    one, two = Layout.of(tp=8, dp_shard=2), Layout.of(tp=8, cp=2)
+    for mode in ("none", "selective"):
+        whole = layer_activation_bytes(work.model, 32768, one, mode, 2, flash=True)
+        half = layer_activation_bytes(work.model, 32768, two, mode, 2, flash=True)
+        # llama2-70b: 8 kv heads of 128 over tp 8, one per rank: K and V of 16,384 more tokens, bf16
+        assert half == pytest.approx(whole / 2 + 2 * 16384 * 128 * 2 * (1 if mode == "none" else 2)), mode
+    m1, m2 = memory(work, one, hw), memory(work, two, hw)
+    assert (m1.weights, m1.grads, m1.optimizer) == (m2.weights, m2.grads, m2.optimizer)
+    within, across = (replace(hw, devices_per_node=n) for n in (16, 8))
+    assert context_parallel_time(work, two, within, hw.fit) < context_parallel_time(work, two, across, hw.fit)
+    assert context_parallel_time(work, one, hw, hw.fit) == 0.0 < step_time(work, two, hw).cp_comm

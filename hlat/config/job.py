@@ -333,10 +333,11 @@ class Config:
         """The parallel layout with dp_shard filled in, checked against the model and the batch."""
         train = self.train
         p = check_layout(self.parallel, self.model, world_size or world_size_from_env(), train.global_batch,
-                         train.micro_batch, train.seq_len, self.model.doc_mask)
-        if self.eval.every and p.pp > 1:
-            raise ConfigError("eval.every: validation during training is not supported with pipeline parallelism "
-                              "(parallel.pp > 1); evaluate checkpoints with `hlat eval` instead")
+                         train.micro_batch, train.seq_len)
+        for degree in ("pp", "cp"):
+            if self.eval.every and getattr(p, degree) > 1:
+                raise ConfigError(f"eval.every: validation during training is not supported with parallel.{degree} "
+                                  "> 1; evaluate checkpoints with `hlat eval` instead")
         return p
 
     def lr_at(self, step: int) -> float:

@@ -5,8 +5,9 @@
 - what a step keeps for backward at its fullest (`KeptForBackward`): every tensor the autograd graph saves, and
   what recomputation holds itself, sampled as each backward pass begins (when the most is kept), less the
   tensors that existed before the step (states, buffers, pipeline receive buffers) and the parameters data
-  parallelism gathered for the step (`gathered`, reported on their own); casts of the parameters that autocast
-  made for the matmuls are reported on their own too (`parameter_casts`);
+  parallelism gathered for the step (`gathered`, reported on their own: the gathered parameters, their gradients,
+  and FSDP's all-gather buffers not yet copied into them); casts of the parameters that autocast made for the
+  matmuls are reported on their own too (`parameter_casts`);
 - before anything is allocated, the states a rank will hold, from its meta tensors (`meta_elements`)."""
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from hlat.dtensor import local
 
 CASTS = (torch.ops.aten._to_copy.default,)  # what autocast runs to cast a parameter
+ALL_GATHER = torch.ops.c10d._allgather_base_.default  # what fully_shard gathers parameters with
 
 
 def storages(tensors) -> dict[int, int]:
@@ -74,12 +76,13 @@ def live_tensors() -> list[torch.Tensor]:
 
 class KeptForBackward(TorchDispatchMode):
     """While active: the most bytes kept for backward at any backward pass's start, split into activations,
-    gathered parameters (and their accumulating gradients) and casts of parameters; `seconds` is the time the
-    sampling itself took (to take out of the step's time)."""
+    gathered parameters (and their accumulating gradients, and the buffers of all-gathers over `sharding`, the
+    names of the process groups FSDP shards over) and casts of parameters; `seconds` is the time the sampling
+    itself took (to take out of the step's time)."""
 
-    def __init__(self, parts: list[nn.Module]):
+    def __init__(self, parts: list[nn.Module], sharding: set[str] = frozenset()):
         super().__init__()
-        self.parts, self.forward, self.casts = parts, False, {}
+        self.parts, self.sharding, self.forward, self.casts, self.buffers = parts, sharding, False, {}, {}
         self.peak = {"activations": 0, "gathered": 0, "parameter_casts": 0}
         self.seconds = 0.0
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
@@ -100,6 +103,9 @@ class KeptForBackward(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if func in CASTS and isinstance(args[0], nn.Parameter):
             self.casts |= weak_storages([out])
+        if func == ALL_GATHER and torch.distributed.ProcessGroup.unbox(args[2]).group_name in self.sharding:
+            self.buffers |= {ptr: (ref, args[0].untyped_storage().nbytes())
+                             for ptr, ref in weak_storages([args[0]]).items()}
         return out
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -116,12 +122,14 @@ class KeptForBackward(TorchDispatchMode):
         return t
 
     def gathered(self) -> dict[int, int]:
-        """The parameters registered now that were not stored before the step (FSDP's whole copies while gathered)
-        and their gradients: their bytes' peak is `gathered`. Returns those and every gradient there is now (the
+        """The parameters registered now that were not stored before the step (FSDP's whole copies while gathered),
+        their gradients and the all-gather buffers alive (a gather issued ahead, not yet copied into its
+        parameters): their bytes' peak is `gathered`. Returns those and every gradient there is now (the
         sharded ones are the update's), which a sample leaves out."""
         params = [p for part in self.parts for p in part.parameters()]
         whole = [p for p in params if not still(self.before, local(p).untyped_storage().data_ptr())]
         now = storages([*whole, *(p.grad for p in whole)])
+        now |= {ptr: nbytes for ptr, (ref, nbytes) in self.buffers.items() if not ref.expired()}
         self.peak["gathered"] = max(self.peak["gathered"], sum(now.values()))
         return now | storages([p.grad for p in params])
 

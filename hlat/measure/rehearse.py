@@ -273,7 +273,8 @@ class Steps:
 def run_steps(train_step: TrainStep, steps: int, progress: Progress) -> Steps:
     """`steps` training steps of the trainer's `TrainStep`; the last one records its collectives and samples what
     it keeps for backward."""
-    seconds, dims = [], group_names(train_step.topo.mesh)
+    seconds, dims = [], group_names(train_step.topo)
+    sharding = {name for name, dim in dims.items() if dim == train_step.topo.cfg.fsdp_dim}
     for i in range(steps):
         progress.step(i + 1, steps)
         with contextlib.ExitStack() as stack:
@@ -281,7 +282,7 @@ def run_steps(train_step: TrainStep, steps: int, progress: Progress) -> Steps:
                 clock = PhaseClock(train_step.parts, train_step.device)
                 stack.callback(clock.remove)
                 collectives = stack.enter_context(Collectives(dims))
-                kept = stack.enter_context(KeptForBackward(train_step.parts.parts))
+                kept = stack.enter_context(KeptForBackward(train_step.parts.parts, sharding))
             result = train_step(i, stop_requested=False, save_written=False)
         seconds.append(result.seconds)
     seconds[-1] -= kept.seconds
@@ -315,7 +316,8 @@ def rank_report(setup: Rehearsal, topo: Topology, train_step: TrainStep, steps: 
     step_s = steps.seconds[-1]
     forward_backward = step_s - steps.update_s
     return {
-        "rank": topo.rank, "coordinates": {"pp": topo.pp_rank, "dp": topo.dp_rank, "tp": topo.tp_rank},
+        "rank": topo.rank, "coordinates": {"pp": topo.pp_rank, "dp": topo.dp_rank, "cp": topo.cp_rank,
+                                           "tp": topo.tp_rank},
         "stages": topo.cfg.rank_stages(topo.pp_rank), "layers": plan.layers,
         "memory": memory, "fits": target_fit(setup, measured, in_flight),
         "full_job_fits": full_job_fit(setup, topo.pp_rank, measured, in_flight),
@@ -369,13 +371,15 @@ def scaled_collectives(rows: list[dict], setup: Rehearsal, planned: dict[tuple[s
     """The rehearsed step's collectives, and per the real step's micro-batches, beside the bytes the planner prices
     for the real step (a kind the planner prices that the rank did not issue is a row of its own). Once per
     micro-batch: tensor parallelism's gathers and reductions (its all-reduces only without sequence parallelism,
-    where they carry the activations; with it they reduce norm gradients once a step), pipeline sends, and FSDP's
-    gathers and reductions without a pipeline; the rest once per step."""
+    where they carry the activations; with it they reduce norm gradients once a step), context parallelism's
+    (keys and values, positions, token counts), pipeline sends, and FSDP's gathers and reductions without a
+    pipeline; the rest once per step."""
     p = setup.layout
-    fsdp_per_micro_batch = p.dp_shard > 1 and not p.zero1 and p.pp == 1
-    per_micro_batch = {("all_gather", "tp"), ("reduce_scatter", "tp"), ("send", "pp"), ("recv", "pp")}
+    fsdp_per_micro_batch = p.shards > 1 and not p.zero1 and p.pp == 1
+    per_micro_batch = {("all_gather", "tp"), ("reduce_scatter", "tp"), ("send", "pp"), ("recv", "pp"),
+                       ("all_gather", "cp"), ("reduce_scatter", "cp"), ("all_reduce", "cp")}
     per_micro_batch |= set() if p.sequence_parallel else {("all_reduce", "tp")}
-    per_micro_batch |= {("all_gather", "dp_shard"), ("reduce_scatter", "dp_shard")} if fsdp_per_micro_batch else set()
+    per_micro_batch |= {("all_gather", p.fsdp_dim), ("reduce_scatter", p.fsdp_dim)} if fsdp_per_micro_batch else set()
     ratio = setup.step_micro_batches / setup.micro_batches
     rows += [{"kind": kind, "dim": dim, "count": 0, "bytes": 0} for kind, dim in planned
              if not any((row["kind"], row["dim"]) == (kind, dim) for row in rows)]

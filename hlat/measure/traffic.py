@@ -48,11 +48,12 @@ def tensor_bytes(value) -> int:
     return sum(tensor_bytes(v) for v in value) if isinstance(value, (list, tuple)) else 0
 
 
-def group_names(mesh) -> dict[str, str]:
-    """{process group name: mesh dimension} of the mesh's dimensions, and the default group as "world"."""
+def group_names(topo) -> dict[str, str]:
+    """{process group name: mesh dimension} of the dimensions of a topology's meshes
+    (`hlat.parallel.mesh.Topology`), and the default group as "world"."""
     names = {dist.group.WORLD.group_name: "world"}
-    if mesh is not None:
-        names |= {mesh.get_group(dim).group_name: dim for dim in mesh.mesh_dim_names}
+    if topo.mesh is not None:
+        names |= {group.group_name: dim for dim, group in topo.dim_groups().items()}
     return names
 
 

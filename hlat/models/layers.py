@@ -13,8 +13,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from hlat.models.config import ModelConfig
+from hlat.models.context import SequenceSplit
 from hlat.models.kv_cache import KVCache, LayerCache
-from hlat.models.loss import cross_entropy, linear_cross_entropy
+from hlat.models.loss import IGNORE_INDEX, cross_entropy, linear_cross_entropy
 
 
 def rope_table(cfg: ModelConfig, device: torch.device | str | None = None) -> torch.Tensor:
@@ -44,29 +45,55 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
 
 def document_mask(doc_ids: torch.Tensor) -> torch.Tensor | BlockMask:
     """Where a query may attend a key in rows of packed documents (`doc_ids` [batch, seq]): causal, and both in
-    the same document. On CUDA a FlexAttention BlockMask, so attention skips the other documents' blocks and no
-    [seq, seq] mask exists; elsewhere a dense [batch, 1, seq, seq] bool mask for SDPA (FlexAttention has no
-    backward pass on the CPU). `Attention` runs whichever kernel the mask is for."""
-    if doc_ids.device.type == "cuda":
-        return document_block_mask(doc_ids)
-    return dense_document_mask(doc_ids)
+    the same document (`attention_mask` of the rows in their own order)."""
+    index = row_positions(doc_ids)
+    return attention_mask(index, index, doc_ids, doc_ids)
 
 
-def dense_document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
-    """[batch, 1, seq, seq], True where a query may attend a key: causal, and both in the same document."""
-    seq = doc_ids.shape[1]
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=doc_ids.device).tril()
-    return ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal).unsqueeze(1)
+def row_positions(t: torch.Tensor) -> torch.Tensor:
+    """Each token's position in its row of `t` [batch, seq]."""
+    return torch.arange(t.shape[1], device=t.device).expand_as(t)
 
 
-def document_block_mask(doc_ids: torch.Tensor) -> BlockMask:
-    """`dense_document_mask` as FlexAttention's block-sparse mask, one for every head (so a tensor-parallel
-    rank's local heads use it as it is)."""
-    def same_document_causal(batch, head, query, key):
-        return (doc_ids[batch, query] == doc_ids[batch, key]) & (query >= key)
+def attention_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, query_docs: torch.Tensor | None = None,
+                   key_docs: torch.Tensor | None = None) -> torch.Tensor | BlockMask:
+    """Where a query may attend a key, from their true positions [batch, queries] and [batch, keys] (in the row,
+    or in the document with `*_docs`, the documents' ids): a key at or before the query's position, and with
+    document ids in the query's document. On CUDA a FlexAttention BlockMask, so attention skips the blocks no query
+    sees and no [queries, keys] mask exists; elsewhere a dense [batch, 1, queries, keys] bool mask for SDPA
+    (FlexAttention has no backward pass on the CPU). `Attention` runs whichever kernel the mask is for."""
+    if query_positions.device.type == "cuda":
+        return block_sparse_mask(query_positions, key_positions, query_docs, key_docs)
+    return dense_mask(query_positions, key_positions, query_docs, key_docs)
 
-    batch, seq = doc_ids.shape
-    return create_block_mask(same_document_causal, batch, None, seq, seq, device=doc_ids.device)
+
+def dense_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, query_docs: torch.Tensor | None = None,
+               key_docs: torch.Tensor | None = None) -> torch.Tensor:
+    """`attention_mask` as a [batch, 1, queries, keys] bool tensor, True where a query may attend a key."""
+    mask = key_positions[:, None, :] <= query_positions[:, :, None]
+    if query_docs is not None:
+        mask &= key_docs[:, None, :] == query_docs[:, :, None]
+    return mask.unsqueeze(1)
+
+
+def block_sparse_mask(query_positions: torch.Tensor, key_positions: torch.Tensor,
+                      query_docs: torch.Tensor | None = None, key_docs: torch.Tensor | None = None) -> BlockMask:
+    """`attention_mask` as FlexAttention's block-sparse mask, one for every head (so a tensor-parallel rank's local
+    heads use it as it is)."""
+    def visible(batch, head, query, key):
+        seen = key_positions[batch, key] <= query_positions[batch, query]
+        return seen if query_docs is None else seen & (query_docs[batch, query] == key_docs[batch, key])
+
+    batch, queries = query_positions.shape
+    return create_block_mask(visible, batch, None, queries, key_positions.shape[1], device=query_positions.device)
+
+
+def additive(mask: torch.Tensor | BlockMask | None, dtype: torch.dtype) -> torch.Tensor | BlockMask | None:
+    """A dense bool mask as SDPA's additive one in the queries' dtype (0 where seen, -inf elsewhere), made once for
+    every layer: given a bool mask, SDPA would make (and keep for backward) such a copy in each layer."""
+    if not isinstance(mask, torch.Tensor):
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
 def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask, gqa: bool) -> torch.Tensor:
@@ -90,6 +117,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.kv_heads * hd, bias=bias)
         self.wv = nn.Linear(cfg.dim, cfg.kv_heads * hd, bias=bias)
         self.wo = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=bias)
+        self.split: SequenceSplit | None = None  # context parallelism (hlat.parallel.context)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None,
                 cache: LayerCache | None = None) -> torch.Tensor:
@@ -100,6 +128,8 @@ class Attention(nn.Module):
         if rope.dim() == 3:  # the whole table: the first seq_len positions
             rope = rope[: q.shape[1]]
         q, k = apply_rope(q, rope), apply_rope(k, rope)
+        if self.split is not None:  # this rank's queries attend every rank's keys
+            k, v = self.split.gather(k, 1), self.split.gather(v, 1)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if cache is not None:  # generation: attend to the cached keys and values of earlier positions too
             k, v = cache.store(k, v)
@@ -109,6 +139,12 @@ class Attention(nn.Module):
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).flatten(-2))
+
+
+def compute_dtype(h: torch.Tensor) -> torch.dtype:
+    """The dtype attention runs in for the residual stream `h`: autocast's, else h's own."""
+    device = h.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
 
 
 class SwiGLU(nn.Module):
@@ -207,6 +243,7 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         # Derived from the config, not learned: kept out of state dicts and rebuilt by init_weights.
         self.register_buffer("rope", rope_table(cfg), persistent=False)
+        self.split: SequenceSplit | None = None  # context parallelism (hlat.parallel.context)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None, cache: KVCache | None = None,
@@ -214,13 +251,14 @@ class Transformer(nn.Module):
         """tokens [batch, seq] (or hidden states); `positions` [batch, seq] index the rotary table (packed
         documents restart at 0); with `doc_ids` [batch, seq] a token attends only within its document.
         With a `cache` (generation), tokens continue the sequence the cache holds (see hlat.models.generate).
+        Under context parallelism (`split`) each is this rank's part of the sequences, `positions` required.
         Returns the logits, or with `targets` [batch, seq] (-100: ignored) the loss (`loss`); a part without the
         output layer (a pipeline stage) returns its hidden states and leaves the targets to the last one."""
         h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
         if cache is not None:
             positions, mask = cache.positions_and_mask(tokens.shape[1])
         else:
-            mask = None if doc_ids is None else document_mask(doc_ids)
+            mask = additive(self.attention_mask(positions, doc_ids), compute_dtype(h))
         # the whole table, cut to length inside attention: under sequence parallelism h holds only this
         # rank's part of the sequence, while attention sees all of it
         rope = self.rope if positions is None else self.rope[positions]
@@ -235,13 +273,34 @@ class Transformer(nn.Module):
             return h
         return self.output(h) if targets is None else self.loss(h, targets, reduction)
 
+    def attention_mask(self, positions: torch.Tensor | None, doc_ids: torch.Tensor | None
+                       ) -> torch.Tensor | BlockMask | None:
+        """None (causal attention) for whole rows without documents, else `attention_mask`; under context
+        parallelism this rank's queries against every rank's keys, their positions and documents gathered."""
+        if self.split is None:
+            return None if doc_ids is None else document_mask(doc_ids)
+        key_docs = None if doc_ids is None else self.split.gather(doc_ids, 1)
+        return attention_mask(positions, self.split.gather(positions, 1), doc_ids, key_docs)
+
     def loss(self, h: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         """The token cross-entropy of the final norm's output `h` (fp32 scalar, "mean" over the counted targets or
         "sum"): chunk by chunk from the output weight with `model.loss_chunk` (never holding the logits), else
-        from the whole logits. Either way vocabulary-parallel under tensor parallelism, and a plain tensor."""
+        from the whole logits. Either way vocabulary-parallel under tensor parallelism, and a plain tensor.
+
+        Under context parallelism each rank returns cp x its tokens' share of the whole sequences' loss (the mean
+        over every rank's counted targets), so that the ranks' values average to it, as data-parallel ranks'
+        losses and gradients are averaged (FSDP averages the gradients over dp_shard x cp)."""
+        split = self.split is not None
+        reduced = "sum" if split else reduction
         if self.cfg.loss_chunk:
-            return linear_cross_entropy(h, self.output.weight, targets, reduction, self.cfg.loss_chunk)
-        return cross_entropy(self.output(h), targets, reduction)
+            loss = linear_cross_entropy(h, self.output.weight, targets, reduced, self.cfg.loss_chunk)
+        else:
+            loss = cross_entropy(self.output(h), targets, reduced)
+        if not split:
+            return loss
+        if reduction == "mean":
+            return loss * (self.split.size / self.split.total((targets != IGNORE_INDEX).sum()))
+        return loss * self.split.size
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:

@@ -1,6 +1,6 @@
 """Parallelism applied from outside the model, one function per concern, in torchtitan's order: pipeline
-split, tensor parallelism, activation checkpointing, compilation, data parallelism; then the (still meta)
-parts are allocated and initialised, identically to a single process.
+split, tensor parallelism, context parallelism, activation checkpointing, compilation, data parallelism (over
+dp_shard x cp); then the (still meta) parts are allocated and initialised, identically to a single process.
 
 Torch is imported on first use, so `hlat.parallel.config` stays torch-free for `hlat describe` and the planner."""
 
@@ -44,21 +44,24 @@ def parallelize(model: nn.Module, topo: Topology, device: torch.device, seed: in
 def shard_parts(model: nn.Module, topo: Topology) -> list[tuple[int, nn.Module]]:
     """`parallelize` up to the allocation: the parts split, sharded and wrapped, still on the meta device (their
     tensors have this rank's shapes, so what the rank will hold can be counted before it is allocated)."""
-    from hlat.parallel.recompute import apply_recomputation
+    from hlat.parallel.context import apply_context_parallel
     from hlat.parallel.data import apply_data_parallel
     from hlat.parallel.pipeline import split_model
+    from hlat.parallel.recompute import apply_recomputation
     from hlat.parallel.tensor import apply_tensor_parallel
 
     cfg = topo.cfg
     parts = split_model(model, topo) if cfg.pp > 1 else [(0, model)]
     for _, part in parts:
         if cfg.tp > 1:
-            apply_tensor_parallel(part, topo.mesh["tp"], cfg.sequence_parallel)
+            apply_tensor_parallel(part, topo.tp_mesh, cfg.sequence_parallel)
+        if cfg.cp > 1:
+            apply_context_parallel(part, topo.mesh["cp"])
         apply_recomputation(part, cfg.activation_checkpoint)
         if cfg.compile:
             compile_blocks(part, cfg)
-        if cfg.dp > 1:
-            apply_data_parallel(part, topo.mesh["dp_replicate", "dp_shard"], cfg.zero1, pipelined=cfg.pp > 1)
+        if cfg.dp * cfg.cp > 1:
+            apply_data_parallel(part, topo.dp_mesh, cfg.zero1, pipelined=cfg.pp > 1)
     return parts
 
 

@@ -33,6 +33,7 @@ class ParallelConfig:
     dp_shard: int = -1  # FSDP degree; -1 fills what the other degrees leave of the world size (one of the two)
     tp: int = 1  # tensor parallelism (with sequence parallelism in the norm regions when sequence_parallel)
     pp: int = 1  # pipeline stages (x virtual_stages stage modules under interleaved_1f1b)
+    cp: int = 1  # context parallelism: sequences split over cp ranks, sharing FSDP's sharding (docs/long-context.md)
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
     virtual_stages: int = 2  # stage modules per pipeline rank under interleaved_1f1b
     sequence_parallel: bool = True
@@ -53,9 +54,11 @@ class ParallelConfig:
 
     def resolved(self, world_size: int) -> "ParallelConfig":
         """A copy with dp_shard (or dp_replicate) filled in, checked against the world size."""
-        for name in ("tp", "pp", "virtual_stages"):
+        for name in ("tp", "pp", "cp", "virtual_stages"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"parallel.{name}: must be >= 1, got {getattr(self, name)}")
+        if world_size % self.cp:
+            raise ConfigError(f"parallel.cp: {self.cp} does not divide the world size {world_size}")
         if self.dp_replicate == -1 and self.dp_shard == -1:
             raise ConfigError("parallel: dp_replicate and dp_shard are both -1; at most one can fill the world size")
         if self.dp_replicate < 1 and self.dp_replicate != -1:
@@ -63,20 +66,33 @@ class ParallelConfig:
         dp = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard}
         fill = next((name for name, degree in dp.items() if degree == -1), None)
         if fill:
-            fixed = self.tp * self.pp * (dp["dp_shard"] if fill == "dp_replicate" else dp["dp_replicate"])
+            fixed = self.tp * self.pp * self.cp * (dp["dp_shard"] if fill == "dp_replicate" else dp["dp_replicate"])
             if world_size % fixed:
                 other = "dp_shard" if fill == "dp_replicate" else "dp_replicate"
-                raise ConfigError(f"parallel: {other} x tp x pp = {fixed} does not divide the world size {world_size}")
+                raise ConfigError(f"parallel: {other} x tp x pp x cp = {fixed} does not divide the world size "
+                                  f"{world_size}")
             dp[fill] = world_size // fixed
-        total = dp["dp_replicate"] * dp["dp_shard"] * self.tp * self.pp
+        total = dp["dp_replicate"] * dp["dp_shard"] * self.tp * self.pp * self.cp
         if dp["dp_shard"] < 1 or total != world_size:
             raise ConfigError(f"parallel: dp_replicate {dp['dp_replicate']} x dp_shard {dp['dp_shard']} x tp "
-                              f"{self.tp} x pp {self.pp} = {total}, but the world size is {world_size}")
+                              f"{self.tp} x pp {self.pp} x cp {self.cp} = {total}, but the world size is {world_size}")
         return ParallelConfig(**{**self.__dict__, **dp})
 
     @property
     def dp(self) -> int:
+        """Data-parallel ranks: each takes its own micro-batches (context-parallel peers share theirs)."""
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def shards(self) -> int:
+        """Ranks FSDP (or ZeRO-1) shards the parameters over: dp_shard x cp, the context-parallel ranks sharing the
+        sharding as they share the micro-batches' gradients."""
+        return self.dp_shard * self.cp
+
+    @property
+    def fsdp_dim(self) -> str:
+        """The name of that sharding's mesh dimension (hlat.parallel.mesh)."""
+        return "dp_shard" if self.cp == 1 else "dp_shard_cp"
 
     def microbatches(self, global_batch: int, micro_batch: int) -> int:
         """Micro-batches each data-parallel rank (each pipeline) runs per optimizer step."""
@@ -85,7 +101,7 @@ class ParallelConfig:
                               f"data-parallel size {self.dp}")
         return global_batch // (micro_batch * self.dp)
 
-    def validate(self, model: ModelConfig, world_size: int, doc_mask: bool = False) -> "ParallelConfig":
+    def validate(self, model: ModelConfig, world_size: int) -> "ParallelConfig":
         """Everything about the model and the world size that can be checked before any process group exists;
         returns the resolved config. `check_layout` adds the batch."""
         p = self.resolved(world_size)
@@ -99,12 +115,10 @@ class ParallelConfig:
         if p.pp > 1 and model.tie_embeddings:
             raise ConfigError("parallel.pp: tied embeddings cannot be split across pipeline stages; set "
                               "model.tie_embeddings = false")
-        if p.pp > 1 and doc_mask:
-            raise ConfigError("parallel.pp: document masking is not supported with pipeline parallelism yet")
         if p.compile and not p.compile_backend:
             raise ConfigError("parallel.compile_backend: empty; 'inductor' is torch's default")
-        if p.zero1 and p.dp_shard == 1:
-            raise ConfigError("parallel.zero1: shards optimizer states over dp_shard, which is 1")
+        if p.zero1 and p.shards == 1:
+            raise ConfigError("parallel.zero1: shards optimizer states over dp_shard x cp, which is 1")
         if p.compile and p.tp > 1 and p.activation_checkpoint != "none":
             # torch 2.13's compiled autograd cannot save the tensor-parallel mesh inside a checkpointed block
             raise ConfigError(f"parallel.compile: not supported with tp > 1 and activation_checkpoint = "
@@ -113,13 +127,17 @@ class ParallelConfig:
 
 
 def check_layout(parallel: ParallelConfig, model: ModelConfig, world_size: int, global_batch: int, micro_batch: int,
-                 seq_len: int, doc_mask: bool = False) -> ParallelConfig:
+                 seq_len: int) -> ParallelConfig:
     """The one check of a layout, for the trainer (before any process group starts) and for the planner (for
     every candidate): raises ConfigError naming the field, or returns the resolved config."""
-    p = parallel.validate(model, world_size, doc_mask)
+    p = parallel.validate(model, world_size)
     accum = p.microbatches(global_batch, micro_batch)
-    if p.sequence_parallel and p.tp > 1 and seq_len % p.tp:
-        raise ConfigError(f"parallel.sequence_parallel: tp {p.tp} does not divide train.seq_len {seq_len}")
+    if p.cp > 1 and seq_len % (2 * p.cp):
+        raise ConfigError(f"parallel.cp: train.seq_len {seq_len} is not divisible by 2 x cp = {2 * p.cp} (each "
+                          "context-parallel rank holds 2 of 2 x cp equal chunks of every sequence)")
+    if p.sequence_parallel and p.tp > 1 and (seq_len // p.cp) % p.tp:
+        raise ConfigError(f"parallel.sequence_parallel: tp {p.tp} does not divide the {seq_len // p.cp} tokens of "
+                          f"each sequence a rank holds (train.seq_len {seq_len} / cp {p.cp})")
     if p.pp > 1 and accum < p.pp:
         raise ConfigError(f"parallel.pp: {accum} micro-batches per step (global_batch / (micro_batch x dp)) "
                           f"cannot fill {p.pp} pipeline stages; use a smaller train.micro_batch")

@@ -1,5 +1,12 @@
-"""Process group and device mesh: one mesh with dimensions (pp, dp_replicate, dp_shard, tp), tp innermost so
-tensor-parallel peers are neighbouring ranks (the same node under torchrun's rank order)."""
+"""Process group and device mesh: one mesh with dimensions (pp, dp_replicate, dp_shard, cp, tp), tp innermost so
+tensor-parallel peers are neighbouring ranks (the same node under torchrun's rank order), context-parallel peers
+next.
+
+FSDP shards the parameters over dp_shard x cp together (the context-parallel ranks train on parts of the same
+sequences, so they reduce the same gradients), and tensor parallelism inside each shard group: `fully_shard` needs
+its mesh and the tensor-parallel one cut from one root mesh. With cp > 1 that root is a second mesh, (pp,
+dp_replicate, dp_shard_cp, tp), made from the first mesh's groups and one new group per dp_shard x cp block through
+torch's public `DeviceMesh.from_group`, not by flattening the first one (a private method)."""
 
 from __future__ import annotations
 
@@ -14,18 +21,21 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from hlat.parallel.config import ParallelConfig, world_size_from_env
 from hlat.parallel.device import backend_for
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass
 class Topology:
-    """Where this process sits: its mesh (None in a single process) and its coordinates."""
+    """Where this process sits: its mesh (None in a single process), the mesh FSDP and tensor parallelism shard
+    over (`mesh` itself unless cp > 1), and its coordinates."""
 
     cfg: ParallelConfig
     mesh: DeviceMesh | None
+    sharding: DeviceMesh | None = None
     rank: int = 0
     pp_rank: int = 0
     dp_rank: int = 0
+    cp_rank: int = 0
     tp_rank: int = 0
 
     @property
@@ -39,6 +49,20 @@ class Topology:
     def group(self, dim: str) -> dist.ProcessGroup:
         return self.mesh.get_group(dim)
 
+    @property
+    def dp_mesh(self) -> DeviceMesh:
+        """(dp_replicate, the parameters' shard dimension): what `fully_shard` shards and replicates over."""
+        return self.sharding["dp_replicate", self.cfg.fsdp_dim]
+
+    @property
+    def tp_mesh(self) -> DeviceMesh:
+        return self.sharding["tp"]
+
+    def dim_groups(self) -> dict[str, dist.ProcessGroup]:
+        """{mesh dimension: this rank's group} of both meshes."""
+        meshes = [self.mesh] + ([self.sharding] if self.sharding is not self.mesh else [])
+        return {dim: mesh.get_group(dim) for mesh in meshes for dim in mesh.mesh_dim_names}
+
 
 def init_topology(cfg: ParallelConfig, device: torch.device, timeout_s: float = 600.0) -> Topology:
     """Start the process group when launched by torchrun (the backend of `device`'s type: gloo on CPU, NCCL on
@@ -51,7 +75,8 @@ def init_topology(cfg: ParallelConfig, device: torch.device, timeout_s: float = 
     shape = tuple(getattr(cfg, d) for d in MESH_DIMS)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
     coord = dict(zip(MESH_DIMS, mesh.get_coordinate()))
-    return Topology(cfg, mesh, rank=dist.get_rank(), pp_rank=coord["pp"], tp_rank=coord["tp"],
+    return Topology(cfg, mesh, mesh if cfg.cp == 1 else sharding_mesh(mesh, cfg), rank=dist.get_rank(),
+                    pp_rank=coord["pp"], cp_rank=coord["cp"], tp_rank=coord["tp"],
                     dp_rank=coord["dp_replicate"] * cfg.dp_shard + coord["dp_shard"])
 
 
@@ -74,6 +99,21 @@ def start_process_group(device: torch.device, timeout_s: float, bind_device: boo
     dist.init_process_group(backend_for(device), store=dist.PrefixStore(f"hlat/attempt{restart_attempt()}", store),
                             rank=rank, world_size=world_size, timeout=timeout,
                             device_id=device if bind_device and device.type != "cpu" else None)
+
+
+def sharding_mesh(mesh: DeviceMesh, cfg: ParallelConfig) -> DeviceMesh:
+    """(pp, dp_replicate, dp_shard_cp, tp) over the same ranks as `mesh`: its pp, dp_replicate and tp groups, and
+    a group of each block of dp_shard x cp ranks (every rank creates every block's group, in the same order, as
+    `new_group` requires)."""
+    ranks = mesh.mesh.reshape(cfg.pp, cfg.dp_replicate, cfg.shards, cfg.tp)
+    mine = None
+    for block in ranks.permute(0, 1, 3, 2).reshape(-1, cfg.shards).tolist():
+        group = dist.new_group(block)
+        if dist.get_rank() in block:
+            mine = group
+    groups = [mesh.get_group("pp"), mesh.get_group("dp_replicate"), mine, mesh.get_group("tp")]
+    return DeviceMesh.from_group(groups, mesh.device_type, mesh=ranks,
+                                 mesh_dim_names=("pp", "dp_replicate", cfg.fsdp_dim, "tp"))
 
 
 def gather_objects(obj) -> list:

@@ -36,8 +36,8 @@ def split_model(model: nn.Module, topo: Topology) -> list[tuple[int, nn.Module]]
 class StageShapes:
     """What crosses the stage boundaries for one micro-batch, given to the stages so that they need not infer it
     by communicating (`hlat rehearse`: a fake process group carries no shapes). The first stage takes tokens
-    [micro_batch, seq_len]; every later one hidden states [micro_batch, seq_len, dim] in the parameters' dtype,
-    the sequence split over tp under sequence parallelism; the last, given the targets, returns the micro-batch's
+    [micro_batch, seq_len / cp]; every later one hidden states [micro_batch, seq_len / cp, dim] in the parameters'
+    dtype, the sequence split over tp under sequence parallelism; the last, given the targets, returns the micro-batch's
     loss, a plain fp32 scalar (hlat.models.layers.Transformer.loss)."""
 
     micro_batch: int
@@ -48,10 +48,11 @@ class StageShapes:
 def stage_examples(topo: Topology, model_cfg, sid: int, shapes: StageShapes) -> dict:
     """PipelineStage's input_args and output_args for stage `sid` (meta tensors: shapes only)."""
     cfg, last = topo.cfg, sid == topo.cfg.stages() - 1
-    seq = shapes.seq_len // cfg.tp if cfg.sequence_parallel and cfg.tp > 1 else shapes.seq_len
+    held = shapes.seq_len // cfg.cp  # the tokens of each sequence this rank holds
+    seq = held // cfg.tp if cfg.sequence_parallel and cfg.tp > 1 else held
     hidden = torch.empty(shapes.micro_batch, seq, model_cfg.dim, dtype=shapes.hidden_dtype, device="meta",
                          requires_grad=True)
-    tokens = torch.empty(shapes.micro_batch, shapes.seq_len, dtype=torch.long, device="meta")
+    tokens = torch.empty(shapes.micro_batch, held, dtype=torch.long, device="meta")
     loss = torch.empty((), dtype=torch.float32, device="meta")
     return {"input_args": tokens if sid == 0 else hidden, "output_args": loss if last else hidden}
 

@@ -27,7 +27,8 @@ from hlat.profiles import HardwareProfile, load_profile, profile_names
 from hlat.resources import recipe_names
 
 HLAT_TOKENS = 1.8e12  # HLAT's training budget: the default for a preset
-LAYOUT_FLAGS = ("tp", "pp", "dp_shard", "microbatch", "schedule", "virtual_stages", "recompute", "zero1", "no_sp")
+LAYOUT_FLAGS = ("tp", "pp", "cp", "dp_shard", "microbatch", "schedule", "virtual_stages", "recompute", "zero1",
+                "no_sp")
 
 
 def register(commands) -> None:
@@ -85,6 +86,7 @@ def add_layout_arguments(parser: argparse.ArgumentParser) -> None:
     layout = parser.add_argument_group("a given layout (predict it alone)")
     layout.add_argument("--tp", type=int)
     layout.add_argument("--pp", type=int)
+    layout.add_argument("--cp", type=int, help="context parallelism: each sequence split over cp ranks")
     layout.add_argument("--dp-shard", type=int, help="FSDP degree (dp_replicate is what is left)")
     layout.add_argument("--microbatch", type=int, help="sequences per micro-batch")
     layout.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved_1f1b"))
@@ -230,16 +232,17 @@ def _layout(args: argparse.Namespace, cfg, work: Workload, devices: int) -> Layo
 
 
 def _given_layout(args: argparse.Namespace, work: Workload, devices: int) -> Layout:
-    tp, pp, shard = args.tp or 1, args.pp or 1, args.dp_shard or 1
-    if devices % (tp * pp * shard):
-        raise HlatError(f"tp {tp} x pp {pp} x dp_shard {shard} does not divide the {devices} devices")
+    tp, pp, cp, shard = args.tp or 1, args.pp or 1, args.cp or 1, args.dp_shard or 1
+    if devices % (tp * pp * cp * shard):
+        raise HlatError(f"tp {tp} x pp {pp} x cp {cp} x dp_shard {shard} does not divide the {devices} devices")
     v = args.virtual_stages or 1
     schedule = args.schedule or ("interleaved_1f1b" if v > 1 else "1f1b")
-    dp = devices // (tp * pp)
+    dp = devices // (tp * pp * cp)
     if args.zero1 and not args.dp_shard:  # ZeRO-1 shards over dp_shard: all of data parallelism by default
         shard = dp
-    return Layout.of(tp=tp, pp=pp, dp_replicate=dp // shard, dp_shard=shard, micro_batch=args.microbatch or 1,
-                     pp_schedule=schedule, virtual_stages=v, sequence_parallel=not args.no_sp, zero1=args.zero1,
+    return Layout.of(tp=tp, pp=pp, cp=cp, dp_replicate=dp // shard, dp_shard=shard,
+                     micro_batch=args.microbatch or 1, pp_schedule=schedule, virtual_stages=v,
+                     sequence_parallel=not args.no_sp, zero1=args.zero1,
                      activation_checkpoint=args.recompute or "selective", compile=work.compile)
 
 

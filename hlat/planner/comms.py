@@ -1,4 +1,4 @@
-"""Communication time: tensor-parallel collectives, pipeline sends and data-parallel traffic.
+"""Communication time: tensor- and context-parallel collectives, pipeline sends and data-parallel traffic.
 
 A collective is priced from the best figure the profile has: the bus bandwidth `hlat preflight` measured at that
 size within a node; else the bus bandwidth cited from published nccl-tests runs on the instance (`Links`: within
@@ -6,8 +6,9 @@ a node, and across nodes at the run's node count); else the nominal link figures
 latency) times the profile's fitted `intra_factor` / `inter_factor`.
 
 What the trainer overlaps decides what is charged. Tensor-parallel collectives sit between a layer's matmuls and
-are charged in full. Pipeline sends are charged per micro-batch (and in the bubble), except under the trainer's
-interleaved schedule, which posts its receives early (`sends_overlap`; see `hlat.planner.timing`). FSDP
+are charged in full, and so are context parallelism's gathers of keys and values (attention waits for them).
+Pipeline sends are charged per micro-batch (and in the bubble), except under the trainer's interleaved schedule,
+which posts its receives early (`sends_overlap`; see `hlat.planner.timing`). FSDP
 prefetches the next block's gather and reduce-scatters during backward, every micro-batch; replicated layouts and
 ZeRO-1 reduce during the last micro-batch's backward (ZeRO-1 gathers once, during the first forward). The share of that traffic which
 hides behind the compute it runs beside is the overlap preflight measured; with cited collectives it is the
@@ -99,10 +100,32 @@ def tensor_parallel_time(work: Workload, layout: Layout, hw: HardwareProfile, fi
     if layout.tp == 1:
         return 0.0
     count = 6 if layout.activation_checkpoint == "full" else 4
-    nbytes = work.seq_len * layout.micro_batch * work.model.dim * message_bytes(work, hw)[0]
+    nbytes = layout.held(work.seq_len) * layout.micro_batch * work.model.dim * message_bytes(work, hw)[0]
     ops = ("all_gather", "reduce_scatter") if layout.sequence_parallel else ("all_reduce",)
     per_node = min(layout.tp, hw.devices_per_node)
     return count * sum(link_time(hw, fit, op, nbytes, layout.tp, per_node) for op in ops)
+
+
+def gathered_kv_elements(work: Workload, layout: Layout) -> float:
+    """Elements of the keys and values one rank gathers over the cp group for one layer and micro-batch: the
+    whole sequence of its kv heads (one when tp exceeds the kv heads)."""
+    model = work.model
+    heads = model.kv_heads // layout.tp if model.kv_heads % layout.tp == 0 else 1
+    return 2 * work.seq_len * layout.micro_batch * heads * model.head_dim
+
+
+def context_parallel_time(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit) -> float:
+    """Seconds of one layer's context-parallel collectives for one micro-batch, on the critical path (attention
+    waits for them): K and V all-gathered in forward (again in backward under full recomputation) and their
+    gradients reduce-scattered in backward, in the compute dtype, over the cp ranks. The mesh puts tp innermost and
+    cp next: a node holds devices_per_node / tp of a cp group (at least one), and a larger group crosses nodes."""
+    if layout.cp == 1:
+        return 0.0
+    each = gathered_kv_elements(work, layout) / 2 * work.compute_bytes  # K's, then V's
+    per_node = max(1, hw.devices_per_node // layout.tp)
+    gathers = 2 if layout.activation_checkpoint == "full" else 1
+    return 2 * (gathers * link_time(hw, fit, "all_gather", each, layout.cp, per_node)
+                + link_time(hw, fit, "reduce_scatter", each, layout.cp, per_node))
 
 
 def pipeline_send_time(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit) -> float:
@@ -110,7 +133,7 @@ def pipeline_send_time(work: Workload, layout: Layout, hw: HardwareProfile, fit:
     their gradients backward, once per model chunk, plus the fitted fixed cost of each."""
     if layout.pp == 1:
         return 0.0
-    msg = work.seq_len * layout.micro_batch * work.model.dim * message_bytes(work, hw)[1] / layout.tp
+    msg = layout.held(work.seq_len) * layout.micro_batch * work.model.dim * message_bytes(work, hw)[1] / layout.tp
     dpn = hw.devices_per_node
     if layout.tp * layout.dp >= dpn:  # a stage fills whole nodes: every device of a node sends across at once
         one = (msg * dpn / (hw.inter_gbps / 8 * 1e9) + hw.inter_latency_us * 1e-6) * fit.inter_factor
@@ -162,7 +185,7 @@ def fsdp_copies(work: Workload, layout: Layout, hw: HardwareProfile, gathers: tu
     it gathers (`gathered_bytes`); a reduction copies the whole gradient in and its shard out (with one shard, a
     plain copy). Replicated layouts pay these too: the trainer runs them as fully_shard over a shard group of
     one."""
-    mode, ds = work.mode, layout.dp_shard
+    mode, ds = work.mode, layout.shards
     gather = 2 * (1 + (1 / ds if ds > 1 else 0))  # passes (read + write) over each gathered byte
     reduce = 2 * (1 + 1 / ds) * mode.grad_bytes
     moved = sum(count * params * (times * gather * nbytes + reductions * reduce)
@@ -177,7 +200,7 @@ def measured_data_parallel(work: Workload, layout: Layout, hw: HardwareProfile, 
     parallelism (the same block shape, arrangement and data-parallel size, without a pipeline): the step's `m`
     micro-batches so wrapped (FSDP: each gathers and reduces; ZeRO-1 and DDP: the last reduces, the others
     accumulate) less the plain blocks' `compute` per micro-batch. None where preflight timed no such blocks."""
-    if layout.dp == 1 or layout.pp > 1 or layout.sharding == "hsdp":
+    if layout.dp == 1 or layout.pp > 1 or layout.cp > 1 or layout.sharding == "hsdp":
         return None
     model = work.model
     shape = layout.block_shape(work)
@@ -210,8 +233,8 @@ def data_parallel_time(work: Workload, layout: Layout, hw: HardwareProfile, fit:
                        m: int) -> float:
     """Exposed data-parallel communication per step (see the module's docstring for what overlaps). `compute`:
     one micro-batch's compute on the stage; `m`: micro-batches per step."""
-    mode, dpn, ds = work.mode, hw.devices_per_node, layout.dp_shard
-    dp_per_node = max(1, dpn // layout.tp)  # ranks are ordered tp, then dp, then pp
+    mode, dpn, ds = work.mode, hw.devices_per_node, layout.shards
+    dp_per_node = max(1, dpn // layout.tp)  # ranks are ordered tp, then cp and dp (FSDP's dp_shard x cp), then pp
     overlap = dp_overlap(hw)
 
     def exposed(traffic: float, hideable: float) -> float:

@@ -42,10 +42,11 @@ def matmul_flops(shape: tuple[int, int, int]) -> float:
     return 2.0 * m * k * n
 
 
-def attention_flops(model: ModelConfig, micro_batch: int, seq_len: int, tp: int) -> float:
-    """Nominal forward + backward FLOPs of one layer's attention core (QK^T and AV, causal mask ignored, as in
-    `ModelConfig.flops_per_token`)."""
-    return 12.0 * micro_batch * seq_len * seq_len * model.dim / tp
+def attention_flops(model: ModelConfig, micro_batch: int, seq_len: int, tp: int, cp: int = 1) -> float:
+    """Nominal forward + backward FLOPs of one layer's attention core on one rank (QK^T and AV, causal mask ignored,
+    as in `ModelConfig.flops_per_token`): under context parallelism its 1/cp of the queries against every key (its
+    load-balanced chunks do 1/cp of the causal work too)."""
+    return 12.0 * micro_batch * seq_len * seq_len * model.dim / tp / cp
 
 
 def memory_op_bytes(model: ModelConfig, tokens: int, tp: int, sp: bool, act_bytes: int) -> dict[str, float]:
@@ -71,17 +72,18 @@ def optimizer_bytes(params: float, weight_bytes: int, grad_bytes: int, optimizer
 
 
 def block_shape(model: ModelConfig, seq_len: int, micro_batch: int, precision: str, tp: int, sp: bool,
-                recompute: str, compiled: bool = False, fp8: str = "none") -> str:
+                recompute: str, compiled: bool = False, fp8: str = "none", cp: int = 1) -> str:
     """What a whole-block measurement depends on, as one string: the model's shape, the tensor-parallel degree
-    (and sequence parallelism), the recomputation mode, the micro-batch, the sequence, the precision mode (and its
-    FP8 recipe, `precision.fp8`) and whether the block was compiled (`parallel.compile`). Preflight records a
-    block's time under this key and the planner uses it only for a workload with the same key."""
+    (and sequence parallelism), the recomputation mode, the micro-batch, the sequence (and its split over cp
+    ranks), the precision mode (and its FP8 recipe, `precision.fp8`) and whether the block was compiled
+    (`parallel.compile`). Preflight records a block's time under this key and the planner uses it only for a
+    workload with the same key."""
     m = model
     return (f"{m.family} dim{m.dim} layers{m.n_layers} heads{m.n_heads}/{m.kv_heads} ffn{m.ffn_dim} "
             f"vocab{m.vocab_size} rotary{m.rotary_pct:g} tied{int(m.tie_embeddings)} docmask{int(m.doc_mask)} "
             f"parallel_residual{int(m.parallel_residual and m.family == 'neox')} | tp{tp} sp{int(sp and tp > 1)} "
-            f"ac:{recompute} mb{micro_batch} seq{seq_len} {precision}{f' fp8:{fp8}' if fp8 != 'none' else ''}"
-            f"{' compiled' if compiled else ''}")
+            f"ac:{recompute} mb{micro_batch} seq{seq_len}{f' cp{cp}' if cp > 1 else ''} {precision}"
+            f"{f' fp8:{fp8}' if fp8 != 'none' else ''}{' compiled' if compiled else ''}")
 
 
 def dp_block_shape(shape: str, sharding: str, dp: int, accumulate: bool) -> str:

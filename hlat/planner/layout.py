@@ -103,12 +103,25 @@ class Layout:
         return self.parallel.dp_shard
 
     @property
+    def cp(self) -> int:
+        return self.parallel.cp
+
+    @property
+    def shards(self) -> int:
+        """Ranks the parameters' shards, and ZeRO-1's, are spread over: dp_shard x cp."""
+        return self.parallel.shards
+
+    def held(self, seq_len: int) -> int:
+        """The tokens of each sequence one rank holds: its share under context parallelism."""
+        return seq_len // self.cp
+
+    @property
     def dp(self) -> int:
         return self.parallel.dp
 
     @property
     def devices(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.cp
 
     @property
     def pp_schedule(self) -> str:
@@ -133,8 +146,8 @@ class Layout:
 
     @property
     def param_shard(self) -> int:
-        """How many ways the stored parameters and gradients are sharded (FSDP's dp_shard; 1 under ZeRO-1)."""
-        return 1 if self.zero1 else self.dp_shard
+        """How many ways the stored parameters and gradients are sharded (FSDP's dp_shard x cp; 1 under ZeRO-1)."""
+        return 1 if self.zero1 else self.shards
 
     def microbatches(self, global_batch: int) -> int:
         """Micro-batches each pipeline (data-parallel replica) runs per optimizer step."""
@@ -144,19 +157,20 @@ class Layout:
     def sharding(self) -> str:
         if self.zero1:
             return "zero1"
-        if self.dp_shard > 1:
+        if self.shards > 1:
             return "fsdp" if self.dp_replicate == 1 else "hsdp"
         return "ddp"
 
     def describe(self) -> str:
-        """Compact: 'TP8 PP4 DP64 mb1 1F1B vpp2 SP ZeRO-1 AC:sel'."""
-        parts = [f"TP{self.tp}", f"PP{self.pp}", f"DP{self.dp}", f"mb{self.micro_batch}"]
+        """Compact: 'TP8 PP4 DP64 mb1 1F1B vpp2 SP ZeRO-1 AC:sel' (and CP4 after DP with context parallelism)."""
+        parts = [f"TP{self.tp}", f"PP{self.pp}", f"DP{self.dp}", *([f"CP{self.cp}"] if self.cp > 1 else []),
+                 f"mb{self.micro_batch}"]
         if self.pp > 1:
             parts.append({"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": f"1F1B vpp{self.virtual_stages}"}[
                 self.pp_schedule])
         if self.sequence_parallel:
             parts.append("SP")
-        parts.append({"ddp": "DDP", "zero1": "ZeRO-1", "fsdp": "FSDP", "hsdp": f"HSDP{self.dp_shard}"}[self.sharding])
+        parts.append({"ddp": "DDP", "zero1": "ZeRO-1", "fsdp": "FSDP", "hsdp": f"HSDP{self.shards}"}[self.sharding])
         parts.append({"none": "AC:none", "selective": "AC:sel", "full": "AC:full"}[self.activation_checkpoint])
         return " ".join(parts)
 
@@ -164,7 +178,7 @@ class Layout:
         """The key under which preflight records a whole block of `work` run in this layout
         (`hlat.planner.costs.block_shape`)."""
         return block_shape(work.model, work.seq_len, self.micro_batch, work.precision, self.tp, self.sequence_parallel,
-                           self.activation_checkpoint, compiled=self.parallel.compile, fp8=work.fp8)
+                           self.activation_checkpoint, compiled=self.parallel.compile, fp8=work.fp8, cp=self.cp)
 
     def config_sections(self, work: Workload) -> dict:
         """The `[parallel]` and `[train]` config tables the trainer runs as they are: every layout field."""

@@ -85,10 +85,11 @@ def sharded_units(model: ModelConfig, layout: Layout) -> list[tuple[int, float]]
 
 
 def layer_activation_bytes(model: ModelConfig, seq_len: int, layout: Layout, recompute: str, act_bytes: int,
-                           flash: bool, stack: str = "hlat", stream_bytes: int = 0) -> float:
+                           flash: bool, stack: str = "hlat", stream_bytes: int = 0, norm_bytes: int = 0) -> float:
     """Bytes one layer keeps for the backward pass of one micro-batch on one device, in tensors of s x b x h
-    elements (s: one of them). Without fused (flash) attention the softmax output (s / h of them, split by tp)
-    is kept too when nothing is recomputed. 'full' recomputation keeps the block's input only.
+    elements (s: one of them; under context parallelism s counts the rank's share of the sequence, and attention
+    keeps every rank's K and V: `kv_bytes`). Without fused (flash) attention the softmax output (s / h of them,
+    split by tp) is kept too when nothing is recomputed. 'full' recomputation keeps the block's input only.
 
     `stack` "hlat": what hlat's model keeps, as `tests/test_activation_memory.py` counts it in the real model.
     - 'none': each norm keeps its input and output (RMSNorm also the normalised input, for its weight's
@@ -108,9 +109,9 @@ def layer_activation_bytes(model: ModelConfig, seq_len: int, layout: Layout, rec
     `stream_bytes` (default `act_bytes`): the residual stream's element size, the parameters' under mixed
     precision (bf16_mixed: fp32): the blocks' inputs, the norms and, under sequence parallelism, the all-gathers of
     their outputs are in it; what autocast casts for a matmul (its saved input) and what the matmuls produce are
-    in `act_bytes`."""
-    t = layout.tp
-    s = seq_len * layout.micro_batch * model.dim * act_bytes
+    in `act_bytes`. `norm_bytes` (default `stream_bytes`): the element size of what a norm keeps (`norm_bytes`)."""
+    t, cp = layout.tp, layout.cp
+    s = layout.held(seq_len) * layout.micro_batch * model.dim * act_bytes
     # one tensor of the residual stream (Megatron-style stacks keep it in the compute dtype)
     r = s * (stream_bytes or act_bytes) / act_bytes if stack == "hlat" else s
     sp = t if layout.sequence_parallel else 1
@@ -120,30 +121,37 @@ def layer_activation_bytes(model: ModelConfig, seq_len: int, layout: Layout, rec
     f = model.ffn_dim / model.dim
     llama = model.family == "llama"
     scores = model.n_heads * seq_len / model.dim * s / t if recompute == "none" and not flash else 0.0
-    inside = (2 + 2 * kv + (4 if llama else 2) * f) * s / t
+    inside = (2 + 2 * kv * cp + (4 if llama else 2) * f) * s / t  # K and V: every context-parallel rank's
     if stack == "megatron":
         return 4 * s / sp + inside + scores
-    inside += replicated_kv_bytes(model, t, recompute, s) - 2 * kv * s / t
+    inside += kv_bytes(model, t, recompute, s, cp) - 2 * kv * cp * s / t
     if recompute == "selective":
-        kept = r / sp + (1 + (2 if llama else 1) * f) * s / t + replicated_kv_bytes(model, t, recompute, s) + 2 * s
+        kept = r / sp + (1 + (2 if llama else 1) * f) * s / t + kv_bytes(model, t, recompute, s, cp) + 2 * s
         if t > 1:  # the collectives' outputs: all-reduces, or the norms' gathered outputs and reduce-scatters
             kept += 2 * r + 2 * s / t if layout.sequence_parallel else 2 * s
         return kept
     # a norm's output is kept by the projections after it (under SP all-gathered, at full size); under mixed
     # precision each projection keeps its own cast of it (Q, K and V; both or the one MLP input projection)
     inputs = (3 + (2 if llama else 1)) * s if r != s else 2 * s
-    return 2 * (2 if llama else 1) * r / sp + inputs + inside + scores
+    norms = 2 * (2 if llama else 1) * r * (norm_bytes or stream_bytes or act_bytes) / (stream_bytes or act_bytes)
+    return norms / sp + inputs + inside + scores
 
 
-def replicated_kv_bytes(model: ModelConfig, tp: int, recompute: str, s: float) -> float:
+def kv_bytes(model: ModelConfig, tp: int, recompute: str, s: float, cp: int = 1) -> float:
     """What a layer keeps of K and V on one rank ('none': after rotary; 'selective': the projections' outputs).
     With more tensor-parallel ranks than kv heads every rank computes all of them (`replicate_kv_heads`) and
     keeps one head's: rotary makes K's its own, but V's is a view that holds the whole projection (and under
-    selective recomputation both projections are kept whole)."""
-    if model.kv_heads % tp == 0:
-        return 2 * model.kv_heads / model.n_heads * s / tp
+    selective recomputation both projections are kept whole). Under context parallelism attention keeps every
+    cp rank's K and V of its heads as gathered (in place of its own after rotary), and selective recomputation
+    keeps the gather's output beside the projections'."""
     head = model.head_dim / model.dim * s
-    return 2 * model.kv_heads * head if recompute == "selective" else (1 + model.kv_heads) * head
+    gathered = 2 * cp * head * (model.kv_heads / tp if model.kv_heads % tp == 0 else 1)
+    if cp > 1 and recompute == "none":
+        return gathered
+    extra = gathered if cp > 1 else 0.0
+    if model.kv_heads % tp == 0:
+        return 2 * model.kv_heads / model.n_heads * s / tp + extra
+    return (2 * model.kv_heads * head if recompute == "selective" else (1 + model.kv_heads) * head) + extra
 
 
 def in_flight(layout: Layout, microbatches: int) -> float:
@@ -158,7 +166,7 @@ def in_flight(layout: Layout, microbatches: int) -> float:
     return min(microbatches, p)
 
 
-def head_bytes(work: Workload, layout: Layout, microbatches: int, stack: str = "hlat") -> float:
+def head_bytes(work: Workload, layout: Layout, microbatches: int, stack: str = "hlat", norm_bytes: int = 0) -> float:
     """What the last stage's head keeps for backward, for each micro-batch between its forward and its backward
     there (every one under GPipe, one under the 1F1B schedules and without a pipeline): the final norm's input and
     output (on a sequence shard under sequence parallelism, like a block's norms), and with the chunked loss
@@ -166,13 +174,15 @@ def head_bytes(work: Workload, layout: Layout, microbatches: int, stack: str = "
     the residual stream's dtype) and for the output weight (its vocabulary rows, fp32); with the whole logits
     (`loss_chunk = 0`) the output projection's input (all-gathered under sequence parallelism) and the logits
     (vocabulary-parallel across tp) in the compute dtype and in fp32 for the loss. A Megatron-style stack: the
-    one micro-batch's logits."""
+    one micro-batch's logits. `norm_bytes` (default the residual stream's): the element size of what the norm
+    keeps (`norm_bytes`)."""
     model, t = work.model, layout.tp
-    tokens = work.seq_len * layout.micro_batch
+    tokens = layout.held(work.seq_len) * layout.micro_batch
     if stack != "hlat":
         return (work.compute_bytes + 4) * tokens * model.vocab_size / t
     s, r = tokens * model.dim * work.compute_bytes, tokens * model.dim * work.mode.weight_bytes
-    norm = (2 if model.family == "llama" else 1) * r / (t if layout.sequence_parallel else 1)
+    norm = (2 if model.family == "llama" else 1) * tokens * model.dim * (norm_bytes or work.mode.weight_bytes)
+    norm /= t if layout.sequence_parallel else 1
     if model.loss_chunk:
         loss = r + 4 * model.vocab_size * model.dim / t
     else:
@@ -186,7 +196,7 @@ def blocks_activation_bytes(work: Workload, layout: Layout, hw: HardwareProfile,
     the profile's stack)."""
     return layers * layer_activation_bytes(work.model, work.seq_len, layout, layout.activation_checkpoint,
                                            work.compute_bytes, hw.flash_attention, hw.activations,
-                                           work.mode.weight_bytes)
+                                           work.mode.weight_bytes, norm_bytes(work, hw))
 
 
 def rebuilt_bytes(work: Workload, layout: Layout, hw: HardwareProfile) -> float:
@@ -195,7 +205,26 @@ def rebuilt_bytes(work: Workload, layout: Layout, hw: HardwareProfile) -> float:
         return 0.0
     rebuilt = "none" if hw.activations == "hlat" else "selective"  # Megatron recomputes without the scores
     return layer_activation_bytes(work.model, work.seq_len, layout, rebuilt, work.compute_bytes, hw.flash_attention,
-                                  hw.activations, work.mode.weight_bytes)
+                                  hw.activations, work.mode.weight_bytes, norm_bytes(work, hw))
+
+
+def norm_bytes(work: Workload, hw: HardwareProfile) -> int:
+    """The element size of what a norm keeps for backward (its input and its normalised result): the residual
+    stream's, but at least fp32 for RMSNorm off CUDA, where torch composes it from operations that run a bf16
+    input in fp32 and keep the fp32 tensors (as a rehearsal on the CPU measures; on CUDA torch has a fused
+    kernel, whose saved input keeps the stream's dtype)."""
+    stream = work.mode.weight_bytes
+    return max(4, stream) if work.model.family == "llama" and hw.accelerator != "gpu" else stream
+
+
+def mask_bytes(work: Workload, layout: Layout, hw: HardwareProfile) -> float:
+    """The attention mask of one micro-batch, made once for all its layers, as hlat's model makes it: where
+    attention takes a dense mask (off CUDA, whose FlexAttention takes a block mask of a few bytes per 128 x 128
+    block) and there is one (packed documents, or context parallelism: the rank's queries against every key), in
+    the compute dtype."""
+    if hw.accelerator == "gpu" or hw.activations != "hlat" or not (work.model.doc_mask or layout.cp > 1):
+        return 0.0
+    return layout.micro_batch * layout.held(work.seq_len) * work.seq_len * work.compute_bytes
 
 
 def cast_bytes(work: Workload, layout: Layout, layers: int, output: bool) -> float:
@@ -215,13 +244,14 @@ def memory(work: Workload, layout: Layout, hw: HardwareProfile) -> Memory:
     model, mode = work.model, work.mode
     params = stage_params(model, layout)
     shard = layout.param_shard
-    opt_shard = layout.dp_shard  # FSDP's and ZeRO-1's
+    opt_shard = layout.shards  # FSDP's and ZeRO-1's
 
     layers = math.ceil(model.n_layers / layout.pp)
     m = layout.microbatches(work.global_batch)
     activations = blocks_activation_bytes(work, layout, hw, layers * in_flight(layout, m))
+    activations += mask_bytes(work, layout, hw) * in_flight(layout, m)
     activations += rebuilt_bytes(work, layout, hw)
-    activations += head_bytes(work, layout, m, hw.activations)
+    activations += head_bytes(work, layout, m, hw.activations, norm_bytes(work, hw))
     if hw.activations == "hlat":  # torch's autocast (other stacks cast their own way)
         activations += cast_bytes(work, layout, layers, output=True)
 

@@ -3,7 +3,7 @@ the planner prices the busiest device only), and a rehearsal's measurements take
 --rehearsal`) in place of the composed ones.
 
 Per rank, the memory is split as a rehearsal counts it: the parameters, gradients and optimizer states as stored
-(FSDP and ZeRO-1 both keep a shard of each over dp_shard: the trainer runs ZeRO-1 as `fully_shard` gathering once
+(FSDP and ZeRO-1 both keep a shard of each over dp_shard x cp: the trainer runs ZeRO-1 as `fully_shard` gathering once
 a step), what data parallelism gathers for the step (`gathered`: whole parameters and their accumulating
 gradients), and what a step keeps for backward at its fullest."""
 
@@ -17,10 +17,10 @@ from pathlib import Path
 from hlat import HlatError
 from hlat.models.config import ModelConfig
 from hlat.parallel.config import stage_layers
-from hlat.planner.comms import message_bytes
+from hlat.planner.comms import gathered_kv_elements, message_bytes
 from hlat.planner.layout import Layout, Workload
 from hlat.planner.memory import (GIB, Memory, blocks_activation_bytes, cast_bytes, head_bytes,
-                                 layer_params_per_device, memory, rebuilt_bytes)
+                                 layer_params_per_device, mask_bytes, memory, norm_bytes, rebuilt_bytes)
 from hlat.planner.timing import micro_batch
 from hlat.profiles import HardwareProfile
 
@@ -80,10 +80,11 @@ def rank_activations(work: Workload, layout: Layout, hw: HardwareProfile, pp_ran
     the last stage only), without autocast's casts of the parameters (`RankPlan.casts`) or the block full
     recomputation rebuilds later in backward (`RankPlan.rebuilt`)."""
     stages = rank_layers(work.model, layout, pp_rank)
-    kept = blocks_activation_bytes(work, layout, hw, sum(stages.values()) * rank_in_flight(layout, microbatches,
-                                                                                           pp_rank))
+    in_flight = rank_in_flight(layout, microbatches, pp_rank)
+    kept = blocks_activation_bytes(work, layout, hw, sum(stages.values()) * in_flight)
+    kept += mask_bytes(work, layout, hw) * in_flight
     if layout.parallel.stages() - 1 in stages:
-        kept += head_bytes(work, layout, microbatches, hw.activations)
+        kept += head_bytes(work, layout, microbatches, hw.activations, norm_bytes(work, hw))
     return kept
 
 
@@ -93,7 +94,7 @@ def rank_gathered(work: Workload, layout: Layout, params: float, microbatches: i
     FSDP without a pipeline gathers block by block (its peak is `memory`'s buffers; at a backward pass's start
     only the root unit, the rest of the stage, is whole)."""
     mode = work.mode
-    if layout.dp == 1:
+    if layout.shards * layout.dp_replicate == 1:
         return 0.0
     if layout.pp > 1 or layout.zero1:
         return params * (mode.weight_bytes + (mode.grad_bytes if microbatches > 1 else 0))
@@ -106,7 +107,7 @@ def rank_plan(work: Workload, layout: Layout, hw: HardwareProfile, pp_rank: int,
     """The planner's figures for pipeline rank `pp_rank` running `microbatches` micro-batches a step (default:
     the step's own)."""
     m = microbatches or layout.microbatches(work.global_batch)
-    mode, shard = work.mode, layout.dp_shard
+    mode, shard = work.mode, layout.shards
     params, stages = rank_params(work.model, layout, pp_rank), rank_layers(work.model, layout, pp_rank)
     layers, last = sum(stages.values()), layout.parallel.stages() - 1 in stages
     return RankPlan(params=params * mode.weight_bytes / shard, grads=params * mode.grad_bytes / shard,
@@ -133,16 +134,22 @@ def rank_traffic(work: Workload, layout: Layout, hw: HardwareProfile, pp_rank: i
     """The collectives `step_time` prices for pipeline rank `pp_rank` over `microbatches`, as bytes per step by
     (kind, mesh dimension), each the whole buffer (a gather's output, a reduction's input): per layer and
     micro-batch 4 (6 with full recomputation) all-reduces of the activation over tp, or as many all-gathers and
-    reduce-scatters under sequence parallelism; per micro-batch 2 x virtual stages sends and receives of its tp
-    shard of the residual stream over pp (each element `message_bytes`); and data parallelism's
-    (`data_parallel_traffic`)."""
+    reduce-scatters under sequence parallelism; per layer and micro-batch the keys and values gathered over cp
+    (twice with full recomputation) and their gradients reduce-scattered; per micro-batch 2 x virtual stages
+    sends and receives of its tp shard of the residual stream over pp (each element `message_bytes`); and data
+    parallelism's (`data_parallel_traffic`)."""
     model, m, traffic = work.model, microbatches, {}
     layers = sum(rank_layers(model, layout, pp_rank).values())
-    elements, (tp_bytes, pp_bytes) = work.seq_len * layout.micro_batch * model.dim, message_bytes(work, hw)
+    elements = layout.held(work.seq_len) * layout.micro_batch * model.dim
+    tp_bytes, pp_bytes = message_bytes(work, hw)
+    full = layout.activation_checkpoint == "full"
     if layout.tp > 1:
-        per_layer = (6 if layout.activation_checkpoint == "full" else 4) * elements * tp_bytes
+        per_layer = (6 if full else 4) * elements * tp_bytes
         for kind in ("all_gather", "reduce_scatter") if layout.sequence_parallel else ("all_reduce",):
             traffic[kind, "tp"] = m * layers * per_layer
+    if layout.cp > 1:
+        kv = m * layers * gathered_kv_elements(work, layout) * work.compute_bytes
+        traffic["all_gather", "cp"], traffic["reduce_scatter", "cp"] = (2 if full else 1) * kv, kv
     if layout.pp > 1:
         sent = 2 * layout.virtual_stages * m * elements * pp_bytes / layout.tp
         traffic["send", "pp"] = traffic["recv", "pp"] = sent
@@ -154,15 +161,14 @@ def data_parallel_traffic(work: Workload, layout: Layout, params: float, layers:
     """Data parallelism's bytes per step as `hlat.planner.comms.data_parallel_time` prices them: FSDP gathers
     each block twice and the rest once, and reduce-scatters everything, every micro-batch; ZeRO-1 and FSDP under
     a pipeline once a step; replicas all-reduce the gradients (HSDP: the shards') once a step."""
-    mode, shard = work.mode, layout.dp_shard
+    mode, shard, dim = work.mode, layout.shards, layout.parallel.fsdp_dim
     if layout.param_shard > 1 and layout.pp == 1:
         block = layers * layer_params_per_device(work.model, layout.tp)
-        return {("all_gather", "dp_shard"): m * (2 * block + params - block) * mode.weight_bytes,
-                ("reduce_scatter", "dp_shard"): m * params * mode.grad_bytes}
+        return {("all_gather", dim): m * (2 * block + params - block) * mode.weight_bytes,
+                ("reduce_scatter", dim): m * params * mode.grad_bytes}
     traffic = {}
     if shard > 1:
-        traffic = {("all_gather", "dp_shard"): params * mode.weight_bytes,
-                   ("reduce_scatter", "dp_shard"): params * mode.grad_bytes}
+        traffic = {("all_gather", dim): params * mode.weight_bytes, ("reduce_scatter", dim): params * mode.grad_bytes}
     if layout.dp_replicate > 1:
         traffic["all_reduce", "dp_replicate"] = params * mode.grad_bytes / shard
     return traffic

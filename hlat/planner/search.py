@@ -17,6 +17,7 @@ RECOMPUTE = ("none", "selective", "full")
 MAX_MICRO_BATCH = 64
 VIRTUAL_STAGES = (2, 4)
 TOLERANCE = 0.03  # predictions this close count as equal
+CP_MIN_TOKENS = 4096  # the fewest tokens of a sequence the search leaves a context-parallel rank
 
 
 @dataclass(frozen=True)
@@ -100,11 +101,27 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def context_degrees(seq_len: int, ranks: int) -> list[int]:
+    """The cp degrees the search tries on `ranks` (the devices tensor parallelism leaves): 1, and every divisor
+    that leaves each rank at least CP_MIN_TOKENS of a sequence: below that the gathers of keys and values cost
+    more than splitting the sequence saves (Llama 3 ran 8,192 tokens per rank at 131k tokens; the sequences
+    pretraining runs at, 4,096 tokens and less, are never split)."""
+    return [1] + [cp for cp in _divisors(ranks)[1:] if seq_len // cp >= CP_MIN_TOKENS and seq_len % (2 * cp) == 0]
+
+
+def shardings(dp: int, cp: int, hw: HardwareProfile) -> list[tuple[int, bool]]:
+    """(dp_shard, zero1) of the data-parallel arrangements to try: replicated (with cp > 1 FSDP over the cp ranks,
+    which share the sharding, where the stack has FSDP), ZeRO-1 and FSDP over all of them."""
+    out = [(1, False)] if cp == 1 or hw.supports_fsdp else []
+    out += [(dp, True)] if dp * cp > 1 else []
+    return out + ([(dp, False)] if dp > 1 and hw.supports_fsdp else [])
+
+
 def candidates(work: Workload, hw: HardwareProfile, nodes: int) -> Iterator[Layout]:
-    """Every valid layout: tp within a node (or whole nodes), pp dividing the layers, dp the rest; every
-    micro-batch size; 1F1B, and interleaved 1F1B where it applies (GPipe never beats 1F1B: same time, more
-    memory); sequence parallelism whenever tp > 1 (never worse); every recomputation; DDP, ZeRO-1 and FSDP; each
-    block compiled or not as the workload says."""
+    """Every valid layout: tp within a node (or whole nodes), cp for long sequences (`context_degrees`), pp
+    dividing the layers, dp the rest; every micro-batch size; 1F1B, and interleaved 1F1B where it applies (GPipe
+    never beats 1F1B: same time, more memory); sequence parallelism whenever tp > 1 (never worse); every
+    recomputation; DDP, ZeRO-1 and FSDP; each block compiled or not as the workload says."""
     model, per_node = work.model, hw.devices_per_node
     devices = nodes * per_node
     for tp in _divisors(devices):
@@ -112,13 +129,11 @@ def candidates(work: Workload, hw: HardwareProfile, nodes: int) -> Iterator[Layo
             continue
         if model.ffn_dim % tp or model.vocab_size % tp or work.seq_len % tp:
             continue
-        for pp in _divisors(devices // tp):
-            dp = devices // (tp * pp)
+        for cp, pp in ((c, p) for c in context_degrees(work.seq_len, devices // tp)
+                       for p in _divisors(devices // (tp * c))):
+            dp = devices // (tp * cp * pp)
             if model.n_layers % pp or work.global_batch % dp:
                 continue
-            shardings = [(1, False)] + ([(dp, True)] if dp > 1 else [])  # (dp_shard, zero1)
-            if dp > 1 and hw.supports_fsdp:
-                shardings.append((dp, False))
             for mb in _divisors(work.global_batch // dp):
                 if mb > MAX_MICRO_BATCH:
                     break
@@ -126,8 +141,8 @@ def candidates(work: Workload, hw: HardwareProfile, nodes: int) -> Iterator[Layo
                 if pp > 1:  # the trainer's check refuses an interleaving its micro-batches cannot fill
                     schedules += [("interleaved_1f1b", v) for v in VIRTUAL_STAGES if model.n_layers % (pp * v) == 0]
                 for (schedule, v), (shard, zero1), recompute in (
-                        (s, z, r) for s in schedules for z in shardings for r in RECOMPUTE):
-                    layout = Layout.of(tp=tp, pp=pp, dp_replicate=dp // shard, dp_shard=shard, micro_batch=mb,
+                        (s, z, r) for s in schedules for z in shardings(dp, cp, hw) for r in RECOMPUTE):
+                    layout = Layout.of(tp=tp, pp=pp, cp=cp, dp_replicate=dp // shard, dp_shard=shard, micro_batch=mb,
                                        pp_schedule=schedule, virtual_stages=v, sequence_parallel=tp > 1,
                                        zero1=zero1, activation_checkpoint=recompute, compile=work.compile)
                     if layout_problem(work, layout, devices) is None:  # the trainer's own check
@@ -143,7 +158,8 @@ class SearchResult:
 
 
 def simplicity(plan: Plan) -> tuple:
-    """Fewer pipeline stages, no interleaving, less recomputation, then more memory left free."""
+    """Fewer pipeline stages, no interleaving, less recomputation, then more memory left free (context
+    parallelism adds no schedule to follow: at long sequences the layout that splits them often leaves the most)."""
     layout = plan.layout
     return layout.pp, layout.virtual_stages, RECOMPUTE.index(layout.activation_checkpoint), plan.memory.total
 

@@ -8,6 +8,7 @@ can fit them to measurements:
                            FLOPs / peak x flops_factor                              (device: recomputation included)
                            + attention scores / HBM bandwidth x attention_factor    (materialised attention only)
                            + tensor-parallel all-reduces x intra/inter_factor)      (4 per layer, 6 with full recompute)
+                     + context-parallel K/V all-gathers, reduce-scatters x link     (a rank: seq_len / cp tokens)
     per micro-batch  = layers x per layer + output layer
                      + pipeline sends of activations and gradients x intra/inter_factor + p2p_ms each
     step             = micro-batches x per micro-batch + pipeline bubble x per micro-batch of the other stages
@@ -46,8 +47,8 @@ from dataclasses import dataclass
 
 from hlat import HlatError
 from hlat.models.config import ModelConfig
-from hlat.planner.comms import (data_parallel_time, measured_data_parallel, pipeline_send_time, rate,
-                                sends_overlap, tensor_parallel_time)
+from hlat.planner.comms import (context_parallel_time, data_parallel_time, measured_data_parallel, pipeline_send_time,
+                                rate, sends_overlap, tensor_parallel_time)
 from hlat.planner.costs import (attention_flops, block_linears, layer_matmuls, loss_bytes, matmul_flops,
                                 memory_op_bytes, optimizer_bytes, output_matmul)
 from hlat.planner.layout import Layout, Workload
@@ -67,10 +68,11 @@ class StepTime:
     # how data parallelism was priced: "measured blocks" (timed under it), "composed" (measured collectives and
     # copies), "cited" (published collective bandwidths) or "fitted"; "" without data parallelism
     data_parallel: str = ""
+    cp_comm: float = 0.0  # context parallelism's gathers of keys and values and their gradients' reductions
 
     @property
     def total(self) -> float:
-        return self.compute + self.tp_comm + self.pp_comm + self.bubble + self.dp_comm + self.optimizer
+        return self.compute + self.tp_comm + self.cp_comm + self.pp_comm + self.bubble + self.dp_comm + self.optimizer
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,7 @@ class MicroBatch:
     embedding: float  # what the first stage has instead of the output layer (known from measured blocks only)
     tp: float  # tensor-parallel collectives, on the critical path
     layer: str  # how a layer was priced (`StepTime.layer`)
+    cp: float = 0.0  # context-parallel collectives, on the critical path
 
 
 def recompute_flops_per_token(model: ModelConfig, seq_len: int, recompute: str) -> float:
@@ -128,11 +131,11 @@ def measured_layer(work: Workload, layout: Layout, hw: HardwareProfile) -> tuple
     matmul, attention = (me.matmul_fp32, me.attention_fp32) if fp32 else (me.matmul_bf16, me.attention_bf16)
     if not matmul:
         return None
-    tokens = work.seq_len * layout.micro_batch
+    tokens = layout.held(work.seq_len) * layout.micro_batch
     recompute = layout.activation_checkpoint
     passes = 4 if recompute == "full" else 3
     forward = linears_forward(work, matmul, tokens, t, hw)
-    attn_flops = attention_flops(model, layout.micro_batch, work.seq_len, t)
+    attn_flops = attention_flops(model, layout.micro_batch, work.seq_len, t, layout.cp)
     if attention:
         core = attn_flops / rate(attention, work.seq_len, 1e12)
     else:
@@ -154,13 +157,13 @@ def fitted_layer(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit) 
     flops_factor (the output layer: 6 V h of the model's FLOPs per token; the embedding lookup costs none), and
     without fused attention the scores' passes x attention_factor."""
     model, t = work.model, layout.tp
-    tokens = work.seq_len * layout.micro_batch
+    tokens = layout.held(work.seq_len) * layout.micro_batch
     output_layer = 6.0 * model.vocab_size * model.dim
     per_layer = (model.flops_per_token(work.seq_len) - output_layer
                  + recompute_flops_per_token(model, work.seq_len, layout.activation_checkpoint)) / model.n_layers
     layer = per_layer * tokens / t / (hw.peak_tflops * 1e12) * fit.flops_factor
     if not hw.flash_attention:  # one nominal pass over the scores; the factor counts the passes
-        scores = layout.micro_batch * model.n_heads / t * work.seq_len ** 2
+        scores = layout.micro_batch * model.n_heads / t * layout.held(work.seq_len) * work.seq_len
         layer += scores * work.compute_bytes / (hw.hbm_gbs * 1e9) * fit.attention_factor
     return layer, output_layer * tokens / t / (hw.peak_tflops * 1e12) * fit.flops_factor
 
@@ -189,9 +192,10 @@ def micro_batch(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit) -
     layers = math.ceil(work.model.n_layers / layout.pp)
     layer, output, embedding, how = layer_time(work, layout, hw, fit)
     tp = 0.0 if how == "measured block" else tensor_parallel_time(work, layout, hw, fit)
-    host_excess = max(0.0, fit.layer_overhead_ms * 1e-3 - layer - tp) if how == "fitted" else 0.0
+    cp = context_parallel_time(work, layout, hw, fit)
+    host_excess = max(0.0, fit.layer_overhead_ms * 1e-3 - layer - tp - cp) if how == "fitted" else 0.0
     return MicroBatch(compute=layers * (layer + host_excess) + output, output=output, embedding=embedding,
-                      tp=layers * tp, layer=how)
+                      tp=layers * tp, layer=how, cp=layers * cp)
 
 
 def optimizer_time(work: Workload, layout: Layout, hw: HardwareProfile) -> float:
@@ -199,7 +203,7 @@ def optimizer_time(work: Workload, layout: Layout, hw: HardwareProfile) -> float
     HBM bandwidth). An update larger than the one preflight timed pays that one's time and streams the rest at
     HBM bandwidth."""
     me, mode = hw.measured, work.mode
-    owned = stage_params(work.model, layout) / layout.dp_shard
+    owned = stage_params(work.model, layout) / layout.shards
     nbytes = optimizer_bytes(owned, mode.weight_bytes, mode.grad_bytes, mode.optimizer_bytes)
     timed = me.optimizer_measured_bytes if me.optimizer_gbs else 0.0
     if timed and nbytes > timed:
@@ -227,6 +231,6 @@ def step_time(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit | No
         # waits for them (vp - 1 hops each way)
         pp_comm, bubble_pp = pp / layout.virtual_stages * (layout.virtual_stages * layout.pp - 1), 0.0
     return StepTime(compute=m * mb.compute, tp_comm=m * mb.tp, pp_comm=pp_comm,
-                    bubble=bubble * (mb.compute - mb.output + mb.embedding + mb.tp + bubble_pp),
+                    bubble=bubble * (mb.compute - mb.output + mb.embedding + mb.tp + mb.cp + bubble_pp),
                     dp_comm=dp_comm, optimizer=optimizer_time(work, layout, hw), layer=mb.layer,
-                    data_parallel=dp_priced if layout.dp > 1 else "")
+                    data_parallel=dp_priced if layout.shards * layout.dp_replicate > 1 else "", cp_comm=m * mb.cp)

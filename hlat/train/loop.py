@@ -189,7 +189,7 @@ def build_parts(cfg: Config, model: nn.Module, topo: Topology, device: torch.dev
     torch.manual_seed(cfg.train.seed)
     layout, n_stages = topo.cfg, topo.cfg.stages()
     model = prepare_model(model, cfg.precision.mode)
-    fp8_all_gather = cfg.precision.fp8 == "tensorwise" and layout.dp_shard > 1
+    fp8_all_gather = cfg.precision.fp8 == "tensorwise" and layout.shards > 1
     if cfg.precision.fp8 != "none":
         convert_blocks(model, cfg.precision.fp8, fp8 == "emulated", fp8_all_gather)
     stages = parallelize(model, topo, device, cfg.train.seed)
@@ -204,7 +204,7 @@ def build_parts(cfg: Config, model: nn.Module, topo: Topology, device: torch.dev
         optimizers=optimizers,
         schedule=build_schedule(stages, topo, device, per_rank, shapes) if layout.pp > 1 else None,
         first_stage=any(sid == 0 for sid, _ in stages), last_stage=any(sid == n_stages - 1 for sid, _ in stages),
-        sharded_grads=layout.dp_shard > 1 and not layout.zero1,
+        sharded_grads=layout.shards > 1 and not layout.zero1,
         autocast=autocast(cfg.precision.mode, device),
         loss_context=loss_parallel if layout.tp > 1 else contextlib.nullcontext)
 

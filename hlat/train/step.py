@@ -24,6 +24,7 @@ from torch import nn
 from hlat.config.job import Config
 from hlat.data.packing import DataStream
 from hlat.parallel import Topology
+from hlat.parallel.context import split_batch
 from hlat.parallel.data import sync_gradients
 from hlat.parallel.grads import clip_grad_norm
 from hlat.train.checkpoint import Snapshot
@@ -70,14 +71,16 @@ class Batches:
     micro-batches dp_rank, dp_rank + dp, ... of each step's global batch (those a single process would run) and
     the data state is the same on all ranks: one copy in the checkpoint, which resumes under any layout.
     `files`: each data-parallel rank reads its own files, for storage that cannot serve every rank all the data;
-    the data states are per rank and a resume needs the same data-parallel size."""
+    the data states are per rank and a resume needs the same data-parallel size. Context-parallel peers share a
+    data-parallel rank, and each keeps its own chunks of the sequences (`split_batch`)."""
 
     def __init__(self, stream: DataStream, topo: Topology, per_rank: int):
         self.stream, self.rank, self.per_rank = stream, topo.rank, per_rank
         self.shared = topo.cfg.data_sharding == "global"
+        self.cp, self.cp_rank = topo.cfg.cp, topo.cp_rank
 
     def next_step(self, device: torch.device) -> list[dict]:
-        micro = [next(self.stream) for _ in range(self.per_rank)]
+        micro = [split_batch(next(self.stream), self.cp, self.cp_rank) for _ in range(self.per_rank)]
         return [{k: to_device(t, device) for k, t in batch.items()} for batch in micro]
 
     @property
@@ -170,15 +173,17 @@ def forward_backward(model: ModelParts, micro: list[dict], device: torch.device)
 
 
 def pipelined_forward_backward(model: ModelParts, micro: list[dict], device: torch.device) -> torch.Tensor:
-    """The micro-batches through the pipeline schedule: the first stage feeds the inputs, the last is given the
-    targets and returns each micro-batch's loss (the schedule's loss_fn passes it on); the mean of those on the
-    last stage, 0 on the others."""
+    """The micro-batches through the pipeline schedule: the first stage feeds the inputs, every stage is given the
+    positions and document ids (for rotary embeddings and the mask), the last the targets, and it returns each
+    micro-batch's loss (the schedule's loss_fn passes it on); the mean of those on the last stage, 0 on the
+    others."""
     inputs = torch.cat([b["inputs"] for b in micro]) if model.first_stage else None
     targets = torch.cat([b["targets"] for b in micro]) if model.last_stage else None
+    every_stage = {key: torch.cat([b[key] for b in micro]) for key in ("positions", "doc_ids") if key in micro[0]}
     microbatch_losses: list[torch.Tensor] = []
     with model.autocast, model.loss_context():
         model.schedule.step(*([inputs] if model.first_stage else []), target=targets, losses=microbatch_losses,
-                            return_outputs=False, **({"targets": targets} if model.last_stage else {}))
+                            return_outputs=False, **every_stage, **({"targets": targets} if model.last_stage else {}))
     if not model.last_stage:
         return torch.zeros((), device=device)
     return torch.stack([loss.detach() for loss in microbatch_losses]).mean()
@@ -195,12 +200,12 @@ def reduce_step(local_loss: torch.Tensor, stop_requested: bool, save_written: bo
 
 
 def read_figures(reduced: torch.Tensor, grad_norm: torch.Tensor, topo: Topology) -> tuple[float, float, bool, bool]:
-    """The step's one read from the device, in one transfer: the loss over the global batch (the mean over
-    data-parallel ranks of the last stage's losses; tensor-parallel peers hold the same value), the gradient norm,
+    """The step's one read from the device, in one transfer: the loss over the global batch (the mean over data- and
+    context-parallel ranks of the last stage's losses; tensor-parallel peers hold the same value), the gradient norm,
     whether any rank was asked to stop, and whether every rank has written the asynchronous save in flight."""
     both = torch.cat([reduced, grad_norm.float().reshape(1).to(reduced.device)])
     loss_sum, stops, written, norm = both.tolist()
-    return loss_sum / (topo.cfg.dp * topo.cfg.tp), norm, stops > 0, written == topo.world_size
+    return loss_sum / (topo.cfg.dp * topo.cfg.cp * topo.cfg.tp), norm, stops > 0, written == topo.world_size
 
 
 def rng_state() -> dict:
