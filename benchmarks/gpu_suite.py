@@ -3,7 +3,8 @@ result into one folder to bring back.
 
     bash benchmarks/gpu_suite.sh OUT [PART ...]          # on the GPU machine: speed, 7b and figure by default
     python benchmarks/gpu_suite.py PART --out DIR        # one part, here
-    python benchmarks/gpu_suite.py PART --out DIR --cpu  # the CPU mode: tiny shapes, FP8 emulated (make test runs it)
+    python benchmarks/gpu_suite.py PART --out DIR --cpu  # the CPU mode: tiny shapes, FP8 emulated, one case of
+                                                         # each kind (make test runs it)
 
 `speed` (about 5 minutes): hlat against torchtitan (its released wheel, on the device's torch) at the same model,
 shapes, batch, precision and recomputation, compiled, each case in its own process: the 1B setting in bf16 and in
@@ -176,11 +177,24 @@ class Budget:
         return self.end - time.monotonic()
 
 
+def one_of_each_kind(cases: list) -> list:
+    """The CPU mode's cases: one of each kind (system, with or without FP8, the planner's pick; each named step),
+    which is every code path of the part at a CPU's cost."""
+    seen, kept = set(), []
+    for case in cases:
+        kind = case if isinstance(case, str) else (case["system"], case.get("fp8", "none") != "none",
+                                                    "chosen_by" in case)
+        if kind not in seen:
+            seen.add(kind)
+            kept.append(case)
+    return kept
+
+
 def run_cases(name: str, cases: list, args, extra) -> list[dict]:
     """Each case (a spec dict, or a name that `extra` runs) within the part's budget; rows written as they come."""
     out, budget, rows = Path(args.out), Budget(args.budget_s), []
     steps, warmup = (2, 1) if args.cpu else (args.steps, args.warmup)
-    for case in cases:
+    for case in one_of_each_kind(cases) if args.cpu else cases:
         if isinstance(case, str):
             rows += extra(case, budget)
             continue

@@ -27,7 +27,7 @@ def test_the_suites_cpu_mode_runs_every_part(tmp_path):
         run_part(part, tmp_path)
     speed = rows(tmp_path / "speed.jsonl")
     hlat = {(r["setting"], r["fp8"]): r for r in speed if r["system"] == "hlat"}
-    assert set(hlat) == {("1b", "none"), ("1b", "tensorwise"), ("1b", "rowwise"), ("7b", "none")}
+    assert set(hlat) == {("1b", "none"), ("1b", "tensorwise")}  # one case of each kind (the CPU mode)
     assert all(r["tokens_per_s"] > 0 for r in hlat.values()), hlat
     assert all("tokens_per_s" in r or r["error"] == "skipped: torchtitan is not installed"
                for r in speed if r["system"] == "torchtitan")
@@ -37,7 +37,7 @@ def test_the_suites_cpu_mode_runs_every_part(tmp_path):
 
     seven_b = rows(tmp_path / "7b.jsonl")
     assert seven_b[0]["chosen_by"] == "planner" and all(r["tokens_per_s"] > 0 for r in seven_b)
-    assert {(r["fp8"], r["ac"]) for r in seven_b} >= {("none", "full"), ("none", "selective"), ("tensorwise", "full")}
+    assert {(r["fp8"], r["ac"]) for r in seven_b[1:]} == {("none", "full"), ("tensorwise", "full")}
     assert "planner's tokens/s" in (tmp_path / "7b.md").read_text()
     for setting in ("1b", "7b"):
         assert "[measured]" in (tmp_path / f"preflight_{setting}.toml").read_text()
