@@ -25,7 +25,8 @@ from hlat.models import build_model, count_params, materialize  # noqa: E402
 from hlat.models.config import preset_config  # noqa: E402
 from hlat.optim import build_optimizer  # noqa: E402
 from hlat.optim.config import OptimConfig  # noqa: E402
-from hlat.train.checkpoint import Checkpointer, Snapshot  # noqa: E402
+from hlat.checkpoint.state import TrainState  # noqa: E402
+from hlat.checkpoint.store import Checkpointer  # noqa: E402
 
 
 def main() -> None:
@@ -48,7 +49,7 @@ def main() -> None:
             stalls, totals = [], []
             for i in range(args.repeats):
                 start = time.perf_counter()
-                ckpt.save(i + 1, Snapshot([model], [optimizer], {"step": i + 1}), "")
+                ckpt.save(i + 1, TrainState([model], [optimizer], None, step=i + 1).state_dict(), "")
                 stalls.append(time.perf_counter() - start)
                 if mode == "async":
                     time.sleep(args.work_s)

@@ -28,7 +28,8 @@ from hlat.cli import main as hlat
 from hlat.config.job import load_config
 from hlat.data.tokenizer import load_tokenizer
 from hlat.models import build_model, materialize
-from hlat.train.checkpoint import latest_checkpoint, load_checkpoint
+from hlat.checkpoint.layout import latest_checkpoint
+from hlat.checkpoint.state import load_weights
 
 sys.path.insert(0, str(Path(__file__).parent))
 from results_io import markdown_table, write_results  # noqa: E402
@@ -62,7 +63,7 @@ def export_run(family: str, work: Path) -> tuple[Path, torch.nn.Module, int]:
     hlat(["export-hf", str(run), "--out", str(out)])
     ckpt = latest_checkpoint(run)
     model = materialize(build_model(load_config(ckpt / "config.toml").model), "cpu").eval()
-    load_checkpoint(ckpt, [model])
+    load_weights(ckpt, [model])
     return out, model, load_tokenizer(run).eos_id
 
 

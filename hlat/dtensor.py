@@ -13,3 +13,8 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def local_elements(params: list[torch.Tensor]) -> int:
+    """The parameter elements this rank holds (its shards of sharded ones)."""
+    return sum(local(p).numel() for p in params)

@@ -1,4 +1,4 @@
-"""A run directory's files: where its checkpoints are, its metrics.jsonl read back (`read_metrics`, for the trainer,
+"""A run directory's files: its metrics.jsonl read back (`read_metrics`, for the trainer,
 `hlat compare` and `hlat plan --calibrate`), and the one way they are written (docs/fault-tolerance.md, "Failed
 writes"). Torch-free: the supervisor and the planner import it.
 
@@ -24,37 +24,12 @@ import threading
 from pathlib import Path
 
 from hlat import ERROR_EXIT, HlatError
+from hlat.checkpoint.layout import latest_checkpoint
 
 # errors a restart cannot cure: the same write fails again until a person frees space or fixes permissions
 REFUSED = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
 # the Rust `tokenizers` library reports an I/O error as a plain Exception ending in "(os error N)"
 _RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
-_STEP_DIR = re.compile(r"^step_(\d{8})$")
-_ANY_STEP_DIR = re.compile(r"^(?:best_)?step_(\d{8})$")  # the best checkpoint (eval.keep_best) too
-
-
-def checkpoint_root(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "checkpoints"
-
-
-def complete_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
-    root = checkpoint_root(run_dir)
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name))] if root.is_dir() else []
-    return sorted(found)
-
-
-def checkpoint_step(path: Path) -> int | None:
-    """The step a run's checkpoint was saved at (from its name, step_N or best_step_N); None for another (an
-    import)."""
-    match = _ANY_STEP_DIR.match(path.name)
-    return int(match.group(1)) if match else None
-
-
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    done = complete_checkpoints(run_dir)
-    return done[-1][1] if done else None
-
-
 def read_metrics(path: Path) -> list[dict]:
     """The records of a run's metrics.jsonl, in order (blank lines skipped); a line that is not a JSON record with
     a step is a one-line HlatError naming the file and the line."""

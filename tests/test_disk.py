@@ -19,7 +19,8 @@ import pytest
 
 from hlat import files
 from hlat.cli import main
-from hlat.train.checkpoint import complete_checkpoints, verify_checkpoint
+from hlat.checkpoint.layout import complete_checkpoints
+from hlat.checkpoint.store import verify_checkpoint
 from hlat.train.metrics import MetricsLog
 from test_faults import write_config
 from test_train import config

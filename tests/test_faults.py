@@ -17,9 +17,10 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from hlat.cli import main
-from hlat.train import checkpoint as ckpt
+from hlat.checkpoint import store as ckpt
 from hlat.train import trainer
-from hlat.train.checkpoint import complete_checkpoints, verify_checkpoint
+from hlat.checkpoint.layout import complete_checkpoints
+from hlat.checkpoint.store import verify_checkpoint
 from test_train import config, final_weights, train
 
 
@@ -297,11 +298,11 @@ def trained_state(run_dir: Path, cfg) -> tuple[dict, dict]:
     """Model and optimizer state of the run's newest checkpoint."""
     from hlat.models import build_model, materialize
     from hlat.optim import build_optimizer
-    from hlat.train.checkpoint import load_checkpoint
+    from hlat.checkpoint.state import TrainState
 
     model = materialize(build_model(cfg.model), "cpu")
     optimizer = build_optimizer(model, cfg.optim)
-    load_checkpoint(complete_checkpoints(run_dir)[-1][1], [model], [optimizer])
+    TrainState([model], [optimizer], None).load(complete_checkpoints(run_dir)[-1][1], data_and_rng=False)
     return model.state_dict(), optimizer.state_dict()["state"]
 
 
@@ -517,7 +518,7 @@ def test_asynchronous_checkpoints_resume_like_synchronous_ones(one_stager, tmp_p
 HOLD_THE_STEP_4_WRITE = """
 import sys, time
 from pathlib import Path
-import hlat.train.checkpoint as c
+import hlat.checkpoint.store as c
 from hlat.cli import main
 own = c._own_digests
 def hold(partial, rank):  # in DCP's writer thread, once every file and the .metadata of the save are written

@@ -18,7 +18,7 @@ KILLED_THREE_TIMES = """
 import os, signal, sys
 from pathlib import Path
 from hlat.cli import main
-from hlat.train.checkpoint import Checkpointer
+from hlat.checkpoint.store import Checkpointer
 from hlat.train.trainer import Trainer
 
 def kill_once(name, now):

@@ -239,7 +239,8 @@ def test_exported_run_generates_in_transformers(family, tmp_path, capsys):
     from hlat.cli import main
     from hlat.data.tokenizer import load_tokenizer
     from hlat.models import materialize
-    from hlat.train.checkpoint import latest_checkpoint, load_checkpoint
+    from hlat.checkpoint.layout import latest_checkpoint
+    from hlat.checkpoint.state import load_weights
     from hlat.config.job import load_config
 
     corpus = str(Path(json.__file__).parent / "*.py")
@@ -265,7 +266,7 @@ def test_exported_run_generates_in_transformers(family, tmp_path, capsys):
     ckpt = latest_checkpoint(run)
     cfg = load_config(ckpt / "config.toml")
     ours = materialize(build_model(cfg.model), "cpu").eval()
-    load_checkpoint(ckpt, [ours])
+    load_weights(ckpt, [ours])
     eos = load_tokenizer(run).eos_id
     with transformers_messages() as messages:
         tok = AutoTokenizer.from_pretrained(out)

@@ -24,7 +24,8 @@ from hlat.models.generate import generate, next_token
 from hlat.models.hf import write_hf_dir
 from hlat.models.kv_cache import KVCache
 from hlat.tools.inference import load_trained
-from hlat.train.checkpoint import complete_checkpoints, verify_checkpoint
+from hlat.checkpoint.layout import complete_checkpoints
+from hlat.checkpoint.store import verify_checkpoint
 from hlat.train.loop import train
 
 CORPUS_DIR = os.path.dirname(json.__file__)

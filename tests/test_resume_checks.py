@@ -6,8 +6,9 @@ import pytest
 from hlat import HlatError
 from hlat.config.job import build_config
 from hlat.models import build_model, materialize
-from hlat.train.checkpoint import model_state, write_checkpoint
-from hlat.train.resume import check_model_shapes, check_resume, config_changes, schedule_changes
+from hlat.checkpoint.state import model_state
+from hlat.checkpoint.store import write_checkpoint
+from hlat.checkpoint.resume import check_model_shapes, check_resume, config_changes, schedule_changes
 
 TINY = {"preset": "tiny", "dim": 64, "n_layers": 2, "n_heads": 4, "ffn_dim": 128, "vocab_size": 128}
 

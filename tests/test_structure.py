@@ -11,11 +11,14 @@ PACKAGE = ROOT / "hlat"
 
 # Shared vocabulary, below every package and importing only itself: hlat/__init__.py, the config machinery
 # (hlat/config/__init__.py), where the shipped files are (resources.py), hardware profiles (profiles.py), the run
-# directory's files (files.py), the console, and a DTensor's local and full views (dtensor.py).
-SHARED = {"hlat", "hlat.config", "hlat.resources", "hlat.profiles", "hlat.files", "hlat.console", "hlat.dtensor"}
+# directory's files (files.py) and its checkpoints' names (checkpoint/layout.py), the console, and a DTensor's local
+# and full views (dtensor.py).
+SHARED = {"hlat", "hlat.config", "hlat.resources", "hlat.profiles", "hlat.files", "hlat.checkpoint.layout",
+          "hlat.console", "hlat.dtensor"}
 # What each package may import of hlat's other packages. Commands -> tools, measurement, job control, planner ->
 # train -> the job config (hlat.config.job, made of each package's own config section) -> {models, parallel, data,
-# optim} -> shared vocabulary. A package's cli.py is a command and may import what any command may.
+# optim} -> shared vocabulary; checkpoints (the train state, its tiers and files) sit between train and the four. A
+# package's cli.py is a command and may import what any command may.
 ALLOWED = {
     "models": set(),
     "optim": set(),
@@ -23,13 +26,15 @@ ALLOWED = {
     "data": set(),
     "config": {"models", "parallel", "data", "optim"},
     "planner": {"models", "parallel", "optim"},
-    "train": {"config", "models", "parallel", "data", "optim"},
-    "measure": {"config", "models", "parallel", "data", "optim", "planner", "train"},
-    "tools": {"config", "models", "parallel", "data", "optim", "train"},
+    "checkpoint": {"config", "models", "parallel", "data", "optim"},
+    "train": {"checkpoint", "config", "models", "parallel", "data", "optim"},
+    "measure": {"checkpoint", "config", "models", "parallel", "data", "optim", "planner", "train"},
+    "tools": {"checkpoint", "config", "models", "parallel", "data", "optim", "train"},
     "jobs": {"config"},
 }
 COMMANDS = set(ALLOWED)
-TORCH_FREE = ["hlat.config", "hlat.config.job", "hlat.resources", "hlat.profiles", "hlat.files", "hlat.cli",
+TORCH_FREE = ["hlat.config", "hlat.config.job", "hlat.checkpoint.layout", "hlat.resources", "hlat.profiles",
+              "hlat.files", "hlat.cli",
               "hlat.models.config", "hlat.data.config", "hlat.optim.config", "hlat.optim.modes", "hlat.parallel.config",
               # the planner, so that `hlat plan` starts at once (docs/architecture.md)
               *(f"hlat.planner.{p.stem}" for p in sorted((PACKAGE / "planner").glob("*.py")) if p.stem != "__init__")]

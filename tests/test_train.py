@@ -10,7 +10,8 @@ import torch
 from hlat.cli import main
 from hlat.config.job import build_config
 from hlat.models import build_model, materialize
-from hlat.train.checkpoint import complete_checkpoints, load_checkpoint
+from hlat.checkpoint.layout import complete_checkpoints
+from hlat.checkpoint.state import load_weights
 from hlat.train.loop import train
 from hlat.train.step import TrainStep
 
@@ -33,7 +34,7 @@ def losses(run_dir: Path) -> list[float]:
 
 def final_weights(run_dir: Path, cfg) -> dict:
     model = materialize(build_model(cfg.model), "cpu")
-    load_checkpoint(complete_checkpoints(run_dir)[-1][1], [model])
+    load_weights(complete_checkpoints(run_dir)[-1][1], [model])
     return model.state_dict()
 
 

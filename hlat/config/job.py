@@ -31,6 +31,10 @@ class TrainConfig:
     ckpt_every: int = 0  # 0: save only at the end
     keep_checkpoints: int = 2  # older complete checkpoints are deleted; 0 keeps all
     async_checkpoint: bool = False  # training stalls only to copy the state to host memory; written meanwhile
+    # the memory tier (docs/fault-tolerance.md): each rank's state every N steps in node-local memory, with a copy
+    # on the next node; a failure then costs at most N steps and a reload from memory (0: off)
+    snapshot_every: int = 0
+    snapshot_dir: str = "/dev/shm/hlat"  # node-local memory (a tmpfs) that outlives the trainer, not its node
     run_dir: str = "runs/default"
     resume: str = ""  # "" starts fresh, "auto" continues from the latest complete checkpoint, or a path
     init_from: str = ""  # start a fresh run from these weights (a checkpoint, e.g. from `hlat import-hf`)
@@ -52,8 +56,8 @@ class TrainConfig:
         for name in ("steps", "global_batch", "micro_batch", "seq_len", "log_every"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"train.{name}: must be positive, got {getattr(self, name)}")
-        for name in ("ckpt_every", "keep_checkpoints", "peak_flops", "spike_sigmas", "hang_timeout_s",
-                     "debug_nan_step"):
+        for name in ("ckpt_every", "keep_checkpoints", "snapshot_every", "peak_flops", "spike_sigmas",
+                     "hang_timeout_s", "debug_nan_step"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name}: must be >= 0, got {getattr(self, name)}")
         if self.global_batch % self.micro_batch:

@@ -18,7 +18,7 @@ from hlat.optim import build_optimizer
 from hlat.optim.modes import MODES
 from hlat.parallel.grads import clip_grad_norm
 from hlat.planner.costs import block_shape, dp_block_shape, optimizer_bytes
-from hlat.train.saving import local_elements
+from hlat.dtensor import local_elements
 
 
 @dataclass

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from hlat import HlatError
+from hlat.checkpoint.state import TrainState
 from hlat.config.job import Config
 from hlat.console import make_console
 from hlat.dtensor import local
@@ -41,7 +42,6 @@ from hlat.planner.layout import Layout, Workload, layout_problem
 from hlat.planner.memory import GIB
 from hlat.planner.rehearsal import RankPlan, rank_plan, rank_traffic
 from hlat.profiles import HardwareProfile, load_profile
-from hlat.train.checkpoint import Snapshot
 from hlat.train.faults import BadSteps
 from hlat.train.health import Health
 from hlat.train.loop import build_parts
@@ -283,7 +283,7 @@ def run_steps(train_step: TrainStep, steps: int, progress: Progress) -> Steps:
                 stack.callback(clock.remove)
                 collectives = stack.enter_context(Collectives(dims))
                 kept = stack.enter_context(KeptForBackward(train_step.parts.parts, sharding))
-            result = train_step(i, stop_requested=False, save_written=False)
+            result = train_step(i, stop_requested=False)
         seconds.append(result.seconds)
     seconds[-1] -= kept.seconds
     return Steps(seconds, clock.forward_s, clock.update_s, clock.grads, collectives, kept, train_step.bad_steps.reason)
@@ -327,7 +327,7 @@ def rank_report(setup: Rehearsal, topo: Topology, train_step: TrainStep, steps: 
                  "step_compute_s": {"measured": forward_backward * m / M, "planned": step_plan.compute_s}},
         "collectives": scaled_collectives(steps.collectives.rows(), setup, rank_traffic(
             setup.work, setup.planned_layout, setup.hardware, topo.pp_rank, m)),
-        "checkpoint": {**checkpoint_bytes(train_step.snapshot(setup.steps)), "planned": plan.params + plan.optimizer},
+        "checkpoint": {**checkpoint_bytes(TrainState(train_step.parts.parts, train_step.parts.optimizers, None)), "planned": plan.params + plan.optimizer},
         "non_finite": steps.non_finite,
     }
 
@@ -391,13 +391,13 @@ def scaled_collectives(rows: list[dict], setup: Rehearsal, planned: dict[tuple[s
     return rows
 
 
-def checkpoint_bytes(snapshot: Snapshot) -> dict:
-    """Bytes of the checkpoint's state dict on this rank (`TrainStep.snapshot`), and its share of what is written:
+def checkpoint_bytes(state: TrainState) -> dict:
+    """Bytes of the checkpoint's state dict on this rank (the model and optimizer states of `state`), and its share of what is written:
     a tensor replicated over some mesh dimensions is written once among its holders."""
     from torch.distributed.tensor import DTensor
 
     held = share = 0.0
-    for t in tensors_in(snapshot.state_dict()):
+    for t in tensors_in(state.state_dict()):
         nbytes = local(t).numel() * t.element_size()
         replicas = 1
         if isinstance(t, DTensor):

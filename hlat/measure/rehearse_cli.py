@@ -71,7 +71,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
 def job_changes(stated, cfg, world: int) -> list[str]:
     """What the command line changed of the job its config files state (`--section.key` overrides, a
     `--world-size` other than [cluster]'s), where it runs apart."""
-    from hlat.train.resume import config_changes
+    from hlat.checkpoint.resume import config_changes
 
     changes = config_changes(stated, cfg, WHERE_IT_RUNS)
     return changes + ([f"world size: {stated.cluster.world_size:,} -> {world:,}"]

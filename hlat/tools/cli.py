@@ -98,7 +98,8 @@ def run_export_hf(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def run_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     from hlat.parallel.device import pick_device
-    from hlat.train.checkpoint import DamagedCheckpoint, checkpoints_in, resolve_checkpoint
+    from hlat.checkpoint.layout import checkpoints_in, resolve_checkpoint
+    from hlat.checkpoint.store import DamagedCheckpoint
 
     for name in ("max_batches", "batch_size", "seq_len"):
         if (getattr(args, name) or 0) < 0:
@@ -135,7 +136,7 @@ def evaluate_checkpoint(checkpoint: Path, args: argparse.Namespace, device, made
 
     from hlat.data.tokenizer import tokenizer_digest
     from hlat.tools.inference import load_trained
-    from hlat.files import checkpoint_step
+    from hlat.checkpoint.layout import checkpoint_step
     from hlat.train.validation import evaluate, validation_batches, validation_documents, validation_sets
 
     cfg, model, tokenizer = load_trained(checkpoint, device, args.dtype, args.tokenizer)
@@ -179,8 +180,8 @@ def run_generate(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def run_checkpoint_verify(args: argparse.Namespace, overrides: list[str]) -> int:
     """Each checkpoint named, or each of a run directory, checked against its manifest: 1 if any is damaged."""
-    from hlat.train.checkpoint import DamagedCheckpoint, checkpoints_in, verify_checkpoint
-    from hlat.files import checkpoint_step
+    from hlat.checkpoint.layout import checkpoint_step, checkpoints_in
+    from hlat.checkpoint.store import DamagedCheckpoint, verify_checkpoint
 
     damaged = 0
     for checkpoint in [c for path in args.paths for c in checkpoints_in(path)]:

@@ -13,7 +13,9 @@ from hlat.config.job import Config, load_config
 from hlat.data.tokenizer import Tokenizer, load_tokenizer, tokenizer_file_in
 from hlat.models import build_model, materialize
 from hlat.models.generate import generate
-from hlat.train.checkpoint import CONFIG_FILE, load_checkpoint, verified_checkpoint
+from hlat.checkpoint.layout import CONFIG_FILE
+from hlat.checkpoint.state import load_weights
+from hlat.checkpoint.store import verified_checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -36,7 +38,7 @@ def load_trained_model(path: str | Path, device: torch.device | str = "cpu", dty
         raise HlatError(f"{checkpoint}: has no {CONFIG_FILE}, so its model shape is unknown")
     cfg = load_config(checkpoint / CONFIG_FILE)
     model = materialize(build_model(cfg.model), device)
-    load_checkpoint(checkpoint, [model])
+    load_weights(checkpoint, [model])
     return checkpoint, cfg, model.to(DTYPES[dtype]).eval()
 
 

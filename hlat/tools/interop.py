@@ -14,7 +14,8 @@ from hlat.data.tokenizer import Tokenizer, tokenizer_file_in
 from hlat.models import build_model
 from hlat.models.hf import read_hf_dir, write_hf_dir
 from hlat.tools.inference import load_trained_model, saved_tokenizer
-from hlat.train.checkpoint import model_state, write_checkpoint
+from hlat.checkpoint.state import model_state
+from hlat.checkpoint.store import write_checkpoint
 
 
 def import_hf(hf_dir: str | Path, out: str | Path) -> tuple[Path, str]:

@@ -79,15 +79,6 @@ def bad_step_action(train: TrainConfig, bad: BadSteps, reason: str, step: int, l
     return train.on_bad_step
 
 
-def weights_finite(params: list[torch.Tensor]) -> bool:
-    """Whether every rank's weights are finite (one all-reduce; run before each checkpoint)."""
-    local = torch.tensor(float(all(bool(torch.isfinite(p.detach()).all()) for p in params)),
-                         device=params[0].device if params else "cpu")
-    if dist.is_initialized():
-        dist.all_reduce(local, op=dist.ReduceOp.MIN)
-    return bool(local.item())
-
-
 class InjectedNaN:
     """train.debug_nan_step, a fault injected to test the bad-step policy: that step's gradients and loss become
     NaN, once per process (a rollback that runs the step number again trains on); 0 injects nothing."""

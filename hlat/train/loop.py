@@ -22,12 +22,18 @@ from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel
 
 from hlat import HlatError
+from hlat.checkpoint.resume import check_start, find_resume_checkpoint
+from hlat.checkpoint.run import Checkpoints, checkpoint_bytes
+from hlat.checkpoint.start import agree_on_start
+from hlat.checkpoint.state import TrainState
+from hlat.checkpoint.store import DamagedCheckpoint, set_aside
 from hlat.config.job import Config
 from hlat.console import make_console
 from hlat.data.exchange import side_group
 from hlat.data.packing import DataStream, Ranks, build_stream
 from hlat.data.sources import Source, resolve_sources, source_files
 from hlat.data.tokenizer import get_tokenizer
+from hlat.dtensor import local_elements
 from hlat.files import quiet_refused_writes_in_threads, write_text, writing
 from hlat.models import build_model, count_params
 from hlat.optim import build_optimizer
@@ -36,13 +42,10 @@ from hlat.optim.precision import autocast, prepare_model
 from hlat.parallel import ParallelConfig, Topology, init_topology, parallelize
 from hlat.parallel.device import pick_device
 from hlat.parallel.pipeline import StageShapes, build_schedule
-from hlat.train.checkpoint import DamagedCheckpoint, set_aside
 from hlat.train.faults import StopRequest, Watchdog
 from hlat.train.goodput import Goodput
 from hlat.train.health import Health
 from hlat.train.metrics import StepReport
-from hlat.train.resume import check_start, find_resume_checkpoint
-from hlat.train.saving import Checkpoints, checkpoint_bytes, local_elements
 from hlat.train.step import Batches, ModelParts, TrainStep
 from hlat.train.tracking import require_backends
 from hlat.train.trainer import Trainer
@@ -90,28 +93,33 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
     with contextlib.ExitStack() as cleanup:
         cleanup.callback(destroy_process_group)
         make_run_dir(cfg, topo)
+        start = agree_on_start(cfg, topo, inputs.resume_from, inputs.model)  # one start for all ranks, both tiers
+        for change in start.changes or []:
+            console.print(f"resuming with a changed config: {change}", highlight=False)
         goodput = Goodput(Path(cfg.train.run_dir), topo.is_main, entered)  # this start counts from here
         tokenizer = load_tokenizer(cfg, topo, inputs.sources)
         parts = build_parts(cfg, inputs.model, topo, inputs.device, inputs.fp8)
         stream = open_stream(cfg, topo, tokenizer, inputs.sources)
         cleanup.callback(stream.close)  # stops the tokenizer workers
         per_rank = inputs.layout.microbatches(cfg.train.global_batch, cfg.train.micro_batch)
-        train_step = TrainStep(cfg, topo, inputs.device, parts, Batches(stream, topo, per_rank),
+        batches = Batches(stream, topo, per_rank)
+        train_step = TrainStep(cfg, topo, inputs.device, parts, batches,
                                Health(cfg.health, topo, inputs.device, parts.parts, console))
+        state = TrainState(parts.parts, parts.optimizers, stream, batches.state_key)
         trainer = Trainer(
             cfg=cfg, console=console, train_step=train_step, goodput=goodput,
-            checkpoints=Checkpoints(cfg, topo, inputs.device, goodput),
+            checkpoints=Checkpoints(cfg, topo, inputs.device, state, goodput, console, start),
             report=StepReport(cfg, inputs.device, topo.world_size, topo.is_main, console),
             validation=Validation(cfg, tokenizer, inputs.sources),
             watchdog=Watchdog(cfg.train.hang_timeout_s, Path(cfg.train.run_dir), topo.rank, topo.world_size))
         cleanup.callback(trainer.checkpoints.close)
         cleanup.callback(trainer.report.close)
-        trainer.restore(inputs.resume_from)
+        trainer.restore()
         check_disk(trainer, inputs)
         announce(trainer, inputs)
         goodput.start_up_done()
         run_steps(trainer)
-        trainer.checkpoints.commit()
+        trainer.checkpoints.finish()
         return summary(trainer, inputs.resume_from)
 
 
@@ -224,7 +232,7 @@ def open_stream(cfg: Config, topo: Topology, tokenizer, sources: list[Source]) -
 
 def check_disk(trainer: Trainer, inputs: RunInputs) -> None:
     """Before the first step: room for the checkpoints the run keeps, against the size of one (refused in one line,
-    or a warning when every checkpoint is kept: hlat.train.saving.Checkpoints.check_room)."""
+    or a warning when every checkpoint is kept: hlat.checkpoint.run.Checkpoints.check_room)."""
     size = checkpoint_bytes(inputs.resume_from, inputs.n_params, trainer.cfg.precision.mode)
     warning = trainer.checkpoints.check_room(trainer.step, size, local_elements(trainer.model.params))
     if warning:
@@ -243,7 +251,7 @@ def run_steps(trainer: Trainer) -> None:
     """Steps until `train.steps`, or until a stop signal, after which the run checkpoints and stops."""
     with StopRequest().installed() as stop, trainer.watchdog:
         while trainer.step < trainer.cfg.train.steps:
-            result = trainer.train_step(trainer.step, stop.requested, trainer.checkpoints.written())
+            result = trainer.train_step(trainer.step, stop.requested, trainer.checkpoints.writes())
             trainer.after_step(result)
             if result.stopping:
                 trainer.console.print(f"stopped by signal at step {trainer.step}; checkpoint "

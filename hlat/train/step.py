@@ -5,7 +5,7 @@ their optimizers (`ModelParts`), its micro-batches (`Batches`), its health timin
 what it has; what happens after a step (metrics, checkpoints, the bad-step policy) is the trainer's.
 
 A step reads from the device once: after the gradient norm, one transfer brings the global loss, the gradient norm
-and the flags agreed in the step's all-reduce (a stop requested, an asynchronous save written), which the host needs
+and the flags agreed in the step's all-reduce (a stop requested, the background writes done), which the host needs
 to decide whether the optimizers update.
 """
 
@@ -21,13 +21,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hlat.checkpoint.run import Writes
 from hlat.config.job import Config
 from hlat.data.packing import DataStream
 from hlat.parallel import Topology
 from hlat.parallel.context import split_batch
 from hlat.parallel.data import sync_gradients
 from hlat.parallel.grads import clip_grad_norm
-from hlat.train.checkpoint import Snapshot
 from hlat.train.faults import BadSteps, InjectedNaN
 from hlat.train.health import Health
 
@@ -41,7 +41,7 @@ class StepResult:
     lr: float
     bad: str | None  # why the update was dropped (train.on_bad_step), or None
     stopping: bool  # a stop signal reached some rank: checkpoint and stop after this step
-    save_written: bool  # every rank has written its part of the asynchronous save in flight: commit it
+    written: Writes  # the background writes every rank has finished (any rank's failure): commit them
     seconds: float  # the step's wall time
     data_wait_s: float  # of which waiting for data
 
@@ -115,11 +115,10 @@ class TrainStep:
         self.bad_steps = BadSteps(settings.spike_sigmas, settings.max_bad_steps)
         self.fault = InjectedNaN(settings.debug_nan_step)
 
-    def __call__(self, step: int, stop_requested: bool, save_written: bool) -> StepResult:
+    def __call__(self, step: int, stop_requested: bool, written: Writes = Writes()) -> StepResult:
         """Optimizer step `step` + 1 on every rank: forward and backward, the loss summed and the stop and save
         flags agreed in one all-reduce, the gradient norm clipped, one read of those figures by the host, and the
-        update unless the step is bad. `save_written`: this rank has written its part of the asynchronous save
-        in flight."""
+        update unless the step is bad. `written`: this rank's part of the background writes in flight is done."""
         started, waited = time.perf_counter(), self.batches.stream.wait_time_s
         lr = self.set_lr(step)
         micro = self.batches.next_step(self.device)
@@ -127,7 +126,7 @@ class TrainStep:
             local_loss = forward_backward(self.parts, micro, self.device)
         local_loss = self.fault(step + 1, local_loss, self.parts.params)
         with self.health.at_collective():
-            reduced = reduce_step(local_loss, stop_requested, save_written)
+            reduced = reduce_step(local_loss, stop_requested, written)
         grad_norm = clip_grad_norm(self.parts.params, self.cfg.optim.clip_grad_norm, self.pp_group)
         loss, norm, stopping, written = read_figures(reduced, grad_norm, self.topo)  # the step's one read
         self.health.step_read()
@@ -150,11 +149,6 @@ class TrainStep:
             for group in optimizer.param_groups:
                 group["lr"] = lr
         return lr
-
-    def snapshot(self, step: int) -> Snapshot:
-        """What a checkpoint after `step` steps holds: model and optimizer states, the step, the data position, RNG."""
-        trainer_state = {"step": step, "data": self.batches.stream.state_dict(), "rng": rng_state()}
-        return Snapshot(self.parts.parts, self.parts.optimizers, trainer_state, self.batches.state_key)
 
 
 def forward_backward(model: ModelParts, micro: list[dict], device: torch.device) -> torch.Tensor:
@@ -189,31 +183,21 @@ def pipelined_forward_backward(model: ModelParts, micro: list[dict], device: tor
     return torch.stack([loss.detach() for loss in microbatch_losses]).mean()
 
 
-def reduce_step(local_loss: torch.Tensor, stop_requested: bool, save_written: bool) -> torch.Tensor:
-    """[the losses, the ranks asked to stop, the ranks that have written their part of the asynchronous save in
-    flight], each summed over every rank by one all-reduce and left on the device (`read_figures` reads them)."""
-    flags = torch.tensor([float(stop_requested), float(save_written)], device=local_loss.device)
+def reduce_step(local_loss: torch.Tensor, stop_requested: bool, written: Writes) -> torch.Tensor:
+    """[the losses, the ranks asked to stop, the ranks done with each background write (`Writes`)], each summed over
+    every rank by one all-reduce and left on the device (`read_figures` reads them)."""
+    flags = torch.tensor([float(stop_requested), *map(float, written.flags())], device=local_loss.device)
     packed = torch.cat([local_loss.float().reshape(1), flags])
     if dist.is_initialized():
         dist.all_reduce(packed)
     return packed
 
 
-def read_figures(reduced: torch.Tensor, grad_norm: torch.Tensor, topo: Topology) -> tuple[float, float, bool, bool]:
+def read_figures(reduced: torch.Tensor, grad_norm: torch.Tensor, topo: Topology) -> tuple[float, float, bool, Writes]:
     """The step's one read from the device, in one transfer: the loss over the global batch (the mean over data- and
     context-parallel ranks of the last stage's losses; tensor-parallel peers hold the same value), the gradient norm,
-    whether any rank was asked to stop, and whether every rank has written the asynchronous save in flight."""
+    whether any rank was asked to stop, and the background writes every rank is done with."""
     both = torch.cat([reduced, grad_norm.float().reshape(1).to(reduced.device)])
-    loss_sum, stops, written, norm = both.tolist()
-    return loss_sum / (topo.cfg.dp * topo.cfg.cp * topo.cfg.tp), norm, stops > 0, written == topo.world_size
-
-
-def rng_state() -> dict:
-    return {"cpu": torch.get_rng_state().tolist(),
-            "cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else []}
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(torch.tensor(state["cpu"], dtype=torch.uint8))
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+    loss_sum, stops, *written, norm = both.tolist()
+    return (loss_sum / (topo.cfg.dp * topo.cfg.cp * topo.cfg.tp), norm, stops > 0,
+            Writes.agreed(written, topo.world_size))

@@ -24,30 +24,20 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.tensor import DTensor
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.torch_version import TorchVersion
 
 from hlat import HlatError
-from hlat.files import (checkpoint_root, checkpoint_step, complete_checkpoints, latest_checkpoint,
-                              refused_write)
+from hlat.checkpoint.layout import (CONFIG_FILE, MANIFEST, checkpoint_root, checkpoint_step, complete_checkpoints,
+                                   latest_checkpoint, resolve_checkpoint)
+from hlat.files import refused_write
 from hlat.parallel.mesh import gather_objects
 
 if TYPE_CHECKING:
     from rich.console import Console
 
 STAGER_KEEPS_BUFFERS = TorchVersion(torch.__version__) >= "2.13"
-CONFIG_FILE = "config.toml"  # the job's config, written into every checkpoint so it is self-describing
-MANIFEST = "manifest.json"  # {file name: [size, crc32]} of every other file; its presence marks a finished write
 
 # DCP warns on every call that no process group exists; single-process saving is intended here.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -77,7 +67,7 @@ def _crc32(path: Path) -> int:
     return crc
 
 
-def _digests(directory: Path, names: list[str]) -> dict:
+def digests(directory: Path, names: list[str]) -> dict:
     return {name: [(directory / name).stat().st_size, _crc32(directory / name)] for name in names}
 
 
@@ -140,78 +130,12 @@ def _reason(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__  # a KeyError's text is a key
 
 
-def _is_checkpoint(path: Path) -> bool:
-    return (path / ".metadata").is_file() or (path / MANIFEST).is_file()
-
-
-def _holds_none(run_dir: Path) -> HlatError:
-    return HlatError(f"{run_dir}: holds no complete checkpoint (looked for {checkpoint_root(run_dir)}/step_*)")
-
-
-def checkpoints_in(path: str | Path) -> list[Path]:
-    """[path] for a checkpoint directory, or every checkpoint of a run directory by step: its `step_N` ones and
-    its best one (`best_step_N`, eval.keep_best), which follows the `step_N` of the same step."""
-    path = Path(path)
-    if _is_checkpoint(path):
-        return [path]
-    best = sorted(checkpoint_root(path).glob("best_step_" + "[0-9]" * 8))
-    found = sorted([*(p for _, p in complete_checkpoints(path)), *best],
-                   key=lambda p: (checkpoint_step(p), p.name.startswith("best_")))
-    if not found:
-        raise _holds_none(path)
-    return found
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory from a checkpoint path or a run directory (its latest `step_N` checkpoint)."""
-    path = Path(path)
-    if _is_checkpoint(path):
-        return path
-    latest = latest_checkpoint(path)
-    if latest is None:
-        raise _holds_none(path)
-    return latest
-
-
 def verified_checkpoint(path: str | Path) -> Path:
     """`resolve_checkpoint(path)` once it matches its manifest: what every reader of a checkpoint loads (a damaged
     one raises DamagedCheckpoint, one line)."""
     checkpoint = resolve_checkpoint(path)
     verify_checkpoint(checkpoint)
     return checkpoint
-
-
-
-def model_state(parts: list[nn.Module]) -> dict:
-    """The model's state dict by parameter name, merged over the parts (pipeline stages) this rank holds."""
-    return {k: plain_tensor(v) for part in parts for k, v in get_model_state_dict(part).items()}
-
-
-def optimizer_state(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> dict:
-    """Optimizer states keyed by parameter name (flattened), so they load into any other layout."""
-    return {k: plain_tensor(v) for part, opt in zip(parts, optimizers)
-            for k, v in get_optimizer_state_dict(part, opt, options=_FLAT).items()}
-
-
-@torch.no_grad()
-def plain_tensor(value):
-    """A state value as a checkpoint keeps it: a tensor subclass that wraps one tensor of its own shape and dtype
-    (torchao's FP8 weights under FSDP wrap their bf16 values) becomes that tensor, a view of the same storage, so
-    the checkpoint loads without the library that made it (DCP pickles each tensor it writes)."""
-    if isinstance(value, DTensor):
-        local = value.to_local()
-        inner = plain_tensor(local)
-        return value if inner is local else DTensor.from_local(inner, value.device_mesh, value.placements,
-                                                               run_check=False, shape=value.shape,
-                                                               stride=value.stride())
-    if isinstance(value, torch.Tensor) and type(value) is not torch.Tensor and hasattr(value, "__tensor_flatten__"):
-        inner = getattr(value, value.__tensor_flatten__()[0][0])
-        if inner.shape == value.shape and inner.dtype == value.dtype:
-            return inner
-    return value
-
-
-_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def write_checkpoint(final: Path, state: dict, config_toml: str, rank: int = 0) -> Path:
@@ -272,7 +196,7 @@ def _begin(partial: Path, rank: int) -> None:
 
 
 def _own_digests(partial: Path, rank: int) -> dict:
-    return _digests(partial, sorted(p.name for p in partial.glob(f"__{rank}_*")))  # the files this rank wrote
+    return digests(partial, sorted(p.name for p in partial.glob(f"__{rank}_*")))  # the files this rank wrote
 
 
 def _commit(final: Path, own: dict | RankWriteFailed, config_toml: str, rank: int) -> None:
@@ -283,28 +207,12 @@ def _commit(final: Path, own: dict | RankWriteFailed, config_toml: str, rank: in
         raise failures[0]
     if rank == 0:
         (partial / CONFIG_FILE).write_text(config_toml)
-        manifest = {k: v for d in gathered for k, v in d.items()} | _digests(partial, [".metadata", CONFIG_FILE])
+        manifest = {k: v for d in gathered for k, v in d.items()} | digests(partial, [".metadata", CONFIG_FILE])
         (partial / MANIFEST).write_text(json.dumps(manifest, indent=0, sort_keys=True))
         if final.exists():  # re-saving the same step (a resumed run's final save): replace it
             shutil.rmtree(final)
         partial.rename(final)
     _barrier()
-
-
-@dataclass
-class Snapshot:
-    """What a checkpoint holds of a run at a step: the model parts and their optimizers (their states are read
-    when it is saved) and the JSON-able trainer state (step, data position, RNG...) under `state_key` (one for all
-    ranks, or one per rank when ranks hold different data positions)."""
-
-    parts: list[nn.Module]
-    optimizers: list[torch.optim.Optimizer]
-    trainer_state: dict
-    state_key: str = "trainer"
-
-    def state_dict(self) -> dict:
-        return {"model": model_state(self.parts), "optim": optimizer_state(self.parts, self.optimizers),
-                self.state_key: json.dumps(self.trainer_state)}
 
 
 @dataclass
@@ -337,10 +245,9 @@ class Checkpointer:
         # training loop's collectives on the default group
         self.group = dist.new_group(backend="gloo") if asynchronous and dist.is_initialized() else None
 
-    def save(self, step: int, snapshot: Snapshot, config_toml: str) -> Path | None:
-        """Save `snapshot` as step `step`'s checkpoint. Returns it, or None while an asynchronous save is still
-        being written."""
-        state = snapshot.state_dict()
+    def save(self, step: int, state: dict, config_toml: str) -> Path | None:
+        """Save `state` (a state dict) as step `step`'s checkpoint. Returns it, or None while an asynchronous save
+        is still being written."""
         final = self.root / f"step_{step:08d}"
         if self.staging is None:
             write_checkpoint(final, state, config_toml, self.rank)
@@ -406,28 +313,18 @@ def _prune(root: Path, keep: int, newest: int) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def load_checkpoint(path: Path, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer] | None = None,
-                    trainer_key: str | None = None) -> dict:
-    """Load into the model parts (and optimizers) in place, resharding to this layout whatever layout saved it;
-    return the trainer state saved under `trainer_key` ({} if none)."""
+def read_checkpoint(path: Path, state: dict) -> None:
+    """Load checkpoint `path` into `state` (a state dict of the entries to read, as `TrainState.state_dict` makes
+    them) in place, resharding to this layout whatever layout saved it; an unreadable one raises DamagedCheckpoint."""
     try:
         saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     except (Exception, CheckpointException) as e:
         raise DamagedCheckpoint(path, f"cannot read its .metadata: {_reason(e)}") from None
-    if trainer_key and trainer_key not in saved:
-        raise HlatError(f"{path}: has no trainer state {trainer_key!r}: it was saved by a different number of "
-                        "ranks with per-rank data positions (parallel.data_sharding = 'files')")
-    state: dict = {"model": model_state(parts)}
-    if optimizers is not None:
-        state["optim"] = optimizer_state(parts, optimizers)
-    if trainer_key:
-        state[trainer_key] = ""
+    for key in state:
+        if key.startswith("trainer") and key not in saved:
+            raise HlatError(f"{path}: has no trainer state {key!r}: it was saved by a different number of ranks "
+                            "with per-rank data positions (parallel.data_sharding = 'files')")
     try:
         dcp.load(state, checkpoint_id=path)
     except (Exception, CheckpointException) as e:  # DCP's errors are long and nested (and BaseExceptions)
         raise DamagedCheckpoint(path, f"cannot load checkpoint: {_reason(e)}") from None
-    for i, part in enumerate(parts):
-        set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
-        if optimizers is not None:
-            set_optimizer_state_dict(part, optimizers[i], state["optim"], options=_FLAT)
-    return json.loads(state[trainer_key]) if trainer_key else {}

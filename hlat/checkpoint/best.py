@@ -12,14 +12,15 @@ from __future__ import annotations
 import json
 import math
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from hlat.checkpoint.layout import checkpoint_root
+from hlat.checkpoint.state import TrainState
+from hlat.checkpoint.store import write_checkpoint
 from hlat.files import write_text
-from hlat.train.checkpoint import Snapshot, checkpoint_root, write_checkpoint
 
 BEST_FILE = "best.json"
 
@@ -29,14 +30,15 @@ class BestCheckpoint:
         self.metric, self.root, self.rank, self.device = metric, checkpoint_root(run_dir), rank, device
         self.value = best_so_far(self.root, metric)
 
-    def offer(self, step: int, figures: dict, snapshot: Callable[[], Snapshot], config_toml: str) -> Path | None:
-        """Checkpoint `snapshot()` as the best if `figures[metric]` is below the best so far (on every rank: a
+    def offer(self, state: TrainState, figures: dict, config_toml: str) -> Path | None:
+        """Checkpoint `state` as the best if `figures[metric]` is below the best so far (on every rank: a
         collective); the checkpoint written, or None."""
+        step = state.step
         value = agreed(figures[self.metric], self.device)
         if not value < self.value:  # NaN is never the best
             return None
         final = self.root / f"best_step_{step:08d}"
-        write_checkpoint(final, snapshot().state_dict(), config_toml, self.rank)
+        write_checkpoint(final, state.state_dict(), config_toml, self.rank)
         if self.rank == 0:
             record = {"step": step, "metric": self.metric, "value": value, "checkpoint": final.name}
             # best.json names the new best before the old one goes

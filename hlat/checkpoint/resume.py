@@ -11,10 +11,9 @@ from torch import nn
 from hlat import HlatError
 from hlat.config import to_dict
 from hlat.config.job import Config, load_config
-from hlat.files import checkpoint_step
+from hlat.checkpoint.layout import CONFIG_FILE, checkpoint_step, latest_checkpoint
+from hlat.checkpoint.store import DamagedCheckpoint, newest_good_checkpoint, verified_checkpoint
 from hlat.parallel.mesh import restart_attempt
-from hlat.train.checkpoint import (CONFIG_FILE, DamagedCheckpoint, latest_checkpoint, newest_good_checkpoint,
-                                   verified_checkpoint)
 
 # What a resume may change without a word: where and how it runs, not what it computes.
 _UNWATCHED = {"data", "parallel", "cluster", "eval", "cost", "health", "tracking", "train.run_dir", "train.resume",

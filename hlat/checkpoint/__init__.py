@@ -1,0 +1,3 @@
+"""Checkpoints, in one place: the train state as one object (`state.py`), the durable tier's files and their
+atomic commit (`layout.py`, `store.py`), the best checkpoint (`best.py`), the checks before a resume (`resume.py`)
+and the run's checkpoints as the trainer sees them (`run.py`: when to save, what to restore)."""
