@@ -35,7 +35,8 @@ def seeing_failures(run_dir: Path, who: str):
     try:
         yield
     except Exception as e:
-        record_seen(run_dir, who, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+        first_line = (str(e).strip().splitlines() or [""])[0]
+        record_seen(run_dir, who, f"{type(e).__name__}: {first_line[:160]}")
         raise
 
 
