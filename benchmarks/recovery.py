@@ -189,7 +189,8 @@ def report(args: argparse.Namespace, results: list[dict], cost: str, refused: di
     left_out = "; ".join(f"{name}: {why}" for name, why in refused.items() if why)
     caption = (f"Recovery of the tiny model (configs/tiny.toml), 2 ranks under `hlat torchrun --max-restarts`, "
                f"{args.minutes:g} min per path, one trainer SIGKILLed at exponential intervals (mean {args.mean_s:g} "
-               f"s, seed {args.seed}), train.ckpt_every = {args.ckpt_every}; per failure means (goodput.json; a fault that lands on a start before its rank 0 began its work, during the "
+               f"s, seed {args.seed}), train.ckpt_every = {args.ckpt_every}; per failure means "
+               f"(goodput.json; a fault that lands on a start before its rank 0 began its work, during the "
                f"interpreter's imports, is no failure of its own: its time is in the previous failure's restart). "
                f"Machine: {machine()}; torch {torch_version()}. Snapshot cost per step (median step time with the "
                f"memory tier over without, no faults): {cost}."

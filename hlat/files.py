@@ -4,8 +4,8 @@ writes"), and a failure's moment as its observer saw it (`record_seen`). Torch-f
 import it.
 
 Checkpoints, metrics.jsonl, TensorBoard events, goodput.json and progress.json, restarts.jsonl, hang stamps,
-config.toml and the tokenizer are all written inside `writing`: a write refused because the disk is full, the quota is spent, the file
-system is read-only or the directory is not writable ends the run with one line naming the path, the cause and the
+config.toml and the tokenizer are all written inside `writing`: a write refused because the disk is full, the quota
+is spent, the file system is read-only or the directory is not writable ends the run with one line naming the path, the cause and the
 checkpoint the run can resume from (`WriteFailed`, exit code 2: `--max-restarts` does not retry it, since the same
 start would fail the same way). The cause is found wherever it surfaces: torch.save reports a full disk as
 `RuntimeError: [enforce fail at inline_container.cc:...] unexpected pos`, with the ENOSPC only in its context.
