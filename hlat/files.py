@@ -6,10 +6,11 @@ import it.
 Checkpoints, metrics.jsonl, TensorBoard events, goodput.json and progress.json, restarts.jsonl, hang stamps,
 config.toml and the tokenizer are all written inside `writing`: a write refused because the disk is full, the quota
 is spent, the file system is read-only or the directory is not writable ends the run with one line naming the path,
-the cause and the checkpoint the run can resume from (`WriteFailed`, exit code 2: `--max-restarts` does not retry it,
-since the same start would fail the same way). The cause is found wherever it surfaces: torch.save reports a full disk as
-`RuntimeError: [enforce fail at inline_container.cc:...] unexpected pos`, with the ENOSPC only in its context.
-Other I/O errors (EIO, a stale NFS handle) may be transient and keep their traceback and exit code 1: retried.
+the cause and the checkpoint the run can resume from (`WriteFailed`, exit code 2: `--max-restarts` does not retry
+it, since the same start would fail the same way). The cause is found wherever it surfaces: torch.save reports a
+full disk as `RuntimeError: [enforce fail at inline_container.cc:...] unexpected pos`, with the ENOSPC only in its
+context. Other I/O errors (EIO, a stale NFS handle) may be transient and keep their traceback and exit code 1:
+retried.
 """
 
 from __future__ import annotations
