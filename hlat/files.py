@@ -1,14 +1,16 @@
 """A run directory's files: its metrics.jsonl read back (`read_metrics`, for the trainer,
 `hlat compare` and `hlat plan --calibrate`), and the one way they are written (docs/fault-tolerance.md, "Failed
-writes"). Torch-free: the supervisor and the planner import it.
+writes"), and a failure's moment as its observer saw it (`record_seen`). Torch-free: the supervisor and the planner
+import it.
 
-Checkpoints, metrics.jsonl, TensorBoard events, goodput.json, restarts.jsonl, hang stamps, config.toml and the
-tokenizer are all written inside `writing`: a write refused because the disk is full, the quota is spent, the file
-system is read-only or the directory is not writable ends the run with one line naming the path, the cause and the
-checkpoint the run can resume from (`WriteFailed`, exit code 2: `--max-restarts` does not retry it, since the same
-start would fail the same way). The cause is found wherever it surfaces: torch.save reports a full disk as
-`RuntimeError: [enforce fail at inline_container.cc:...] unexpected pos`, with the ENOSPC only in its context.
-Other I/O errors (EIO, a stale NFS handle) may be transient and keep their traceback and exit code 1: retried.
+Checkpoints, metrics.jsonl, TensorBoard events, goodput.json and progress.json, restarts.jsonl, hang stamps,
+config.toml and the tokenizer are all written inside `writing`: a write refused because the disk is full, the quota
+is spent, the file system is read-only or the directory is not writable ends the run with one line naming the path,
+the cause and the checkpoint the run can resume from (`WriteFailed`, exit code 2: `--max-restarts` does not retry
+it, since the same start would fail the same way). The cause is found wherever it surfaces: torch.save reports a
+full disk as `RuntimeError: [enforce fail at inline_container.cc:...] unexpected pos`, with the ENOSPC only in its
+context. Other I/O errors (EIO, a stale NFS handle) may be transient and keep their traceback and exit code 1:
+retried.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import re
 import shutil
 import sys
 import threading
+import time
 from pathlib import Path
 
 from hlat import ERROR_EXIT, HlatError
@@ -115,6 +118,19 @@ def append_text(path: Path, text: str, run_dir: Path) -> None:
                 raise
         finally:
             os.close(fd)
+
+
+SEEN_DIR = "failures"  # a run's failure records: `seen_<who>.json`, each observer's latest (hlat.train.recovery)
+
+
+def record_seen(run_dir: Path, who: str, what: str) -> None:
+    """`who` (rank<R>, the supervisor) saw the run's attempt fail now, as `what`. Best effort: the failure itself is
+    the news, so a refused write here is passed over."""
+    directory = Path(run_dir) / SEEN_DIR
+    with contextlib.suppress(OSError, HlatError):
+        directory.mkdir(parents=True, exist_ok=True)
+        write_text(directory / f"seen_{who}.json", json.dumps({"at": round(time.time(), 3), "by": f"{who}: {what}"}),
+                   Path(run_dir))
 
 
 def free_bytes(directory: Path) -> int | None:

@@ -415,6 +415,11 @@ def test_torchrun_restarts_a_killed_worker_in_place_bit_exact(launched, restart_
             os.killpg(job.pid, signal.SIGKILL)
     assert job.returncode == 0, out[-5000:]
     assert "resumed from" in out and "Connection refused" not in out
+    # goodput's split of the failure: the surviving rank saw its collective fail (hlat.train.recovery)
+    failure, = json.loads((run / "goodput.json").read_text())["failures"]
+    assert failure["seen_by"].startswith(("rank0: ", "rank1: ")), failure
+    assert failure["progress_at"] <= failure["seen_at"] <= failure["restart_at"] and failure["load_s"] > 0
+    assert failure["recomputed_steps"] == failure["high_water_step"] - failure["resumed_step"] >= 0
     reference = cfg_file.parent / "reference"
     assert [(r["loss"], r["grad_norm"]) for r in strict_records(run)] == \
         [(r["loss"], r["grad_norm"]) for r in strict_records(reference)]

@@ -31,9 +31,9 @@ def after_step(self, result, real=Trainer.after_step):
     real(self, result)
     kill_once("after step 5", self.step == 5)
 
-def restore(self, resume_from, real=Trainer.restore):
-    kill_once("during start-up", resume_from is not None)
-    real(self, resume_from)
+def restore(self, real=Trainer.restore):
+    kill_once("during start-up", self.checkpoints.start.path is not None)
+    real(self)
 
 def rotate(self, newest, real=Checkpointer._rotate):
     kill_once("checkpoint 9 renamed", newest == 9)
@@ -72,3 +72,107 @@ def test_ettr_of_a_run_killed_three_times_matches_its_own_step_times(tmp_path):
           f"{goodput['recomputed_s']:.3f} s")
     assert abs(goodput["ettr"] - computed) <= 0.03 * computed
     assert goodput["lost_s"] > 0 and goodput["recomputed_s"] > 0  # steps 4 and 5 were run again
+
+
+def test_each_failure_is_split_and_the_totals_are_the_sums_of_the_list(tmp_path, monkeypatch):
+    """Three attempts on a clock the test holds: the first dies after step 5 (the supervisor sees it 3 s later),
+    the second after step 6 (nobody sees it), the third ends cleanly, and a fourth start after that is no failure.
+    Each failure's moments are the ones the test set; its high water comes from progress.json (goodput.json was
+    last written at the checkpoint of step 3); the totals are the sums of the list."""
+    from hlat.files import record_seen
+    from hlat.train.goodput import Goodput
+
+    clock = [1000.0]
+    monkeypatch.setattr("time.time", lambda: clock[0])
+
+    def attempt(resume_step: int, steps: range) -> Goodput:
+        g = Goodput(tmp_path, True, clock[0])
+        g.resumed(resume_step)
+        clock[0] += 3
+        g.start_up_done()
+        for step in steps:
+            clock[0] += 1
+            g.step(step, 1.0, 0.0, bad=False)
+            if step == 3:
+                g.saving(3)
+                g.committed(3)
+        return g
+
+    attempt(0, range(1, 6))  # killed after step 5, at 1008
+    clock[0] += 3
+    record_seen(tmp_path, "supervisor", "killed by SIGKILL")  # at 1011
+    clock[0] += 2
+    attempt(3, range(4, 7))  # starts at 1013; killed after step 6, at 1019
+    clock[0] += 6
+    attempt(3, range(4, 9)).finished()  # starts at 1025
+    clock[0] += 100
+    Goodput(tmp_path, True, clock[0])
+    account = json.loads((tmp_path / "goodput.json").read_text())
+    first, second = account["failures"]
+    assert first == {"after_step": 5, "progress_at": 1008.0, "seen_at": 1011.0,
+                     "seen_by": "supervisor: killed by SIGKILL", "restart_at": 1013.0, "detection_s": 3.0,
+                     "restart_s": 2.0, "downtime_s": 5.0, "load_s": 3.0, "resumed_step": 3, "high_water_step": 5,
+                     "recomputed_steps": 2, "recomputed_s": 2.0}
+    assert second == {"after_step": 6, "progress_at": 1019.0, "seen_at": None, "seen_by": None, "restart_at": 1025.0,
+                      "detection_s": None, "restart_s": None, "downtime_s": 6.0, "load_s": 3.0, "resumed_step": 3,
+                      "high_water_step": 6, "recomputed_steps": 3, "recomputed_s": 3.0}
+    assert account["failure_totals"] == {"failures": 2, "not_observed": 1, "detection_s": 3.0, "restart_s": 2.0,
+                                         "downtime_s": 11.0, "load_s": 6.0, "recomputed_steps": 5,
+                                         "recomputed_s": 5.0}
+    assert account["starts"] == 4 and account["recomputed_s"] == 5.0
+
+
+# The trainer of a supervised run killed (SIGKILL) once, right after step 5, its moment written down first.
+KILLED_AFTER_STEP_5 = """
+import os, signal, sys, time
+from pathlib import Path
+from hlat.cli import main
+from hlat.train.trainer import Trainer
+
+def after_step(self, result, real=Trainer.after_step):
+    real(self, result)
+    mark = Path(os.environ["KILL_MARK"])
+    if self.step == 5 and not mark.exists():
+        mark.write_text(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+Trainer.after_step = after_step
+sys.exit(main(["train", *sys.argv[1:]]))
+"""
+
+
+@pytest.mark.slow
+def test_a_killed_and_resumed_run_shows_one_failure_split_in_order(tmp_path):
+    """Killed after step 5 with checkpoints every 3 steps, restarted by the supervisor: one failure, seen by the
+    supervisor, whose moments come in order around the kill (the last progress before it, the supervisor's sight
+    after it, the restart before the first resumed step's record); it resumed from step 3 and recomputed steps 4 and
+    5, whose seconds are those of their records in metrics.jsonl (log_every = 1) to the records' rounding."""
+    cfg = config(tmp_path / "run", steps=7, decay_steps=7, ckpt_every=3)
+    cfg.data.workers = 0
+    done = subprocess.run([sys.executable, "-c", SUPERVISED, KILLED_AFTER_STEP_5, "--config",
+                           str(write_config(tmp_path / "c.toml", cfg)), "--max-restarts", "1"],
+                          env={**os.environ, "KILL_MARK": str(tmp_path / "killed")},
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    killed = float((tmp_path / "killed").read_text())
+    goodput = json.loads((tmp_path / "run" / "goodput.json").read_text())
+    failure, = goodput["failures"]
+    assert failure["after_step"] == 5 and failure["seen_by"] == "supervisor: killed by SIGKILL"
+    # goodput.json's moments are rounded to 1 ms
+    assert failure["progress_at"] <= killed + 5e-4 <= failure["seen_at"] + 1e-3 <= failure["restart_at"] + 2e-3
+    records = strict_records(tmp_path / "run")
+    first_resumed = next(r for r in records if r["step"] == 4)
+    parts = failure["detection_s"] + failure["restart_s"] + failure["load_s"]
+    assert min(failure["detection_s"], failure["restart_s"], failure["load_s"]) > 0
+    assert parts <= first_resumed["time"] - failure["progress_at"] + 3e-3  # three parts rounded to 1 ms
+    assert abs(failure["downtime_s"] - failure["detection_s"] - failure["restart_s"]) <= 2e-3
+    assert (failure["resumed_step"], failure["high_water_step"], failure["recomputed_steps"]) == (3, 5, 2)
+    rerun = sum(r["step_time_s"] - r["data_wait_s"] for r in records if r["step"] in (4, 5))
+    # step_time_s and data_wait_s are rounded to 1e-4 each in the two records, recomputed_s to 1e-3
+    assert abs(failure["recomputed_s"] - rerun) <= 4 * 0.5e-4 + 0.5e-3
+    totals = goodput["failure_totals"]
+    assert totals == {"failures": 1, "not_observed": 0, **{k: failure[k] for k in (
+        "detection_s", "restart_s", "downtime_s", "load_s", "recomputed_steps", "recomputed_s")}}
+    last = records[-1]
+    assert last["failures"] == 1 and last["failure_recomputed_steps"] == 2
+    assert "1: downtime" in done.stdout  # the run summary's line

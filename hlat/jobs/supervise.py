@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from hlat import ERROR_EXIT
-from hlat.files import append_text, writing
+from hlat.files import append_text, record_seen, writing
 
 
 def child_command(train_args: list[str], nproc: int) -> list[str]:
@@ -58,6 +58,8 @@ def supervise(train_args: list[str], run_dir: Path, max_restarts: int, nproc: in
                 if "hlat: error:" in line:
                     error = line.strip()
             code = child.wait()
+            if code != 0 and not stopping:  # the moment the failure was seen, for goodput's split of it
+                record_seen(run_dir, "supervisor", describe_exit(code))
             if code == 0 or stopping or code == ERROR_EXIT or attempt == max_restarts:
                 if code not in (0, ERROR_EXIT) and not stopping:
                     print(f"hlat: error: gave up after {max_restarts} restarts ({describe_exit(code)})",

@@ -72,10 +72,22 @@ def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
                         ("tokens seen", f"{s.tokens_seen:,}"), ("tokens/s", f"{s.tokens_per_s:,.0f}"),
                         ("first loss", f"{s.first_loss:.4f}"), ("last loss", f"{s.last_loss:.4f}"),
                         ("checkpoint", s.checkpoint), ("bad steps skipped", f"{s.bad_steps:,}"),
-                        ("goodput (ETTR)", f"{s.ettr:.1%} of the wall time since the run began (goodput.json)")):
+                        ("goodput (ETTR)", f"{s.ettr:.1%} of the wall time since the run began (goodput.json)"),
+                        ("failures", failures_text(s.recovery))):
         table.add_row(name, value)
     console.print(table)
     return 0
+
+
+def failures_text(total: dict | None) -> str:
+    """The run's failures in one cell: how many, and their parts in total (hlat.train.recovery)."""
+    if not total or not total["failures"]:
+        return "none"
+    unseen = total["not_observed"]
+    split = (f"detection {total['detection_s']:.1f} s + restart {total['restart_s']:.1f} s"
+             + (f" where observed ({unseen} not)" if unseen else ""))
+    return (f"{total['failures']}: downtime {total['downtime_s']:.1f} s ({split}), state load {total['load_s']:.1f} s, "
+            f"{total['recomputed_steps']} steps recomputed ({total['recomputed_s']:.1f} s)")
 
 
 def seen_cluster_advice(cfg) -> str | None:

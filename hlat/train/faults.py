@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from hlat import HANG_EXIT, HlatError
 from hlat.config.job import TrainConfig
-from hlat.files import WriteFailed, report_and_exit, write_text, writing
+from hlat.files import WriteFailed, record_seen, report_and_exit, write_text, writing
 
 
 class BadSteps:
@@ -178,6 +178,7 @@ class Watchdog:
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
         print(line, file=sys.stderr, flush=True)
+        record_seen(self.run_dir, f"rank{self.rank}", f"watchdog: no step finished for {self.timeout_s:g} s")
 
 
 def kill_stopped_sibling(seen: dict) -> bool:

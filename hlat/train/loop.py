@@ -46,6 +46,7 @@ from hlat.train.faults import StopRequest, Watchdog
 from hlat.train.goodput import Goodput
 from hlat.train.health import Health
 from hlat.train.metrics import StepReport
+from hlat.train.recovery import seeing_failures
 from hlat.train.step import Batches, ModelParts, TrainStep
 from hlat.train.tracking import require_backends
 from hlat.train.trainer import Trainer
@@ -63,6 +64,7 @@ class Summary:
     checkpoint: str
     ettr: float = 0.0  # effective training time ratio of the whole run so far (hlat.train.goodput)
     bad_steps: int = 0  # updates dropped by train.on_bad_step in this process
+    recovery: dict | None = None  # the run's failures in total: detection, restart, load, recomputed (goodput.json)
 
 
 @dataclass
@@ -114,12 +116,15 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
             watchdog=Watchdog(cfg.train.hang_timeout_s, Path(cfg.train.run_dir), topo.rank, topo.world_size))
         cleanup.callback(trainer.checkpoints.close)
         cleanup.callback(trainer.report.close)
+        # entered last, so it exits first: a failure is recorded when seen, before the clean-up above runs
+        cleanup.enter_context(seeing_failures(Path(cfg.train.run_dir), f"rank{topo.rank}"))
         trainer.restore()
         check_disk(trainer, inputs)
         announce(trainer, inputs)
         goodput.start_up_done()
         run_steps(trainer)
         trainer.checkpoints.finish()
+        goodput.finished()
         return summary(trainer, inputs.resume_from)
 
 
@@ -269,4 +274,4 @@ def summary(trainer: Trainer, resume_from: Path | None) -> Summary:
                    first_loss=report.losses[0] if report.losses else float("nan"),
                    last_loss=report.losses[-1] if report.losses else float("nan"),
                    checkpoint=str(trainer.checkpoints.saved or resume_from or ""), ettr=trainer.goodput.ettr(),
-                   bad_steps=trainer.train_step.bad_steps.total)
+                   bad_steps=trainer.train_step.bad_steps.total, recovery=trainer.goodput.recovery())

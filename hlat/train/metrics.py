@@ -18,6 +18,7 @@ from rich.console import Console
 from hlat.config.job import Config, CostConfig
 from hlat.files import append_text, read_metrics, write_text, writing
 from hlat.profiles import load_profile
+from hlat.train.recovery import PARTS
 from hlat.train.tracking import numeric, open_trackers
 
 # Peak dense bf16 FLOP/s per device (vendor figures; dense, no sparsity). CPUs get a nominal figure (cores x
@@ -200,6 +201,8 @@ TENSORBOARD_TAGS = {
     "rank_compute_s": "health/rank_compute_s", "rank_compute_max_s": "health/rank_compute_max_s",
     "slowest_rank": "health/slowest_rank", "slowest_rank_ratio": "health/slowest_rank_ratio",
     "collective_wait_s": "health/collective_wait_s", "collective_wait_max_s": "health/collective_wait_max_s",
+    "ettr": "goodput/ettr", "failures": "goodput/failures", "failures_not_observed": "goodput/failures_not_observed",
+    **{f"failure_{part}": f"goodput/failure_{part}" for part in PARTS},
 }
 
 

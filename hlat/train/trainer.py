@@ -73,7 +73,8 @@ class Trainer:
         validate = self.validation.due(self.step)
         if self.report.due(self.step, result.stopping) or validate:
             self.report.log(self.step, result.lr, self.train_step.bad_steps.total,
-                            self.validate if validate else None, self.train_step.health.check())
+                            self.validate if validate else None,
+                            {**self.train_step.health.check(), **self.goodput.metric_fields()})
             self.goodput.save()
         if validate:
             self.checkpoints.keep_best(self.validation.latest)

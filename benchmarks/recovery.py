@@ -1,0 +1,212 @@
+"""Recovery under a seeded fault schedule: what failures cost, per recovery path (docs/fault-tolerance.md, "Goodput").
+
+The tiny model (configs/tiny.toml) trains as a 2-rank job under `hlat torchrun --max-restarts <many>` (restarts in
+place; a restarted worker resumes by itself) for a fixed wall time, while one trainer process, drawn at random, is
+killed with SIGKILL at exponentially distributed intervals (seeded; mean --mean-s). At the end the job is stopped
+with SIGTERM (it checkpoints and exits 0) and its goodput.json gives the ETTR and each failure's split: detection,
+restart, state load, recomputed steps. A path is a set of config overrides (PATHS): `durable` restarts and reloads
+from the checkpoint directory; `memory` adds the node-local in-memory snapshot tier. A path whose overrides the
+config does not know is reported in one line and left out. Without faults, the snapshot's cost per step is the
+ratio of median step times (metrics.jsonl, one record per step) with and without the memory tier's overrides.
+
+    python benchmarks/recovery.py                  # 10 minutes per path, mean 90 s between faults
+    python benchmarks/recovery.py --quick --paths durable
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "benchmarks")]
+from results_io import markdown_table, write_results  # noqa: E402
+
+# each recovery path: its config overrides ({node_local}: a directory on this node, {ckpt_every}: --ckpt-every)
+PATHS = {
+    "durable": ["--train.ckpt_every", "{ckpt_every}"],
+    "memory": ["--train.ckpt_every", "{ckpt_every}", "--train.snapshot_every", "1",
+               "--train.snapshot_dir", "{node_local}"],
+}
+PARTS = ("detection_s", "restart_s", "downtime_s", "load_s", "recomputed_steps", "recomputed_s")
+
+
+def overrides(path: str, run_dir: Path, ckpt_every: int, *extra: str) -> list[str]:
+    """The path's `hlat train` arguments (micro-batches of 8: the tiny config's global batch of 16 over 2 ranks)."""
+    fill = {"node_local": str(run_dir.parent / "node_local"), "ckpt_every": str(ckpt_every)}
+    return ["--config", str(ROOT / "configs" / "tiny.toml"), "--train.run_dir", str(run_dir),
+            "--train.steps", "1000000", "--train.micro_batch", "8", *(o.format(**fill) for o in PATHS[path]), *extra]
+
+
+def config_refusal(args: list[str]) -> str:
+    """'' if `hlat train` accepts these overrides, else its one-line error."""
+    done = subprocess.run([sys.executable, "-m", "hlat", "train", *args, "--print-config"],
+                          capture_output=True, text=True, timeout=120)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("hlat: error:")]
+    return "" if done.returncode == 0 else (errors[-1] if errors else done.stderr.strip()[-300:])
+
+
+def start_job(args: list[str], log: Path) -> subprocess.Popen:
+    with open(log, "w") as out:
+        return subprocess.Popen([sys.executable, "-m", "hlat", "torchrun", "--standalone", "--nproc-per-node=2",
+                                 "--max-restarts=1000", "-m", "hlat", "train", *args],
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def trainers(torchrun: int) -> list[int]:
+    """torchrun's worker processes (its children running `hlat train`)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == torchrun \
+                    and b"train" in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def stop(job: subprocess.Popen) -> int:
+    """SIGTERM: the trainers checkpoint and return, and `hlat torchrun` exits 0."""
+    job.send_signal(signal.SIGTERM)
+    try:
+        return job.wait(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        return job.wait()
+
+
+def faulted_run(path: str, root: Path, seconds: float, mean_s: float, ckpt_every: int, seed: int) -> dict:
+    """One path for `seconds` of wall time, one trainer killed at each of the schedule's moments."""
+    run_dir = root / path / "run"
+    run_dir.parent.mkdir(parents=True)
+    rng = random.Random(seed)
+    job = start_job(overrides(path, run_dir, ckpt_every), root / path / "job.log")
+    begun, kills = time.time(), []
+    at = begun + rng.expovariate(1 / mean_s)
+    while at < begun + seconds and job.poll() is None:
+        time.sleep(max(0.0, at - time.time()))
+        workers = trainers(job.pid)
+        if len(workers) == 2:  # else torchrun is between attempts: this fault falls on nothing
+            os.kill(rng.choice(sorted(workers)), signal.SIGKILL)
+            kills.append(round(time.time() - begun, 1))
+        at += rng.expovariate(1 / mean_s)
+    while job.poll() is None and time.time() < begun + seconds:
+        time.sleep(0.5)
+    if job.poll() is not None:
+        raise SystemExit(f"path {path}: the job ended early with exit code {job.returncode}: see {root / path}/job.log")
+    code = stop(job)
+    goodput = json.loads((run_dir / "goodput.json").read_text())
+    return {"path": path, "exit": code, "wall_s": goodput["wall_s"], "ettr": goodput["ettr"],
+            "steps": goodput["high_water_step"], "kills": kills, "failures": goodput["failures"],
+            "totals": goodput["failure_totals"]}
+
+
+def median_step_s(path: str, root: Path, steps: int, ckpt_every: int) -> float:
+    """The median step time of `steps` steps without faults (one metrics record per step; the first, which
+    carries the start-up, left out)."""
+    run_dir = root / f"{path}_no_faults" / "run"
+    run_dir.parent.mkdir(parents=True)
+    args = overrides(path, run_dir, ckpt_every, "--train.log_every", "1")
+    args[args.index("--train.steps") + 1] = str(steps)
+    job = start_job(args, run_dir.parent / "job.log")
+    if job.wait(timeout=1800) != 0:
+        raise SystemExit(f"{path} without faults failed: see {run_dir.parent / 'job.log'}")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return statistics.median(r["step_time_s"] for r in records[1:])
+
+
+def snapshot_cost(root: Path, steps: int, ckpt_every: int) -> str:
+    """The memory tier's per-step snapshot as a share of step time: median step times, with it over without."""
+    with_tier, without = (median_step_s(path, root, steps, ckpt_every) for path in ("memory", "durable"))
+    return f"{with_tier / without - 1:+.1%} ({with_tier * 1e3:.1f} ms against {without * 1e3:.1f} ms per step)"
+
+
+def row(result: dict) -> list:
+    n, totals = len(result["failures"]), result["totals"]
+
+    def mean(part: str, digits: int = 2) -> str:
+        have = [f[part] for f in result["failures"] if f[part] is not None]
+        return f"{sum(have) / len(have):.{digits}f}" if have else "-"
+
+    return [result["path"], f"{result['wall_s']:.0f}", result["steps"], len(result["kills"]),
+            f"{n} ({totals['not_observed']} not observed)", f"{result['ettr']:.3f}", mean("detection_s"),
+            mean("restart_s"), mean("downtime_s"), mean("load_s"), mean("recomputed_steps", 1),
+            mean("recomputed_s")]
+
+
+def machine() -> str:
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name"))
+    except (OSError, StopIteration):
+        model = platform.processor() or "unknown CPU"
+    return f"{platform.node()}: {os.cpu_count()} cores of {model}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--minutes", type=float, default=10.0, help="wall time per path")
+    p.add_argument("--mean-s", type=float, default=90.0, help="mean time between faults")
+    p.add_argument("--ckpt-every", type=int, default=20, help="train.ckpt_every of every path")
+    p.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated, of {', '.join(PATHS)}")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cost-steps", type=int, default=200, help="steps of each run without faults (snapshot cost)")
+    p.add_argument("--quick", action="store_true", help="3 minutes per path, a fault every 45 s on average, "
+                                                        "60 steps for the snapshot's cost")
+    args = p.parse_args()
+    if args.quick:
+        args.minutes, args.mean_s, args.cost_steps = 3.0, 45.0, 60
+    paths = [name for name in args.paths.split(",") if name]
+    if unknown := [name for name in paths if name not in PATHS]:
+        raise SystemExit(f"--paths: no path {', '.join(unknown)} (paths: {', '.join(PATHS)})")
+    with tempfile.TemporaryDirectory(prefix="hlat-recovery-") as tmp:
+        root = Path(tmp)
+        refused = {name: config_refusal(overrides(name, root / name / "run", args.ckpt_every)) for name in PATHS}
+        for name in paths:
+            if refused[name]:
+                print(f"path {name}: {refused[name]}", file=sys.stderr)
+        results = [faulted_run(name, root, args.minutes * 60, args.mean_s, args.ckpt_every, args.seed)
+                   for name in paths if not refused[name]]
+        cost = (snapshot_cost(root, args.cost_steps, args.ckpt_every) if not refused["memory"]
+                else f"not measured ({refused['memory']})")
+    report(args, results, cost, refused)
+
+
+def report(args: argparse.Namespace, results: list[dict], cost: str, refused: dict) -> None:
+    header = ["path", "wall s", "steps", "faults", "failures", "ETTR", "detection s", "restart s", "downtime s",
+              "load s", "recomputed steps", "recomputed s"]
+    left_out = "; ".join(f"{name}: {why}" for name, why in refused.items() if why)
+    caption = (f"Recovery of the tiny model (configs/tiny.toml), 2 ranks under `hlat torchrun --max-restarts`, "
+               f"{args.minutes:g} min per path, one trainer SIGKILLed at exponential intervals (mean {args.mean_s:g} "
+               f"s, seed {args.seed}), train.ckpt_every = {args.ckpt_every}; per failure means "
+               f"(goodput.json; a fault that lands on a start before its rank 0 began its work, during the "
+               f"interpreter's imports, is no failure of its own: its time is in the previous failure's restart). "
+               f"Machine: {machine()}; torch {torch_version()}. Snapshot cost per step (median step time with the "
+               f"memory tier over without, no faults): {cost}."
+               + (f" Paths left out: {left_out}." if left_out else ""))
+    name = "recovery_quick" if args.quick else "recovery"
+    write_results(name, {"machine": machine(), "minutes": args.minutes, "mean_s": args.mean_s,
+                         "ckpt_every": args.ckpt_every, "seed": args.seed, "snapshot_cost": cost,
+                         "left_out": {k: v for k, v in refused.items() if v}},
+                  results, caption, markdown_table(header, [row(r) for r in results]))
+
+
+def torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
+if __name__ == "__main__":
+    main()
