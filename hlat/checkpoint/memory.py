@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import pickle
 import re
@@ -36,6 +37,8 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from hlat.checkpoint.layout import CONFIG_FILE
 from hlat.checkpoint.store import STAGER_KEEPS_BUFFERS, RankWriteFailed, digests
 
+AUTO = -1  # train.snapshot_every = -1: every step, unless that stalls training more than STALL_SHARE
+STALL_SHARE = 0.05
 _STEP = re.compile(r"^step_(\d{8})$")
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 METADATA = ".metadata"
@@ -112,9 +115,20 @@ class MemoryTier:
                                       use_non_blocking_copy=pinned)
         self.stager = DefaultStager(self.staging) if STAGER_KEEPS_BUFFERS else None
         self.in_flight: _Flight | None = None
+        self.saves = 0
 
     def due(self, step: int) -> bool:
-        return self.every > 0 and step % self.every == 0
+        return self.every == AUTO or (self.every > 0 and step % self.every == 0)
+
+    def tune(self, stall_s: float, step_s: float) -> int:
+        """train.snapshot_every = -1: from a snapshot's measured stall (the copy to host memory, and any wait for
+        the one before) and the step's time, snapshot every K steps, the fewest that keep the stall under
+        STALL_SHARE of their time; the largest K of all ranks, so that they all snapshot the same steps."""
+        every = torch.tensor([float(max(1, math.ceil(stall_s / (STALL_SHARE * max(step_s, 1e-9)))))])
+        if self.group is not None:
+            dist.all_reduce(every, op=dist.ReduceOp.MAX, group=self.group)
+        self.every = int(every.item())
+        return self.every
 
     def save(self, step: int, state: dict) -> str | None:
         """Snapshot `state` (a state dict) as step `step`: copied to host memory now, written in the background. A
@@ -127,6 +141,7 @@ class MemoryTier:
                 dist.all_reduce(failed, group=self.group)
             if failure := self.commit(bool(failed.item())):
                 return failure
+        self.saves += 1
         target = step_dir(self.root, step)
         target.mkdir(parents=True, exist_ok=True)
         stager = self.stager or DefaultStager(self.staging)

@@ -19,7 +19,7 @@ from rich.console import Console
 from hlat import HlatError
 from hlat.checkpoint.best import BestCheckpoint
 from hlat.checkpoint.layout import MANIFEST, checkpoint_step, complete_checkpoints, latest_checkpoint
-from hlat.checkpoint.memory import MemoryTier, fetch, files_to_read, snapshot_root
+from hlat.checkpoint.memory import AUTO, STALL_SHARE, MemoryTier, fetch, files_to_read, snapshot_root
 from hlat.checkpoint.start import Start
 from hlat.checkpoint.state import TrainState, load_weights
 from hlat.checkpoint.store import Checkpointer, newest_good_checkpoint, resolve_checkpoint, set_aside
@@ -59,7 +59,7 @@ class Checkpoints:
         the ranks agreed to start (`hlat.checkpoint.start.agree_on_start`)."""
         settings = cfg.train
         self.state, self.console, self.init_from, self.is_main = state, console, settings.init_from, topo.is_main
-        self.start, self.rank = start, topo.rank
+        self.start, self.rank, self.mode = start, topo.rank, cfg.precision.mode
         self.memory = MemoryTier(snapshot_root(settings.snapshot_dir, settings.run_dir), settings.snapshot_every,
                                  start.token, topo.rank, start.node, start.group, cfg.to_toml(),
                                  pinned=device.type == "cuda") if settings.snapshot_every else None
@@ -93,12 +93,19 @@ class Checkpoints:
     def snapshot_due(self, step: int) -> bool:
         return self.memory is not None and self.memory.due(step)
 
-    def snapshot(self) -> None:
-        """The memory tier's snapshot of the state at its step: training stalls for the copy to host memory."""
+    def snapshot(self, step_s: float) -> None:
+        """The memory tier's snapshot of the state at its step: training stalls for the copy to host memory. Under
+        train.snapshot_every = -1 the second snapshot's stall against the step's time (`step_s`) sets the cadence."""
         started = time.perf_counter()
         failure = self.memory.save(self.state.step, self.state.state_dict())
-        self.goodput.checkpointed(time.perf_counter() - started)
-        self.memory_failed(failure)
+        stall = time.perf_counter() - started
+        self.goodput.checkpointed(stall)
+        if self.memory_failed(failure) or self.memory.every != AUTO or self.memory.saves < 2:
+            return
+        every = self.memory.tune(stall, step_s)
+        self.console.print(f"memory tier: a snapshot every {every} step{'s' if every > 1 else ''} (train.snapshot_every"
+                           f" = -1: it stalls a step by {stall * 1e3:.0f} ms, {stall / step_s:.1%} of its "
+                           f"{step_s * 1e3:.0f} ms; the goal is under {STALL_SHARE:.0%})", highlight=False)
 
     def writes(self) -> Writes:
         """This rank's part of the background writes in flight: done or not."""
@@ -114,13 +121,15 @@ class Checkpoints:
         if agreed.snapshot:
             self.memory_failed(self.memory.commit(agreed.snapshot_failed))
 
-    def memory_failed(self, failure: str | None) -> None:
+    def memory_failed(self, failure: str | None) -> bool:
+        """Turn the memory tier off after a failed snapshot write (`failure`, on every rank alike); True if so."""
         if failure:
             self.console.print(f"warning: the memory tier is off for the rest of this process: a snapshot write "
                                f"failed ({failure}); checkpoints go on every train.ckpt_every steps", soft_wrap=True,
                                highlight=False, markup=False)
             self.memory.close()
             self.memory = None
+        return bool(failure)
 
     def keep_best(self, figures: dict) -> None:
         """After a validation (on every rank): eval.keep_best's checkpoint of the state, if `figures` hold the
@@ -188,7 +197,31 @@ class Checkpoints:
         if self.memory is not None:
             self.memory.close()
 
-    # --- room on the disk, before the first step --------------------------------------------------------------
+    # --- room on the disk and in memory, before the first step -----------------------------------------------
+
+    def check_memory(self) -> str | None:
+        """What the memory tier costs each rank, for the log, once every node has room for it (refused in one line
+        on every rank alike, one gather): the newest complete snapshot and the one being written, each of this
+        rank's own state and (on several nodes) of its ward's copy, in node-local memory; and the copy of the state
+        in host memory that each snapshot is written from."""
+        if self.memory is None:
+            return None
+        node, root, mode = self.memory.node, self.memory.root, MODES[self.mode]
+        # the weights as they are, the optimizer's states in proportion (none exist before the first step)
+        size = {k: v * (1 + mode.optimizer_bytes / mode.weight_bytes) for k, v in self.state.nbytes(False).items()}
+        kept = size["written_share"] * (4 if node.count > 1 else 2)
+        gathered = gather_objects((node.index, free_bytes(root), kept))
+        for index in sorted({i for i, _, _ in gathered}):
+            free = next(f for i, f, _ in gathered if i == index)
+            needed = sum(k for i, _, k in gathered if i == index)
+            if free is not None and free < needed:
+                raise HlatError(f"train.snapshot_dir: {root.parent} on node {index} has {size_text(free)} free; the "
+                                f"memory tier needs {size_text(needed)} there; free some, point train.snapshot_dir "
+                                "at a larger tmpfs, or set train.snapshot_every = 0 (off)")
+        copies = "2 snapshots of its state" + (" and 2 of its buddy's" if node.count > 1 else "")
+        return (f"memory tier: {size_text(kept)} per rank in {root.parent} ({copies}), and {size_text(size['held'])} "
+                "of host memory for the copy each snapshot is written from")
+
 
     def check_room(self, step: int, size: int, local_params: int) -> str | None:
         """Refuse, on every rank alike (one gather), a run whose checkpoints of `size` bytes do not fit: the rotation

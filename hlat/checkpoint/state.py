@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from hlat.checkpoint.store import read_checkpoint
 from hlat.data.packing import DataStream
+from hlat.dtensor import local
 
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)  # optimizer states keyed by parameter name
 
@@ -34,6 +35,21 @@ class TrainState:
         trainer = {"step": self.step, "data": self.stream.state_dict() if self.stream else None, "rng": rng_state()}
         return {"model": model_state(self.parts), "optim": optimizer_state(self.parts, self.optimizers),
                 self.state_key: json.dumps(trainer)}
+
+    def nbytes(self, optimizer: bool = True) -> dict:
+        """Bytes of this rank's state dict (`held`), and its share of what is written (`written_share`): a tensor
+        replicated over some mesh dimensions is written once among its holders. Without `optimizer`, the model's
+        alone: reading the optimizer's states before its first step would make them (torch takes a step at lr 0,
+        which counts in Adam's bias correction)."""
+        held = share = 0.0
+        for t in tensors_in(self.state_dict() if optimizer else model_state(self.parts)):
+            nbytes = local(t).numel() * t.element_size()
+            replicas = 1
+            if isinstance(t, DTensor):
+                for dim, placement in enumerate(t.placements):
+                    replicas *= t.device_mesh.size(dim) if placement.is_replicate() else 1
+            held, share = held + nbytes, share + nbytes / replicas
+        return {"held": held, "written_share": share}
 
     def load(self, path: Path, data_and_rng: bool = True) -> None:
         """Restore checkpoint `path` (of any layout) into this state."""
@@ -53,6 +69,14 @@ class TrainState:
                 self.stream.load_state_dict(trainer["data"])
             set_rng_state(trainer["rng"])
         self.step = trainer["step"]
+
+
+def tensors_in(state) -> list[torch.Tensor]:
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, dict):
+        return [t for value in state.values() for t in tensors_in(value)]
+    return []
 
 
 def model_state(parts: list[nn.Module]) -> dict:

@@ -55,7 +55,8 @@ def _env(c: ClusterConfig) -> dict[str, str]:
 
 
 def _torchrun(c: ClusterConfig, rdzv_id: str, endpoint: str, restarts: int) -> list[str]:
-    return ["hlat", "torchrun", f"--nnodes={c.nodes}", f"--nproc-per-node={c.nproc_per_node}",
+    nodes = f"{c.min_nodes}:{c.nodes}" if c.min_nodes and c.min_nodes < c.nodes else str(c.nodes)
+    return ["hlat", "torchrun", f"--nnodes={nodes}", f"--nproc-per-node={c.nproc_per_node}",
             f"--max-restarts={restarts}", "--rdzv-backend=c10d", f"--rdzv-id={rdzv_id}", f"--rdzv-endpoint={endpoint}"]
 
 
@@ -91,6 +92,7 @@ def render_slurm(configs: list[str], cfg: Config, overrides: list[str], node: No
           if node.fabric else []),
         *(f"export {k}={v}" for k, v in fabric_env(node).items()),
         f"# world size: {c.nodes} nodes x {c.nproc_per_node} processes = {c.world_size}",
+        *(f"# {line}" for line in elastic_range(cfg)),
         "stop_and_requeue() {  # the time limit is near: the trainers checkpoint and exit, the job queues again",
         '    echo "hlat: time limit in ' + str(c.stop_grace_s) + ' s: checkpointing, then requeueing $SLURM_JOB_ID"',
         '    if [ -n "${train_pid:-}" ]; then  # unset until training starts: nothing to checkpoint yet',
@@ -192,11 +194,37 @@ def k8s_resources(node: NodeRequest) -> dict:
     return {**({"limits": limits} if limits else {}), **({"requests": requests} if requests else {})}
 
 
+def elastic_range(cfg: Config) -> list[str]:
+    """What an elastic job (cluster.min_nodes) goes on with after losing nodes: the node counts from min_nodes up
+    whose world the layout fits, and those it does not (torchrun may form them; the trainers then refuse in one
+    line and the job restarts). Refused when the layout does not fit min_nodes itself."""
+    c = cfg.cluster
+    if not c.min_nodes or c.min_nodes >= c.nodes:
+        return []
+    fits, not_fits = [], []
+    for n in range(c.min_nodes, c.nodes + 1):
+        try:
+            cfg.resolved_parallel(n * c.nproc_per_node)
+            fits.append(n)
+        except ConfigError as e:
+            if n == c.min_nodes:
+                raise ConfigError(f"cluster.min_nodes: {n} nodes do not fit the layout: {e}") from None
+            not_fits.append(n)
+    return [f"elastic: after a lost node the job goes on with {_either(fits)} nodes, at a smaller data-parallel "
+            "size, from the newest snapshot (docs/fault-tolerance.md)"] + (
+        [f"with {_either(not_fits)} nodes the layout does not fit: the trainers refuse in one line"] if not_fits else [])
+
+
+def _either(counts: list[int]) -> str:
+    return " or ".join([", ".join(map(str, counts[:-1])), str(counts[-1])] if len(counts) > 1 else [str(counts[0])])
+
+
 def render(configs: list[str], target: str, overrides: list[str], image: str) -> str:
     """The job file for `target`, after checking the configs (merged in order), the layout on the `[cluster]`
     they state and that cluster against its hardware profile."""
     cfg = load_config(configs, overrides)
     cfg.resolved_parallel(cfg.cluster.world_size)
+    elastic_range(cfg)  # refuses a min_nodes the layout does not fit
     node = cfg.cluster.node_request()
     if target == "slurm":
         return render_slurm(configs, cfg, overrides, node)

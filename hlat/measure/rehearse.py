@@ -25,7 +25,6 @@ from hlat import HlatError
 from hlat.checkpoint.state import TrainState
 from hlat.config.job import Config
 from hlat.console import make_console
-from hlat.dtensor import local
 from hlat.measure.fake_world import Deliveries, join_fake_world
 from hlat.measure.footprint import KeptForBackward, available_bytes, meta_elements, optimizer_tensors, storages
 from hlat.measure.progress import Progress
@@ -327,7 +326,7 @@ def rank_report(setup: Rehearsal, topo: Topology, train_step: TrainStep, steps: 
                  "step_compute_s": {"measured": forward_backward * m / M, "planned": step_plan.compute_s}},
         "collectives": scaled_collectives(steps.collectives.rows(), setup, rank_traffic(
             setup.work, setup.planned_layout, setup.hardware, topo.pp_rank, m)),
-        "checkpoint": {**checkpoint_bytes(TrainState(train_step.parts.parts, train_step.parts.optimizers, None)), "planned": plan.params + plan.optimizer},
+        "checkpoint": {**TrainState(train_step.parts.parts, train_step.parts.optimizers, None).nbytes(), "planned": plan.params + plan.optimizer},
         "non_finite": steps.non_finite,
     }
 
@@ -391,25 +390,3 @@ def scaled_collectives(rows: list[dict], setup: Rehearsal, planned: dict[tuple[s
     return rows
 
 
-def checkpoint_bytes(state: TrainState) -> dict:
-    """Bytes of the checkpoint's state dict on this rank (the model and optimizer states of `state`), and its share of what is written:
-    a tensor replicated over some mesh dimensions is written once among its holders."""
-    from torch.distributed.tensor import DTensor
-
-    held = share = 0.0
-    for t in tensors_in(state.state_dict()):
-        nbytes = local(t).numel() * t.element_size()
-        replicas = 1
-        if isinstance(t, DTensor):
-            for dim, placement in enumerate(t.placements):
-                replicas *= t.device_mesh.size(dim) if placement.is_replicate() else 1
-        held, share = held + nbytes, share + nbytes / replicas
-    return {"held": held, "written_share": share}
-
-
-def tensors_in(state) -> list[torch.Tensor]:
-    if isinstance(state, torch.Tensor):
-        return [state]
-    if isinstance(state, dict):
-        return [t for value in state.values() for t in tensors_in(value)]
-    return []

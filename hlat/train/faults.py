@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-import torch.distributed as dist
 
 from hlat import HANG_EXIT, HlatError
 from hlat.config.job import TrainConfig

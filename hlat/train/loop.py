@@ -237,11 +237,13 @@ def open_stream(cfg: Config, topo: Topology, tokenizer, sources: list[Source]) -
 
 def check_disk(trainer: Trainer, inputs: RunInputs) -> None:
     """Before the first step: room for the checkpoints the run keeps, against the size of one (refused in one line,
-    or a warning when every checkpoint is kept: hlat.checkpoint.run.Checkpoints.check_room)."""
+    or a warning when every checkpoint is kept: hlat.checkpoint.run.Checkpoints.check_room), and for the memory
+    tier's snapshots (its cost per rank said: `check_memory`)."""
     size = checkpoint_bytes(inputs.resume_from, inputs.n_params, trainer.cfg.precision.mode)
     warning = trainer.checkpoints.check_room(trainer.step, size, local_elements(trainer.model.params))
-    if warning:
-        trainer.console.print(warning, soft_wrap=True, highlight=False, markup=False)
+    for line in (warning, trainer.checkpoints.check_memory()):
+        if line:
+            trainer.console.print(line, soft_wrap=True, highlight=False, markup=False)
 
 
 def announce(trainer: Trainer, inputs: RunInputs) -> None:
