@@ -6,7 +6,8 @@ torchrun passes a SIGTERM (a scheduler's stop, a pod's deletion) to its workers,
 written, looks like a crash to SLURM, Kubernetes and the supervisor. Here each trainer process leaves a mark in
 a per-launch directory when `hlat train` returns; a stop is clean when every local trainer left one. A failed job
 also exits 1 under torchrun, whatever its trainers said; here it exits 2 when a trainer did (an hlat error such as
-a full disk: retrying cannot help) and 3 when one's watchdog found a hang.
+a full disk: retrying cannot help) and 3 when one's watchdog found a hang. Each start of the workers meets in a
+store of its own (`OWN_STORE_PER_ATTEMPT`).
 """
 
 from __future__ import annotations
