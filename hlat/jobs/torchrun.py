@@ -6,7 +6,8 @@ torchrun passes a SIGTERM (a scheduler's stop, a pod's deletion) to its workers,
 written, looks like a crash to SLURM, Kubernetes and the supervisor. Here each trainer process leaves a mark in
 a per-launch directory when `hlat train` returns; a stop is clean when every local trainer left one. A failed job
 also exits 1 under torchrun, whatever its trainers said; here it exits 2 when a trainer did (an hlat error such as
-a full disk: retrying cannot help) and 3 when one's watchdog found a hang.
+a full disk: retrying cannot help) and 3 when one's watchdog found a hang. Each start of the workers meets in a
+store of its own (`OWN_STORE_PER_ATTEMPT`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,12 @@ from hlat import ERROR_EXIT, HANG_EXIT
 
 FINISHED_DIR = "HLAT_FINISHED_DIR"  # set for the workers; they mark their return in it
 KEPT_EXIT_CODES = (ERROR_EXIT, HANG_EXIT)  # in this order: an hlat error (not retried), then a hang named
+# Each start of the workers gets a fresh store, hosted by its rank 0, instead of sharing the store the agents keep
+# for the whole job: a restart then finds no key of a dead attempt. hlat's workers used to keep each attempt apart
+# in the shared store by TORCHELASTIC_RESTART_COUNT, but each node counts only its own failures (a node restarted
+# for another node's failure keeps its count: pytorch/pytorch#108158), so after a failure on one of several nodes
+# the ranks looked for each other in different namespaces (found by tests/test_hosts.py).
+OWN_STORE_PER_ATTEMPT = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
 def mark_finished() -> None:
@@ -42,6 +49,7 @@ def torchrun(argv: list[str]) -> int:
 
     with tempfile.TemporaryDirectory(prefix="hlat-finished-") as directory:
         os.environ[FINISHED_DIR] = directory
+        os.environ.setdefault(OWN_STORE_PER_ATTEMPT, "1")
         try:
             main(argv)
         except SignalException as e:

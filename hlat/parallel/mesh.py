@@ -86,18 +86,27 @@ def restart_attempt() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
-def start_process_group(device: torch.device, timeout_s: float, bind_device: bool = False) -> None:
-    """The default process group of a torchrun job (the backend of `device`'s type), formed in a namespace of this
-    attempt's own in the job's store; `bind_device`: its communicators are made at once, on `device` (preflight).
+def shares_agent_store() -> bool:
+    """Whether this torchrun worker meets its peers in the store its agents keep for the whole job (torchrun's
+    default) rather than in a store of this attempt's own (`hlat torchrun`: `hlat/jobs/torchrun.py`)."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
-    torchrun keeps one store for the whole job, and restarting the workers in place leaves the dead attempt's keys
-    in it: a rank of the new attempt could read a peer's old address before the peer wrote its new one, and gloo
-    then fails to connect ("Connection refused", pytorch/pytorch#167288; NCCL is reported alike). Here 5 of 10
-    restarted 2-rank gloo jobs failed so, 0 of 20 with the namespace."""
+
+def start_process_group(device: torch.device, timeout_s: float, bind_device: bool = False) -> None:
+    """The default process group of a torchrun job (the backend of `device`'s type); `bind_device`: its
+    communicators are made at once, on `device` (preflight).
+
+    Where the workers share the agents' store (plain torchrun), restarting them in place leaves the dead attempt's
+    keys in it: a rank of the new attempt could read a peer's old address before the peer wrote its new one, and
+    gloo then fails to connect ("Connection refused", pytorch/pytorch#167288; NCCL is reported alike). Here 5 of
+    10 restarted 2-rank gloo jobs failed so, 0 of 20 with each attempt in a namespace of its own. The attempt
+    number is each node's own count (pytorch/pytorch#108158): on several nodes it differs after a failure, so
+    `hlat torchrun` gives each attempt a fresh store instead, and its ranks form the group there unprefixed."""
     timeout = timedelta(seconds=timeout_s)
     store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
-    dist.init_process_group(backend_for(device), store=dist.PrefixStore(f"hlat/attempt{restart_attempt()}", store),
-                            rank=rank, world_size=world_size, timeout=timeout,
+    if shares_agent_store():
+        store = dist.PrefixStore(f"hlat/attempt{restart_attempt()}", store)
+    dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=world_size, timeout=timeout,
                             device_id=device if bind_device and device.type != "cpu" else None)
 
 
