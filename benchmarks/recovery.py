@@ -34,7 +34,7 @@ from results_io import markdown_table, write_results  # noqa: E402
 
 # each recovery path: its config overrides ({node_local}: a directory on this node, {ckpt_every}: --ckpt-every)
 PATHS = {
-    "durable": ["--train.ckpt_every", "{ckpt_every}"],
+    "durable": ["--train.ckpt_every", "{ckpt_every}", "--train.snapshot_every", "0"],
     "memory": ["--train.ckpt_every", "{ckpt_every}", "--train.snapshot_every", "1",
                "--train.snapshot_dir", "{node_local}"],
 }

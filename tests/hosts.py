@@ -143,9 +143,9 @@ class Hosts:
             _ip("-n", h.name, "link", "set", "eth0", "up")
             h.local_dir.mkdir(parents=True)
 
-    def kill_host(self, i: int) -> None:
-        """SIGKILL to every process in host i (again until none is left: one may be forking) and its node-local
-        memory removed."""
+    def kill_host(self, i: int, memory_lost: bool = True) -> None:
+        """SIGKILL to every process in host i (again until none is left: one may be forking) and, unless the host
+        only lost its processes (`memory_lost` false), its node-local memory removed."""
         host = self.hosts[i]
         deadline = time.time() + 30
         while (pids := host.pids()) and time.time() < deadline:
@@ -160,7 +160,8 @@ class Hosts:
                 process.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
-        shutil.rmtree(host.local_dir, ignore_errors=True)
+        if memory_lost:
+            shutil.rmtree(host.local_dir, ignore_errors=True)
 
     def cut_link(self, i: int) -> None:
         _ip("-n", self.switch, "link", "set", self.hosts[i].port, "down")

@@ -1,13 +1,15 @@
 """Faults across real hosts: 2 hosts (network namespaces, tests/hosts.py) of 2 ranks each, each host running its
 own `hlat torchrun` with elastic c10d rendezvous as `hlat launch` renders it (--nnodes 1:2 here, so that the job
-may go on with one host), and the run directory on a file system both hosts see (docs/fault-tolerance.md,
-"Faults across hosts").
+may go on with one host), the run directory on a file system both hosts see, and the memory tier's snapshots every
+step in each host's own memory (docs/fault-tolerance.md, "Faults across hosts").
 
 The rendezvous store lives in the agent of host 0 (the --rdzv-endpoint's host): losing host 0 loses the store
 and ends the job on every host (torchrun's c10d rendezvous is not itself fault tolerant), so the faults here
 strike host 1, the node that a job can lose and go on without."""
 
+import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -40,7 +42,9 @@ def references(tmp_path_factory, warm_torchrun):
     cfg = job_config(root)
     cfg_file = write_config(root / "c.toml", cfg)
     reference = root / "reference"
-    done = warm_torchrun.run(4, ["train", "--config", str(cfg_file), "--train.run_dir", str(reference)])
+    # a checkpoint at every step, which saving does not change, so that the run continues from any on 2 ranks
+    done = warm_torchrun.run(4, ["train", "--config", str(cfg_file), "--train.run_dir", str(reference),
+                                 "--train.ckpt_every", "1", "--train.snapshot_every", "0"])
     assert done.returncode == 0, done.stdout[-3000:]
     made: dict[int, Path] = {}
 
@@ -53,7 +57,7 @@ def references(tmp_path_factory, warm_torchrun):
                 if later.name > checkpoint.name:
                     shutil.rmtree(later)
             done = warm_torchrun.run(2, ["train", "--config", str(cfg_file), "--train.run_dir", str(run),
-                                         "--resume", str(checkpoint)])
+                                         "--resume", str(checkpoint), "--train.snapshot_every", "0"])
             assert done.returncode == 0, done.stdout[-3000:]
             made[step] = run
         return made[step]
@@ -62,24 +66,26 @@ def references(tmp_path_factory, warm_torchrun):
 
 
 def host_command(cfg_file: Path, run_dir: Path, endpoint: str, *overrides: str) -> list[str]:
-    """What each host runs: the `hlat torchrun` line of `hlat launch`'s SLURM script, elastic down to 1 node. A
-    node-local directory (the memory tier's, once it exists) would be one more override per host."""
+    """What each host runs: the `hlat torchrun` line of `hlat launch`'s SLURM script, elastic down to 1 node, with
+    a snapshot in memory after every step."""
     return [sys.executable, "-m", "hlat", "torchrun", "--nnodes=1:2", "--nproc-per-node=2", "--max-restarts=3",
             "--rdzv-backend=c10d", "--rdzv-id=hosts-test", f"--rdzv-endpoint={endpoint}:{RDZV_PORT}",
             "-m", "hlat", "train", "--config", str(cfg_file), "--resume", "auto", "--train.run_dir", str(run_dir),
-            *overrides]
+            "--train.snapshot_every", "1", *overrides]
 
 
 class Job:
-    """The job on every host, its logs in `root`; `per_host(host)`: more arguments for that host's command line,
-    e.g. `lambda h: ["--train.snapshot_dir", str(h.local_dir)]` for a directory in the host's own memory."""
+    """The job on every host, its logs in `root`, each host's snapshots in its own memory (`local_dir`)."""
 
-    def __init__(self, hosts, root: Path, cfg_file: Path, *overrides: str, per_host=lambda host: []):
-        self.hosts, self.root, self.run = hosts, root, root / "run"
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        self.agents = [h.popen(host_command(cfg_file, self.run, hosts[0].address, *overrides, *per_host(h)), env,
-                               self.log(i))
-                       for i, h in enumerate(hosts.hosts)]
+    def __init__(self, hosts, root: Path, cfg_file: Path, *overrides: str):
+        self.hosts, self.root, self.run, self.cfg_file, self.overrides = hosts, root, root / "run", cfg_file, overrides
+        self.agents = [self.start(i) for i in range(len(hosts))]
+
+    def start(self, i: int):
+        host, env = self.hosts[i], dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        command = host_command(self.cfg_file, self.run, self.hosts[0].address, *self.overrides,
+                               "--train.snapshot_dir", str(host.local_dir))
+        return host.popen(command, env, self.log(i))
 
     def log(self, i: int) -> Path:
         return self.root / f"host{i}.log"
@@ -117,6 +123,11 @@ class Job:
     def resumes(self, i: int) -> list[str]:
         return [line for line in self.log(i).read_text().splitlines() if line.startswith("resumed from")]
 
+    def snapshots(self, i: int) -> Path:
+        """Host i's memory tier for this run (one run directory per job)."""
+        [root] = self.hosts[i].local_dir.iterdir()
+        return root
+
 
 def trajectory(run: Path) -> list[tuple[float, float]]:
     return [(r["loss"], r["grad_norm"]) for r in strict_records(run)]
@@ -134,7 +145,11 @@ def same_weights(run: Path, reference: Path, cfg) -> bool:
 
 
 def resumed_step(line: str) -> int:
-    return int(line.rsplit(" ", 1)[1])
+    return int(re.search(r" at step (\d+)", line)[1])
+
+
+def from_memory(line: str) -> bool:
+    return line.startswith("resumed from the memory tier's snapshot")
 
 
 def goes_on_at_two_ranks(job: Job, references, since: float) -> tuple[int, float]:
@@ -144,7 +159,7 @@ def goes_on_at_two_ranks(job: Job, references, since: float) -> tuple[int, float
     cfg_file, cfg, reference, at_two_ranks = references
     job.finish(0)
     resumes = job.resumes(0)  # rank 0's line; every rank resumed from it (the comparisons below say so)
-    assert len(resumes) == 1, job.logs()
+    assert len(resumes) == 1 and from_memory(resumes[0]), job.logs()
     step = resumed_step(resumes[0])
     records = job.records()
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
@@ -155,19 +170,26 @@ def goes_on_at_two_ranks(job: Job, references, since: float) -> tuple[int, float
     return step, records[step]["time"] - since
 
 
+def failures(job: Job) -> list[dict]:
+    return json.loads((job.run / "goodput.json").read_text())["failures"]
+
+
 @pytest.mark.slow
 def test_a_worker_killed_on_host_1_recovers_in_place_bit_exact(hosts, references, tmp_path):
     """SIGKILL to one trainer of host 1: host 1's torchrun restarts its workers, host 0's restarts its own (for
     its trainers' failure or, if host 1 rejoined first, for the new round, which leaves its restart count as it
-    was: why `hlat torchrun` gives each attempt a fresh store), and the job goes on at 4 ranks from its last
-    checkpoint to the uninterrupted run's losses and weights."""
+    was: why `hlat torchrun` gives each attempt a fresh store), and the job goes on at 4 ranks from its newest
+    snapshot in memory to the uninterrupted run's losses and weights. It recomputes at most the snapshot interval
+    (1 step), and one more where the kill struck after a step but before its snapshot was taken."""
     cfg_file, cfg, reference, _ = references
     job = Job(hosts(2), tmp_path, cfg_file)
     job.wait_for_step(5)
     os.kill(max(job.trainers(1).items())[1], 9)  # one trainer of host 1 (its last rank)
     job.finish(0, 1)
     resumes = job.resumes(0)
-    assert len(resumes) == 1 and resumed_step(resumes[0]) in range(4, STEPS, 2), job.logs()  # a checkpoint every 2 steps, the newest before the kill
+    assert len(resumes) == 1 and from_memory(resumes[0]), job.logs()
+    [failure] = failures(job)
+    assert failure["resumed_step"] == resumed_step(resumes[0]) and failure["recomputed_steps"] <= 2, failure
     assert [r["step"] for r in job.records()] == list(range(1, STEPS + 1))
     assert trajectory(job.run) == trajectory(reference)
     assert same_weights(job.run, reference, cfg)
@@ -175,11 +197,36 @@ def test_a_worker_killed_on_host_1_recovers_in_place_bit_exact(hosts, references
 
 
 @pytest.mark.slow
+def test_a_damaged_snapshot_on_one_host_is_refused_for_the_copy_on_the_other(hosts, references, tmp_path):
+    """The whole job killed after step 5, every host keeping its memory; on host 1, rank 2's own file of every
+    snapshot then damaged. Restarted, the ranks agree on a snapshot whose rank 2 part only host 0 holds whole (its
+    buddy copy), host 1 fetches it, and the job ends on the uninterrupted run's weights: the damaged bytes were
+    never loaded."""
+    cfg_file, cfg, reference, _ = references
+    job = Job(hosts(2), tmp_path, cfg_file)
+    job.wait_for_step(5)
+    for i in (1, 0):
+        job.hosts.kill_host(i, memory_lost=False)
+    damaged = sorted(job.snapshots(1).glob("step_*/__2_0.distcp"))
+    assert damaged
+    for path in damaged:
+        raw = bytearray(path.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        path.write_bytes(bytes(raw))
+    job.agents = [job.start(i) for i in range(2)]
+    job.finish(0, 1)
+    resumes = job.resumes(0)
+    assert len(resumes) == 1 and from_memory(resumes[0]) and resumed_step(resumes[0]) >= 4, job.logs()
+    assert trajectory(job.run) == trajectory(reference)
+    assert same_weights(job.run, reference, cfg)
+
+
+@pytest.mark.slow
 def test_a_lost_host_leaves_the_job_to_go_on_at_half_the_data_parallel_size(hosts, references, tmp_path):
     """Every process of host 1 killed (its node-local memory gone with it): host 0's trainers fail at once (their
     peers' sockets were reset), its torchrun forms a round of 1 node once host 1's agent misses its heartbeats,
-    and the job resumes from the newest checkpoint on 2 ranks: the same data, each rank now taking 2 of a step's
-    4 micro-batches."""
+    and the job resumes on 2 ranks from the newest snapshot, host 1's ranks' part of it from their copies on host
+    0: the same data, each rank now taking 2 of a step's 4 micro-batches."""
     job = Job(hosts(2), tmp_path, references[0])
     job.wait_for_step(5)
     lost = time.time()

@@ -13,7 +13,7 @@ from hlat.config import to_dict
 from hlat.config.job import Config, load_config
 from hlat.checkpoint.layout import CONFIG_FILE, checkpoint_step, latest_checkpoint
 from hlat.checkpoint.store import DamagedCheckpoint, newest_good_checkpoint, verified_checkpoint
-from hlat.parallel.mesh import restart_attempt
+from hlat.parallel.mesh import continues_run
 
 # What a resume may change without a word: where and how it runs, not what it computes.
 _UNWATCHED = {"data", "parallel", "cluster", "eval", "cost", "health", "tracking", "train.run_dir", "train.resume",
@@ -63,10 +63,10 @@ def find_resume_checkpoint(cfg: Config) -> tuple[Path | None, list[DamagedCheckp
     """The checkpoint to resume from, and the damaged checkpoints passed over to find it.
 
     `--resume auto` takes the newest checkpoint that verifies against its manifest (none: start fresh if the
-    run has no checkpoint at all); a checkpoint named explicitly is verified and refused if damaged. A worker that
-    torchrun restarted in place runs the command line its run started with: it continues that run (auto), rather
-    than being refused the checkpoints its first attempt wrote."""
-    resume = cfg.train.resume or ("auto" if restart_attempt() else "")
+    run has no checkpoint at all); a checkpoint named explicitly is verified and refused if damaged. A worker of a
+    torchrun job that restarts its workers in place runs the command line its run started with at every attempt:
+    it continues that run (auto), rather than being refused the checkpoints an earlier attempt wrote."""
+    resume = cfg.train.resume or ("auto" if continues_run() else "")
     if not resume:
         if latest_checkpoint(cfg.train.run_dir):  # never overwrite a run's checkpoints by starting afresh
             raise HlatError(f"train.run_dir: {cfg.train.run_dir} already holds checkpoints; continue it with "

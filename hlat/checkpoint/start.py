@@ -23,7 +23,7 @@ from hlat.checkpoint.memory import METADATA, Held, Node, fetch, holdings, newest
 from hlat.checkpoint.resume import check_start
 from hlat.config.job import Config
 from hlat.parallel import Topology
-from hlat.parallel.mesh import gather_objects, restart_attempt
+from hlat.parallel.mesh import continues_run, gather_objects
 
 TOKEN_FILE = "run_token"  # in <run>/checkpoints: the run's identity, which its memory snapshots carry
 
@@ -43,16 +43,16 @@ def agree_on_start(cfg: Config, topo: Topology, durable: Path | None, model: nn.
     """One start for every rank (see the module's docstring); `durable`: the checkpoint this rank found, `model` on
     the meta device (a memory snapshot's tensors and config are checked against it, as the durable one's were)."""
     settings = cfg.train
-    if not settings.snapshot_every or settings.resume not in ("", "auto"):
+    if not settings.snapshot_every:
         return Start(durable, "durable" if durable else "")
     node = Node.of_this_process(topo.world_size)
     group = dist.new_group(backend="gloo") if dist.is_initialized() else None
-    resuming = settings.resume == "auto" or restart_attempt()
+    resuming = settings.resume != "" or continues_run()
     token = gather_objects(run_token(settings.run_dir, resuming) if topo.is_main else None)[0]
     root = snapshot_root(settings.snapshot_dir, settings.run_dir)
-    if not resuming:
-        if node.leader:
-            shutil.rmtree(root, ignore_errors=True)  # another run's, at this run directory's path
+    if not resuming and node.leader:
+        shutil.rmtree(root, ignore_errors=True)  # another run's, at this run directory's path
+    if not resuming or settings.resume not in ("", "auto"):  # fresh, or the checkpoint named
         return Start(durable, "durable" if durable else "", token, node, group)
     gathered = gather_objects((holdings(root, token), checkpoint_step(durable) if durable else -1))
     durable = common_durable(settings.run_dir, [d for _, d in gathered])

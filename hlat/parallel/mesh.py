@@ -86,6 +86,13 @@ def restart_attempt() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
+def continues_run() -> bool:
+    """Whether this process is a worker of a torchrun job that restarts its workers (--max-restarts > 0): every
+    attempt of such a job continues its run, as with --resume auto. Not only the restarted ones: the restart count
+    is each node's own, and a node whose workers restart for another node's failure may keep 0 (#108158)."""
+    return restart_attempt() > 0 or int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
+
+
 def shares_agent_store() -> bool:
     """Whether this torchrun worker meets its peers in the store its agents keep for the whole job (torchrun's
     default) rather than in a store of this attempt's own (`hlat torchrun`: `hlat/jobs/torchrun.py`)."""
