@@ -315,7 +315,8 @@ def test_named_validation_sets_and_the_best_checkpoint(tmp_path, capsys):
     losses = [r["val_prose_loss"] for r in logged]
     assert best == {"step": logged[losses.index(min(losses))]["step"], "metric": "val_prose_loss",
                     "value": min(losses), "checkpoint": f"best_step_{best['step']:08d}"}
-    assert {p.name for p in (run / "checkpoints").iterdir()} == {best["checkpoint"], "best.json", "step_00000006"}
+    kept = {best["checkpoint"], "best.json", "step_00000006", "run_token"}  # run_token: the memory tier's
+    assert {p.name for p in (run / "checkpoints").iterdir()} == kept
     best_dir = run / "checkpoints" / best["checkpoint"]
     verify_checkpoint(best_dir)
     capsys.readouterr()

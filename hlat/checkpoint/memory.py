@@ -25,6 +25,7 @@ import pickle
 import re
 import shutil
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +37,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from hlat.checkpoint.layout import CONFIG_FILE
 from hlat.checkpoint.store import STAGER_KEEPS_BUFFERS, RankWriteFailed, digests
+from hlat.parallel.mesh import gather_objects
 
 AUTO = -1  # train.snapshot_every = -1: every step, unless that stalls training more than STALL_SHARE
 STALL_SHARE = 0.05
@@ -99,6 +101,8 @@ class _Flight:
     step: int
     written: threading.Event = field(default_factory=threading.Event)
     failure: str | None = None
+    started: float = field(default_factory=time.perf_counter)
+    write_s: float = 0.0  # from the save to this rank's part written, copied to its buddy and recorded
 
 
 class MemoryTier:
@@ -107,8 +111,10 @@ class MemoryTier:
     the same step, drops the older snapshot. At most one is in flight: one due meanwhile waits for it."""
 
     def __init__(self, root: Path, every: int, token: str, rank: int, node: Node, group, config_toml: str,
-                 pinned: bool):
-        """`group`: a CPU process group of every rank, for the background writes (None in one process)."""
+                 device: torch.device):
+        """`group`: a CPU process group of every rank, for the background writes (None in one process); `device`:
+        the training's (pinned host memory for a GPU's copies; on the CPU, the writes take the step's cores)."""
+        pinned = device.type == "cuda"
         self.root, self.every, self.token, self.rank, self.node = root, every, token, rank, node
         self.group, self.config_toml = group, config_toml
         self.staging = StagingOptions(use_pinned_memory=pinned, use_shared_memory=False, use_async_staging=False,
@@ -116,18 +122,24 @@ class MemoryTier:
         self.stager = DefaultStager(self.staging) if STAGER_KEEPS_BUFFERS else None
         self.in_flight: _Flight | None = None
         self.saves = 0
+        self.shares_cores = device.type == "cpu"
+        self.write_s = 0.0  # the last committed snapshot's
 
     def due(self, step: int) -> bool:
         return self.every == AUTO or (self.every > 0 and step % self.every == 0)
 
-    def tune(self, stall_s: float, step_s: float) -> int:
-        """train.snapshot_every = -1: from a snapshot's measured stall (the copy to host memory, and any wait for
-        the one before) and the step's time, snapshot every K steps, the fewest that keep the stall under
-        STALL_SHARE of their time; the largest K of all ranks, so that they all snapshot the same steps."""
-        every = torch.tensor([float(max(1, math.ceil(stall_s / (STALL_SHARE * max(step_s, 1e-9)))))])
-        if self.group is not None:
-            dist.all_reduce(every, op=dist.ReduceOp.MAX, group=self.group)
-        self.every = int(every.item())
+    def cost_s(self, stall_s: float) -> float:
+        """What a snapshot costs the training: its stall (the copy to host memory, and any wait for the one before)
+        and, where training runs on the CPU, its write in the background too, which takes the same cores."""
+        return stall_s + (self.write_s if self.shares_cores else 0.0)
+
+    def tune(self, cost_s: float, step_s: float) -> int:
+        """train.snapshot_every = -1: from a snapshot's measured cost and the step's time, snapshot every K steps,
+        the fewest that keep the cost under STALL_SHARE of their time; the largest K of all ranks, so that they all
+        snapshot the same steps (agreed over the default group: the tier's own carries the snapshot being
+        written)."""
+        every = max(1, math.ceil(cost_s / (STALL_SHARE * max(step_s, 1e-9))))
+        self.every = max(gather_objects(every))
         return self.every
 
     def save(self, step: int, state: dict) -> str | None:
@@ -159,6 +171,7 @@ class MemoryTier:
             if self.node.leader:
                 (target / CONFIG_FILE).write_text(self.config_toml)
             self._mark(target, flight.step, own + received + ([METADATA, CONFIG_FILE] if self.node.leader else []))
+            flight.write_s = time.perf_counter() - flight.started
         except BaseException as e:  # reported at the commit, on every rank
             flight.failure = RankWriteFailed.of(e).reason
         if stager is not None:
@@ -207,6 +220,7 @@ class MemoryTier:
             if self.node.leader:
                 shutil.rmtree(step_dir(self.root, flight.step), ignore_errors=True)
             return flight.failure or "a snapshot write failed on another rank"
+        self.write_s = flight.write_s
         if self.node.leader:
             for step in snapshot_steps(self.root):
                 if step < flight.step:

@@ -62,7 +62,7 @@ class Checkpoints:
         self.start, self.rank, self.mode = start, topo.rank, cfg.precision.mode
         self.memory = MemoryTier(snapshot_root(settings.snapshot_dir, settings.run_dir), settings.snapshot_every,
                                  start.token, topo.rank, start.node, start.group, cfg.to_toml(),
-                                 pinned=device.type == "cuda") if settings.snapshot_every else None
+                                 device) if settings.snapshot_every else None
         self.every, self.last, self.run_dir = settings.ckpt_every, settings.steps, Path(settings.run_dir)
         self.keep = settings.keep_checkpoints
         self.goodput, self.config_toml = goodput, cfg.to_toml()
@@ -102,10 +102,12 @@ class Checkpoints:
         self.goodput.checkpointed(stall)
         if self.memory_failed(failure) or self.memory.every != AUTO or self.memory.saves < 2:
             return
-        every = self.memory.tune(stall, step_s)
+        cost = self.memory.cost_s(stall)
+        every = self.memory.tune(cost, step_s)
+        what = "its copy, and its write on the CPU that trains" if self.memory.shares_cores else "its copy"
         self.console.print(f"memory tier: a snapshot every {every} step{'s' if every > 1 else ''} (train.snapshot_every"
-                           f" = -1: it stalls a step by {stall * 1e3:.0f} ms, {stall / step_s:.1%} of its "
-                           f"{step_s * 1e3:.0f} ms; the goal is under {STALL_SHARE:.0%})", highlight=False)
+                           f" = -1: one costs {cost * 1e3:.0f} ms ({what}), {cost / step_s:.1%} of a "
+                           f"{step_s * 1e3:.0f} ms step; the goal is under {STALL_SHARE:.0%})", highlight=False)
 
     def writes(self) -> Writes:
         """This rank's part of the background writes in flight: done or not."""
