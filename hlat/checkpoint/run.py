@@ -67,7 +67,7 @@ class Checkpoints:
         self.keep = settings.keep_checkpoints
         self.goodput, self.config_toml = goodput, cfg.to_toml()
         self.writer = Checkpointer(self.run_dir, settings.keep_checkpoints, topo.rank, settings.async_checkpoint,
-                                   pinned=device.type == "cuda")
+                                   pinned=device.type == "cuda", timeout_s=settings.collective_timeout_s)
         self.saved: Path | None = None
         self.best = BestCheckpoint(cfg.eval.keep_best, self.run_dir, topo.rank, device) if cfg.eval.keep_best else None
 

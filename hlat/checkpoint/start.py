@@ -13,6 +13,7 @@ from __future__ import annotations
 import shutil
 import uuid
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
@@ -46,7 +47,9 @@ def agree_on_start(cfg: Config, topo: Topology, durable: Path | None, model: nn.
     if not settings.snapshot_every:
         return Start(durable, "durable" if durable else "")
     node = Node.of_this_process(topo.world_size)
-    group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+    # the tier's CPU group fails a collective as the training's do: a write to a lost buddy must not outwait it
+    timeout = timedelta(seconds=settings.collective_timeout_s)
+    group = dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None
     resuming = settings.resume != "" or continues_run()
     token = gather_objects(run_token(settings.run_dir, resuming) if topo.is_main else None)[0]
     root = snapshot_root(settings.snapshot_dir, settings.run_dir)

@@ -18,6 +18,7 @@ import threading
 import warnings
 import zlib
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -233,7 +234,9 @@ class Checkpointer:
     same step, once all ranks report `written` (riding on the step's all-reduce), or before the next save and
     at the end. At most one save is in flight; until committed it is only a `.partial` directory."""
 
-    def __init__(self, run_dir: str | Path, keep: int, rank: int, asynchronous: bool, pinned: bool):
+    def __init__(self, run_dir: str | Path, keep: int, rank: int, asynchronous: bool, pinned: bool,
+                 timeout_s: float = 600.0):
+        """`timeout_s`: how long a collective of the background write may wait (train.collective_timeout_s)."""
         self.root, self.keep, self.rank = checkpoint_root(run_dir), keep, rank
         self.staging = StagingOptions(use_pinned_memory=pinned, use_shared_memory=False, use_async_staging=False,
                                       use_non_blocking_copy=pinned) if asynchronous else None
@@ -243,7 +246,8 @@ class Checkpointer:
         self.in_flight: _InFlight | None = None
         # the background write runs collectives of its own: on a group of its own, never interleaved with the
         # training loop's collectives on the default group
-        self.group = dist.new_group(backend="gloo") if asynchronous and dist.is_initialized() else None
+        self.group = (dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+                      if asynchronous and dist.is_initialized() else None)
 
     def save(self, step: int, state: dict, config_toml: str) -> Path | None:
         """Save `state` (a state dict) as step `step`'s checkpoint. Returns it, or None while an asynchronous save
