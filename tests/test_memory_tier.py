@@ -14,6 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from hlat.checkpoint.layout import complete_checkpoints
+from hlat.cli import main
 from hlat.checkpoint.memory import files_to_read, snapshot_root, snapshot_steps, step_dir
 from hlat.config.job import load_config
 from hlat.train.loop import train
@@ -109,6 +110,14 @@ def test_a_fresh_start_clears_the_memory_of_a_run_directory_it_reuses(tmp_path):
     assert snapshot_steps(root)
     train(load_config(cfg_file))  # no checkpoint on disk: a fresh start, which must not pick up step 2
     assert len(losses(tmp_path / "run")) == 4 and not root.exists()
+
+
+def test_a_snapshot_dir_that_cannot_be_written_is_refused_in_one_line(tmp_path, capsys):
+    (tmp_path / "a_file").write_text("")
+    cfg = config(tmp_path / "run", steps=2, snapshot_every=1, snapshot_dir=str(tmp_path / "a_file"))
+    assert main(["train", "--config", str(write_config(tmp_path / "job.toml", cfg))]) == 2
+    err = capsys.readouterr().err
+    assert "hlat: error: train.snapshot_dir: cannot write" in err and "Traceback" not in err, err
 
 
 def two_node_job(tmp_path: Path, cfg_file: Path, step: int) -> None:

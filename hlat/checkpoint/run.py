@@ -212,10 +212,18 @@ class Checkpoints:
         # the weights as they are, the optimizer's states in proportion (none exist before the first step)
         size = {k: v * (1 + mode.optimizer_bytes / mode.weight_bytes) for k, v in self.state.nbytes(False).items()}
         kept = size["written_share"] * (4 if node.count > 1 else 2)
-        gathered = gather_objects((node.index, free_bytes(root), kept))
-        for index in sorted({i for i, _, _ in gathered}):
-            free = next(f for i, f, _ in gathered if i == index)
-            needed = sum(k for i, _, k in gathered if i == index)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            unwritable = None
+        except OSError as e:
+            unwritable = f"cannot write {e.filename or root}: {e.strerror}"
+        gathered = gather_objects((node.index, free_bytes(root), kept, unwritable))
+        if problem := next((p for *_, p in gathered if p), None):
+            raise HlatError(f"train.snapshot_dir: {problem}; point it at a directory of yours in node-local memory "
+                            "(a tmpfs), or set train.snapshot_every = 0 (off)")
+        for index in sorted({i for i, *_ in gathered}):
+            free = next(f for i, f, *_ in gathered if i == index)
+            needed = sum(k for i, _, k, _ in gathered if i == index)
             if free is not None and free < needed:
                 raise HlatError(f"train.snapshot_dir: {root.parent} on node {index} has {size_text(free)} free; the "
                                 f"memory tier needs {size_text(needed)} there; free some, point train.snapshot_dir "
@@ -223,7 +231,6 @@ class Checkpoints:
         copies = "2 snapshots of its state" + (" and 2 of its buddy's" if node.count > 1 else "")
         return (f"memory tier: {size_text(kept)} per rank in {root.parent} ({copies}), and {size_text(size['held'])} "
                 "of host memory for the copy each snapshot is written from")
-
 
     def check_room(self, step: int, size: int, local_params: int) -> str | None:
         """Refuse, on every rank alike (one gather), a run whose checkpoints of `size` bytes do not fit: the rotation
