@@ -26,10 +26,10 @@ RDZV_PORT = 29500  # every host has its own ports: nothing else listens in these
 
 
 def job_config(root: Path):
-    """10 steps of 8 rows (one micro-batch of 2 per rank on 4 ranks, two on 2), a checkpoint every 2 steps, all
-    kept (the references resume from them)."""
-    cfg = config(root / "run", steps=STEPS, decay_steps=STEPS, ckpt_every=2, keep_checkpoints=0, global_batch=8,
-                 micro_batch=2)
+    """10 steps of 8 rows (one micro-batch of 2 per rank on 4 ranks, two on 2), a checkpoint every step, all kept
+    (the references continue from any of them; saving does not change a run), no memory tier (the jobs set it)."""
+    cfg = config(root / "run", steps=STEPS, decay_steps=STEPS, ckpt_every=1, keep_checkpoints=0, global_batch=8,
+                 micro_batch=2, snapshot_every=0)
     cfg.data.workers = 0
     return cfg
 
@@ -42,9 +42,7 @@ def references(tmp_path_factory, warm_torchrun):
     cfg = job_config(root)
     cfg_file = write_config(root / "c.toml", cfg)
     reference = root / "reference"
-    # a checkpoint at every step, which saving does not change, so that the run continues from any on 2 ranks
-    done = warm_torchrun.run(4, ["train", "--config", str(cfg_file), "--train.run_dir", str(reference),
-                                 "--train.ckpt_every", "1", "--train.snapshot_every", "0"])
+    done = warm_torchrun.run(4, ["train", "--config", str(cfg_file), "--train.run_dir", str(reference)])
     assert done.returncode == 0, done.stdout[-3000:]
     made: dict[int, Path] = {}
 
@@ -57,7 +55,7 @@ def references(tmp_path_factory, warm_torchrun):
                 if later.name > checkpoint.name:
                     shutil.rmtree(later)
             done = warm_torchrun.run(2, ["train", "--config", str(cfg_file), "--train.run_dir", str(run),
-                                         "--resume", str(checkpoint), "--train.snapshot_every", "0"])
+                                         "--resume", str(checkpoint)])
             assert done.returncode == 0, done.stdout[-3000:]
             made[step] = run
         return made[step]
@@ -67,11 +65,12 @@ def references(tmp_path_factory, warm_torchrun):
 
 def host_command(cfg_file: Path, run_dir: Path, endpoint: str, *overrides: str) -> list[str]:
     """What each host runs: the `hlat torchrun` line of `hlat launch`'s SLURM script, elastic down to 1 node, with
-    a snapshot in memory after every step."""
+    a snapshot in memory after every step and a checkpoint only at the end, so that every resume is the memory
+    tier's (a checkpoint of the same step as a snapshot still being written would be chosen instead)."""
     return [sys.executable, "-m", "hlat", "torchrun", "--nnodes=1:2", "--nproc-per-node=2", "--max-restarts=3",
             "--rdzv-backend=c10d", "--rdzv-id=hosts-test", f"--rdzv-endpoint={endpoint}:{RDZV_PORT}",
             "-m", "hlat", "train", "--config", str(cfg_file), "--resume", "auto", "--train.run_dir", str(run_dir),
-            "--train.snapshot_every", "1", *overrides]
+            "--train.snapshot_every", "1", "--train.ckpt_every", "0", *overrides]
 
 
 class Job:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from hlat.checkpoint.run import Writes
 from hlat.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,7 +139,9 @@ def expected_collectives(job: dict, stages: list[int]) -> dict[tuple[str, str], 
         ("all_reduce", "tp"): (None, 4 * ((2 * blocks + last) * d + kv_grads + tp_sharded)),
         ("all_reduce", "dp_shard"): (None, 4 * n_params),  # clipping: every gradient is FSDP's shard
         ("all_reduce", "pp"): (1, 4),  # the squared gradient norm summed over the stages
-        ("all_reduce", "world"): (1, 12),  # the step's loss and its stop and save flags
+        # the step's loss, its stop flag and its background writes' flags (a checkpoint's, the memory tier's and
+        # whether one failed: hlat.checkpoint.run.Writes), fp32 each
+        ("all_reduce", "world"): (1, 4 * (2 + len(Writes().flags()))),
     }
 
 

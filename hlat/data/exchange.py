@@ -30,12 +30,13 @@ class Segment(NamedTuple):
         return self.end - self.first
 
 
-def side_group() -> dist.ProcessGroup | None:
+def side_group(timeout_s: float = 600.0) -> dist.ProcessGroup | None:
     """A gloo group of all ranks (the token ids stay in CPU memory whatever the training backend), or None in
-    a single process."""
+    a single process; a collective on it fails after `timeout_s` (the training's train.collective_timeout_s: a lost
+    peer is found there as soon as in the step's own collectives)."""
     if not dist.is_initialized():
         return None
-    return dist.new_group(backend="gloo", timeout=timedelta(minutes=10))
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
 
 def rank_and_world(group: dist.ProcessGroup | None) -> tuple[int, int]:

@@ -232,7 +232,8 @@ def open_stream(cfg: Config, topo: Topology, tokenizer, sources: list[Source]) -
     if layout.data_sharding == "files":
         return build_stream(*args, shard=(topo.dp_rank, layout.dp), **common)
     per_step = settings.global_batch // settings.micro_batch  # micro-batches of the whole step, over all ranks
-    return build_stream(*args, ranks=Ranks(side_group(), topo.dp_rank, layout.dp, per_step), **common)
+    ranks = Ranks(side_group(settings.collective_timeout_s), topo.dp_rank, layout.dp, per_step)
+    return build_stream(*args, ranks=ranks, **common)
 
 
 def check_disk(trainer: Trainer, inputs: RunInputs) -> None:
