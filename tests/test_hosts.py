@@ -178,8 +178,8 @@ def test_a_worker_killed_on_host_1_recovers_in_place_bit_exact(hosts, references
     """SIGKILL to one trainer of host 1: host 1's torchrun restarts its workers, host 0's restarts its own (for
     its trainers' failure or, if host 1 rejoined first, for the new round, which leaves its restart count as it
     was: why `hlat torchrun` gives each attempt a fresh store), and the job goes on at 4 ranks from its newest
-    snapshot in memory to the uninterrupted run's losses and weights. It recomputes at most the snapshot interval
-    (1 step), and one more where the kill struck after a step but before its snapshot was taken."""
+    snapshot in memory to the uninterrupted run's losses and weights, recomputing at most the snapshot interval (1
+    step: goodput's record of the failure)."""
     cfg_file, cfg, reference, _ = references
     job = Job(hosts(2), tmp_path, cfg_file)
     job.wait_for_step(5)
@@ -188,7 +188,7 @@ def test_a_worker_killed_on_host_1_recovers_in_place_bit_exact(hosts, references
     resumes = job.resumes(0)
     assert len(resumes) == 1 and from_memory(resumes[0]), job.logs()
     [failure] = failures(job)
-    assert failure["resumed_step"] == resumed_step(resumes[0]) and failure["recomputed_steps"] <= 2, failure
+    assert failure["resumed_step"] == resumed_step(resumes[0]) and failure["recomputed_steps"] <= 1, failure
     assert [r["step"] for r in job.records()] == list(range(1, STEPS + 1))
     assert trajectory(job.run) == trajectory(reference)
     assert same_weights(job.run, reference, cfg)

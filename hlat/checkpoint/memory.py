@@ -108,7 +108,8 @@ class _Flight:
 class MemoryTier:
     """Writes this rank's snapshots (see the module's docstring). `save` at a step every rank reaches; `written`
     says this rank is done with the one in flight (ridden on the step's all-reduce); `commit` then, on every rank at
-    the same step, drops the older snapshot. At most one is in flight: one due meanwhile waits for it."""
+    the same step, drops the older snapshot; where the all-reduce did not find all written, `settle` waits for
+    them after the step. At most one is in flight."""
 
     def __init__(self, root: Path, every: int, token: str, rank: int, node: Node, group, config_toml: str,
                  device: torch.device):
@@ -128,10 +129,11 @@ class MemoryTier:
     def due(self, step: int) -> bool:
         return self.every == AUTO or (self.every > 0 and step % self.every == 0)
 
-    def cost_s(self, stall_s: float) -> float:
-        """What a snapshot costs the training: its stall (the copy to host memory, and any wait for the one before)
-        and, where training runs on the CPU, its write in the background too, which takes the same cores."""
-        return stall_s + (self.write_s if self.shares_cores else 0.0)
+    def cost_s(self, save_s: float, waited_s: float) -> float:
+        """What a snapshot costs the training: its copy to host memory (`save_s`) and the wait for the one before to
+        be written (`waited_s`) or, where training runs on the CPU, that write's whole time, which takes the same
+        cores whether the step waits for it or not."""
+        return save_s + max(waited_s, self.write_s if self.shares_cores else 0.0)
 
     def tune(self, cost_s: float, step_s: float) -> int:
         """train.snapshot_every = -1: from a snapshot's measured cost and the step's time, snapshot every K steps,
@@ -142,17 +144,20 @@ class MemoryTier:
         self.every = max(gather_objects(every))
         return self.every
 
-    def save(self, step: int, state: dict) -> str | None:
-        """Snapshot `state` (a state dict) as step `step`: copied to host memory now, written in the background. A
-        snapshot still being written is waited for and committed first (so that a failure never costs more than
-        the steps since the one before): returns its failure, as `commit` does."""
-        if self.in_flight is not None:
-            self.in_flight.written.wait()
-            failed = torch.tensor([float(self.in_flight.failure is not None)])
-            if self.group is not None:
-                dist.all_reduce(failed, group=self.group)
-            if failure := self.commit(bool(failed.item())):
-                return failure
+    def settle(self) -> str | None:
+        """Wait until every rank has written the snapshot in flight, and commit it (a collective of every rank at the
+        same step, after a step whose all-reduce did not find them all written): returns its failure, as `commit`
+        does. Called after every step, so that the snapshot taken before it is complete before another counts as
+        done: a failure then never costs more than the steps since the last snapshot."""
+        self.in_flight.written.wait()
+        failed = torch.tensor([float(self.in_flight.failure is not None)])
+        if self.group is not None:
+            dist.all_reduce(failed, group=self.group)
+        return self.commit(bool(failed.item()))
+
+    def save(self, step: int, state: dict) -> None:
+        """Snapshot `state` (a state dict) as step `step`: copied to host memory now, written in the background
+        (the one before is settled: `settle`)."""
         self.saves += 1
         target = step_dir(self.root, step)
         target.mkdir(parents=True, exist_ok=True)
@@ -160,7 +165,6 @@ class MemoryTier:
         future = dcp.async_save(state, checkpoint_id=target, async_stager=stager, process_group=self.group)
         flight = self.in_flight = _Flight(step)
         future.add_done_callback(lambda f: self._written(f, flight, target, None if self.stager else stager))
-        return None
 
     def _written(self, future, flight: _Flight, target: Path, stager) -> None:  # in DCP's writer thread
         try:

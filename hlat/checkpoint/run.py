@@ -60,6 +60,7 @@ class Checkpoints:
         settings = cfg.train
         self.state, self.console, self.init_from, self.is_main = state, console, settings.init_from, topo.is_main
         self.start, self.rank, self.mode = start, topo.rank, cfg.precision.mode
+        self.settled_s = 0.0  # this step's wait for the snapshot before it (a snapshot's cost, with its stall)
         self.memory = MemoryTier(snapshot_root(settings.snapshot_dir, settings.run_dir), settings.snapshot_every,
                                  start.token, topo.rank, start.node, start.group, cfg.to_toml(),
                                  device) if settings.snapshot_every else None
@@ -95,14 +96,14 @@ class Checkpoints:
 
     def snapshot(self, step_s: float) -> None:
         """The memory tier's snapshot of the state at its step: training stalls for the copy to host memory. Under
-        train.snapshot_every = -1 the second snapshot's stall against the step's time (`step_s`) sets the cadence."""
+        train.snapshot_every = -1 the second snapshot's cost against the step's time (`step_s`) sets the cadence."""
         started = time.perf_counter()
-        failure = self.memory.save(self.state.step, self.state.state_dict())
-        stall = time.perf_counter() - started
-        self.goodput.checkpointed(stall)
-        if self.memory_failed(failure) or self.memory.every != AUTO or self.memory.saves < 2:
+        self.memory.save(self.state.step, self.state.state_dict())
+        save_s, waited_s, self.settled_s = time.perf_counter() - started, self.settled_s, 0.0
+        self.goodput.checkpointed(save_s)
+        if self.memory.every != AUTO or self.memory.saves < 2:
             return
-        cost = self.memory.cost_s(stall)
+        cost = self.memory.cost_s(save_s, waited_s)
         every = self.memory.tune(cost, step_s)
         what = "its copy, and its write on the CPU that trains" if self.memory.shares_cores else "its copy"
         self.console.print(f"memory tier: a snapshot every {every} step{'s' if every > 1 else ''} (train.snapshot_every"
@@ -122,6 +123,11 @@ class Checkpoints:
             self.commit()
         if agreed.snapshot:
             self.memory_failed(self.memory.commit(agreed.snapshot_failed))
+        elif self.memory is not None and self.memory.in_flight is not None:  # not all written yet: wait for them
+            started = time.perf_counter()
+            self.memory_failed(self.memory.settle())
+            self.settled_s = time.perf_counter() - started
+            self.goodput.checkpointed(self.settled_s)
 
     def memory_failed(self, failure: str | None) -> bool:
         """Turn the memory tier off after a failed snapshot write (`failure`, on every rank alike); True if so."""
