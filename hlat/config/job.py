@@ -33,11 +33,11 @@ class TrainConfig:
     async_checkpoint: bool = False  # training stalls only to copy the state to host memory; written meanwhile
     # the memory tier (docs/fault-tolerance.md): each rank's state every N steps in node-local memory, with a copy
     # on the next node; a failure then costs at most N steps and a reload from memory. -1: every step, or as
-    # often as keeps the measured stall under 5% of the step time; 0: off
+    # often as keeps a snapshot's measured cost under 5% of the step time; 0: off
     snapshot_every: int = -1
     snapshot_dir: str = "/dev/shm/hlat"  # node-local memory (a tmpfs) that outlives the trainer, not its node
     run_dir: str = "runs/default"
-    resume: str = ""  # "" starts fresh, "auto" continues from the latest complete checkpoint, or a path
+    resume: str = ""  # "" starts fresh, "auto" continues from the newest good snapshot or checkpoint, or a path
     init_from: str = ""  # start a fresh run from these weights (a checkpoint, e.g. from `hlat import-hf`)
     # a resume that changes the learning-rate schedule (e.g. more train.steps with optim.decay_steps = 0) is
     # refused unless this is set
