@@ -198,9 +198,10 @@ class MemoryTier:
 
     def _share_metadata(self, target: Path) -> None:
         """DCP's coordinator (rank 0) wrote `.metadata` on its node; every other node's leader writes a copy."""
+        if self.node.count == 1:
+            return
         objects = [(target / METADATA).read_bytes() if self.rank == 0 else None]
-        if self.group is not None:
-            dist.broadcast_object_list(objects, src=0, group=self.group)
+        dist.broadcast_object_list(objects, src=0, group=self.group)
         if self.node.leader and self.rank != 0:
             (target / METADATA).write_bytes(objects[0])
 
