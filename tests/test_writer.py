@@ -148,6 +148,7 @@ def wait_for_checkpoint(run_dir: Path, job: subprocess.Popen) -> None:
 def test_a_second_train_is_refused_writing_nothing_and_resumes_once_the_first_is_killed(tmp_path):
     cfg = config(tmp_path / "run", steps=10_000, decay_steps=10_000, ckpt_every=2)
     cfg.data.workers = 0
+    cfg.train.snapshot_every = 0  # the durable tier's resume: a newer memory snapshot would race the kill below
     c = write_config(tmp_path / "c.toml", cfg)
     first = subprocess.Popen([sys.executable, "-m", "hlat", "train", "--config", str(c)], stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -180,6 +181,7 @@ def test_a_killed_torchrun_job_blocks_nothing_and_two_ranks_are_one_writer(tmp_p
     two ranks one writer."""
     cfg = config(tmp_path / "run", steps=10_000, decay_steps=10_000, ckpt_every=2)
     cfg.data.workers = 0
+    cfg.train.snapshot_every = 0  # the durable tier's resume: a newer memory snapshot would race the kill below
     c = write_config(tmp_path / "c.toml", cfg)
     job = subprocess.Popen([sys.executable, "-m", "hlat", "torchrun", "--standalone", "--nproc-per-node=2", "-m",
                             "hlat", "train", "--config", str(c)],
