@@ -98,7 +98,7 @@ class Checkpoints:
         """The memory tier's snapshot of the state at its step: training stalls for the copy to host memory. Under
         train.snapshot_every = -1 the second snapshot's cost against the step's time (`step_s`) sets the cadence."""
         started = time.perf_counter()
-        self.memory.save(self.state.step, self.state.state_dict())
+        self.memory.save(self.state.step, self.state.state_dict(packed=True))
         save_s, waited_s, self.settled_s = time.perf_counter() - started, self.settled_s, 0.0
         self.goodput.checkpointed(save_s)
         if self.memory.every != AUTO or self.memory.saves < 2:
@@ -169,9 +169,9 @@ class Checkpoints:
         node holds the files its ranks read), or a fresh run's initial weights (train.init_from)."""
         start = self.start
         if start.tier == "memory":
-            wanted = files_to_read(start.path, self.state.state_dict())
+            wanted = files_to_read(start.path, self.state.state_dict(packed=True))
             _, fetched = fetch(start.path, start.held, wanted, start.node, self.rank, start.group)
-            self.state.load(start.path)
+            self.state.load(start.path, packed=True)
             self.console.print(f"resumed from the memory tier's snapshot {start.path} at step {self.state.step}"
                                f"{f' ({size_text(fetched)} fetched from other nodes)' if fetched else ''}",
                                soft_wrap=True, highlight=False)

@@ -9,6 +9,7 @@ when each reads its own files (`state_key`).
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ from hlat.data.packing import DataStream
 from hlat.dtensor import local
 
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)  # optimizer states keyed by parameter name
+SETTINGS = "optim_settings"  # a packed state dict's optimizer settings, pickled
 
 
 class TrainState:
@@ -31,10 +33,17 @@ class TrainState:
         self.parts, self.optimizers, self.stream, self.state_key = parts, optimizers, stream, state_key
         self.step = step  # optimizer steps done
 
-    def state_dict(self) -> dict:
+    def state_dict(self, packed: bool = False) -> dict:
+        """`packed`: the memory tier's form, the optimizer's per-parameter settings (learning rate, betas, ...: a
+        dozen small objects a parameter, each a write of its own in DCP) in one entry, so that a snapshot every step
+        writes little more than the tensors."""
         trainer = {"step": self.step, "data": self.stream.state_dict() if self.stream else None, "rng": rng_state()}
-        return {"model": model_state(self.parts), "optim": optimizer_state(self.parts, self.optimizers),
-                self.state_key: json.dumps(trainer)}
+        optim = optimizer_state(self.parts, self.optimizers)
+        state = {"model": model_state(self.parts), "optim": optim, self.state_key: json.dumps(trainer)}
+        if packed:
+            state["optim"] = {k: v for k, v in optim.items() if isinstance(v, torch.Tensor)}
+            state[SETTINGS] = pickle.dumps({k: v for k, v in optim.items() if not isinstance(v, torch.Tensor)})
+        return state
 
     def nbytes(self, optimizer: bool = True) -> dict:
         """Bytes of this rank's state dict (`held`), and its share of what is written (`written_share`): a tensor
@@ -51,18 +60,19 @@ class TrainState:
             held, share = held + nbytes, share + nbytes / replicas
         return {"held": held, "written_share": share}
 
-    def load(self, path: Path, data_and_rng: bool = True) -> None:
-        """Restore checkpoint `path` (of any layout) into this state."""
-        state = self.state_dict()
+    def load(self, path: Path, data_and_rng: bool = True, packed: bool = False) -> None:
+        """Restore checkpoint `path` (of any layout; `packed`: a snapshot of the memory tier) into this state."""
+        state = self.state_dict(packed)
         read_checkpoint(path, state)
         self.load_state_dict(state, data_and_rng)
 
     def load_state_dict(self, state: dict, data_and_rng: bool = True) -> None:
         """Set the weights, optimizer states and step from `state` (as DCP loaded it into `state_dict()`'s form) and,
         unless a rollback asks to keep them going (`data_and_rng` false), the data position and the generators."""
+        optim = state["optim"] | (pickle.loads(state[SETTINGS]) if SETTINGS in state else {})
         for part, optimizer in zip(self.parts, self.optimizers):
             set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
-            set_optimizer_state_dict(part, optimizer, state["optim"], options=_FLAT)
+            set_optimizer_state_dict(part, optimizer, optim, options=_FLAT)
         trainer = json.loads(state[self.state_key])
         if data_and_rng:
             if self.stream is not None:
