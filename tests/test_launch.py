@@ -263,7 +263,7 @@ def test_an_elastic_job_names_the_node_counts_it_can_go_on_with(capsys):
     node: whole tensor-parallel groups need an even number of nodes)."""
     script = render(capsys, "--target", "slurm", "--cpu", "--nodes", "4", "--nproc-per-node", "4", "--parallel.tp",
                     "8", "--cluster.min_nodes", "2")
-    assert "srun hlat torchrun --nnodes=2:4 " in script
+    assert "srun hlat torchrun --nnodes=2:4 " in script and " --rdzv-conf=last_call_timeout=5 " in script
     assert "# elastic: after a lost node the job goes on with 2 or 4 nodes" in script
     assert "# with 3 nodes the layout does not fit" in script
     assert main(["launch", "--config", "configs/hlat-7b.toml", "--target", "slurm", "--cpu", "--nodes", "4",

@@ -102,6 +102,10 @@ class ClusterConfig:
     # elastic: after losing nodes the job goes on with as few as this many (torchrun --nnodes MIN:MAX), at a smaller
     # data-parallel size; 0 = cluster.nodes (not elastic). Check that the model fits there: hlat plan --nodes MIN
     min_nodes: int = 0
+    # elastic: once min_nodes have joined a rendezvous, how long it waits for more (torchrun's last_call_timeout,
+    # 30 s by default): the survivors of a lost node go on this much sooner; a node later than this at the start
+    # joins at the job's next restart, which it causes
+    last_call_s: int = 5
     run_volume: str = "hlat-runs"  # Kubernetes: ReadWriteMany PersistentVolumeClaim that holds the run directories
     data_volume: str = "hlat-data"  # Kubernetes: PersistentVolumeClaim of the data, mounted read-only at /data; "" = none
     shm_gib: int = 64  # Kubernetes: memory-backed /dev/shm per pod (data workers, collectives)
@@ -117,7 +121,7 @@ class ClusterConfig:
         if self.preflight_restarts and not self.preflight:
             raise ConfigError("cluster.preflight_restarts: runs the preflight again before a restart; set "
                               "cluster.preflight = true too")
-        for name in ("nodes", "nproc_per_node", "stop_grace_s", "shm_gib"):
+        for name in ("nodes", "nproc_per_node", "stop_grace_s", "shm_gib", "last_call_s"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"cluster.{name}: must be >= 1, got {getattr(self, name)}")
         if self.min_nodes > self.nodes:

@@ -55,9 +55,11 @@ def _env(c: ClusterConfig) -> dict[str, str]:
 
 
 def _torchrun(c: ClusterConfig, rdzv_id: str, endpoint: str, restarts: int) -> list[str]:
-    nodes = f"{c.min_nodes}:{c.nodes}" if c.min_nodes and c.min_nodes < c.nodes else str(c.nodes)
+    elastic = bool(c.min_nodes) and c.min_nodes < c.nodes
+    nodes = f"{c.min_nodes}:{c.nodes}" if elastic else str(c.nodes)
     return ["hlat", "torchrun", f"--nnodes={nodes}", f"--nproc-per-node={c.nproc_per_node}",
-            f"--max-restarts={restarts}", "--rdzv-backend=c10d", f"--rdzv-id={rdzv_id}", f"--rdzv-endpoint={endpoint}"]
+            f"--max-restarts={restarts}", "--rdzv-backend=c10d", f"--rdzv-id={rdzv_id}", f"--rdzv-endpoint={endpoint}",
+            *([f"--rdzv-conf=last_call_timeout={c.last_call_s}"] if elastic else [])]
 
 
 def fabric_env(node: NodeRequest) -> dict[str, str]:
