@@ -20,12 +20,17 @@ train: $(VENV)/.installed
 	@echo "--- a sample from $(RUN):"
 	@$(VENV)/bin/hlat generate $(RUN) --prompt "def " --max-new-tokens 48 --temperature 0.7
 
+# Two pytest workers: the tests that wait (restarts, rendezvous, timeouts) overlap those that compute. A test file
+# stays on one worker (its module fixtures are made once); `TEST_WORKERS=0` runs them in this process.
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+
 test: $(VENV)/.installed
-	$(PY) -m pytest $(ARGS)
+	$(PYTEST) $(ARGS)
 
 # The daily tier: every test but the few long end-to-end ones marked slow (CI runs `make test`).
 test-fast: $(VENV)/.installed
-	$(PY) -m pytest -m "not slow" $(ARGS)
+	$(PYTEST) -m "not slow" $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info .pytest_cache

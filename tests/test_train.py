@@ -21,10 +21,11 @@ TINY = {"preset": "tiny", "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 
 
 
 def config(run_dir: Path, decay_steps=8, **train):
+    """A tiny run in `run_dir`, its memory tier's snapshots beside it (not in /dev/shm, which outlives the test)."""
     data = {"model": dict(TINY), "data": {"paths": [CORPUS]},
             "optim": {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 2, "decay_steps": decay_steps},
             "train": {"steps": 8, "global_batch": 4, "micro_batch": 2, "seq_len": 32, "log_every": 1,
-                      "run_dir": str(run_dir), **train}}
+                      "run_dir": str(run_dir), "snapshot_dir": str(run_dir.parent / "snapshots"), **train}}
     return build_config(data)
 
 
