@@ -7,10 +7,12 @@ with SIGTERM (it checkpoints and exits 0) and its goodput.json gives the ETTR an
 restart, state load, recomputed steps. A path is a set of config overrides (PATHS): `durable` restarts and reloads
 from the checkpoint directory; `memory` adds the node-local in-memory snapshot tier. A path whose overrides the
 config does not know is reported in one line and left out. Without faults, the snapshot's cost per step is the
-ratio of median step times (metrics.jsonl, one record per step) with and without the memory tier's overrides.
+training's stall for it (goodput.json) and the slowdown of the steps (median step times of metrics.jsonl, one
+record per step), with and without the memory tier's overrides.
 
     python benchmarks/recovery.py                  # 10 minutes per path, mean 90 s between faults
     python benchmarks/recovery.py --quick --paths durable
+    python benchmarks/recovery.py --paths ''        # the snapshot's cost alone, no faults
 """
 
 from __future__ import annotations
@@ -112,9 +114,9 @@ def faulted_run(path: str, root: Path, seconds: float, mean_s: float, ckpt_every
             "totals": goodput["failure_totals"]}
 
 
-def median_step_s(path: str, root: Path, steps: int, ckpt_every: int) -> float:
-    """The median step time of `steps` steps without faults (one metrics record per step; the first, which
-    carries the start-up, left out)."""
+def no_faults(path: str, root: Path, steps: int, ckpt_every: int) -> tuple[float, float]:
+    """`steps` steps without faults: the median step time (one metrics record per step; the first, which carries
+    the start-up, left out) and the training's stall for saves per step (goodput.json's checkpoint_s)."""
     run_dir = root / f"{path}_no_faults" / "run"
     run_dir.parent.mkdir(parents=True)
     args = overrides(path, run_dir, ckpt_every, "--train.log_every", "1")
@@ -123,13 +125,20 @@ def median_step_s(path: str, root: Path, steps: int, ckpt_every: int) -> float:
     if job.wait(timeout=1800) != 0:
         raise SystemExit(f"{path} without faults failed: see {run_dir.parent / 'job.log'}")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return statistics.median(r["step_time_s"] for r in records[1:])
+    stall_s = json.loads((run_dir / "goodput.json").read_text())["checkpoint_s"] / steps
+    return statistics.median(r["step_time_s"] for r in records[1:]), stall_s
 
 
 def snapshot_cost(root: Path, steps: int, ckpt_every: int) -> str:
-    """The memory tier's per-step snapshot as a share of step time: median step times, with it over without."""
-    with_tier, without = (median_step_s(path, root, steps, ckpt_every) for path in ("memory", "durable"))
-    return f"{with_tier / without - 1:+.1%} ({with_tier * 1e3:.1f} ms against {without * 1e3:.1f} ms per step)"
+    """The memory tier's per-step snapshot against the step time, in two parts: the training's stall for it (the
+    copy to host memory; the tier's runs over the durable path's, which saves as often) and the steps' slowdown
+    while it is written in the background (on a CPU-only machine the write takes the cores the step runs on)."""
+    (with_tier, stall_with), (without, stall_without) = (no_faults(path, root, steps, ckpt_every)
+                                                         for path in ("memory", "durable"))
+    stall = stall_with - stall_without
+    return (f"{(with_tier + stall) / without - 1:+.1%} in all: a stall of {stall * 1e3:.1f} ms ({stall / without:.1%} "
+            f"of a step) and steps {with_tier / without - 1:+.1%} slower while it is written ({with_tier * 1e3:.1f} "
+            f"ms against {without * 1e3:.1f} ms per step)")
 
 
 def row(result: dict) -> list:
@@ -159,7 +168,8 @@ def main() -> None:
     p.add_argument("--minutes", type=float, default=10.0, help="wall time per path")
     p.add_argument("--mean-s", type=float, default=90.0, help="mean time between faults")
     p.add_argument("--ckpt-every", type=int, default=20, help="train.ckpt_every of every path")
-    p.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated, of {', '.join(PATHS)}")
+    p.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated, of {', '.join(PATHS)}; empty: the "
+                                                           "snapshot's cost alone (results/recovery_cost.md)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cost-steps", type=int, default=200, help="steps of each run without faults (snapshot cost)")
     p.add_argument("--quick", action="store_true", help="3 minutes per path, a fault every 45 s on average, "
@@ -187,15 +197,16 @@ def report(args: argparse.Namespace, results: list[dict], cost: str, refused: di
     header = ["path", "wall s", "steps", "faults", "failures", "ETTR", "detection s", "restart s", "downtime s",
               "load s", "recomputed steps", "recomputed s"]
     left_out = "; ".join(f"{name}: {why}" for name, why in refused.items() if why)
+    faults = (f"{args.minutes:g} min per path, one trainer SIGKILLed at exponential intervals (mean {args.mean_s:g} "
+              f"s, seed {args.seed}), train.ckpt_every = {args.ckpt_every}; per failure means (goodput.json; a fault "
+              f"that lands on a start before its rank 0 began its work, during the interpreter's imports, is no "
+              f"failure of its own: its time is in the previous failure's restart). " if results else
+              f"no faults (the snapshot's cost alone), train.ckpt_every = {args.ckpt_every}. ")
     caption = (f"Recovery of the tiny model (configs/tiny.toml), 2 ranks under `hlat torchrun --max-restarts`, "
-               f"{args.minutes:g} min per path, one trainer SIGKILLed at exponential intervals (mean {args.mean_s:g} "
-               f"s, seed {args.seed}), train.ckpt_every = {args.ckpt_every}; per failure means "
-               f"(goodput.json; a fault that lands on a start before its rank 0 began its work, during the "
-               f"interpreter's imports, is no failure of its own: its time is in the previous failure's restart). "
-               f"Machine: {machine()}; torch {torch_version()}. Snapshot cost per step (median step time with the "
-               f"memory tier over without, no faults): {cost}."
-               + (f" Paths left out: {left_out}." if left_out else ""))
-    name = "recovery_quick" if args.quick else "recovery"
+               f"{faults}Machine: {machine()}; torch {torch_version()}. Snapshot cost per step ({args.cost_steps} "
+               f"steps without faults; median step times and goodput's stall for saves, with the memory tier and "
+               f"without): {cost}." + (f" Paths left out: {left_out}." if left_out else ""))
+    name = "recovery_quick" if args.quick else "recovery" if results else "recovery_cost"
     write_results(name, {"machine": machine(), "minutes": args.minutes, "mean_s": args.mean_s,
                          "ckpt_every": args.ckpt_every, "seed": args.seed, "snapshot_cost": cost,
                          "left_out": {k: v for k, v in refused.items() if v}},
