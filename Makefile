@@ -21,10 +21,9 @@ train: $(VENV)/.installed
 	@$(VENV)/bin/hlat generate $(RUN) --prompt "def " --max-new-tokens 48 --temperature 0.7
 
 # Two pytest workers: the tests that wait (restarts, rendezvous, timeouts) overlap those that compute. A test file
-# stays on one worker (its module fixtures are made once), handed out in the order tests/conftest.py collects
-# them (xdist's default is the files with most tests first); `TEST_WORKERS=0` runs them in this process.
+# stays on one worker (its module fixtures are made once); `TEST_WORKERS=0` runs them in this process.
 TEST_WORKERS ?= 2
-PYTEST := $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+PYTEST := $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 test: $(VENV)/.installed
 	$(PYTEST) $(ARGS)
