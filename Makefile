@@ -21,9 +21,12 @@ train: $(VENV)/.installed
 	@$(VENV)/bin/hlat generate $(RUN) --prompt "def " --max-new-tokens 48 --temperature 0.7
 
 # Two pytest workers: the tests that wait (restarts, rendezvous, timeouts) overlap those that compute. A test file
-# stays on one worker (its module fixtures are made once); `TEST_WORKERS=0` runs them in this process.
+# stays on one worker (its module fixtures are made once); `TEST_WORKERS=0` runs them in this process. One thread
+# per process (the runs they start inherit it): two workers with a thread per core each, plus their ranks, spun
+# waiting for each other's cores (a quarter of the suite's time on 2 cores).
 TEST_WORKERS ?= 2
-PYTEST := $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+TEST_THREADS ?= 1
+PYTEST := OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 test: $(VENV)/.installed
 	$(PYTEST) $(ARGS)

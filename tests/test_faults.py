@@ -270,15 +270,24 @@ def test_unwritable_run_dir_is_one_line(tmp_path, capsys):
 
 def stat(pid: int) -> list[str] | None:
     """The fields of /proc/<pid>/stat after the command name (Linux): state, ppid, pgrp, session..."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
+    return stat_of(Path(f"/proc/{pid}"))
 
 
 def alive(pid: int) -> bool:
-    fields = stat(pid)
-    return fields is not None and fields[0] != "Z"
+    """Until every thread has exited: a killed process's main thread can be a zombie while its other threads still
+    hold its open files (a run directory's lock among them)."""
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return False
+    return any((fields := stat_of(task)) is not None and fields[0] != "Z" for task in tasks)
+
+
+def stat_of(proc: Path) -> list[str] | None:
+    try:
+        return (proc / "stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
 
 
 def session_processes(sid: int) -> list[int]:

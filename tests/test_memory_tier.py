@@ -1,9 +1,7 @@
 """The memory tier (train.snapshot_every): a killed run resumes from node-local memory, exactly, recomputing at
-most one snapshot interval; a damaged snapshot is refused for the next good copy; a lost node's state is found
-on its buddy and the run goes on at the smaller data-parallel size; the tier's memory is freed when a run ends."""
+most one snapshot interval; a damaged snapshot is refused for the next good copy; the tier's memory is freed when
+a run ends. A lost node's state found on its buddy, across hosts: tests/test_hosts.py."""
 
-import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -18,8 +16,6 @@ from hlat.cli import main
 from hlat.checkpoint.memory import files_to_read, snapshot_root, snapshot_steps, step_dir
 from hlat.config.job import load_config
 from hlat.train.loop import train
-from test_faults import free_port
-from test_parallel import assert_close, trajectory
 from test_train import config, final_weights, losses
 
 # Runs hlat train (argv[2:]) and SIGKILLs this process right after the memory tier committed its snapshot of step
@@ -118,39 +114,3 @@ def test_a_snapshot_dir_that_cannot_be_written_is_refused_in_one_line(tmp_path, 
     assert main(["train", "--config", str(write_config(tmp_path / "job.toml", cfg))]) == 2
     err = capsys.readouterr().err
     assert "hlat: error: train.snapshot_dir: cannot write" in err and "Traceback" not in err, err
-
-
-def two_node_job(tmp_path: Path, cfg_file: Path, step: int) -> None:
-    """Two nodes of one rank each (two torchrun agents meeting through c10d on this machine), each with its own
-    node-local snapshot directory, killed once the snapshot of `step` is committed."""
-    script = tmp_path / "kill_after_snapshot.py"
-    script.write_text(KILL_AFTER_SNAPSHOT)
-    port, env = free_port(), {**os.environ, "OMP_NUM_THREADS": "1"}
-    agents = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "memory-tier",
-         "--max-restarts", "0", str(script), str(step), "--config", str(cfg_file),
-         "--train.snapshot_dir", str(tmp_path / f"node{node}")],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for node in range(2)]
-    for agent in agents:
-        out, _ = agent.communicate(timeout=600)
-        assert agent.returncode != 0, out[-3000:]  # the workers were killed
-
-
-def test_a_lost_node_is_recovered_from_its_buddy_at_half_the_data_parallel_size(uninterrupted, tmp_path, capsys):
-    """dp 2 over two nodes, killed after the snapshot of step 3; node 1 and its memory are lost. Node 0 holds its
-    own rank's files and the copy of rank 1's, so one process resumes from memory at dp 1 and follows the
-    uninterrupted run: the data stream is the same at any data-parallel size, and fp32 sums the same gradient terms
-    in another order (2^-24 each), far inside assert_close's 1e-4."""
-    cfg = config(tmp_path / "run", steps=6, snapshot_every=1)  # FSDP over the two nodes (dp_shard fills the world)
-    cfg_file = write_config(tmp_path / "job.toml", cfg)
-    two_node_job(tmp_path, cfg_file, 3)
-    roots = [snapshot_root(tmp_path / f"node{node}", tmp_path / "run") for node in range(2)]
-    held = [{p.name for p in step_dir(root, 3).iterdir()} for root in roots]
-    assert {"__0_0.distcp", "__1_0.distcp", "rank_0.json", ".metadata"} <= held[0]
-    assert {"__0_0.distcp", "__1_0.distcp", "rank_1.json", ".metadata"} <= held[1]
-    shutil.rmtree(tmp_path / "node1")  # the node and its memory are gone
-    capsys.readouterr()
-    train(load_config(cfg_file, ["--train.resume", "auto", "--train.snapshot_dir", str(tmp_path / "node0")]))
-    assert "memory tier's snapshot" in " ".join(capsys.readouterr().out.split())
-    assert_close(trajectory(tmp_path / "run"), trajectory(uninterrupted[0]))
