@@ -5,10 +5,11 @@ place; a restarted worker resumes by itself) for a fixed wall time, while one tr
 killed with SIGKILL at exponentially distributed intervals (seeded; mean --mean-s). At the end the job is stopped
 with SIGTERM (it checkpoints and exits 0) and its goodput.json gives the ETTR and each failure's split: detection,
 restart, state load, recomputed steps. A path is a set of config overrides (PATHS): `durable` restarts and reloads
-from the checkpoint directory; `memory` adds the node-local in-memory snapshot tier. A path whose overrides the
-config does not know is reported in one line and left out. Without faults, the snapshot's cost per step is the
-training's stall for it (goodput.json) and the slowdown of the steps (median step times of metrics.jsonl, one
-record per step), with and without the memory tier's overrides.
+from the checkpoint directory; `memory` adds the node-local in-memory snapshot tier, a snapshot every step;
+`memory_auto` snapshots as the default does (train.snapshot_every = -1: as often as keeps the snapshot's measured
+cost under 5% of the steps' time). A path whose overrides the config does not know is reported in one line and
+left out. Without faults, each memory path's snapshot cost is the training's stall for it (goodput.json) and the
+slowdown of the steps (median step times of metrics.jsonl, one record per step), against the durable path.
 
     python benchmarks/recovery.py                  # 10 minutes per path, mean 90 s between faults
     python benchmarks/recovery.py --quick --paths durable
@@ -39,7 +40,11 @@ PATHS = {
     "durable": ["--train.ckpt_every", "{ckpt_every}", "--train.snapshot_every", "0"],
     "memory": ["--train.ckpt_every", "{ckpt_every}", "--train.snapshot_every", "1",
                "--train.snapshot_dir", "{node_local}"],
+    # the default: a snapshot every K steps, K the fewest that keep its measured cost under 5% of their time
+    "memory_auto": ["--train.ckpt_every", "{ckpt_every}", "--train.snapshot_every", "-1",
+                    "--train.snapshot_dir", "{node_local}"],
 }
+MEMORY_PATHS = ("memory", "memory_auto")
 PARTS = ("detection_s", "restart_s", "downtime_s", "load_s", "recomputed_steps", "recomputed_s")
 
 
@@ -109,9 +114,9 @@ def faulted_run(path: str, root: Path, seconds: float, mean_s: float, ckpt_every
         raise SystemExit(f"path {path}: the job ended early with exit code {job.returncode}: see {root / path}/job.log")
     code = stop(job)
     goodput = json.loads((run_dir / "goodput.json").read_text())
-    return {"path": path, "exit": code, "wall_s": goodput["wall_s"], "ettr": goodput["ettr"],
-            "steps": goodput["high_water_step"], "kills": kills, "failures": goodput["failures"],
-            "totals": goodput["failure_totals"]}
+    return {"path": path, "snapshots": cadence(path, root / path / "job.log"), "exit": code,
+            "wall_s": goodput["wall_s"], "ettr": goodput["ettr"], "steps": goodput["high_water_step"], "kills": kills,
+            "failures": goodput["failures"], "totals": goodput["failure_totals"]}
 
 
 def no_faults(path: str, root: Path, steps: int, ckpt_every: int) -> tuple[float, float]:
@@ -129,16 +134,29 @@ def no_faults(path: str, root: Path, steps: int, ckpt_every: int) -> tuple[float
     return statistics.median(r["step_time_s"] for r in records[1:]), stall_s
 
 
-def snapshot_cost(root: Path, steps: int, ckpt_every: int) -> str:
-    """The memory tier's per-step snapshot against the step time, in two parts: the training's stall for it (the
-    copy to host memory; the tier's runs over the durable path's, which saves as often) and the steps' slowdown
-    while it is written in the background (on a CPU-only machine the write takes the cores the step runs on)."""
-    (with_tier, stall_with), (without, stall_without) = (no_faults(path, root, steps, ckpt_every)
-                                                         for path in ("memory", "durable"))
-    stall = stall_with - stall_without
-    return (f"{(with_tier + stall) / without - 1:+.1%} in all: a stall of {stall * 1e3:.1f} ms ({stall / without:.1%} "
-            f"of a step) and steps {with_tier / without - 1:+.1%} slower while it is written ({with_tier * 1e3:.1f} "
-            f"ms against {without * 1e3:.1f} ms per step)")
+def snapshot_cost(root: Path, steps: int, ckpt_every: int, paths: list[str]) -> str:
+    """Each memory path's snapshots against the step time, in two parts: the training's stall for them (the copy
+    to host memory; the path's runs over the durable path's, which saves as often) and the steps' slowdown while
+    they are written in the background (on a CPU-only machine the write takes the cores the step runs on)."""
+    without, stall_without = no_faults("durable", root, steps, ckpt_every)
+    costs = []
+    for path in paths:
+        with_tier, stall_with = no_faults(path, root, steps, ckpt_every)
+        stall = stall_with - stall_without
+        every = cadence(path, root / f"{path}_no_faults" / "job.log")
+        costs.append(f"{path} (a snapshot {every}): {(with_tier + stall) / without - 1:+.1%} in all, a stall of "
+                     f"{stall * 1e3:.1f} ms a step ({stall / without:.1%}) and steps {with_tier / without - 1:+.1%} "
+                     f"slower while written ({with_tier * 1e3:.1f} ms against {without * 1e3:.1f} ms)")
+    return "; ".join(costs)
+
+
+def cadence(path: str, log: Path) -> str:
+    """How often the path's run snapshotted: the interval its log names last (train.snapshot_every = -1 tunes it
+    at each start), else every step; none on the durable path."""
+    if path not in MEMORY_PATHS:
+        return "none"
+    tuned = [line for line in log.read_text(errors="replace").splitlines() if "memory tier: a snapshot every" in line]
+    return tuned[-1].split("memory tier: a snapshot ", 1)[1].split(" (", 1)[0] if tuned else "every step"
 
 
 def row(result: dict) -> list:
@@ -148,7 +166,7 @@ def row(result: dict) -> list:
         have = [f[part] for f in result["failures"] if f[part] is not None]
         return f"{sum(have) / len(have):.{digits}f}" if have else "-"
 
-    return [result["path"], f"{result['wall_s']:.0f}", result["steps"], len(result["kills"]),
+    return [result["path"], result["snapshots"], f"{result['wall_s']:.0f}", result["steps"], len(result["kills"]),
             f"{n} ({totals['not_observed']} not observed)", f"{result['ettr']:.3f}", mean("detection_s"),
             mean("restart_s"), mean("downtime_s"), mean("load_s"), mean("recomputed_steps", 1),
             mean("recomputed_s")]
@@ -188,14 +206,14 @@ def main() -> None:
                 print(f"path {name}: {refused[name]}", file=sys.stderr)
         results = [faulted_run(name, root, args.minutes * 60, args.mean_s, args.ckpt_every, args.seed)
                    for name in paths if not refused[name]]
-        cost = (snapshot_cost(root, args.cost_steps, args.ckpt_every) if not refused["memory"]
-                else f"not measured ({refused['memory']})")
+        measured = [name for name in MEMORY_PATHS if not refused[name] and (name in paths or not paths)]
+        cost = snapshot_cost(root, args.cost_steps, args.ckpt_every, measured) if measured else "not measured"
     report(args, results, cost, refused)
 
 
 def report(args: argparse.Namespace, results: list[dict], cost: str, refused: dict) -> None:
-    header = ["path", "wall s", "steps", "faults", "failures", "ETTR", "detection s", "restart s", "downtime s",
-              "load s", "recomputed steps", "recomputed s"]
+    header = ["path", "snapshots", "wall s", "steps", "faults", "failures", "ETTR", "detection s", "restart s",
+              "downtime s", "load s", "recomputed steps", "recomputed s"]
     left_out = "; ".join(f"{name}: {why}" for name, why in refused.items() if why)
     faults = (f"{args.minutes:g} min per path, one trainer SIGKILLed at exponential intervals (mean {args.mean_s:g} "
               f"s, seed {args.seed}), train.ckpt_every = {args.ckpt_every}; per failure means (goodput.json; a fault "
@@ -203,9 +221,9 @@ def report(args: argparse.Namespace, results: list[dict], cost: str, refused: di
               f"failure of its own: its time is in the previous failure's restart). " if results else
               f"no faults (the snapshot's cost alone), train.ckpt_every = {args.ckpt_every}. ")
     caption = (f"Recovery of the tiny model (configs/tiny.toml), 2 ranks under `hlat torchrun --max-restarts`, "
-               f"{faults}Machine: {machine()}; torch {torch_version()}. Snapshot cost per step ({args.cost_steps} "
-               f"steps without faults; median step times and goodput's stall for saves, with the memory tier and "
-               f"without): {cost}." + (f" Paths left out: {left_out}." if left_out else ""))
+               f"{faults}Machine: {machine()}; torch {torch_version()}. Snapshots' cost ({args.cost_steps} steps "
+               f"without faults; median step times and goodput's stall for saves, each memory path against the "
+               f"durable one): {cost}." + (f" Paths left out: {left_out}." if left_out else ""))
     name = "recovery_quick" if args.quick else "recovery" if results else "recovery_cost"
     write_results(name, {"machine": machine(), "minutes": args.minutes, "mean_s": args.mean_s,
                          "ckpt_every": args.ckpt_every, "seed": args.seed, "snapshot_cost": cost,
