@@ -1,6 +1,7 @@
 """The memory tier (train.snapshot_every): a killed run resumes from node-local memory, exactly, recomputing at
 most one snapshot interval; a damaged snapshot is refused for the next good copy; the tier's memory is freed when
-a run ends. A lost node's state found on its buddy, across hosts: tests/test_hosts.py."""
+a run ends; the default cadence keeps a snapshot's cost under the goal. A lost node's state found on its buddy,
+across hosts: tests/test_hosts.py."""
 
 import signal
 import subprocess
@@ -13,7 +14,8 @@ import torch.distributed.checkpoint as dcp
 
 from hlat.checkpoint.layout import complete_checkpoints
 from hlat.cli import main
-from hlat.checkpoint.memory import files_to_read, snapshot_root, snapshot_steps, step_dir
+from hlat.checkpoint.memory import (AUTO, STALL_SHARE, MemoryTier, Node, files_to_read, snapshot_root,
+                                    snapshot_steps, step_dir)
 from hlat.config.job import load_config
 from hlat.train.loop import train
 from test_train import config, final_weights, losses
@@ -114,3 +116,19 @@ def test_a_snapshot_dir_that_cannot_be_written_is_refused_in_one_line(tmp_path, 
     assert main(["train", "--config", str(write_config(tmp_path / "job.toml", cfg))]) == 2
     err = capsys.readouterr().err
     assert "hlat: error: train.snapshot_dir: cannot write" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("device, counted", [("cpu", 0.43), ("meta", 0.03)])  # meta: an accelerator's
+def test_the_default_cadence_keeps_a_snapshots_cost_under_the_goal(tmp_path, device, counted):
+    """train.snapshot_every = -1: a snapshot every step until one is measured, then every K steps, the fewest that
+    keep its cost under STALL_SHARE of their time. The cost is the copy to host memory and the wait for the write
+    before it or, where training runs on the CPU (whose cores that write takes), the write's whole time."""
+    tier = MemoryTier(tmp_path, AUTO, "token", 0, Node(0, 0, 1, 1), None, "", torch.device(device))
+    assert all(tier.due(step) for step in range(1, 5))
+    tier.write_s = 0.4  # the last committed snapshot's write, in the background
+    cost = tier.cost_s(save_s=0.03, waited_s=0.0)
+    assert cost == pytest.approx(counted)
+    every = tier.tune(cost, step_s=1.0)
+    assert cost / every <= STALL_SHARE and (every == 1 or cost / (every - 1) > STALL_SHARE)  # the fewest
+    assert (every > 1) == (device == "cpu")
+    assert [step for step in range(1, 31) if tier.due(step)] == list(range(every, 31, every))
