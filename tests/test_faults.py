@@ -317,27 +317,31 @@ def trained_state(run_dir: Path, cfg) -> tuple[dict, dict]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2])
-def test_supervisor_restarts_after_kill_9_bit_exact_and_leaves_nothing_behind(nproc, tmp_path):
+def test_supervisor_restarts_after_kill_9_bit_exact_and_leaves_nothing_behind(nproc, tmp_path, warm_torchrun):
     """kill -9 of the trainer, or of one rank of a 2-rank torchrun job (and so of nothing else): the supervisor
     starts the job again with --resume auto; the steps after the last checkpoint are run again to the same
     losses, gradient norms and final state as an uninterrupted run, and no tokenizer worker or resource tracker
     of the killed processes outlives them."""
 
-    def supervised(name: str) -> subprocess.Popen:  # its output in <name>.log
+    def job_config(name: str):
         cfg = config(tmp_path / name, steps=10, decay_steps=10, ckpt_every=3)
         cfg.data.workers = 1
-        with open(tmp_path / f"{name}.log", "w") as log:
-            return subprocess.Popen([sys.executable, "-m", "hlat", "train", "--config",
-                                     str(write_config(tmp_path / f"{name}.toml", cfg)), "--max-restarts", "2",
-                                     "--nproc-per-node", str(nproc)],
-                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        return cfg
 
-    # the reference, uninterrupted in the same layout, runs alongside a 2-rank job (one thread per rank), and
-    # before a single process (which uses every core)
-    reference = supervised("reference")
-    if nproc == 1:
-        reference.wait(timeout=300)
-    supervisor = supervised("run")
+    def run_reference() -> None:
+        """The uninterrupted run in the same layout: in this process, or on the session's torchrun launch."""
+        if nproc == 1:
+            train(job_config("reference"))
+            return
+        done = warm_torchrun.run(2, ["train", "--config",
+                                     str(write_config(tmp_path / "reference.toml", job_config("reference")))])
+        assert done.returncode == 0, done.stdout[-3000:]
+
+    with open(tmp_path / "run.log", "w") as log:
+        supervisor = subprocess.Popen([sys.executable, "-m", "hlat", "train", "--config",
+                                       str(write_config(tmp_path / "run.toml", job_config("run"))),
+                                       "--max-restarts", "2", "--nproc-per-node", str(nproc)],
+                                      stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         metrics = tmp_path / "run" / "metrics.jsonl"
         deadline = time.time() + 120
@@ -347,13 +351,11 @@ def test_supervisor_restarts_after_kill_9_bit_exact_and_leaves_nothing_behind(np
         victim = children(child)[-1] if nproc > 1 else child  # a torchrun worker, or the trainer
         doomed = [victim] + [p for c in children(victim) for p in [c, *children(c)]]  # workers, tracker
         os.kill(victim, signal.SIGKILL)
+        run_reference()  # while the supervisor restarts the job
         supervisor.wait(timeout=300)
-        reference.wait(timeout=300)
     finally:
-        for job in (supervisor, reference):
-            if job.poll() is None:
-                os.killpg(job.pid, signal.SIGKILL)
-    assert reference.returncode == 0, (tmp_path / "reference.log").read_text()
+        if supervisor.poll() is None:
+            os.killpg(supervisor.pid, signal.SIGKILL)
     assert supervisor.returncode == 0, (tmp_path / "run.log").read_text()
     restart, = [json.loads(line) for line in (tmp_path / "run" / "restarts.jsonl").read_text().splitlines()]
     assert restart["exit"] == ("killed by SIGKILL" if nproc == 1 else "exit code 1")  # torchrun's, for a worker
@@ -388,15 +390,15 @@ def restarting_torchrun(cfg_file: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def restart_job(tmp_path_factory) -> tuple[Path, object]:
-    """A 2-rank job of 10 steps checkpointing every 3, and its uninterrupted run (in reference/ beside it)."""
+def restart_job(tmp_path_factory, warm_torchrun) -> tuple[Path, object]:
+    """A 2-rank job of 10 steps checkpointing every 3, and its uninterrupted run (in reference/ beside it; on the
+    session's torchrun launch, whose 2-rank jobs compute what a fresh torchrun's do, to the bit)."""
     root = tmp_path_factory.mktemp("restart")
     cfg = config(root / "run", steps=10, decay_steps=10, ckpt_every=3)
     cfg.data.workers = 0
     cfg_file = write_config(root / "c.toml", cfg)
-    done = subprocess.run([*restarting_torchrun(cfg_file), "--train.run_dir", str(root / "reference")],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = warm_torchrun.run(2, ["train", "--config", str(cfg_file), "--train.run_dir", str(root / "reference")])
+    assert done.returncode == 0, done.stdout[-3000:]
     return cfg_file, cfg
 
 
