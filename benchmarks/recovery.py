@@ -9,7 +9,8 @@ from the checkpoint directory; `memory` adds the node-local in-memory snapshot t
 `memory_auto` snapshots as the default does (train.snapshot_every = -1: as often as keeps the snapshot's measured
 cost under 5% of the steps' time). A path whose overrides the config does not know is reported in one line and
 left out. Without faults, each memory path's snapshot cost is the training's stall for it (goodput.json) and the
-slowdown of the steps (median step times of metrics.jsonl, one record per step), against the durable path.
+slowdown of the steps (mean step times of metrics.jsonl, one record per step), against the durable path, run before
+and after them.
 
     python benchmarks/recovery.py                  # 10 minutes per path, mean 90 s between faults
     python benchmarks/recovery.py --quick --paths durable
@@ -119,10 +120,11 @@ def faulted_run(path: str, root: Path, seconds: float, mean_s: float, ckpt_every
             "failures": goodput["failures"], "totals": goodput["failure_totals"]}
 
 
-def no_faults(path: str, root: Path, steps: int, ckpt_every: int) -> tuple[float, float]:
-    """`steps` steps without faults: the median step time (one metrics record per step; the first, which carries
-    the start-up, left out) and the training's stall for saves per step (goodput.json's checkpoint_s)."""
-    run_dir = root / f"{path}_no_faults" / "run"
+def no_faults(path: str, root: Path, steps: int, ckpt_every: int, name: str = "") -> tuple[float, float]:
+    """`steps` steps without faults (in `<name or path>_no_faults/`): the mean step time (one metrics record per
+    step; the first, which carries the start-up, left out; a mean, so that the steps slowed by a write every K
+    steps count) and the training's stall for saves per step (goodput.json's checkpoint_s)."""
+    run_dir = root / f"{name or path}_no_faults" / "run"
     run_dir.parent.mkdir(parents=True)
     args = overrides(path, run_dir, ckpt_every, "--train.log_every", "1")
     args[args.index("--train.steps") + 1] = str(steps)
@@ -131,22 +133,27 @@ def no_faults(path: str, root: Path, steps: int, ckpt_every: int) -> tuple[float
         raise SystemExit(f"{path} without faults failed: see {run_dir.parent / 'job.log'}")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     stall_s = json.loads((run_dir / "goodput.json").read_text())["checkpoint_s"] / steps
-    return statistics.median(r["step_time_s"] for r in records[1:]), stall_s
+    return statistics.fmean(r["step_time_s"] for r in records[1:]), stall_s
 
 
 def snapshot_cost(root: Path, steps: int, ckpt_every: int, paths: list[str]) -> str:
     """Each memory path's snapshots against the step time, in two parts: the training's stall for them (the copy
-    to host memory; the path's runs over the durable path's, which saves as often) and the steps' slowdown while
-    they are written in the background (on a CPU-only machine the write takes the cores the step runs on)."""
-    without, stall_without = no_faults("durable", root, steps, ckpt_every)
-    costs = []
-    for path in paths:
-        with_tier, stall_with = no_faults(path, root, steps, ckpt_every)
+    to host memory and the waits for writes; the path's runs over the durable path's, which saves as often) and
+    the steps' slowdown while they are written in the background (on a CPU-only machine the write takes the cores
+    the step runs on). The durable path runs before and after the memory paths, its mean the baseline: how far
+    the two differ is the machine's drift, which bounds what a cost of a few percent can be told from."""
+    before = no_faults("durable", root, steps, ckpt_every, "durable_before")
+    runs = {path: no_faults(path, root, steps, ckpt_every) for path in paths}
+    after = no_faults("durable", root, steps, ckpt_every, "durable_after")
+    without, stall_without = statistics.fmean((before[0], after[0])), statistics.fmean((before[1], after[1]))
+    costs = [f"the durable baseline {without * 1e3:.1f} ms a step (before {before[0] * 1e3:.1f}, after "
+             f"{after[0] * 1e3:.1f}: a drift of {after[0] / before[0] - 1:+.1%})"]
+    for path, (with_tier, stall_with) in runs.items():
         stall = stall_with - stall_without
         every = cadence(path, root / f"{path}_no_faults" / "job.log")
         costs.append(f"{path} (a snapshot {every}): {(with_tier + stall) / without - 1:+.1%} in all, a stall of "
                      f"{stall * 1e3:.1f} ms a step ({stall / without:.1%}) and steps {with_tier / without - 1:+.1%} "
-                     f"slower while written ({with_tier * 1e3:.1f} ms against {without * 1e3:.1f} ms)")
+                     f"slower ({with_tier * 1e3:.1f} ms)")
     return "; ".join(costs)
 
 
@@ -222,8 +229,8 @@ def report(args: argparse.Namespace, results: list[dict], cost: str, refused: di
               f"no faults (the snapshot's cost alone), train.ckpt_every = {args.ckpt_every}. ")
     caption = (f"Recovery of the tiny model (configs/tiny.toml), 2 ranks under `hlat torchrun --max-restarts`, "
                f"{faults}Machine: {machine()}; torch {torch_version()}. Snapshots' cost ({args.cost_steps} steps "
-               f"without faults; median step times and goodput's stall for saves, each memory path against the "
-               f"durable one): {cost}." + (f" Paths left out: {left_out}." if left_out else ""))
+               f"without faults; mean step times and goodput's stall for saves, each memory path against the "
+               f"durable one, run before and after them): {cost}." + (f" Paths left out: {left_out}." if left_out else ""))
     name = "recovery_quick" if args.quick else "recovery" if results else "recovery_cost"
     write_results(name, {"machine": machine(), "minutes": args.minutes, "mean_s": args.mean_s,
                          "ckpt_every": args.ckpt_every, "seed": args.seed, "snapshot_cost": cost,

@@ -49,7 +49,7 @@ def test_ettr_of_a_run_killed_three_times_matches_its_own_step_times(tmp_path):
     """The reported ETTR is productive time over wall time; computed from metrics.jsonl, which holds a record of
     each step the final model contains (its time, less its data wait, from the run of it that made it in), over the
     same wall time, it must agree to the rounding of the records (well within 3%)."""
-    cfg = config(tmp_path / "run", steps=12, decay_steps=12, ckpt_every=3)
+    cfg = config(tmp_path / "run", steps=12, decay_steps=12, ckpt_every=3, snapshot_every=0)  # durable resumes
     cfg.data.workers = 0
     (tmp_path / "marks").mkdir()
     done = subprocess.run([sys.executable, "-c", SUPERVISED, KILLED_THREE_TIMES, "--config",
@@ -147,7 +147,7 @@ def test_a_killed_and_resumed_run_shows_one_failure_split_in_order(tmp_path):
     supervisor, whose moments come in order around the kill (the last progress before it, the supervisor's sight
     after it, the restart before the first resumed step's record); it resumed from step 3 and recomputed steps 4 and
     5, whose seconds are those of their records in metrics.jsonl (log_every = 1) to the records' rounding."""
-    cfg = config(tmp_path / "run", steps=7, decay_steps=7, ckpt_every=3)
+    cfg = config(tmp_path / "run", steps=7, decay_steps=7, ckpt_every=3, snapshot_every=0)  # a durable resume
     cfg.data.workers = 0
     done = subprocess.run([sys.executable, "-c", SUPERVISED, KILLED_AFTER_STEP_5, "--config",
                            str(write_config(tmp_path / "c.toml", cfg)), "--max-restarts", "1"],

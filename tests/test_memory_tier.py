@@ -6,6 +6,7 @@ across hosts: tests/test_hosts.py."""
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -118,17 +119,24 @@ def test_a_snapshot_dir_that_cannot_be_written_is_refused_in_one_line(tmp_path, 
     assert "hlat: error: train.snapshot_dir: cannot write" in err and "Traceback" not in err, err
 
 
-@pytest.mark.parametrize("device, counted", [("cpu", 0.43), ("meta", 0.03)])  # meta: an accelerator's
-def test_the_default_cadence_keeps_a_snapshots_cost_under_the_goal(tmp_path, device, counted):
-    """train.snapshot_every = -1: a snapshot every step until one is measured, then every K steps, the fewest that
-    keep its cost under STALL_SHARE of their time. The cost is the copy to host memory and the wait for the write
-    before it or, where training runs on the CPU (whose cores that write takes), the write's whole time."""
-    tier = MemoryTier(tmp_path, AUTO, "token", 0, Node(0, 0, 1, 1), None, "", torch.device(device))
-    assert all(tier.due(step) for step in range(1, 5))
-    tier.write_s = 0.4  # the last committed snapshot's write, in the background
-    cost = tier.cost_s(save_s=0.03, waited_s=0.0)
-    assert cost == pytest.approx(counted)
-    every = tier.tune(cost, step_s=1.0)
-    assert cost / every <= STALL_SHARE and (every == 1 or cost / (every - 1) > STALL_SHARE)  # the fewest
-    assert (every > 1) == (device == "cpu")
-    assert [step for step in range(1, 31) if tier.due(step)] == list(range(every, 31, every))
+def test_the_default_cadence_measures_a_snapshots_cost_and_keeps_it_under_the_goal(tmp_path):
+    """train.snapshot_every = -1: the first snapshot is of the process's second step (after a steady one); its cost,
+    measured once committed, is the copy the step waited for, the time the steps run while it was written took over
+    the steady steps' median, and the wait after them; then a snapshot every K steps, the fewest that keep that cost
+    under STALL_SHARE of their time, tuned again after the 2nd, 4th, 8th, ... measured snapshot."""
+    tier = MemoryTier(tmp_path, AUTO, "token", 0, Node(0, 0, 1, 1), None, "", torch.device("cpu"))
+    due = []
+    for step, step_s in enumerate((3.0, 1.0), 1):  # the first step, slow with its warm-up, is no steady one
+        tier.stepped(step_s)
+        due.append(tier.due(step))
+    assert due == [False, True] and list(tier.steady) == [1.0]
+    tier.save(2, {"w": torch.zeros(4)}, time.perf_counter())
+    flight = tier.in_flight
+    tier.stepped(1.3)  # run while the snapshot was written: 0.3 s slower than the steady step
+    assert not tier.due(3)
+    assert tier.settle() is None and tier.tune_due()
+    every, cost, step_s = tier.tune()
+    assert step_s == 1.0 and cost == pytest.approx(flight.stall_s + 0.3 + flight.settled_s) and flight.stall_s > 0
+    assert cost / every <= STALL_SHARE * step_s < cost / max(every - 1, 1e-9)  # the fewest
+    assert [step for step in range(3, 4 * every) if tier.due(step)] == [every, 2 * every, 3 * every]
+    assert not tier.tune_due()  # until the next snapshot is measured

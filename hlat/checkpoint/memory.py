@@ -24,8 +24,10 @@ import os
 import pickle
 import re
 import shutil
+import statistics
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,8 +41,9 @@ from hlat.checkpoint.layout import CONFIG_FILE
 from hlat.checkpoint.store import STAGER_KEEPS_BUFFERS, RankWriteFailed, digests
 from hlat.parallel.mesh import gather_objects
 
-AUTO = -1  # train.snapshot_every = -1: every step, unless that stalls training more than STALL_SHARE
+AUTO = -1  # train.snapshot_every = -1: every step, unless that costs training more than STALL_SHARE
 STALL_SHARE = 0.05
+STEADY_STEPS = 16  # the latest steps with no snapshot written during them: their median is the steady step time
 _STEP = re.compile(r"^step_(\d{8})$")
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 METADATA = ".metadata"
@@ -101,8 +104,9 @@ class _Flight:
     step: int
     written: threading.Event = field(default_factory=threading.Event)
     failure: str | None = None
-    started: float = field(default_factory=time.perf_counter)
-    write_s: float = 0.0  # from the save to this rank's part written, copied to its buddy and recorded
+    stall_s: float = 0.0  # the save's copy to host memory, which the step waited for
+    during_s: list[float] = field(default_factory=list)  # the times of the steps run while it was written
+    settled_s: float = 0.0  # the wait after those steps for it to be written on every rank
 
 
 class MemoryTier:
@@ -123,47 +127,75 @@ class MemoryTier:
         self.stager = DefaultStager(self.staging) if STAGER_KEEPS_BUFFERS else None
         self.in_flight: _Flight | None = None
         self.saves = 0
-        self.shares_cores = device.type == "cpu"
-        self.write_s = 0.0  # the last committed snapshot's
+        # train.snapshot_every = -1 measures what snapshots cost and tunes K (`tune`): the process's first snapshot
+        # is of its second step, after a steady one (the first, with its warm-up, is none); then every K steps
+        self.auto = every == AUTO
+        self.every = 0 if self.auto else every
+        self.steady: deque[float] = deque(maxlen=STEADY_STEPS)
+        self.steps_run = 0  # by this process
+        self.costs: list[float] = []  # the measured costs of the snapshots committed since the last tuning
+        self.measured = 0
 
     def due(self, step: int) -> bool:
-        return self.every == AUTO or (self.every > 0 and step % self.every == 0)
+        if self.auto and not self.measured:
+            return not self.saves and self.steps_run == 2
+        return self.every > 0 and step % self.every == 0
 
-    def cost_s(self, save_s: float, waited_s: float) -> float:
-        """What a snapshot costs the training: its copy to host memory (`save_s`) and the wait for the one before to
-        be written (`waited_s`) or, where training runs on the CPU, that write's whole time, which takes the same
-        cores whether the step waits for it or not."""
-        return save_s + max(waited_s, self.write_s if self.shares_cores else 0.0)
+    def stepped(self, step_s: float) -> None:
+        """A step ended in `step_s`: the time of a step run while a snapshot was written, or of a steady one (not
+        the process's first, slow with its warm-up)."""
+        self.steps_run += 1
+        if self.in_flight is not None:
+            self.in_flight.during_s.append(step_s)
+        elif self.steps_run > 1:
+            self.steady.append(step_s)
 
-    def tune(self, cost_s: float, step_s: float) -> int:
-        """train.snapshot_every = -1: from a snapshot's measured cost and the step's time, snapshot every K steps,
-        the fewest that keep the cost under STALL_SHARE of their time; the largest K of all ranks, so that they all
-        snapshot the same steps (agreed over the default group: the tier's own carries the snapshot being
-        written)."""
-        every = max(1, math.ceil(cost_s / (STALL_SHARE * max(step_s, 1e-9))))
-        self.every = max(gather_objects(every))
-        return self.every
+    def cost_s(self, flight: _Flight) -> float | None:
+        """What a committed snapshot cost the training, measured: the copy the step waited for, the steps run while
+        it was written over the steady step time (on a CPU that trains, the write takes their cores; with cores
+        of its own, little), and the wait for every rank to have written it. None before a steady step."""
+        if not self.steady:
+            return None
+        slowdown = sum(flight.during_s) - len(flight.during_s) * statistics.median(self.steady)
+        return max(0.0, flight.stall_s + slowdown + flight.settled_s)
+
+    def tune_due(self) -> bool:
+        """train.snapshot_every = -1 tunes K once its 1st, 2nd, 4th, 8th, ... snapshot is committed and measured (so
+        that it follows a run whose step time changes, a collective each time): on every rank alike."""
+        return bool(self.costs) and self.measured & (self.measured - 1) == 0
+
+    def tune(self) -> tuple[int, float, float]:
+        """Snapshot every K steps, K the fewest that keep the snapshots' measured cost (their mean since the last
+        tuning) under STALL_SHARE of their steps' time; the largest K of all ranks, so that they all snapshot the
+        same steps (agreed over the default group: the tier's own carries the snapshot being written). Returns K,
+        the cost and the steady step time."""
+        cost, step_s = statistics.fmean(self.costs), statistics.median(self.steady)
+        every = max(1, math.ceil(cost / (STALL_SHARE * max(step_s, 1e-9))))
+        self.every, self.costs = max(gather_objects(every)), []
+        return self.every, cost, step_s
 
     def settle(self) -> str | None:
         """Wait until every rank has written the snapshot in flight, and commit it (a collective of every rank at the
         same step, after a step whose all-reduce did not find them all written): returns its failure, as `commit`
         does. Called after every step, so that the snapshot taken before it is complete before another counts as
         done: a failure then never costs more than the steps since the last snapshot."""
+        started = time.perf_counter()
         self.in_flight.written.wait()
         failed = torch.tensor([float(self.in_flight.failure is not None)])
         if self.group is not None:
             dist.all_reduce(failed, group=self.group)
+        self.in_flight.settled_s = time.perf_counter() - started
         return self.commit(bool(failed.item()))
 
-    def save(self, step: int, state: dict) -> None:
-        """Snapshot `state` (a state dict) as step `step`: copied to host memory now, written in the background
-        (the one before is settled: `settle`)."""
+    def save(self, step: int, state: dict, started: float) -> None:
+        """Snapshot `state` (a state dict, taken since `started`: the stall counts it) as step `step`: copied to
+        host memory now, written in the background (the one before is settled: `settle`)."""
         self.saves += 1
         target = step_dir(self.root, step)
         target.mkdir(parents=True, exist_ok=True)
         stager = self.stager or DefaultStager(self.staging)
         future = dcp.async_save(state, checkpoint_id=target, async_stager=stager, process_group=self.group)
-        flight = self.in_flight = _Flight(step)
+        flight = self.in_flight = _Flight(step, stall_s=time.perf_counter() - started)
         future.add_done_callback(lambda f: self._written(f, flight, target, None if self.stager else stager))
 
     def _written(self, future, flight: _Flight, target: Path, stager) -> None:  # in DCP's writer thread
@@ -175,7 +207,6 @@ class MemoryTier:
             if self.node.leader:
                 (target / CONFIG_FILE).write_text(self.config_toml)
             self._mark(target, flight.step, own + received + ([METADATA, CONFIG_FILE] if self.node.leader else []))
-            flight.write_s = time.perf_counter() - flight.started
         except BaseException as e:  # reported at the commit, on every rank
             flight.failure = RankWriteFailed.of(e).reason
         if stager is not None:
@@ -225,7 +256,9 @@ class MemoryTier:
             if self.node.leader:
                 shutil.rmtree(step_dir(self.root, flight.step), ignore_errors=True)
             return flight.failure or "a snapshot write failed on another rank"
-        self.write_s = flight.write_s
+        if self.auto and (cost := self.cost_s(flight)) is not None:
+            self.costs.append(cost)
+            self.measured += 1
         if self.node.leader:
             for step in snapshot_steps(self.root):
                 if step < flight.step:

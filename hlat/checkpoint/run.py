@@ -19,7 +19,7 @@ from rich.console import Console
 from hlat import HlatError
 from hlat.checkpoint.best import BestCheckpoint
 from hlat.checkpoint.layout import MANIFEST, checkpoint_step, complete_checkpoints, latest_checkpoint
-from hlat.checkpoint.memory import AUTO, STALL_SHARE, MemoryTier, fetch, files_to_read, snapshot_root
+from hlat.checkpoint.memory import STALL_SHARE, MemoryTier, fetch, files_to_read, snapshot_root
 from hlat.checkpoint.start import Start
 from hlat.checkpoint.state import TrainState, load_weights
 from hlat.checkpoint.store import Checkpointer, newest_good_checkpoint, resolve_checkpoint, set_aside
@@ -60,7 +60,6 @@ class Checkpoints:
         settings = cfg.train
         self.state, self.console, self.init_from, self.is_main = state, console, settings.init_from, topo.is_main
         self.start, self.rank, self.mode = start, topo.rank, cfg.precision.mode
-        self.settled_s = 0.0  # this step's wait for the snapshot before it (a snapshot's cost, with its stall)
         self.memory = MemoryTier(snapshot_root(settings.snapshot_dir, settings.run_dir), settings.snapshot_every,
                                  start.token, topo.rank, start.node, start.group, cfg.to_toml(),
                                  device) if settings.snapshot_every else None
@@ -94,21 +93,21 @@ class Checkpoints:
     def snapshot_due(self, step: int) -> bool:
         return self.memory is not None and self.memory.due(step)
 
-    def snapshot(self, step_s: float) -> None:
-        """The memory tier's snapshot of the state at its step: training stalls for the copy to host memory. Under
-        train.snapshot_every = -1 the second snapshot's cost against the step's time (`step_s`) sets the cadence."""
+    def snapshot(self) -> None:
+        """The memory tier's snapshot of the state at its step: training stalls for the copy to host memory."""
         started = time.perf_counter()
-        self.memory.save(self.state.step, self.state.state_dict(packed=True))
-        save_s, waited_s, self.settled_s = time.perf_counter() - started, self.settled_s, 0.0
-        self.goodput.checkpointed(save_s)
-        if self.memory.every != AUTO or self.memory.saves < 2:
-            return
-        cost = self.memory.cost_s(save_s, waited_s)
-        every = self.memory.tune(cost, step_s)
-        what = "its copy, and its write on the CPU that trains" if self.memory.shares_cores else "its copy"
-        self.console.print(f"memory tier: a snapshot every {every} step{'s' if every > 1 else ''} (train.snapshot_every"
-                           f" = -1: one costs {cost * 1e3:.0f} ms ({what}), {cost / step_s:.1%} of a "
-                           f"{step_s * 1e3:.0f} ms step; the goal is under {STALL_SHARE:.0%})", highlight=False)
+        self.memory.save(self.state.step, self.state.state_dict(packed=True), started)
+        self.goodput.checkpointed(time.perf_counter() - started)
+
+    def tune_snapshots(self) -> None:
+        """train.snapshot_every = -1: the snapshots' measured cost sets their cadence (at some commits:
+        `MemoryTier.tune_due`), said where it changes."""
+        before = self.memory.every
+        every, cost, step_s = self.memory.tune()
+        if every != before:
+            self.console.print(f"memory tier: a snapshot every {every} step{'s' if every > 1 else ''} "
+                               f"(train.snapshot_every = -1: one costs {cost * 1e3:.0f} ms, {cost / step_s:.1%} of a "
+                               f"{step_s * 1e3:.0f} ms step; the goal is under {STALL_SHARE:.0%})", highlight=False)
 
     def writes(self) -> Writes:
         """This rank's part of the background writes in flight: done or not."""
@@ -116,9 +115,12 @@ class Checkpoints:
         return Writes(self.writer.written(), memory is not None and memory.written(),
                       memory is not None and memory.written() and memory.in_flight.failure is not None)
 
-    def commit_written(self, agreed: Writes) -> None:
-        """Commit what every rank has written (a collective: every rank at the same step). A failed snapshot turns
-        the memory tier off for the rest of this process; the durable tier goes on."""
+    def commit_written(self, agreed: Writes, step_s: float) -> None:
+        """After a step (of `step_s` seconds), commit what every rank has written (a collective: every rank at the
+        same step). A failed snapshot turns the memory tier off for the rest of this process; the durable tier
+        goes on."""
+        if self.memory is not None:
+            self.memory.stepped(step_s)
         if agreed.checkpoint:
             self.commit()
         if agreed.snapshot:
@@ -126,8 +128,9 @@ class Checkpoints:
         elif self.memory is not None and self.memory.in_flight is not None:  # not all written yet: wait for them
             started = time.perf_counter()
             self.memory_failed(self.memory.settle())
-            self.settled_s = time.perf_counter() - started
-            self.goodput.checkpointed(self.settled_s)
+            self.goodput.checkpointed(time.perf_counter() - started)
+        if self.memory is not None and self.memory.tune_due():
+            self.tune_snapshots()
 
     def memory_failed(self, failure: str | None) -> bool:
         """Turn the memory tier off after a failed snapshot write (`failure`, on every rank alike); True if so."""

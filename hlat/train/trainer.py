@@ -65,7 +65,7 @@ class Trainer:
         collective: every rank learnt it from the step's all-reduce), goodput accounts for the step, the bad-step
         policy (which may roll back), the metrics report and validation, checkpoints and the memory tier's
         snapshots, the watchdog."""
-        self.checkpoints.commit_written(result.written)
+        self.checkpoints.commit_written(result.written, result.seconds)
         self.goodput.step(self.step + 1, result.seconds, result.data_wait_s, bad=result.bad is not None)
         if result.bad is not None and self.handle_bad_step(result.bad):
             return
@@ -82,7 +82,7 @@ class Trainer:
         if self.checkpoints.due(self.step, result.stopping):
             self.checkpoints.save(commit_now=result.stopping)
         if self.checkpoints.snapshot_due(self.step):
-            self.checkpoints.snapshot(result.seconds)
+            self.checkpoints.snapshot()
         self.watchdog.beat(self.step)
 
     def handle_bad_step(self, reason: str) -> bool:
