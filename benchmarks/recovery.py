@@ -159,7 +159,7 @@ def snapshot_cost(root: Path, steps: int, ckpt_every: int, paths: list[str]) -> 
 
 def cadence(path: str, log: Path) -> str:
     """How often the path's run snapshotted: the interval its log names last (train.snapshot_every = -1 tunes it
-    at each start), else every step; none on the durable path."""
+    as the run goes and names each change), else every step; none on the durable path."""
     if path not in MEMORY_PATHS:
         return "none"
     tuned = [line for line in log.read_text(errors="replace").splitlines() if "memory tier: a snapshot every" in line]
@@ -230,7 +230,8 @@ def report(args: argparse.Namespace, results: list[dict], cost: str, refused: di
     caption = (f"Recovery of the tiny model (configs/tiny.toml), 2 ranks under `hlat torchrun --max-restarts`, "
                f"{faults}Machine: {machine()}; torch {torch_version()}. Snapshots' cost ({args.cost_steps} steps "
                f"without faults; mean step times and goodput's stall for saves, each memory path against the "
-               f"durable one, run before and after them): {cost}." + (f" Paths left out: {left_out}." if left_out else ""))
+               f"durable one, run before and after them): {cost}."
+               + (f" Paths left out: {left_out}." if left_out else ""))
     name = "recovery_quick" if args.quick else "recovery" if results else "recovery_cost"
     write_results(name, {"machine": machine(), "minutes": args.minutes, "mean_s": args.mean_s,
                          "ckpt_every": args.ckpt_every, "seed": args.seed, "snapshot_cost": cost,

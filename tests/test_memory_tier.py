@@ -139,4 +139,12 @@ def test_the_default_cadence_measures_a_snapshots_cost_and_keeps_it_under_the_go
     assert step_s == 1.0 and cost == pytest.approx(flight.stall_s + 0.3 + flight.settled_s) and flight.stall_s > 0
     assert cost / every <= STALL_SHARE * step_s < cost / max(every - 1, 1e-9)  # the fewest
     assert [step for step in range(3, 4 * every) if tier.due(step)] == [every, 2 * every, 3 * every]
-    assert not tier.tune_due()  # until the next snapshot is measured
+    retuned = []
+    for measured in (2, 3, 4):  # tuned again after the 2nd and 4th measured snapshots, not the 3rd
+        tier.save(measured * every, {"w": torch.zeros(4)}, time.perf_counter())
+        tier.stepped(1.3)
+        assert tier.settle() is None
+        retuned.append(tier.tune_due())
+        if retuned[-1]:
+            tier.tune()
+    assert retuned == [True, False, True]

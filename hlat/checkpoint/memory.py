@@ -120,7 +120,7 @@ class MemoryTier:
         """`group`: a CPU process group of every rank, for the background writes (None in one process); `device`:
         the training's (pinned host memory for a GPU's copies; on the CPU, the writes take the step's cores)."""
         pinned = device.type == "cuda"
-        self.root, self.every, self.token, self.rank, self.node = root, every, token, rank, node
+        self.root, self.token, self.rank, self.node = root, token, rank, node
         self.group, self.config_toml = group, config_toml
         self.staging = StagingOptions(use_pinned_memory=pinned, use_shared_memory=False, use_async_staging=False,
                                       use_non_blocking_copy=pinned)
