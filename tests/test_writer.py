@@ -17,7 +17,7 @@ import pytest
 from hlat import HlatError
 from hlat.jobs import writer
 from hlat.jobs.writer import LOCK_FILE, RunDirLock, writing_run_dir
-from test_faults import alive, children, write_config
+from test_faults import alive, children, stat_of, write_config
 from test_train import config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -144,6 +144,18 @@ def wait_for_checkpoint(run_dir: Path, job: subprocess.Popen) -> None:
     assert job.poll() is None, job.communicate()[0]
 
 
+def stopped(pid: int, timeout: float = 30) -> None:
+    """Wait until every thread of the process is stopped: kill() returns before a SIGSTOP takes effect, and a
+    thread still running (TensorBoard's writer) may write after it."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        states = [fields[0] for task in Path(f"/proc/{pid}/task").iterdir() if (fields := stat_of(task))]
+        if states and all(state in "Tt" for state in states):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"pid {pid} not stopped after {timeout} s")
+
+
 @pytest.mark.slow
 def test_a_second_train_is_refused_writing_nothing_and_resumes_once_the_first_is_killed(tmp_path):
     cfg = config(tmp_path / "run", steps=10_000, decay_steps=10_000, ckpt_every=2)
@@ -155,6 +167,7 @@ def test_a_second_train_is_refused_writing_nothing_and_resumes_once_the_first_is
     try:
         wait_for_checkpoint(tmp_path / "run", first)
         os.kill(first.pid, signal.SIGSTOP)  # alive, holding the run directory, writing nothing while we look
+        stopped(first.pid)
         before = tree(tmp_path / "run")
         second = subprocess.run([sys.executable, "-m", "hlat", "train", "--config", str(c), "--resume", "auto"],
                                 capture_output=True, text=True)
