@@ -131,9 +131,8 @@ def expected_collectives(job: dict, stages: list[int]) -> dict[tuple[str, str], 
         ("all_gather", "tp"): (gathers + loss_gathers, gathers * activation + loss_gathered),
         ("reduce_scatter", "tp"): (gathers, gathers * activation),
         ("send", "pp"): (sends, sends * seq // tp * d * 4), ("recv", "pp"): (sends, sends * seq // tp * d * 4),
+        # FSDP over dp_shard alone: no replicas, so no all-reduce of the gradient shards across them
         ("all_gather", "dp_shard"): (units, params * 4), ("reduce_scatter", "dp_shard"): (units, params * 4),
-        # FSDP all-reduces the gradient shards over the replicate dimension, here of one rank
-        ("all_reduce", "dp_replicate"): (units, params * 4 / dp),
         # the norms' weight gradients (partial over tp under sequence parallelism), the replicated K and V
         # weights' gradients, and clipping: one norm per gradient tp splits
         ("all_reduce", "tp"): (None, 4 * ((2 * blocks + last) * d + kv_grads + tp_sharded)),

@@ -24,6 +24,7 @@ from hlat.checkpoint.start import Start
 from hlat.checkpoint.state import TrainState, load_weights
 from hlat.checkpoint.store import Checkpointer, newest_good_checkpoint, resolve_checkpoint, set_aside
 from hlat.config.job import Config
+from hlat.dtensor import local
 from hlat.files import free_bytes, size_text
 from hlat.optim.modes import MODES
 from hlat.parallel import Topology
@@ -289,8 +290,9 @@ def checkpoint_bytes(resume_from: Path | None, n_params: int, mode: str) -> int:
 
 
 def weights_finite(params: list[torch.Tensor]) -> bool:
-    """Whether every rank's weights are finite (one all-reduce; run before each checkpoint)."""
-    flag = torch.tensor(float(all(bool(torch.isfinite(p.detach()).all()) for p in params)),
+    """Whether every rank's weights are finite (one all-reduce; run before each checkpoint). Each rank checks its
+    own shards: a check of a sharded tensor as a whole would cost a collective per parameter."""
+    flag = torch.tensor(float(all(bool(torch.isfinite(local(p).detach()).all()) for p in params)),
                         device=params[0].device if params else "cpu")
     if dist.is_initialized():
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)

@@ -21,6 +21,7 @@ from hlat.models import build_model, materialize
 from hlat.models.layers import document_mask
 from hlat.optim.precision import autocast, prepare_model
 from hlat.parallel.data import apply_data_parallel, sync_gradients
+from hlat.parallel.mesh import data_parallel_dims
 from hlat.parallel.recompute import apply_recomputation
 from hlat.parallel.tensor import apply_tensor_parallel
 
@@ -108,7 +109,8 @@ def build_timed_model(options: Options, device: torch.device, mesh: DeviceMesh |
     blocks = BlockStack([model.layers.pop(str(i)) for i in range(stack)])  # what is left: the rest
     if arrangement is not None:
         for unit in (blocks, model):
-            apply_data_parallel(unit, mesh["dp_replicate", "dp_shard"], arrangement == "zero1", pipelined=False)
+            dims = data_parallel_dims(mesh["dp_replicate"].size(), "dp_shard")
+            apply_data_parallel(unit, mesh[dims], arrangement == "zero1", pipelined=False)
     x = torch.randn(micro_batch, options.seq_len // tp if sequence_parallel else options.seq_len, model_config.dim,
                     device=device, dtype=next(model.parameters()).dtype, requires_grad=True)
     tokens = torch.randint(model_config.vocab_size, (micro_batch, options.seq_len), device=device)

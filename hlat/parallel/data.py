@@ -9,8 +9,9 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 
 def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh, zero1: bool, pipelined: bool) -> None:
-    """Shard each block, then the rest of the model. `dp_mesh` is 2-D (dp_replicate, dp_shard): a shard
-    dimension of size 1 makes it plain replication, with gradients all-reduced as in DDP.
+    """Shard each block, then the rest of the model. `dp_mesh` is (dp_shard), or (dp_replicate, dp_shard) with
+    replicas (`data_parallel_dims`): a shard dimension of size 1 there makes it plain replication, with gradients
+    all-reduced as in DDP.
 
     With zero1 (or under a pipeline, where each micro-batch would otherwise gather the weights again) the
     parameters stay gathered from forward through backward: only optimizer states and gradients are
