@@ -101,16 +101,20 @@ def measure(tp_mesh=None, sequence_parallel: bool = False, cp_mesh=None) -> dict
     if cp_mesh is not None:
         batch = split_batch(batch, cp_mesh.size(), cp_mesh.get_local_rank())
     result = {}
-    for mode in MODES_:
-        model = build_model(cfg)
-        if tp_mesh is not None:
-            apply_tensor_parallel(model, tp_mesh, sequence_parallel)
-        if cp_mesh is not None:
-            apply_context_parallel(model, cp_mesh)
-        apply_recomputation(model, mode)
-        materialize(model, torch.device("cpu"), 0)
-        inputs = {k: t for k, t in batch.items() if k != "inputs"}
-        result[mode] = min(block_bytes(model, batch["inputs"], "1", **inputs) for _ in range(3))
+    gc.freeze()  # what exists now is no block's: the scans for the tensors a block left skip it (seconds each)
+    try:
+        for mode in MODES_:
+            model = build_model(cfg)
+            if tp_mesh is not None:
+                apply_tensor_parallel(model, tp_mesh, sequence_parallel)
+            if cp_mesh is not None:
+                apply_context_parallel(model, cp_mesh)
+            apply_recomputation(model, mode)
+            materialize(model, torch.device("cpu"), 0)
+            inputs = {k: t for k, t in batch.items() if k != "inputs"}
+            result[mode] = min(block_bytes(model, batch["inputs"], "1", **inputs) for _ in range(3))
+    finally:
+        gc.unfreeze()
     return result
 
 
