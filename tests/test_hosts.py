@@ -83,7 +83,9 @@ class Job:
         self.agents = [self.start(i) for i in range(len(hosts))]
 
     def start(self, i: int):
-        host, env = self.hosts[i], dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        # TMPDIR: `hlat torchrun`'s directory of finished marks, left behind when a host is killed
+        host = self.hosts[i]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TMPDIR=str(self.root))
         command = host_command(self.cfg_file, self.run, self.hosts[0].address, *self.overrides,
                                "--train.snapshot_dir", str(host.local_dir))
         return host.popen(command, env, self.log(i))

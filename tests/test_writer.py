@@ -197,7 +197,7 @@ def test_a_killed_torchrun_job_blocks_nothing_and_two_ranks_are_one_writer(tmp_p
     cfg.train.snapshot_every = 0  # the durable tier's resume: a newer memory snapshot would race the kill below
     c = write_config(tmp_path / "c.toml", cfg)
     job = subprocess.Popen([sys.executable, "-m", "hlat", "torchrun", "--standalone", "--nproc-per-node=2", "-m",
-                            "hlat", "train", "--config", str(c)],
+                            "hlat", "train", "--config", str(c)], env={**os.environ, "TMPDIR": str(tmp_path)},
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         wait_for_checkpoint(tmp_path / "run", job)
