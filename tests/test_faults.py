@@ -418,8 +418,12 @@ def test_torchrun_restarts_a_killed_worker_in_place_bit_exact(launched, restart_
     try:
         metrics, deadline = run / "metrics.jsonl", time.time() + 120
         while (not metrics.exists() or len(metrics.read_text().splitlines()) < 5) and time.time() < deadline:
+            assert job.poll() is None, job.communicate()[0][-5000:]  # ended before step 5: say why
             time.sleep(0.05)
-        os.kill(children(job.pid)[-1], signal.SIGKILL)  # one worker (the job is torchrun itself)
+        if not (workers := children(job.pid)):  # still starting, or between attempts: say where it is
+            os.killpg(job.pid, signal.SIGKILL)
+            pytest.fail(f"no trainer to kill at step 5 or 120 s:\n{job.communicate()[0][-5000:]}")
+        os.kill(workers[-1], signal.SIGKILL)  # one worker (the job is torchrun itself)
         out, _ = job.communicate(timeout=300)
     finally:
         if job.poll() is None:
