@@ -101,7 +101,8 @@ def measure(tp_mesh=None, sequence_parallel: bool = False, cp_mesh=None) -> dict
     if cp_mesh is not None:
         batch = split_batch(batch, cp_mesh.size(), cp_mesh.get_local_rank())
     result = {}
-    gc.freeze()  # what exists now is no block's: the scans for the tensors a block left skip it (seconds each)
+    gc.freeze()  # what exists now is no block's: the scans for the tensors a block left skip it (the file: 57 ->
+    # 24 CPU-s in the session's torchrun launch, whose workers hold every module hlat imports)
     try:
         for mode in MODES_:
             model = build_model(cfg)

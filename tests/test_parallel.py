@@ -129,8 +129,8 @@ def test_bf16_modes_under_parallel_layouts(precision, nproc, parallel, tmp_path,
 def test_compiled_blocks_under_tensor_parallelism(reference, tmp_path, warm_torchrun):
     """torch.compile per block with tensor and sequence parallelism: the same trajectory."""
     config = write_toml(tmp_path / "job.toml", job(tmp_path / "run", "llama"))
-    torchrun(warm_torchrun, 2, config, {"tp": 2, "sequence_parallel": True, "compile": True,
-                                        "compile_cache_dir": tmp_path / "compile-cache"}, "--train.micro_batch", "4")
+    parallel = {"tp": 2, "sequence_parallel": True, "compile": True, "compile_cache_dir": tmp_path / "compile-cache"}
+    torchrun(warm_torchrun, 2, config, parallel, *fewer_micro_batches(2, parallel))
     assert any((tmp_path / "compile-cache").iterdir())
     assert_close(trajectory(tmp_path / "run"), reference["llama"])
 
@@ -150,7 +150,7 @@ def test_document_masking_under_tensor_parallelism(tmp_path, warm_torchrun):
     data["data"]["packing"] = "best_fit"
     train(build_config(data))
     data["train"]["run_dir"] = str(tmp_path / "run")
-    torchrun(warm_torchrun, 2, write_toml(tmp_path / "job.toml", data), {"tp": 2}, "--train.micro_batch", "4")
+    torchrun(warm_torchrun, 2, write_toml(tmp_path / "job.toml", data), {"tp": 2}, *fewer_micro_batches(2, {"tp": 2}))
     assert_close(trajectory(tmp_path / "run"), trajectory(tmp_path / "single"))
 
 

@@ -67,8 +67,8 @@ class TrainConfig:
         if self.seq_len > model.max_seq_len:
             raise ConfigError(f"train.seq_len: {self.seq_len} exceeds model.max_seq_len {model.max_seq_len}")
         if self.snapshot_every < -1:
-            raise ConfigError("train.snapshot_every: must be -1 (as often as their measured cost allows), 0 (off) or a number "
-                              f"of steps, got {self.snapshot_every}")
+            raise ConfigError("train.snapshot_every: must be -1 (as often as the snapshots' measured cost allows), 0 "
+                              f"(off) or a number of steps, got {self.snapshot_every}")
         for name in ("max_bad_steps", "collective_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"train.{name}: must be positive, got {getattr(self, name)}")
