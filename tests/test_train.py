@@ -9,7 +9,7 @@ import torch
 
 from hlat.cli import main
 from hlat.config.job import build_config
-from hlat.models import build_model, materialize
+from hlat.models import build_model, layers, materialize
 from hlat.checkpoint.layout import complete_checkpoints
 from hlat.checkpoint.state import load_weights
 from hlat.train.loop import train
@@ -40,16 +40,25 @@ def final_weights(run_dir: Path, cfg) -> dict:
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16_mixed", "bf16_sr"])
-def test_resume_is_bit_exact(tmp_path, precision):
+def test_resume_is_bit_exact(tmp_path, precision, monkeypatch):
+    """...and a resume draws no initial weights (the checkpoint's are loaded over them: each rank would draw every
+    parameter's full value, seconds per billion parameters, only to overwrite it)."""
+    drawn = []
+    monkeypatch.setattr(layers, "initial_value", lambda *args, real=layers.initial_value: drawn.append(args[1])
+                        or real(*args))
+
     def run(name, **train_fields):
         cfg = config(tmp_path / name, **train_fields)
         cfg.precision.mode = precision
+        drawn.clear()
         train(cfg)
         return cfg
 
     full = run("full")
+    assert "tok_embeddings.weight" in drawn
     run("split", steps=3)  # stops at step 3 (same schedule: decay_steps is fixed)
     run("split", resume="auto")
+    assert drawn == []
     assert losses(tmp_path / "split") == losses(tmp_path / "full")
     assert len(losses(tmp_path / "full")) == 8
     a, b = final_weights(tmp_path / "full", full), final_weights(tmp_path / "split", full)

@@ -241,7 +241,7 @@ class Transformer(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        # Derived from the config, not learned: kept out of state dicts and rebuilt by init_weights.
+        # Derived from the config, not learned: kept out of state dicts and rebuilt by init_buffers.
         self.register_buffer("rope", rope_table(cfg), persistent=False)
         self.split: SequenceSplit | None = None  # context parallelism (hlat.parallel.context)
 
@@ -303,9 +303,13 @@ class Transformer(nn.Module):
         return loss * self.split.size
 
     @torch.no_grad()
-    def init_weights(self, seed: int = 0) -> None:
-        """Rebuild the rope table and initialise every parameter this module holds (see `initial_value`)."""
+    def init_buffers(self) -> None:
+        """Rebuild the rope table (derived from the config: no checkpoint holds it)."""
         self.rope.copy_(rope_table(self.cfg, device=self.rope.device))
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Initialise every parameter this module holds (see `initial_value`)."""
         done: set[int] = set()  # a tied output matrix is the embedding: initialise it once
         for module_name, module in self.named_modules():
             for param_name, param in module.named_parameters(recurse=False):

@@ -29,15 +29,16 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'hlat.parallel' has no attribute {name!r}")
 
 
-def parallelize(model: nn.Module, topo: Topology, device: torch.device, seed: int) -> list[tuple[int, nn.Module]]:
-    """(stage id, module) for the parts of a meta-device `model` this rank runs, parallelised and initialised.
-    Without pipeline parallelism that is [(0, model)]; a single process (no mesh) still gets activation
-    checkpointing and compilation."""
+def parallelize(model: nn.Module, topo: Topology, device: torch.device, seed: int,
+                draw_weights: bool = True) -> list[tuple[int, nn.Module]]:
+    """(stage id, module) for the parts of a meta-device `model` this rank runs, parallelised and initialised
+    (`hlat.models.materialize`). Without pipeline parallelism that is [(0, model)]; a single process (no mesh)
+    still gets activation checkpointing and compilation."""
     from hlat.models import materialize
 
     parts = shard_parts(model, topo)
     for _, part in parts:
-        materialize(part, device, seed)
+        materialize(part, device, seed, draw_weights)
     return parts
 
 
