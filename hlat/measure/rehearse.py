@@ -109,14 +109,13 @@ def check_micro_batches(layout: ParallelConfig, micro: int, step: int) -> None:
 
 def rehearse(setup: Rehearsal) -> list[dict]:
     """Each rank in turn, each in a process and a fake world of its own (as on the cluster: nothing one rank
-    allocates is left for the next to find)."""
-    if len(setup.ranks) == 1:  # this process is the rank's own
-        return [rehearse_rank(setup, setup.ranks[0])]
+    allocates is left for the next to find). The last runs in this process, which no other rank follows: one start
+    of Python and torch fewer (about 4 s on a CPU)."""
     results = []
-    for rank in setup.ranks:
+    for rank in setup.ranks[:-1]:
         with multiprocessing.get_context("spawn").Pool(1) as pool:
             results.append(pool.apply(rehearse_rank, (setup, rank)))
-    return results
+    return [*results, rehearse_rank(setup, setup.ranks[-1])]
 
 
 def rehearse_rank(setup: Rehearsal, rank: int) -> dict:
