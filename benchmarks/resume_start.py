@@ -26,10 +26,10 @@ from hlat.models import build_model, count_params, materialize
 RESULTS = Path(__file__).resolve().parent / "results" / "resume_start.md"
 
 
-def materialise_s(cfg, draw_weights: bool) -> float:
+def materialise_s(cfg, weights: str) -> float:
     model = build_model(cfg.model)  # on the meta device, as the trainer builds it
     started = time.perf_counter()
-    materialize(model, "cpu", draw_weights=draw_weights)
+    materialize(model, "cpu", weights=weights)
     return time.perf_counter() - started
 
 
@@ -41,11 +41,11 @@ def main() -> None:
     args = ap.parse_args()
     cfg = build_config({"model": {"preset": args.preset, "n_layers": args.layers}})
     billions = count_params(build_model(cfg.model)) / 1e9
-    times = {True: [], False: []}
+    times = {"drawn": [], "loaded": []}
     for _ in range(args.rounds):
-        for draw in (True, False):
-            times[draw].append(materialise_s(cfg, draw))
-    drawn, loaded = (statistics.median(times[draw]) for draw in (True, False))
+        for weights, seconds in times.items():
+            seconds.append(materialise_s(cfg, weights))
+    drawn, loaded = (statistics.median(seconds) for seconds in times.values())
     table = "\n".join([
         f"# A resumed start's weights: allocated, not drawn ({args.preset} at {args.layers} layers, "
         f"{billions:.2f} B parameters)",

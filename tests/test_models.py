@@ -70,11 +70,12 @@ def test_materialize_keeps_ties_and_counts_once(tie):
     assert torch.equal(model.rope, rope_table(cfg))
 
 
-def test_init_std():
+@pytest.mark.parametrize("weights", ["drawn", "per_shard"])  # per_shard: a rehearsal's, each rank its own shards
+def test_init_std(weights):
     torch.manual_seed(0)
     cfg = model_config(family="neox", dim=256, n_layers=8, n_heads=4, ffn_dim=1024, vocab_size=4096,
                        rotary_pct=0.25, init_std=0.03)
-    model = build_model(cfg, "cpu")
+    model = materialize(build_model(cfg), "cpu", weights=weights)
     out_std = 0.03 / math.sqrt(2 * 8)
     for name, p in model.named_parameters():
         if name.endswith("bias"):

@@ -146,7 +146,10 @@ def run_rank(setup: Rehearsal, rank: int) -> dict:
     blocks = f"{plan.layers} block{'s' * (plan.layers != 1)}"
     progress.say(f"start-up: its {blocks} split, sharded, materialised and initialised on {device}")
     started = time.perf_counter()
-    parts = build_parts(cfg, model, topo, device, fp8_support(cfg.precision.fp8, device), stage_shapes(cfg))
+    # weights drawn per shard: the trainer's full draws cost a full-size rank minutes, and need not be the same
+    # whatever the layout here
+    parts = build_parts(cfg, model, topo, device, fp8_support(cfg.precision.fp8, device), stage_shapes(cfg),
+                        weights="per_shard")
     startup_s = time.perf_counter() - started
     train_step = rehearsal_step(cfg, topo, device, parts)
     with progress.watching(parts.parts[0], train_step.batches.per_rank):  # a line per micro-batch on long steps

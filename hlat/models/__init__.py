@@ -25,12 +25,17 @@ def build_model(cfg: ModelConfig, device: torch.device | str = "meta") -> nn.Mod
     return model if torch.device(device).type == "meta" else materialize(model, device)
 
 
-def materialize(model: nn.Module, device: torch.device | str, seed: int = 0, draw_weights: bool = True) -> nn.Module:
-    """Allocate the (meta) model's storage on `device`, build the rope table and initialise every weight; the
-    weights depend only on `seed`, not on how the model was split or sharded before this call. Without
-    `draw_weights` (a checkpoint's weights are about to be loaded over them) the weights are left as allocated:
-    each rank draws every parameter's full value, about 7 s per billion parameters on a CPU core, which a
-    restart would otherwise pay again."""
+WEIGHTS = ("drawn", "per_shard", "loaded")
+
+
+def materialize(model: nn.Module, device: torch.device | str, seed: int = 0, weights: str = "drawn") -> nn.Module:
+    """Allocate the (meta) model's storage on `device`, build the rope table and initialise the weights:
+    - "drawn": each parameter's full value from its own generator, so the weights depend only on `seed`, not on
+      how the model was split or sharded before this call (a fresh run). Every rank draws the full value of each
+      parameter it holds a shard of: about 8 s per billion parameters on a CPU core;
+    - "per_shard": each rank draws its own shards alone, from one generator: the same distributions at a shard's
+      cost, values that depend on the layout (a rehearsal);
+    - "loaded": left as allocated, a checkpoint's weights about to be loaded over them (a resume)."""
     import torch
 
     model.to_empty(device=device)
@@ -39,8 +44,8 @@ def materialize(model: nn.Module, device: torch.device | str, seed: int = 0, dra
         model.output.weight = model.tok_embeddings.weight
     with torch.no_grad():
         model.init_buffers()
-        if draw_weights:
-            model.init_weights(seed)
+        if weights != "loaded":
+            model.init_weights(seed, per_shard=weights == "per_shard")
     return model
 
 

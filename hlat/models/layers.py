@@ -195,6 +195,13 @@ def fill_parameter(param: torch.Tensor, value: torch.Tensor) -> None:
     param.copy_(value)
 
 
+def draw_shard(param: torch.Tensor, std: float, generator: torch.Generator) -> None:
+    """`initial_value`'s distribution for this rank's shard of a parameter alone."""
+    local = param.to_local() if isinstance(param, DTensor) else param
+    value = torch.empty(local.shape, dtype=torch.float32)
+    local.copy_(value.fill_(std) if std in (0.0, 1.0) else value.normal_(0.0, std, generator=generator))
+
+
 def init_std(cfg: ModelConfig, module_name: str, module: nn.Module, param_name: str) -> float:
     """HLAT's init: normal(init_std) matrices and embeddings, residual output projections scaled by
     1/sqrt(2 n_layers), zero biases, unit norm weights. 0.0 and 1.0 mean constant fills."""
@@ -308,8 +315,10 @@ class Transformer(nn.Module):
         self.rope.copy_(rope_table(self.cfg, device=self.rope.device))
 
     @torch.no_grad()
-    def init_weights(self, seed: int = 0) -> None:
-        """Initialise every parameter this module holds (see `initial_value`)."""
+    def init_weights(self, seed: int = 0, per_shard: bool = False) -> None:
+        """Initialise every parameter this module holds: from its full value (`initial_value`), or `per_shard`
+        (`hlat.models.materialize`) this rank's shard alone."""
+        generator = torch.Generator().manual_seed(seed)
         done: set[int] = set()  # a tied output matrix is the embedding: initialise it once
         for module_name, module in self.named_modules():
             for param_name, param in module.named_parameters(recurse=False):
@@ -317,4 +326,7 @@ class Transformer(nn.Module):
                     done.add(id(param))
                     name = f"{module_name}.{param_name}"
                     std = init_std(self.cfg, module_name, module, param_name)
-                    fill_parameter(param, initial_value(param, name, std, seed))
+                    if per_shard:
+                        draw_shard(param, std, generator)
+                    else:
+                        fill_parameter(param, initial_value(param, name, std, seed))

@@ -30,7 +30,7 @@ def __getattr__(name: str):
 
 
 def parallelize(model: nn.Module, topo: Topology, device: torch.device, seed: int,
-                draw_weights: bool = True) -> list[tuple[int, nn.Module]]:
+                weights: str = "drawn") -> list[tuple[int, nn.Module]]:
     """(stage id, module) for the parts of a meta-device `model` this rank runs, parallelised and initialised
     (`hlat.models.materialize`). Without pipeline parallelism that is [(0, model)]; a single process (no mesh)
     still gets activation checkpointing and compilation."""
@@ -38,7 +38,7 @@ def parallelize(model: nn.Module, topo: Topology, device: torch.device, seed: in
 
     parts = shard_parts(model, topo)
     for _, part in parts:
-        materialize(part, device, seed, draw_weights)
+        materialize(part, device, seed, weights)
     return parts
 
 

@@ -37,7 +37,7 @@ def load_trained_model(path: str | Path, device: torch.device | str = "cpu", dty
     if not (checkpoint / CONFIG_FILE).is_file():
         raise HlatError(f"{checkpoint}: has no {CONFIG_FILE}, so its model shape is unknown")
     cfg = load_config(checkpoint / CONFIG_FILE)
-    model = materialize(build_model(cfg.model), device, draw_weights=False)  # the checkpoint's are loaded
+    model = materialize(build_model(cfg.model), device, weights="loaded")
     load_weights(checkpoint, [model])
     return checkpoint, cfg, model.to(DTYPES[dtype]).eval()
 

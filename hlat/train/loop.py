@@ -102,7 +102,7 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
         tokenizer = load_tokenizer(cfg, topo, inputs.sources)
         # a resume (or train.init_from) loads every weight: drawing them first would only slow its start
         parts = build_parts(cfg, inputs.model, topo, inputs.device, inputs.fp8,
-                            draw_weights=start.path is None and not cfg.train.init_from)
+                            weights="loaded" if start.path is not None or cfg.train.init_from else "drawn")
         stream = open_stream(cfg, topo, tokenizer, inputs.sources)
         cleanup.callback(stream.close)  # stops the tokenizer workers
         per_rank = inputs.layout.microbatches(cfg.train.global_batch, cfg.train.micro_batch)
@@ -195,11 +195,11 @@ def load_tokenizer(cfg: Config, topo: Topology, sources: list[Source]):
 
 
 def build_parts(cfg: Config, model: nn.Module, topo: Topology, device: torch.device, fp8: str,
-                shapes: StageShapes | None = None, draw_weights: bool = True) -> ModelParts:
+                shapes: StageShapes | None = None, weights: str = "drawn") -> ModelParts:
     """This rank's parts of the meta-device `model`, in the precision mode's dtype (cast on meta, before sharding)
     with the blocks' linear layers in FP8 under precision.fp8 (`fp8`: "native" or "emulated" on `device`, as
-    `hlat.optim.fp8.fp8_support` says), split, parallelised and initialised (the weights drawn unless
-    `draw_weights` is false: a checkpoint's are loaded over them); one optimizer per part; the pipeline
+    `hlat.optim.fp8.fp8_support` says), split, parallelised and initialised (`weights`: how, as
+    `hlat.models.materialize` says); one optimizer per part; the pipeline
     schedule that runs them, if any (its stages given their boundaries' `shapes`, or inferring them from the first
     micro-batch)."""
     torch.manual_seed(cfg.train.seed)
@@ -208,7 +208,7 @@ def build_parts(cfg: Config, model: nn.Module, topo: Topology, device: torch.dev
     fp8_all_gather = cfg.precision.fp8 == "tensorwise" and layout.shards > 1
     if cfg.precision.fp8 != "none":
         convert_blocks(model, cfg.precision.fp8, fp8 == "emulated", fp8_all_gather)
-    stages = parallelize(model, topo, device, cfg.train.seed, draw_weights)
+    stages = parallelize(model, topo, device, cfg.train.seed, weights)
     parts = [module for _, module in stages]
     per_rank = layout.microbatches(cfg.train.global_batch, cfg.train.micro_batch)
     optimizers = [build_optimizer(part, cfg.optim, cfg.precision.mode, cfg.train.seed) for part in parts]
