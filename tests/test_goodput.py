@@ -11,20 +11,22 @@ from test_disk import SUPERVISED
 from test_faults import strict_records, write_config
 from test_train import config
 
-# The trainer of a supervised run, killed (SIGKILL, once each) at three places: two steps after the checkpoint of
-# step 3; during the next start-up (its start already begun); and between the rename that completes the checkpoint
-# of step 9 and anything after it.
+# The trainer of a supervised run, killed (SIGKILL, once each, the moment written down first) at three places: two
+# steps after the checkpoint of step 3; between the rename that completes the checkpoint of step 9 and anything
+# after it; and during the next start-up (its start already begun).
 KILLED_THREE_TIMES = """
-import os, signal, sys
+import os, signal, sys, time
 from pathlib import Path
 from hlat.cli import main
 from hlat.checkpoint.store import Checkpointer
 from hlat.train.trainer import Trainer
 
+def mark(name):
+    return Path(os.environ["KILL_MARKS"], name)
+
 def kill_once(name, now):
-    mark = Path(os.environ["KILL_MARKS"], name)
-    if now and not mark.exists():
-        mark.touch()
+    if now and not mark(name).exists():
+        mark(name).write_text(repr(time.time()))
         os.kill(os.getpid(), signal.SIGKILL)
 
 def after_step(self, result, real=Trainer.after_step):
@@ -32,7 +34,7 @@ def after_step(self, result, real=Trainer.after_step):
     kill_once("after step 5", self.step == 5)
 
 def restore(self, real=Trainer.restore):
-    kill_once("during start-up", self.checkpoints.start.path is not None)
+    kill_once("during start-up", self.checkpoints.start.path is not None and mark("checkpoint 9 renamed").exists())
     real(self)
 
 def rotate(self, newest, real=Checkpointer._rotate):
@@ -45,10 +47,15 @@ sys.exit(main(["train", *sys.argv[1:]]))
 
 
 @pytest.mark.slow
-def test_ettr_of_a_run_killed_three_times_matches_its_own_step_times(tmp_path):
+def test_a_run_killed_three_times_splits_its_failures_and_its_ettr_matches_its_own_step_times(tmp_path):
     """The reported ETTR is productive time over wall time; computed from metrics.jsonl, which holds a record of
     each step the final model contains (its time, less its data wait, from the run of it that made it in), over the
-    same wall time, it must agree to the rounding of the records (well within 3%)."""
+    same wall time, it must agree to the rounding of the records (well within 3%).
+
+    The first failure (killed after step 5, checkpoints every 3 steps) is split in order: its moments come around
+    the kill (the last progress before it, the supervisor's sight after it, the restart before the first resumed
+    step's record); it resumed from step 3 and recomputed steps 4 and 5, whose seconds are those of their records
+    in metrics.jsonl (log_every = 1) to the records' rounding."""
     cfg = config(tmp_path / "run", steps=12, decay_steps=12, ckpt_every=3, snapshot_every=0)  # durable resumes
     cfg.data.workers = 0
     (tmp_path / "marks").mkdir()
@@ -72,6 +79,23 @@ def test_ettr_of_a_run_killed_three_times_matches_its_own_step_times(tmp_path):
           f"{goodput['recomputed_s']:.3f} s")
     assert abs(goodput["ettr"] - computed) <= 0.03 * computed
     assert goodput["lost_s"] > 0 and goodput["recomputed_s"] > 0  # steps 4 and 5 were run again
+
+    killed = float((tmp_path / "marks" / "after step 5").read_text())
+    failure = goodput["failures"][0]
+    assert failure["after_step"] == 5 and failure["seen_by"] == "supervisor: killed by SIGKILL"
+    # goodput.json's moments are rounded to 1 ms
+    assert failure["progress_at"] <= killed + 5e-4 <= failure["seen_at"] + 1e-3 <= failure["restart_at"] + 2e-3
+    first_resumed = next(r for r in records if r["step"] == 4)
+    parts = failure["detection_s"] + failure["restart_s"] + failure["load_s"]
+    assert min(failure["detection_s"], failure["restart_s"], failure["load_s"]) > 0
+    assert parts <= first_resumed["time"] - failure["progress_at"] + 3e-3  # three parts rounded to 1 ms
+    assert abs(failure["downtime_s"] - failure["detection_s"] - failure["restart_s"]) <= 2e-3
+    assert (failure["resumed_step"], failure["high_water_step"], failure["recomputed_steps"]) == (3, 5, 2)
+    rerun = sum(r["step_time_s"] - r["data_wait_s"] for r in records if r["step"] in (4, 5))
+    # step_time_s and data_wait_s are rounded to 1e-4 each in the two records, recomputed_s to 1e-3
+    assert abs(failure["recomputed_s"] - rerun) <= 4 * 0.5e-4 + 0.5e-3
+    assert goodput["failure_totals"]["failures"] == records[-1]["failures"] == 3
+    assert "3: downtime" in done.stdout  # the run summary's line of the failures in total
 
 
 def test_each_failure_is_split_and_the_totals_are_the_sums_of_the_list(tmp_path, monkeypatch):
@@ -120,59 +144,3 @@ def test_each_failure_is_split_and_the_totals_are_the_sums_of_the_list(tmp_path,
                                          "downtime_s": 11.0, "load_s": 6.0, "recomputed_steps": 5,
                                          "recomputed_s": 5.0}
     assert account["starts"] == 4 and account["recomputed_s"] == 5.0
-
-
-# The trainer of a supervised run killed (SIGKILL) once, right after step 5, its moment written down first.
-KILLED_AFTER_STEP_5 = """
-import os, signal, sys, time
-from pathlib import Path
-from hlat.cli import main
-from hlat.train.trainer import Trainer
-
-def after_step(self, result, real=Trainer.after_step):
-    real(self, result)
-    mark = Path(os.environ["KILL_MARK"])
-    if self.step == 5 and not mark.exists():
-        mark.write_text(repr(time.time()))
-        os.kill(os.getpid(), signal.SIGKILL)
-
-Trainer.after_step = after_step
-sys.exit(main(["train", *sys.argv[1:]]))
-"""
-
-
-@pytest.mark.slow
-def test_a_killed_and_resumed_run_shows_one_failure_split_in_order(tmp_path):
-    """Killed after step 5 with checkpoints every 3 steps, restarted by the supervisor: one failure, seen by the
-    supervisor, whose moments come in order around the kill (the last progress before it, the supervisor's sight
-    after it, the restart before the first resumed step's record); it resumed from step 3 and recomputed steps 4 and
-    5, whose seconds are those of their records in metrics.jsonl (log_every = 1) to the records' rounding."""
-    cfg = config(tmp_path / "run", steps=7, decay_steps=7, ckpt_every=3, snapshot_every=0)  # a durable resume
-    cfg.data.workers = 0
-    done = subprocess.run([sys.executable, "-c", SUPERVISED, KILLED_AFTER_STEP_5, "--config",
-                           str(write_config(tmp_path / "c.toml", cfg)), "--max-restarts", "1"],
-                          env={**os.environ, "KILL_MARK": str(tmp_path / "killed")},
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
-    killed = float((tmp_path / "killed").read_text())
-    goodput = json.loads((tmp_path / "run" / "goodput.json").read_text())
-    failure, = goodput["failures"]
-    assert failure["after_step"] == 5 and failure["seen_by"] == "supervisor: killed by SIGKILL"
-    # goodput.json's moments are rounded to 1 ms
-    assert failure["progress_at"] <= killed + 5e-4 <= failure["seen_at"] + 1e-3 <= failure["restart_at"] + 2e-3
-    records = strict_records(tmp_path / "run")
-    first_resumed = next(r for r in records if r["step"] == 4)
-    parts = failure["detection_s"] + failure["restart_s"] + failure["load_s"]
-    assert min(failure["detection_s"], failure["restart_s"], failure["load_s"]) > 0
-    assert parts <= first_resumed["time"] - failure["progress_at"] + 3e-3  # three parts rounded to 1 ms
-    assert abs(failure["downtime_s"] - failure["detection_s"] - failure["restart_s"]) <= 2e-3
-    assert (failure["resumed_step"], failure["high_water_step"], failure["recomputed_steps"]) == (3, 5, 2)
-    rerun = sum(r["step_time_s"] - r["data_wait_s"] for r in records if r["step"] in (4, 5))
-    # step_time_s and data_wait_s are rounded to 1e-4 each in the two records, recomputed_s to 1e-3
-    assert abs(failure["recomputed_s"] - rerun) <= 4 * 0.5e-4 + 0.5e-3
-    totals = goodput["failure_totals"]
-    assert totals == {"failures": 1, "not_observed": 0, **{k: failure[k] for k in (
-        "detection_s", "restart_s", "downtime_s", "load_s", "recomputed_steps", "recomputed_s")}}
-    last = records[-1]
-    assert last["failures"] == 1 and last["failure_recomputed_steps"] == 2
-    assert "1: downtime" in done.stdout  # the run summary's line
