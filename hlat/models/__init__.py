@@ -38,6 +38,8 @@ def materialize(model: nn.Module, device: torch.device | str, seed: int = 0, wei
     - "loaded": left as allocated, a checkpoint's weights about to be loaded over them (a resume)."""
     import torch
 
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights: {weights!r} is not one of {WEIGHTS}")
     model.to_empty(device=device)
     # to_empty may replace parameters with new objects, which would untie the output from the embedding.
     if model.cfg.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
