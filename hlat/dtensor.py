@@ -1,5 +1,6 @@
 """A tensor's two views under DTensor, written once: this rank's local part (`local`) and the whole tensor (`full`,
-gathered from the ranks for a sharded one: a collective); a plain tensor is both."""
+gathered from the ranks for a sharded one: a collective); a plain tensor is both. `held`: the plain tensor whose
+storage holds the local part."""
 
 from __future__ import annotations
 
@@ -9,6 +10,15 @@ from torch.distributed.tensor import DTensor
 
 def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def held(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor that holds this rank's data of `t`: its local part, taken out of a tensor subclass that wraps
+    tensors of its own (torchao's FP8 weights under FSDP: a wrapper has no storage of its own)."""
+    t = local(t)
+    while type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+        t = getattr(t, t.__tensor_flatten__()[0][0])
+    return t
 
 
 def full(t: torch.Tensor) -> torch.Tensor:

@@ -269,6 +269,24 @@ def test_mixed_precision_activations_and_weight_casts_as_the_planner_says(tmp_pa
         assert memory["parameter_casts"]["measured"] == memory["parameter_casts"]["planned"] > 0
 
 
+@pytest.mark.slow
+def test_fp8_weights_gathered_by_fsdp_are_counted_where_their_data_is(tmp_path):
+    """Tensorwise FP8 under FSDP gathers torchao's wrapper tensors, which hold no storage of their own: the
+    rehearsal counts the tensors inside them (it failed on the wrapper's storage) and its model states are still
+    the planner's to the byte, its activations within 10%."""
+    config = tmp_path / "job.toml"
+    config.write_text(config_text(dict(JOBS[1024], tp=1, pp=1, virtual_stages=1, schedule="1f1b", global_batch=16,
+                                       nodes=2, nproc_per_node=4)).replace('"fp32"', '"bf16_mixed"'))
+    done = hlat("rehearse", "--config", str(config), "--rank", "0", "--steps", "1", "--precision.fp8", "tensorwise",
+                "--json")
+    assert done.returncode == 0, done.stderr[-3000:]
+    (rank,) = json.loads(done.stdout)["ranks"]
+    memory = rank["memory"]
+    for figure in ("params", "grads", "optimizer"):
+        assert memory[figure]["measured"] == memory[figure]["planned"] > 0, figure
+    assert memory["activations"]["measured"] == pytest.approx(memory["activations"]["planned"], rel=0.10)
+
+
 # A rank whose step makes no data-parallel copies (dp = 1: nothing is gathered), so that what a shortened
 # rehearsal extrapolates is its model states, which the planner prices exactly, and its activations.
 SHORTENED = dict(JOBS[1024], n_layers=16, global_batch=16, nodes=4, nproc_per_node=8)

@@ -21,7 +21,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hlat.dtensor import local
+from hlat.dtensor import held, local
 
 CASTS = (torch.ops.aten._to_copy.default,)  # what autocast runs to cast a parameter
 ALL_GATHER = torch.ops.c10d._allgather_base_.default  # what fully_shard gathers parameters with
@@ -32,14 +32,14 @@ def storages(tensors) -> dict[int, int]:
     out = {}
     for t in tensors:
         if t is not None:
-            storage = local(t).untyped_storage()
+            storage = held(t).untyped_storage()
             out[storage.data_ptr()] = storage.nbytes()
     return out
 
 
 def weak_storages(tensors) -> dict[int, StorageWeakRef]:
     """{storage address: weak reference} of the tensors' storages: an address is theirs only while they live."""
-    return {local(t).untyped_storage().data_ptr(): StorageWeakRef(local(t).untyped_storage()) for t in tensors}
+    return {held(t).untyped_storage().data_ptr(): StorageWeakRef(held(t).untyped_storage()) for t in tensors}
 
 
 def still(refs: dict[int, StorageWeakRef], ptr: int) -> bool:
@@ -127,7 +127,7 @@ class KeptForBackward(TorchDispatchMode):
         parameters): their bytes' peak is `gathered`. Returns those and every gradient there is now (the
         sharded ones are the update's), which a sample leaves out."""
         params = [p for part in self.parts for p in part.parameters()]
-        whole = [p for p in params if not still(self.before, local(p).untyped_storage().data_ptr())]
+        whole = [p for p in params if not still(self.before, held(p).untyped_storage().data_ptr())]
         now = storages([*whole, *(p.grad for p in whole)])
         now |= {ptr: nbytes for ptr, (ref, nbytes) in self.buffers.items() if not ref.expired()}
         self.peak["gathered"] = max(self.peak["gathered"], sum(now.values()))
