@@ -41,6 +41,7 @@ def main() -> None:
     args = ap.parse_args()
     cfg = build_config({"model": {"preset": args.preset, "n_layers": args.layers}})
     billions = count_params(build_model(cfg.model)) / 1e9
+    full_7b = count_params(build_model(build_config({"model": {"preset": "llama2-7b"}}).model)) / 1e9
     times = {"drawn": [], "loaded": []}
     for _ in range(args.rounds):
         for weights, seconds in times.items():
@@ -59,8 +60,8 @@ def main() -> None:
         f"| resume: weights left to the checkpoint's load | {loaded:.3f} | {loaded / billions:.3f} |",
         "",
         "A rank draws the full value of every parameter it holds a shard of: at this rate, a rank of a llama2-7b "
-        f"job (6.7 B parameters) spent about {6.74 * drawn / billions:.0f} s of each restart on draws that the "
-        "load then overwrote.",
+        f"job ({full_7b:.1f} B parameters) spent about {full_7b * drawn / billions:.0f} s of each restart on draws "
+        "that the load then overwrote.",
     ])
     RESULTS.write_text(table + "\n")
     print(table)

@@ -12,6 +12,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from hlat.dtensor import local
 from hlat.models.config import ModelConfig
 from hlat.models.context import SequenceSplit
 from hlat.models.kv_cache import KVCache, LayerCache
@@ -197,9 +198,9 @@ def fill_parameter(param: torch.Tensor, value: torch.Tensor) -> None:
 
 def draw_shard(param: torch.Tensor, std: float, generator: torch.Generator) -> None:
     """`initial_value`'s distribution for this rank's shard of a parameter alone."""
-    local = param.to_local() if isinstance(param, DTensor) else param
-    value = torch.empty(local.shape, dtype=torch.float32)
-    local.copy_(value.fill_(std) if std in (0.0, 1.0) else value.normal_(0.0, std, generator=generator))
+    shard = local(param)
+    value = torch.empty(shard.shape, dtype=torch.float32)
+    shard.copy_(value.fill_(std) if std in (0.0, 1.0) else value.normal_(0.0, std, generator=generator))
 
 
 def init_std(cfg: ModelConfig, module_name: str, module: nn.Module, param_name: str) -> float:
