@@ -321,7 +321,7 @@ def test_supervisor_restarts_after_kill_9_bit_exact_and_leaves_nothing_behind(np
     """kill -9 of the trainer, or of one rank of a 2-rank torchrun job (and so of nothing else): the supervisor
     starts the job again with --resume auto; the steps after the last checkpoint are run again to the same
     losses, gradient norms and final state as an uninterrupted run, and no tokenizer worker or resource tracker
-    of the killed processes outlives them."""
+    of the killed processes outlives them. The supervisor itself loads no torch (it stays small beside the job)."""
 
     def job_config(name: str):
         cfg = config(tmp_path / name, steps=10, decay_steps=10, ckpt_every=3)
@@ -348,6 +348,7 @@ def test_supervisor_restarts_after_kill_9_bit_exact_and_leaves_nothing_behind(np
         while (not metrics.exists() or len(metrics.read_text().splitlines()) < 4) and time.time() < deadline:
             time.sleep(0.05)
         child, = children(supervisor.pid)
+        assert "libtorch" not in Path(f"/proc/{supervisor.pid}/maps").read_text()  # it only starts processes
         victim = children(child)[-1] if nproc > 1 else child  # a torchrun worker, or the trainer
         doomed = [victim] + [p for c in children(victim) for p in [c, *children(c)]]  # workers, tracker
         os.kill(victim, signal.SIGKILL)

@@ -41,6 +41,8 @@ def register(commands) -> None:
 
 
 def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
+    if args.max_restarts:  # the supervisor only starts processes: no torch in it
+        return run_supervised(args, overrides)
     from hlat.console import make_console
     from rich.table import Table
 
@@ -49,8 +51,6 @@ def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from hlat.jobs.writer import writing_run_dir
     from hlat.train.loop import train
 
-    if args.max_restarts:
-        return run_supervised(args, overrides)
     if args.nproc_per_node != 1:
         raise HlatError("--nproc-per-node goes with --max-restarts (otherwise launch with torchrun)")
     if args.resume is not None:
