@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from hlat.config.job import ClusterConfig
+from hlat.jobs.launch import rendezvous_conf
 from test_faults import strict_records, trained_state, write_config
 from test_train import config
 
@@ -70,7 +71,7 @@ def host_command(cfg_file: Path, run_dir: Path, endpoint: str, *overrides: str) 
     tier's (a checkpoint of the same step as a snapshot still being written would be chosen instead)."""
     return [sys.executable, "-m", "hlat", "torchrun", "--nnodes=1:2", "--nproc-per-node=2", "--max-restarts=3",
             "--rdzv-backend=c10d", "--rdzv-id=hosts-test", f"--rdzv-endpoint={endpoint}:{RDZV_PORT}",
-            f"--rdzv-conf=last_call_timeout={ClusterConfig.last_call_s}",
+            f"--rdzv-conf={rendezvous_conf(ClusterConfig())}",
             "-m", "hlat", "train", "--config", str(cfg_file), "--resume", "auto", "--train.run_dir", str(run_dir),
             "--train.snapshot_every", "1", "--train.ckpt_every", "0", *overrides]
 

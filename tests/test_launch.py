@@ -259,11 +259,12 @@ def test_train_names_a_tensor_parallel_group_across_the_nodes_torchrun_gives_it(
 
 
 def test_an_elastic_job_names_the_node_counts_it_can_go_on_with(capsys):
-    """cluster.min_nodes: torchrun's node range, and which counts in it the layout fits (tp 8 over 4 processes per
-    node: whole tensor-parallel groups need an even number of nodes)."""
+    """cluster.min_nodes: torchrun's node range and rendezvous timings, and which counts in the range the layout
+    fits (tp 8 over 4 processes per node: whole tensor-parallel groups need an even number of nodes)."""
     script = render(capsys, "--target", "slurm", "--cpu", "--nodes", "4", "--nproc-per-node", "4", "--parallel.tp",
-                    "8", "--cluster.min_nodes", "2")
-    assert "srun hlat torchrun --nnodes=2:4 " in script and " --rdzv-conf=last_call_timeout=5 " in script
+                    "8", "--cluster.min_nodes", "2", "--cluster.heartbeat_s", "3")
+    assert "srun hlat torchrun --nnodes=2:4 " in script
+    assert " --rdzv-conf=last_call_timeout=5,keep_alive_interval=3 " in script
     assert "# elastic: after a lost node the job goes on with 2 or 4 nodes" in script
     assert "# with 3 nodes the layout does not fit" in script
     assert main(["launch", "--config", "configs/hlat-7b.toml", "--target", "slurm", "--cpu", "--nodes", "4",

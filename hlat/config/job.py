@@ -106,6 +106,11 @@ class ClusterConfig:
     # 30 s by default): the survivors of a lost node go on this much sooner; a node later than this at the start
     # joins at the job's next restart, which it causes
     last_call_s: int = 5
+    # elastic: each node's torchrun tells the rendezvous it is alive this often (torchrun's keep_alive_interval, 5 s
+    # by default); a node silent for 3 beats is lost and the survivors go on without it, so shorter beats recover
+    # sooner. Each beat of each node is a write to the rendezvous store (on the first node): raise it for many
+    # hundreds of nodes
+    heartbeat_s: int = 2
     run_volume: str = "hlat-runs"  # Kubernetes: ReadWriteMany PersistentVolumeClaim that holds the run directories
     data_volume: str = "hlat-data"  # Kubernetes: PersistentVolumeClaim of the data, mounted read-only at /data; "" = none
     shm_gib: int = 64  # Kubernetes: memory-backed /dev/shm per pod (data workers, collectives)
@@ -121,7 +126,7 @@ class ClusterConfig:
         if self.preflight_restarts and not self.preflight:
             raise ConfigError("cluster.preflight_restarts: runs the preflight again before a restart; set "
                               "cluster.preflight = true too")
-        for name in ("nodes", "nproc_per_node", "stop_grace_s", "shm_gib", "last_call_s"):
+        for name in ("nodes", "nproc_per_node", "stop_grace_s", "shm_gib", "last_call_s", "heartbeat_s"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"cluster.{name}: must be >= 1, got {getattr(self, name)}")
         if self.min_nodes > self.nodes:

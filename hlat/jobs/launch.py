@@ -59,7 +59,13 @@ def _torchrun(c: ClusterConfig, rdzv_id: str, endpoint: str, restarts: int) -> l
     nodes = f"{c.min_nodes}:{c.nodes}" if elastic else str(c.nodes)
     return ["hlat", "torchrun", f"--nnodes={nodes}", f"--nproc-per-node={c.nproc_per_node}",
             f"--max-restarts={restarts}", "--rdzv-backend=c10d", f"--rdzv-id={rdzv_id}", f"--rdzv-endpoint={endpoint}",
-            *([f"--rdzv-conf=last_call_timeout={c.last_call_s}"] if elastic else [])]
+            *([f"--rdzv-conf={rendezvous_conf(c)}"] if elastic else [])]
+
+
+def rendezvous_conf(c: ClusterConfig) -> str:
+    """An elastic job's rendezvous timings: how long a round waits for more nodes once enough have joined, and how
+    often each node's torchrun says it is alive (a node silent for 3 beats is dropped from the next round)."""
+    return f"last_call_timeout={c.last_call_s},keep_alive_interval={c.heartbeat_s}"
 
 
 def fabric_env(node: NodeRequest) -> dict[str, str]:
