@@ -178,13 +178,16 @@ def initial_value(param: torch.Tensor, name: str, std: float, seed: int) -> torc
     Each parameter draws from its own generator seeded by (seed, name), not from the global RNG, so its value
     does not depend on which other parameters a process holds: every parallel layout starts from the weights
     a single process would have."""
-    full = torch.empty(param.shape, dtype=torch.float32)
-    if std in (0.0, 1.0):
-        return full.fill_(std)
     # torch's CPU generator keeps only the low 32 bits of its seed: the run's seed is mixed into them (seed 0 keeps
     # each parameter's crc32), so that train.seed changes every weight
     generator = torch.Generator().manual_seed((zlib.crc32(name.encode()) + seed * 0x9E3779B1) % 2**32)
-    return full.normal_(0.0, std, generator=generator)
+    return draw(param.shape, std, generator)
+
+
+def draw(shape: torch.Size, std: float, generator: torch.Generator) -> torch.Tensor:
+    """normal(0, std) in fp32, or ones/zeros for std 1.0/0.0 (which take nothing from `generator`)."""
+    value = torch.empty(shape, dtype=torch.float32)
+    return value.fill_(std) if std in (0.0, 1.0) else value.normal_(0.0, std, generator=generator)
 
 
 def fill_parameter(param: torch.Tensor, value: torch.Tensor) -> None:
@@ -199,8 +202,7 @@ def fill_parameter(param: torch.Tensor, value: torch.Tensor) -> None:
 def draw_shard(param: torch.Tensor, std: float, generator: torch.Generator) -> None:
     """`initial_value`'s distribution for this rank's shard of a parameter alone."""
     shard = local(param)
-    value = torch.empty(shard.shape, dtype=torch.float32)
-    shard.copy_(value.fill_(std) if std in (0.0, 1.0) else value.normal_(0.0, std, generator=generator))
+    shard.copy_(draw(shard.shape, std, generator))
 
 
 def init_std(cfg: ModelConfig, module_name: str, module: nn.Module, param_name: str) -> float:
