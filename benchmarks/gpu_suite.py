@@ -11,19 +11,21 @@ shapes, batch, precision and recomputation, compiled, each case in its own proce
 FP8 tensorwise and rowwise, and llama2-7b in pure bf16 (benchmarks/gpu_step.py builds both systems' steps); a
 kernel profile of hlat's 1B bf16 step; `hlat preflight` at the 1B setting's shapes with FP8.
 
-`7b` (about 5 minutes): llama2-7b in bf16_sr on one GPU at the layout the planner picks for it and at the
-micro-batches and recomputation its memory allows, then FP8 tensorwise on top, each beside the planner's prediction
-from the shipped p5.48xlarge profile; then `hlat preflight` at llama2-7b's shapes with FP8.
+`7b` (about 5 minutes): llama2-7b in bf16_sr on one GPU at the layout the planner picks for it (with a kernel
+profile of its step), `hlat preflight` at llama2-7b's shapes with FP8, FP8 tensorwise at the planner's layout, then
+the other micro-batches and recomputation its memory allows, each beside the planner's prediction from the shipped
+p5.48xlarge profile.
 
 `figure` (about 5 minutes): a Pythia-style model of about 1B parameters (GPT-NeoX: parallel residual, a quarter of
 each head rotated) trained by `hlat train` on the same real text (the machine's Python standard library, as
 `make train`; the GPT-NeoX-20B tokenizer carried in .gpu/) from the same seed and data order: bf16_mixed, bf16_sr,
 bf16_mixed with FP8 tensorwise, and bf16_mixed from another seed (the run-to-run spread); `hlat compare` draws
-them and gives each one's deviation from bf16_mixed.
+them and gives each one's deviation from bf16_mixed. The runs keep no snapshots (what the figure compares is
+the arithmetic) and write their run directories to memory (--work-dir: each final checkpoint is ~12 GB).
 
 Each part runs its cases in order of importance within its budget (`--budget-s`) and writes as it goes, so a short
 lease still brings back the first ones. Files (DIR): PART.jsonl (a row per case), PART.md (the table), and
-profile_1b.txt, preflight_{1b,7b}.{toml,json}, figure.png, figure_metrics.jsonl.
+profile_{1b,7b}.txt, preflight_{1b,7b}.{toml,json}, figure.png, figure_metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -54,9 +56,9 @@ SPEED_CASES = [  # most important first; "preflight" runs hlat preflight at that
     dict(system="hlat", setting="7b", fp8="none"), dict(system="torchtitan", setting="7b", fp8="none"),
 ]
 # llama2-7b in pure bf16 on one 80 GB GPU: 8 bytes a parameter of states (54 GB) leave ~20 GB for activations,
-# enough for micro-batch 4 under full recomputation (the block inputs, 4.3 GB) or 1 under selective (~10 GB).
-SEVEN_B_CASES = [dict(batch=2, ac="full"), dict(batch=4, ac="full"), dict(batch=1, ac="selective"),
-                 dict(batch=2, ac="full", fp8="tensorwise"), dict(batch=4, ac="full", fp8="tensorwise"), "preflight"]
+# enough for micro-batch 4 under full recomputation (the block inputs, 4.3 GB) or 1 under selective (~10 GB). The
+# part measures the planner's layout first (profiled), then preflight, then FP8 at that layout, then these.
+SEVEN_B_CASES = [dict(batch=2, ac="full"), dict(batch=4, ac="full"), dict(batch=1, ac="selective")]
 FIGURE_RUNS = [("bf16_mixed", "bf16_mixed", "none", 0), ("bf16_sr", "bf16_sr", "none", 0),
                ("fp8_tensorwise", "bf16_mixed", "tensorwise", 0), ("bf16_mixed_seed1", "bf16_mixed", "none", 1)]
 PYTHIA_1B = dict(family="neox", dim=2048, n_layers=16, n_heads=8, ffn_dim=8192, vocab_size=50304, rotary_pct=0.25,
@@ -132,7 +134,7 @@ def time_steps(step, inputs, targets, spec: dict, device: torch.device) -> dict:
         times.append(time.perf_counter() - t0)
     step_s = sorted(times)[len(times) // 2]
     if spec.get("profile"):
-        write_profile(step, inputs, targets, device, Path(spec["out"]) / "profile_1b.txt")
+        write_profile(step, inputs, targets, device, Path(spec["out"]) / f"profile_{spec['setting']}.txt")
     peak = torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else 0.0
     return {"warmup_s": round(warmup_s, 1), "step_s": round(step_s, 4),
             "tokens_per_s": round(inputs.numel() / step_s), "peak_memory_gb": round(peak, 2),
@@ -231,7 +233,8 @@ def seven_b(args) -> None:
         return []
 
     chosen = planner_choice(args.cpu)  # the layout the planner picks for llama2-7b on one GPU, measured first
-    cases = [dict(batch=chosen.micro_batch, ac=chosen.activation_checkpoint, chosen_by="planner"), *SEVEN_B_CASES]
+    planners = dict(batch=chosen.micro_batch, ac=chosen.activation_checkpoint, chosen_by="planner")
+    cases = [dict(planners, profile=True), "preflight", dict(planners, fp8="tensorwise"), *SEVEN_B_CASES]
     rows = run_cases("7b", [c if isinstance(c, str) else dict(system="hlat", setting="7b", **c) for c in cases], args,
                      extra)
     for row in rows:
@@ -328,7 +331,7 @@ def figure_overrides(cpu: bool, mode: str, fp8: str, seed: int, steps: int) -> l
               "train.seed": seed, "train.steps": steps, "train.global_batch": batch, "train.micro_batch": batch,
               "train.seq_len": seq, "train.log_every": 1 if cpu else 5, "parallel.compile": not cpu,
               "data.tokenizer": tokenizer, "data.workers": 0 if cpu else 4, "optim.lr": 3e-4, "optim.min_lr": 3e-5,
-              "optim.warmup_steps": 2 if cpu else 20}
+              "optim.warmup_steps": 2 if cpu else 20, "train.snapshot_every": 0}
     if cpu:  # rounds of 64 KiB of the embedded corpus, not 4 MiB (2 s of tokenizing at each start): 6 steps need less
         fields["data.round_bytes"] = 1 << 16
     return [a for k, v in fields.items() for a in (f"--{k}", str(v).lower() if isinstance(v, bool) else str(v))]
@@ -409,7 +412,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6, help="timed steps per case (after --warmup)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--figure-steps", type=int, default=200)
-    ap.add_argument("--work-dir", default="/tmp/hlat-gpu-suite", help="the figure's run directories")
+    ap.add_argument("--work-dir", default="/dev/shm/hlat-gpu-suite", help="the figure's run directories")
     args = ap.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     {"speed": speed, "7b": seven_b, "figure": figure}[args.part](args)

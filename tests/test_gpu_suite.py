@@ -37,7 +37,9 @@ def test_the_suites_cpu_mode_runs_every_part(tmp_path):
 
     seven_b = rows(tmp_path / "7b.jsonl")
     assert seven_b[0]["chosen_by"] == "planner" and all(r["tokens_per_s"] > 0 for r in seven_b)
-    assert {(r["fp8"], r["ac"]) for r in seven_b[1:]} == {("none", "full"), ("tensorwise", "full")}
+    planners = (seven_b[0]["batch"], seven_b[0]["ac"])  # FP8 on top of the planner's layout, then the others
+    assert [(r["fp8"], (r["batch"], r["ac"])) for r in seven_b[1:]] == [("tensorwise", planners), ("none", (2, "full"))]
+    assert (tmp_path / "profile_7b.txt").read_text().count("\n") > 10
     assert "planner's tokens/s" in (tmp_path / "7b.md").read_text()
     for setting in ("1b", "7b"):
         assert "[measured]" in (tmp_path / f"preflight_{setting}.toml").read_text()
