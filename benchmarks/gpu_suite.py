@@ -312,11 +312,13 @@ def figure(args) -> None:
         steps = 6 if args.cpu else args.figure_steps
         cmd = [sys.executable, "-m", "hlat", "train", *figure_overrides(args.cpu, mode, fp8, seed, steps),
                "--train.run_dir", str(run_dir)]
+        started = time.monotonic()
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=budget.left() - 30)
-            print(f"figure {name}:", "ok" if done.returncode == 0 else done.stderr[-800:], flush=True)
+            print(f"figure {name} ({time.monotonic() - started:.0f} s):",
+                  "ok" if done.returncode == 0 else done.stderr[-800:], flush=True)
         except subprocess.TimeoutExpired:
-            print(f"figure {name}: timed out", flush=True)
+            print(f"figure {name}: timed out after {time.monotonic() - started:.0f} s", flush=True)
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # gigabytes each, and not what is brought back
         if (run_dir / "metrics.jsonl").is_file():
             runs.append(run_dir)
