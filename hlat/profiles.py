@@ -56,7 +56,8 @@ class Measured:
     rotary_gbs: float = 0.0
     residual_gbs: float = 0.0
     loss_gbs: float = 0.0
-    optimizer_gbs: float = 0.0
+    optimizer_gbs: float = 0.0  # torch's AdamW (fp32, bf16_mixed)
+    bf16_optimizer_gbs: float = 0.0  # BF16AdamW (the pure-bf16 modes: another kernel); 0: priced as optimizer_gbs
     copy_gbs: float = 0.0  # a copy into a freshly allocated buffer, as fully_shard's gathers and reductions make
     all_reduce: list[list[float]] = field(default_factory=list)
     all_gather: list[list[float]] = field(default_factory=list)
@@ -97,7 +98,7 @@ class Measured:
                 "attention": bool(self.attention_bf16 or self.attention_fp32),
                 "whole block": bool(self.block_shapes),
                 "data-parallel block": any(" | dp" in shape for shape in self.block_shapes), "memory-bound": self.norm_gbs > 0,
-                "optimizer": self.optimizer_gbs > 0,
+                "optimizer": self.optimizer_gbs > 0 or self.bf16_optimizer_gbs > 0,
                 "collectives": bool(self.all_reduce), "send/recv": bool(self.send_recv), "overlap": self.overlap >= 0}
 
     def mismatch(self, precision: str) -> str:

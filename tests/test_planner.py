@@ -335,8 +335,11 @@ def test_the_70b_recipes_tp32_on_p5_names_the_cross_node_group_and_the_planners_
     assert line.startswith("tensor parallelism across nodes: TP32 PP8 DP8 mb1 1F1B SP ZeRO-1 AC:sel puts each TP32 "
                            "group on 4 p5.48xlarge nodes of 8 processes")
     days, dollars = best["budget"]["days"], best["budget"]["dollars"]
-    assert (f"`hlat plan --search` on 256 x p5.48xlarge chooses {best['layout']}: {best['step_time_s']['total']:.3g} "
-            f"s/step, {best['mfu']:.1%} MFU, {days:,.1f} days, ${dollars / 1e6:.3g}M (for 1.89T tokens)") in line
+    said = re.search(r"chooses (.+): (\S+) s/step, (\S+)% MFU, (\S+) days, \$(\S+)M \(for 1.89T tokens\)", line)
+    assert said, line
+    assert said.group(1, 2, 3, 5) == (best["layout"], f"{best['step_time_s']['total']:.3g}", f"{best['mfu'] * 100:.1f}",
+                                      f"{dollars / 1e6:.3g}")
+    assert float(said[4]) == pytest.approx(days, abs=0.05 + 0.005)  # one decimal there, two in --json
     assert f"  2   {best['layout']}" in out and "#2: what --search chooses" in out
     assert best["layout"].startswith("TP8 ")  # within a node
     both = json.loads(plan_output(capsys, "--config", "hlat-70b", "--hardware", "p5.48xlarge", "--json"))
@@ -707,6 +710,25 @@ def test_shipped_gpu_profiles_carry_hlats_measurements_and_say_where_each_figure
     for name in profile_names():  # every profile states its price with a date and a source
         hw = load_profile(name)
         assert hw.price_date and hw.price_source, name
+
+
+def test_the_pure_bf16_update_is_priced_at_its_own_measured_rate():
+    """BF16AdamW (bf16_sr, bf16_kahan) is another kernel than torch's AdamW: each mode's update takes the rate
+    preflight measured for its own optimizer, and a profile without BF16AdamW's prices it as AdamW's."""
+    from hlat.optim.modes import MODES
+    from hlat.planner.costs import optimizer_bytes
+
+    p5 = load_profile("p5.48xlarge")
+    both = replace(p5, measured=replace(p5.measured, optimizer_gbs=800.0, optimizer_measured_bytes=0.0,
+                                        bf16_optimizer_gbs=400.0))
+    adamw_only = replace(both, measured=replace(both.measured, bf16_optimizer_gbs=0.0))
+    layout, params = Layout.of(micro_batch=1), model_config("llama2-7b").num_params()
+    for mode, profile, rate in (("bf16_sr", both, 400.0), ("bf16_kahan", both, 400.0), ("bf16_mixed", both, 800.0),
+                                ("bf16_sr", adamw_only, 800.0)):
+        m = MODES[mode]
+        work = Workload(model_config("llama2-7b"), 4096, 1, mode)
+        expected = optimizer_bytes(params, m.weight_bytes, m.grad_bytes, m.optimizer_bytes) / (rate * 1e9)
+        assert step_time(work, layout, profile).optimizer == pytest.approx(expected, rel=1e-9), (mode, rate)
 
 
 def _flag_plan(argv: list[str], capsys) -> dict:

@@ -107,6 +107,17 @@ def test_a_single_process_preflight_times_the_configs_block_as_the_trainer_runs_
     assert not (measured.matmul_fp8_tensorwise or measured.matmul_fp8_rowwise)
 
 
+def test_the_update_is_recorded_under_its_optimizers_name():
+    """The pure-bf16 modes' BF16AdamW is another kernel than AdamW: its rate goes to its own field, so a profile can
+    hold both (the planner prices each mode's update at its own)."""
+    from hlat.measure.blocks import UpdateTiming, block_fields
+
+    for optimizer, field, other in (("AdamW", "optimizer_gbs", "bf16_optimizer_gbs"),
+                                    ("BF16AdamW", "bf16_optimizer_gbs", "optimizer_gbs")):
+        fields = block_fields([], UpdateTiming(optimizer, "bf16_sr", 10, 1.0, 123.0))
+        assert fields[field] == 123.0 and other not in fields
+
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_fp8_rates_time_torchaos_float8_linear_at_each_block_linears_shape(recipe):
     """The path a GPU with FP8 tensor cores takes, on torchao's emulated Float8Linear (its speed means nothing

@@ -64,7 +64,9 @@ def block_fields(timings: list[BlockTiming], update: UpdateTiming | None) -> dic
     """The `Measured` fields of the timings: one entry per shape, in the order they were taken."""
     fields = {"block_shapes": [t.shape for t in timings], "block_s": [t.block_s for t in timings],
               "ends_s": [t.ends_s for t in timings], "embedding_s": [t.embedding_s for t in timings]}
-    return fields if update is None else {**fields, "optimizer_gbs": update.gbs}
+    if update is None:
+        return fields
+    return {**fields, "bf16_optimizer_gbs" if update.optimizer == "BF16AdamW" else "optimizer_gbs": update.gbs}
 
 
 def measure_blocks(options: Options, device: torch.device,

@@ -13,6 +13,7 @@ class PrecisionMode:
     weight_bytes: int  # persistent weights (the master copy where there is one)
     grad_bytes: int
     optimizer_bytes: int  # AdamW first and second moments (+ any compensation buffer)
+    optimizer: str = "AdamW"  # the update build_optimizer makes: torch's AdamW, or BF16AdamW on bf16 weights
 
     @property
     def bytes_per_param(self) -> int:
@@ -24,8 +25,9 @@ MODES: dict[str, PrecisionMode] = {
     for m in (
         PrecisionMode("fp32", "fp32 weights, gradients, optimizer states and compute", 4, 4, 8),
         PrecisionMode("bf16_mixed", "bf16 compute; fp32 master weights, gradients and optimizer states", 4, 4, 8),
-        PrecisionMode("bf16_sr", "pure bf16 weights, gradients and states; stochastic rounding on update", 2, 2, 4),
+        PrecisionMode("bf16_sr", "pure bf16 weights, gradients and states; stochastic rounding on update", 2, 2, 4,
+                      "BF16AdamW"),
         PrecisionMode("bf16_kahan", "pure bf16 weights, gradients and states; a bf16 Kahan compensation buffer "
-                      "keeps what rounding the weights loses", 2, 2, 6),
+                      "keeps what rounding the weights loses", 2, 2, 6, "BF16AdamW"),
     )
 }

@@ -200,11 +200,13 @@ def micro_batch(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit) -
 
 def optimizer_time(work: Workload, layout: Layout, hw: HardwareProfile) -> float:
     """The optimizer step over the parameters a device owns: AdamW's bytes at the measured update's rate (else
-    HBM bandwidth). An update larger than the one preflight timed pays that one's time and streams the rest at
-    HBM bandwidth."""
+    HBM bandwidth). The pure-bf16 modes' BF16AdamW takes its own measured rate where the profile has one. An
+    update larger than the one preflight timed pays that one's time and streams the rest at HBM bandwidth."""
     me, mode = hw.measured, work.mode
     owned = stage_params(work.model, layout) / layout.shards
     nbytes = optimizer_bytes(owned, mode.weight_bytes, mode.grad_bytes, mode.optimizer_bytes)
+    if mode.optimizer == "BF16AdamW" and me.bf16_optimizer_gbs:
+        return nbytes / (me.bf16_optimizer_gbs * 1e9)
     timed = me.optimizer_measured_bytes if me.optimizer_gbs else 0.0
     if timed and nbytes > timed:
         return timed / (me.optimizer_gbs * 1e9) + (nbytes - timed) / (hw.hbm_gbs * 1e9)
