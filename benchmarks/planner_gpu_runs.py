@@ -3,11 +3,13 @@
     .venv/bin/python benchmarks/planner_gpu_runs.py          # writes benchmarks/results/planner_gpu_runs.{md,json}
 
 Nothing runs: the measured step times come from the committed results (gpu_step.json: hlat's rows of the 1B and
-llama2-7b settings, eager and compiled; gpu_7b_bf16_sr_metrics.jsonl: the 7B `hlat train` run of
+llama2-7b settings, eager and compiled; gpu_suite_speed.jsonl and gpu_suite_7b.jsonl: the GPU suite's compiled
+steps; gpu_7b_bf16_sr_metrics.jsonl: the 7B `hlat train` run of
 gpu_7b_bf16_sr.toml, its median logged step from step 20 on, as gpu_7b_bf16_sr.md reports it), and each is
 predicted from `hardware/p5.48xlarge.toml` as it is shipped, with the run's own model, precision, recomputation,
 compilation, micro-batch and sequence on one GPU. The profile's compute figures come from hlat's H100 preflight
-(at `small`'s shapes) and its SDPA measurement at seq 4096; none of these runs was used to set any figure.
+(at `small`'s shapes and at llama2-7b's) and its SDPA measurement at seq 4096; none of these runs was used to set
+any figure but the 1B FP8 rows (marked in-sample).
 
 The small-model runs of planner_measured_gpu.json are listed too, outside the 15% target: on `small` at seq 1024
 the host's per-operation cost (autograd, launches) sets the pace, which a layer composed from operations timed
@@ -50,14 +52,17 @@ def gpu_step_runs() -> list[dict]:
 
 
 def gpu_suite_runs() -> list[dict]:
-    """hlat's 1B rows of gpu_suite_speed.jsonl (bf16 and FP8, compiled). The profile's FP8 rates were derived from
-    these very runs (benchmarks/fp8_rates_from_step.py), so the FP8 rows are in-sample: not targets."""
-    rows = [json.loads(line) for line in (RESULTS / "gpu_suite_speed.jsonl").read_text().splitlines()]
-    return [{"run": f"gpu_suite_speed.md 1b fp8 {r['fp8']}" + (" (in-sample)" if r["fp8"] != "none" else ""),
-             "target": r["fp8"] == "none",
-             "work": Workload(SETTINGS["1b"], r["seq"], r["batch"], r["mode"], r["compile"], r["fp8"]),
+    """hlat's measured rows of the GPU suite: gpu_suite_speed.jsonl's 1B rows (bf16 and FP8, compiled) and
+    gpu_suite_7b.jsonl's llama2-7b rows. The profile's FP8 rates were derived from the 1B FP8 runs
+    (benchmarks/fp8_rates_from_step.py), so those rows are in-sample: not targets."""
+    rows = [(part, json.loads(line)) for part in ("speed", "7b")
+            for line in (RESULTS / f"gpu_suite_{part}.jsonl").read_text().splitlines()]
+    return [{"run": f"gpu_suite_{part}.md {r['setting']} mb{r['batch']} ac:{r['ac']} fp8 {r['fp8']}"
+                    + (" (in-sample)" if r["fp8"] != "none" and r["setting"] == "1b" else ""),
+             "target": r["fp8"] == "none" or r["setting"] != "1b",
+             "work": Workload(SETTINGS[r["setting"]], r["seq"], r["batch"], r["mode"], r["compile"], r["fp8"]),
              "layout": Layout.of(micro_batch=r["batch"], activation_checkpoint=r["ac"], compile=r["compile"]),
-             "measured_s": r["step_s"]} for r in rows if r["system"] == "hlat" and r["setting"] == "1b" and "step_s" in r]
+             "measured_s": r["step_s"]} for part, r in rows if r["system"] == "hlat" and "step_s" in r]
 
 
 def train_run() -> dict:
