@@ -16,7 +16,7 @@ profile of its step), `hlat preflight` at llama2-7b's shapes with FP8, FP8 tenso
 the other micro-batches and recomputation its memory allows, each beside the planner's prediction from the shipped
 p5.48xlarge profile.
 
-`figure` (about 5 minutes): a Pythia-style model of about 1B parameters (GPT-NeoX: parallel residual, a quarter of
+`figure` (about 8 minutes: each run took 108-124 s on an H100): a Pythia-style model of about 1B parameters (GPT-NeoX: parallel residual, a quarter of
 each head rotated) trained by `hlat train` on the same real text (the machine's Python standard library, as
 `make train`; the GPT-NeoX-20B tokenizer carried in .gpu/) from the same seed and data order: bf16_mixed, bf16_sr,
 bf16_mixed with FP8 tensorwise, and bf16_mixed from another seed (the run-to-run spread); `hlat compare` draws
@@ -64,6 +64,7 @@ FIGURE_RUNS = [("bf16_mixed", "bf16_mixed", "none", 0), ("bf16_sr", "bf16_sr", "
 PYTHIA_1B = dict(family="neox", dim=2048, n_layers=16, n_heads=8, ffn_dim=8192, vocab_size=50304, rotary_pct=0.25,
                  max_seq_len=2048, parallel_residual=True)
 TOKENIZER = ROOT / ".gpu" / "gpt-neox-20b-tokenizer.json"  # ../shared/data/tokenizers/gpt-neox-20b, carried
+BUDGET_S = {"speed": 290, "7b": 290, "figure": 480}  # each part's default time
 
 
 def settings(cpu: bool) -> dict:
@@ -408,7 +409,8 @@ def main() -> None:
     ap.add_argument("part", choices=["speed", "7b", "figure"])
     ap.add_argument("--out", required=True)
     ap.add_argument("--cpu", action="store_true", help="the CPU mode: tiny shapes, FP8 emulated, not compiled")
-    ap.add_argument("--budget-s", type=float, default=290, help="the part's time, cases beyond it skipped")
+    ap.add_argument("--budget-s", type=float, help="the part's time, cases beyond it skipped (default: "
+                    f"{', '.join(f'{part} {s} s' for part, s in BUDGET_S.items())})")
     ap.add_argument("--case-timeout-s", type=float, default=120)
     ap.add_argument("--preflight-timeout-s", type=float, default=120)
     ap.add_argument("--steps", type=int, default=6, help="timed steps per case (after --warmup)")
@@ -416,6 +418,7 @@ def main() -> None:
     ap.add_argument("--figure-steps", type=int, default=200)
     ap.add_argument("--work-dir", default="/dev/shm/hlat-gpu-suite", help="the figure's run directories")
     args = ap.parse_args()
+    args.budget_s = args.budget_s or BUDGET_S[args.part]
     Path(args.out).mkdir(parents=True, exist_ok=True)
     {"speed": speed, "7b": seven_b, "figure": figure}[args.part](args)
 

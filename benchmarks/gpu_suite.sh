@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU suite on a lent GPU machine, unattended (docs/devices.md, "The GPU suite"): installs the wheels carried
 # in .whl/ (torchao, torchtitan and what they need beyond the machine's image), then runs each part asked for
-# (default: speed, 7b, figure; about 5 minutes each; PART=SECONDS gives that part its own budget) and after each
+# (default: speed, 7b, figure; about 5, 5 and 8 minutes; PART=SECONDS gives that part its own budget) and after each
 # part packs everything it wrote into OUT/suite.tar.gz, beside the parts' tables (OUT/PART.md) and OUT/suite.log:
 # a part cut short still leaves what the earlier ones measured.
 #
