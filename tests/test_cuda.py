@@ -1,5 +1,6 @@
-"""CUDA only (skipped without a GPU): a few fp32 training steps on CUDA follow the CPU, and every bf16 mode
-trains there. The full check (float64 reference, compiled BF16AdamW against eager) is benchmarks/gpu_step.py."""
+"""CUDA only (skipped without a GPU): a few fp32 training steps on CUDA follow the CPU, every bf16 mode trains
+there, and the stochastic rounding's bits compiled for CUDA are the CPU's. The full check (float64 reference,
+compiled BF16AdamW against eager) is benchmarks/gpu_step.py."""
 
 import pytest
 import torch
@@ -38,6 +39,21 @@ def test_fp32_on_cuda_follows_the_cpu():
 def test_bf16_modes_train_on_cuda(mode):
     run = losses("cuda", mode, steps=8)
     assert all(x == x for x in run) and run[-1] < run[0]
+
+
+def test_rounding_bits_compiled_for_cuda_are_the_cpus():
+    """BF16AdamW's update is compiled on CUDA and runs eagerly on the CPU; its random bits, Triton's int32 hash
+    with the key halves as device tensors, must be the very bits eager torch draws on the CPU (any size: dynamic
+    shapes, odd lengths)."""
+    from hlat.optim.bf16 import rounding_noises
+
+    compiled = torch.compile(rounding_noises, dynamic=True, fullgraph=True)
+    key_lo, key_hi = -123456789, 2**31 - 1
+    keys = torch.tensor([key_lo, key_hi], dtype=torch.int32, device="cuda")
+    for n in (1001, (1 << 20) + 3):
+        on_cuda = compiled(n, keys.device, keys[0], keys[1])
+        on_cpu = rounding_noises(n, "cpu", key_lo, key_hi)
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(on_cuda, on_cpu, strict=True))
 
 
 def packed_rows(seq: int, vocab: int) -> dict[str, torch.Tensor]:

@@ -16,7 +16,8 @@ from hlat.config import ConfigError
 from hlat.models import build_model, materialize
 from hlat.models.config import model_config
 from hlat.optim import OptimConfig, build_optimizer
-from hlat.optim.bf16 import BF16AdamW, rounding_noise, rounding_seed, stochastic_round
+from hlat.optim import bf16
+from hlat.optim.bf16 import BF16AdamW, rounding_noise, rounding_noises, rounding_seed, stochastic_round
 from hlat.optim.modes import MODES
 from hlat.optim.precision import autocast, prepare_model
 
@@ -123,6 +124,52 @@ def test_rounding_bits_are_independent_across_elements_streams_steps_parameters_
     assert torch.equal(noise(rounding_seed(0, 1, 0, (1,)), n), noise(rounding_seed(0, 1, 0, (1,)), n))  # replicas
 
 
+def test_the_three_streams_are_independent_of_each_other_and_along_a_tensor():
+    """Streams 0 and 1 (the weight's and the first moment's) are the two halves of one 32-bit hash per element,
+    stream 2 (the second moment's) half of a second hash: every pair of streams, at one element and at neighbouring
+    ones, and stream 2 along the tensor, are independent uniform draws (stream 0 along the tensor is checked
+    above)."""
+    n = 1 << 18
+    key = rounding_seed(0, 1, 0)
+    streams = [noise(key, n + 3, stream) for stream in range(3)]
+    for lag in (1, 2, 3):
+        assert_independent_uniform(streams[2][:n], streams[2][lag : n + lag], f"stream 2, elements {lag} apart")
+    for a, b in ((0, 1), (0, 2), (1, 2)):
+        for lag in (0, 1):
+            assert_independent_uniform(streams[a][:n], streams[b][lag : n + lag], f"streams {a}, {b} lag {lag}")
+            assert_independent_uniform(streams[b][:n], streams[a][lag : n + lag], f"streams {b}, {a} lag {lag}")
+
+
+def lowbias32(x: int) -> int:
+    """Wellons' lowbias32 on a Python int: the unsigned 32-bit reference."""
+    x ^= x >> 16
+    x = x * 0x7FEB352D & 0xFFFFFFFF
+    x ^= x >> 15
+    x = x * 0x846CA68B & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def test_rounding_bits_are_the_unsigned_hash():
+    """The int32 arithmetic (wrapping multiplies, arithmetic shifts masked) is the unsigned hash: element i's state
+    is lowbias32(i ^ key_lo); streams 0 and 1 are the high and low halves of lowbias32(state ^ key_hi), stream 2 the
+    high half of lowbias32(state ^ key_hi ^ 0x9E3779B9). Key halves with their top bit set, indices past 2^16."""
+    key_lo, key_hi, n = 0xDEADBEEF, 0xF00DFACE, 70_001
+    streams = [rounding_noise(torch.empty(n), key_lo, key_hi, stream) for stream in range(3)]
+    for i in (0, 1, 2**15, 2**16 + 1, n - 1):
+        state = lowbias32(i ^ key_lo)
+        first, second = lowbias32(state ^ key_hi), lowbias32(state ^ key_hi ^ 0x9E3779B9)
+        assert [int(s[i]) for s in streams] == [first >> 16, first & 0xFFFF, second >> 16], i
+
+
+def test_rounding_refuses_tensors_beyond_int32_indices():
+    """Elements are numbered in int32: a tensor of 2^31 elements or more would repeat bits, so it is refused (at
+    the optimizer's construction, before any step)."""
+    with pytest.raises(ValueError, match="at most"):
+        rounding_noises(2**31, "cpu", 0, 0)
+    with pytest.raises(ValueError, match="at most"):
+        BF16AdamW([torch.nn.Parameter(torch.empty(2**31, dtype=BF16, device="meta"))])
+
+
 def fractional_values(m: int, seed: int) -> torch.Tensor:
     """`m` fp32 values of random sign and exponent (subnormals included, below bf16's overflow), each between two bf16
     neighbours at a random fraction in [1/64, 63/64]: at least 64 of 4096 roundings go each way, so the mean of the
@@ -191,6 +238,28 @@ def test_update_matches_torch_adamw(rounding):
             else:
                 assert_neighbour(mine.detach(), exact.detach())
     assert int(ours.state[w]["step"]) == 3
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # compile's imports
+def test_compiled_update_equals_eager(monkeypatch):
+    """BF16AdamW's update as it runs on CUDA, compiled (torch.compile with dynamic shapes, the int32 key halves
+    and the scalars as tensors), here through the CPU's compiler: the same random bits and fp32
+    arithmetic as eager, so the same weights and moments to the bit, over two steps of two parameters of odd sizes.
+    It fails where the compiled path departs from eager: generated code that hashes or rounds otherwise, or keys
+    and scalars handed to the kernel wrongly."""
+    def two_steps(compiled: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(bf16, "COMPILED_UPDATE_DEVICES", ("cpu",) if compiled else ())
+        g = gen(0)
+        params = [torch.nn.Parameter(torch.randn(shape, generator=g).to(BF16)) for shape in ((37, 29), (1001,))]
+        opt = BF16AdamW(params, lr=1e-2, weight_decay=0.1, seed=3)
+        for _ in range(2):
+            for p in params:
+                p.grad = (torch.randn(p.shape, generator=g) * 1e-2).to(BF16)
+            opt.step()
+        return [t for p in params for t in (p.detach(), opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"])]
+
+    eager, compiled = two_steps(False), two_steps(True)
+    assert all(torch.equal(a, b) for a, b in zip(eager, compiled))
 
 
 def toy_descent(rounding: str | None, steps: int = 150) -> float:

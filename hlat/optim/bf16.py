@@ -22,43 +22,71 @@ _KEEP_BF16_BITS = -65536  # 0xFFFF0000 as int32: sign, exponent and the 7 mantis
 
 
 _MASK32 = 0xFFFFFFFF
+MAX_NUMEL = 2**31 - 1  # elements a tensor's random bits are drawn for: each element's index is an int32
+
+
+def _int32(value: int) -> int:
+    """A 32-bit pattern (0 <= value < 2^32) as the int32 holding it: the random bits are int32 arithmetic."""
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+def _shift_right(x: Tensor, k: int) -> Tensor:
+    """x >>> k for int32: torch's >> is arithmetic (it copies the sign bit), so the sign's copies are masked off."""
+    return (x >> k) & ((1 << (32 - k)) - 1)
 
 
 def _mix32(x: Tensor) -> Tensor:
-    """A 32-bit integer hash (Wellons' lowbias32) of int64 values below 2^32: neighbouring inputs give
-    independent-looking outputs. Plain integer arithmetic, so a compiled update fuses it into one kernel."""
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _MASK32
-    x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & _MASK32
-    return x ^ (x >> 16)
+    """Wellons' lowbias32, a 32-bit integer hash (neighbouring inputs give independent-looking outputs), on int32:
+    a multiply wraps mod 2^32 like an unsigned one and the shifts are logical, so the bits are those of the uint32
+    hash. Plain 32-bit integer arithmetic, which a compiled update fuses into its kernel at a few instructions per
+    operation (int64, as this once was, costs several per multiply on a GPU)."""
+    x = x ^ _shift_right(x, 16)
+    x = x * 0x7FEB352D
+    x = x ^ _shift_right(x, 15)
+    x = x * _int32(0x846CA68B)
+    return x ^ _shift_right(x, 16)
+
+
+_SECOND_WORD = _int32(0x9E3779B9)  # sets the second hash of an element apart from the first (2^32 / golden ratio)
+
+
+def rounding_noises(numel: int, device, key_lo, key_hi) -> tuple[Tensor, Tensor, Tensor]:
+    """Three streams of uniform int32 in [0, 2^16), `numel` each (the update's weight, exp_avg and exp_avg_sq):
+    a pure function of (key, stream, element index), so the same 64-bit key (two 32-bit halves, as int32) gives
+    the same bits on any device or process, eager or compiled (a counter-based generator, with no state to carry).
+
+    Each element's index is hashed with the key's low half, that with the high half (two rounds, as the key has
+    64 bits), and the result once more under a constant for a second 32-bit word: streams 0 and 1 are the first
+    word's halves, stream 2 the second's high half. Three hashes per element for three streams, where one
+    two-round hash per stream would take six. Indices are int32, so a tensor has at most MAX_NUMEL elements:
+    beyond that they would repeat, and this raises instead."""
+    if numel > MAX_NUMEL:
+        raise ValueError(f"stochastic rounding draws bits for at most {MAX_NUMEL} elements per tensor, got {numel}")
+    element = _mix32(torch.arange(numel, dtype=torch.int32, device=device) ^ key_lo)
+    first, second = _mix32(element ^ key_hi), _mix32(element ^ key_hi ^ _SECOND_WORD)
+    return _shift_right(first, 16), first & 0xFFFF, _shift_right(second, 16)
 
 
 def rounding_noise(like: Tensor, key_lo: int, key_hi: int, stream: int = 0) -> Tensor:
-    """Uniform int32 in [0, 2^16), one per element of `like`: a pure function of (key, stream, element index),
-    so the same 64-bit key (two 32-bit halves) gives the same bits on any device or process (a counter-based
-    generator, with no generator state to carry)."""
-    counter = torch.arange(like.numel(), dtype=torch.int64, device=like.device) * 3 + stream
-    x = _mix32((counter & _MASK32) ^ key_lo)
-    x = _mix32(x ^ key_hi ^ (counter >> 32))
-    return (x >> 16).to(torch.int32).view(like.shape)
+    """Stream `stream` (0, 1 or 2) of `rounding_noises`, shaped like `like`; the key halves as unsigned 32-bit
+    numbers."""
+    return rounding_noises(like.numel(), like.device, _int32(key_lo), _int32(key_hi))[stream].view(like.shape)
 
 
 def stochastic_round(x: Tensor, key: int, stream: int = 0) -> Tensor:
     """`x` rounded to bf16 so that E[result] == x: to one of its two bf16 neighbours, away from zero with
-    probability equal to x's fractional position between them. The 64-bit `key` (and `stream`, for several
-    roundings under one key) picks the random bits.
+    probability equal to x's fractional position between them. The 64-bit `key` (and `stream`, 0 to 2, for
+    several roundings under one key) picks the random bits.
 
     bf16 is fp32 without the low 16 mantissa bits, and fp32's bit pattern, read as an integer, grows linearly with
     the magnitude inside each binade (subnormals included) and carries into the exponent at the binade's end. So
     adding uniform noise in [0, 2^16) to those bits and truncating them rounds the magnitude up with exactly that
     probability. ±inf stays ±inf; arithmetic's NaNs (quiet bit set) stay NaN."""
-    return _stochastic_round(x, key & _MASK32, key >> 32, stream)
+    return _stochastic_round(x, rounding_noise(x, key & _MASK32, key >> 32, stream))
 
 
-def _stochastic_round(x: Tensor, key_lo: int, key_hi: int, stream: int) -> Tensor:
+def _stochastic_round(x: Tensor, noise: Tensor) -> Tensor:
     x = x.float()
-    noise = rounding_noise(x, key_lo, key_hi, stream)
     return (x.view(torch.int32) + noise).bitwise_and_(_KEEP_BF16_BITS).view(torch.float32).to(torch.bfloat16)
 
 
@@ -118,6 +146,9 @@ class BF16AdamW(torch.optim.Optimizer):
                 if p.dtype != torch.bfloat16:
                     raise ValueError(f"BF16AdamW needs bf16 parameters, got {p.dtype} {tuple(p.shape)} "
                                      "(cast the model with hlat.optim.precision.prepare_model first)")
+                if p.numel() > MAX_NUMEL:  # the rounding's element indices are int32 (rounding_noises)
+                    raise ValueError(f"BF16AdamW rounds tensors of at most {MAX_NUMEL} elements, got "
+                                     f"{tuple(p.shape)}")
 
     def _init_state(self, p: Tensor) -> dict:
         state = self.state[p]
@@ -146,31 +177,32 @@ class BF16AdamW(torch.optim.Optimizer):
                 state = self._init_state(p)
                 state["step"] += 1
                 step = int(state["step"])
-                updates.append((p, state, rounding_seed(group["seed"], step, index, _shard(p)),
+                key = rounding_seed(group["seed"], step, index, _shard(p))
+                updates.append((p, state, (_int32(key & _MASK32), _int32(key >> 32)),
                                 (lr / (1 - beta1**step), math.sqrt(1 - beta2**step))))
-            if not updates:
-                continue
-            device = local(updates[0][0]).device
-            scalars = {"one_minus_beta1": 1 - beta1, "beta2": beta2, "one_minus_beta2": 1 - beta2, "eps": eps,
-                       "decay": 1 - lr * wd}
-            compiled = device.type in COMPILED_UPDATE_DEVICES
-            if compiled:  # tensors, so a new lr or step is an input of the compiled kernel rather than a recompile
-                keys = torch.tensor([[key & _MASK32, key >> 32] for _, _, key, _ in updates], device=device)
-                corrections = torch.tensor([c for *_, c in updates], dtype=torch.float32, device=device)
-                scalars = dict(zip(scalars, torch.tensor(list(scalars.values()), dtype=torch.float32, device=device)))
-            update = _compiled_update() if compiled else adamw_update
-            for i, (p, state, key, (step_size, bias_correction2_sqrt)) in enumerate(updates):
-                if compiled:
-                    (key_lo, key_hi), (step_size, bias_correction2_sqrt) = keys[i], corrections[i]
-                else:
-                    key_lo, key_hi = key & _MASK32, key >> 32
-                compensation = state.get("compensation")
-                grad = _like_param(p.grad, p)
-                tensors = [local(t).view(-1) for t in (p, grad, state["exp_avg"], state["exp_avg_sq"])]
-                update(*tensors, None if compensation is None else local(compensation).view(-1),
-                       **scalars, neg_step_size=-step_size, bias_correction2_sqrt=bias_correction2_sqrt,
-                       key_lo=key_lo, key_hi=key_hi, rounding=self.rounding)
+            if updates:
+                self._update(updates, {"one_minus_beta1": 1 - beta1, "beta2": beta2, "one_minus_beta2": 1 - beta2,
+                                       "eps": eps, "decay": 1 - lr * wd})
         return loss
+
+    def _update(self, updates: list, scalars: dict) -> None:
+        """One group's updates, each (parameter, state, int32 key halves, (step size, sqrt of bias correction 2))."""
+        device = local(updates[0][0]).device
+        compiled = device.type in COMPILED_UPDATE_DEVICES
+        if compiled:  # tensors, so a new lr or step is an input of the compiled kernel rather than a recompile
+            keys = torch.tensor([key for _, _, key, _ in updates], dtype=torch.int32, device=device)
+            corrections = torch.tensor([c for *_, c in updates], dtype=torch.float32, device=device)
+            scalars = dict(zip(scalars, torch.tensor(list(scalars.values()), dtype=torch.float32, device=device)))
+        update = _compiled_update() if compiled else adamw_update
+        for i, (p, state, (key_lo, key_hi), (step_size, bias_correction2_sqrt)) in enumerate(updates):
+            if compiled:
+                (key_lo, key_hi), (step_size, bias_correction2_sqrt) = keys[i], corrections[i]
+            compensation = state.get("compensation")
+            grad = _like_param(p.grad, p)
+            tensors = [local(t).view(-1) for t in (p, grad, state["exp_avg"], state["exp_avg_sq"])]
+            update(*tensors, None if compensation is None else local(compensation).view(-1), **scalars,
+                   neg_step_size=-step_size, bias_correction2_sqrt=bias_correction2_sqrt, key_lo=key_lo, key_hi=key_hi,
+                   rounding=self.rounding)
 
 
 # Devices where the update runs compiled: one fused kernel per parameter (read 8 bytes, write 6 or 8 per element)
@@ -185,22 +217,25 @@ def adamw_update(weight: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tens
                  one_minus_beta1, beta2, one_minus_beta2, eps, decay, neg_step_size, bias_correction2_sqrt,
                  key_lo, key_hi, rounding: str) -> None:
     """One AdamW step of one bf16 tensor, in place: torch.optim.AdamW's single-tensor arithmetic in fp32 (the
-    same operations, so the same bits), then written back with `rounding` (see BF16AdamW)."""
+    same operations, so the same bits), then written back with `rounding` (see BF16AdamW). The key halves are
+    int32."""
     g = grad.float()
     m = exp_avg.float().lerp_(g, one_minus_beta1)
     v = exp_avg_sq.float().mul_(beta2).addcmul_(g * one_minus_beta2, g)
     denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
     w = weight.float().mul_(decay).addcdiv_(m * neg_step_size, denom)
+    if rounding != "nearest":
+        noise_w, noise_m, noise_v = rounding_noises(weight.numel(), weight.device, key_lo, key_hi)
     if rounding == "kahan":
         w = w + compensation.float()
         weight.copy_(w)
         compensation.copy_(w - weight.float())  # what rounding w to bf16 lost (exact in fp32)
     elif rounding == "stochastic":
-        weight.copy_(_stochastic_round(w, key_lo, key_hi, 0))
+        weight.copy_(_stochastic_round(w, noise_w))
     else:
         weight.copy_(w)
     if rounding != "nearest":
-        m, v = _stochastic_round(m, key_lo, key_hi, 1), _stochastic_round(v, key_lo, key_hi, 2)
+        m, v = _stochastic_round(m, noise_m), _stochastic_round(v, noise_v)
     exp_avg.copy_(m)
     exp_avg_sq.copy_(v)
 
