@@ -61,7 +61,8 @@ def hlat_step(setting: dict, compile_: bool, device: torch.device):
     from hlat.optim.precision import autocast, prepare_model
     from hlat.models import build_model
     from hlat.parallel import ParallelConfig, Topology, parallelize
-    from hlat.parallel.grads import clip_grad_norm
+    from hlat.parallel.grads import global_grad_norm
+    from hlat.train.step import clipped_update
 
     cfg, mode = hlat_model_config(setting), setting["hlat_mode"]
     pcfg = ParallelConfig(activation_checkpoint=setting["ac"], compile=compile_).resolved(1)
@@ -77,8 +78,7 @@ def hlat_step(setting: dict, compile_: bool, device: torch.device):
         with context:
             loss = model(inputs, targets=targets)  # the trainer's loss: chunked per model.loss_chunk
         loss.backward()
-        clip_grad_norm(params, 1.0)
-        optimizer.step()
+        clipped_update([optimizer], global_grad_norm(params), 1.0)  # the trainer's clipping and update
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
@@ -237,7 +237,8 @@ def trajectory(preset: str, mode: str, device: torch.device, steps: int, batch: 
     from hlat.optim import OptimConfig, build_optimizer
     from hlat.optim.precision import autocast, prepare_model
     from hlat.parallel import ParallelConfig, Topology, parallelize
-    from hlat.parallel.grads import clip_grad_norm
+    from hlat.parallel.grads import global_grad_norm
+    from hlat.train.step import clipped_update
 
     cfg, fp64 = model_config(preset), mode == "fp64"
     mode = "fp32" if fp64 else mode
@@ -258,9 +259,13 @@ def trajectory(preset: str, mode: str, device: torch.device, steps: int, batch: 
             loss = (F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()) if fp64
                     else model(tokens[:, :-1], targets=tokens[:, 1:]))
         loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(params, 1.0) if fp64 else clip_grad_norm(params, 1.0)
+        if fp64:
+            norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+        else:  # the trainer's clipping and update
+            norm = global_grad_norm(params)
+            clipped_update([optimizer], norm, 1.0)
         norms.append(norm.item())
-        optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
     peak = torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else 0.0
@@ -273,10 +278,11 @@ def rel_dev(run: dict, ref: dict) -> float:
 
 
 def compiled_update_mismatch(rounding: str) -> float:
-    """How far BF16AdamW's compiled CUDA update is from its eager one after 3 steps: the fraction of stored
-    elements that differ. Both draw the same counter-based bits; Triton's fp32 division and square root may
-    differ from ATen's by an ulp, which changes a rounding decision only for a value at a rounding boundary.
-    For kahan the weights are compared by the value they represent (weight + compensation), relative to it."""
+    """How far BF16AdamW's compiled CUDA update is from its eager one after 3 steps (each with a clip coefficient,
+    as the trainer passes it): the fraction of stored elements that differ. Both draw the same counter-based bits;
+    Triton's fp32 division and square root may differ from ATen's by an ulp, which changes a rounding decision only
+    for a value at a rounding boundary. For kahan the weights are compared by the value they represent (weight +
+    compensation), relative to it."""
     import hlat.optim.bf16 as bf16
 
     results = []
@@ -289,7 +295,7 @@ def compiled_update_mismatch(rounding: str) -> float:
         for _ in range(3):
             for p in params:
                 p.grad = (torch.randn(p.shape, device="cuda") * 1e-2).to(torch.bfloat16)
-            optimizer.step()
+            optimizer.step(grad_scale=torch.tensor(0.7, device="cuda"))
         state = [optimizer.state[p] for p in params]
         results.append({"weights": [p.detach().float() + (s["compensation"].float() if rounding == "kahan" else 0)
                                     for p, s in zip(params, state)],

@@ -29,6 +29,8 @@ from hlat.optim import OptimConfig, build_optimizer, lr_at, param_groups
 from hlat.optim.bf16 import BF16AdamW
 from hlat.optim.modes import MODES
 from hlat.optim.precision import autocast, prepare_model
+from hlat.parallel.grads import global_grad_norm
+from hlat.train.step import clipped_update
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -51,13 +53,12 @@ def build(mode: str, model_cfg, optim_cfg: OptimConfig, seed: int):
     return model, opt
 
 
-def forward_backward(mode: str, model, batch: dict, clip: float) -> tuple[float, float]:
-    """The trainer's forward and backward (autocast, fp32 loss) and gradient clipping; the loss and the norm."""
+def forward_backward(mode: str, model, batch: dict) -> tuple[float, torch.Tensor]:
+    """The trainer's forward and backward (autocast, fp32 loss); the loss and the global gradient norm."""
     with autocast("fp32" if mode == PLAIN else mode, "cpu"):
         loss = model(batch["inputs"], targets=batch["targets"])
     loss.backward()
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip, foreach=True)
-    return loss.item(), norm.float().item()
+    return loss.item(), global_grad_norm(list(model.parameters()))
 
 
 def train(mode: str, batches: list[dict], model_cfg, optim_cfg: OptimConfig, seed: int) -> dict:
@@ -69,11 +70,11 @@ def train(mode: str, batches: list[dict], model_cfg, optim_cfg: OptimConfig, see
         lr = lr_at(step, optim_cfg.lr, optim_cfg.min_lr, optim_cfg.warmup_steps, len(batches))
         for group in opt.param_groups:
             group["lr"] = lr
-        loss, norm = forward_backward(mode, model, batch, optim_cfg.clip_grad_norm)
-        opt.step()
+        loss, norm = forward_backward(mode, model, batch)
+        clipped_update([opt], norm, optim_cfg.clip_grad_norm)
         opt.zero_grad(set_to_none=True)
         losses.append(loss)
-        norms.append(norm)
+        norms.append(norm.item())
         if (step + 1) % 50 == 0:
             print(f"  {mode:>12} step {step + 1:>5}  loss {sum(losses[-50:]) / 50:.4f}", flush=True)
     return {"loss": losses, "grad_norm": norms, "seconds": time.perf_counter() - start}

@@ -1,6 +1,6 @@
 """Step time of the precision modes on the tiny config (configs/tiny.toml: its model, 16 x 128 tokens per step),
-with the modes' steps interleaved so that the load of a shared machine falls on every mode alike; the optimizer
-step is timed apart from the forward and backward. Times are the process's CPU seconds (on one thread by default),
+with the modes' steps interleaved so that the load of a shared machine falls on every mode alike; the update
+(clipping and the optimizer step) is timed apart from the forward and backward. Times are the process's CPU seconds (on one thread by default),
 which other jobs on a shared machine change far less than wall time. Random tokens: the time does not depend on
 the text.
 
@@ -22,16 +22,18 @@ import time
 import torch
 
 from hlat.config.job import load_config
+from hlat.train.step import clipped_update
 from precision_parity import BYTES_PER_PARAM, build, forward_backward
 from results_io import markdown_table, write_results
 
 
 def timed_step(mode: str, model, opt, batch: dict, clip: float) -> tuple[float, float]:
-    """CPU seconds of the forward and backward (with clipping), and of the optimizer step."""
+    """CPU seconds of the forward and backward (with the gradient norm), and of the update (the trainer's: clipping
+    and the optimizer step)."""
     start = time.process_time()
-    forward_backward(mode, model, batch, clip)
+    _, norm = forward_backward(mode, model, batch)
     middle = time.process_time()
-    opt.step()
+    clipped_update([opt], norm, clip)
     opt.zero_grad(set_to_none=True)
     return middle - start, time.process_time() - middle
 

@@ -16,8 +16,9 @@ from hlat.measure.timed_model import (TimedModel, block_mesh, block_step, build_
 from hlat.measure.timing import timed_on_every_rank
 from hlat.optim import build_optimizer
 from hlat.optim.modes import MODES
-from hlat.parallel.grads import clip_grad_norm
+from hlat.parallel.grads import global_grad_norm
 from hlat.planner.costs import block_shape, dp_block_shape, optimizer_bytes
+from hlat.train.step import clipped_update
 from hlat.dtensor import local_elements
 
 
@@ -131,12 +132,12 @@ def block_labels(options: Options, timed_model: TimedModel) -> tuple[str, str, s
 
 def measure_update(options: Options, timed_model: TimedModel) -> UpdateTiming:
     """The end of the trainer's step over the timed blocks' and the rest's parameters, with the gradients their
-    backward left: global gradient-norm clipping, then the trainer's optimizer for the precision mode
-    (`build_optimizer`: fused AdamW on CUDA, foreach on the CPU, BF16AdamW in the pure-bf16 modes). As GB/s of
-    the mode's nominal AdamW bytes (`hlat.planner.costs.optimizer_bytes`), the figure the planner prices a
-    device's parameters at. Taken over a few blocks' worth of tensors, not one: on the 2-core CPU host a lone
-    layer-sized tensor's fastest AdamW step ran at 15 GB/s, five times its median, where the trainer's update
-    over the whole `small` model ran at 6-7."""
+    backward left: the global gradient norm, then the trainer's optimizer for the precision mode clipping by it
+    (`build_optimizer`: fused AdamW on CUDA, foreach on the CPU, after scaling the gradients; BF16AdamW in the
+    pure-bf16 modes, scaling them in its update). As GB/s of the mode's nominal AdamW bytes
+    (`hlat.planner.costs.optimizer_bytes`), the figure the planner prices a device's parameters at. Taken over a
+    few blocks' worth of tensors, not one: on the 2-core CPU host a lone layer-sized tensor's fastest AdamW step
+    ran at 15 GB/s, five times its median, where the trainer's update over the whole `small` model ran at 6-7."""
     parts = nn.ModuleList([timed_model.blocks, timed_model.rest])
     params = [p for p in parts.parameters() if p.grad is not None]
     optimizer = build_optimizer(parts, options.optim, options.precision)
@@ -149,5 +150,5 @@ def measure_update(options: Options, timed_model: TimedModel) -> UpdateTiming:
 
 
 def update_step(params: list[nn.Parameter], optimizer: torch.optim.Optimizer, max_norm: float) -> None:
-    clip_grad_norm(params, max_norm)
-    optimizer.step()
+    """The trainer's: the global gradient norm, then the update clipped by it (`clipped_update`)."""
+    clipped_update([optimizer], global_grad_norm(params), max_norm)

@@ -224,7 +224,8 @@ class UpdateAnyway(BadSteps):
 
 class PhaseClock:
     """Seconds a step spends in its parts' forward passes and in its optimizers' updates (hooks on both; the rest
-    is backward, the loss, the step's all-reduce and clipping), and the gradients' bytes as the updates read them."""
+    is backward, the loss, the step's all-reduce, the gradient norm, and clipping unless BF16AdamW does it in its
+    update), and the gradients' bytes as the updates read them."""
 
     def __init__(self, parts: ModelParts, device: torch.device):
         self.device, self.forward_s, self.update_s, self.grads, self.began = device, 0.0, 0.0, 0, 0.0

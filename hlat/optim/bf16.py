@@ -161,7 +161,11 @@ class BF16AdamW(torch.optim.Optimizer):
         return state
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, *, grad_scale: Tensor | float | None = None):
+        """One update of every parameter with a gradient. `grad_scale` multiplies every gradient as the update
+        reads it (in fp32): gradient clipping's coefficient (hlat.parallel.grads.clip_coefficient) applied without
+        a pass of its own over the gradients, and without rounding the scaled gradient to bf16. A 0-d tensor stays
+        on the device (the compiled update takes it as an input: no host read, no recompile); None is 1."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -181,18 +185,20 @@ class BF16AdamW(torch.optim.Optimizer):
                 updates.append((p, state, (_int32(key & _MASK32), _int32(key >> 32)),
                                 (lr / (1 - beta1**step), math.sqrt(1 - beta2**step))))
             if updates:
-                self._update(updates, {"one_minus_beta1": 1 - beta1, "beta2": beta2, "one_minus_beta2": 1 - beta2,
-                                       "eps": eps, "decay": 1 - lr * wd})
+                self._update(updates, grad_scale, {"one_minus_beta1": 1 - beta1, "beta2": beta2,
+                                                   "one_minus_beta2": 1 - beta2, "eps": eps, "decay": 1 - lr * wd})
         return loss
 
-    def _update(self, updates: list, scalars: dict) -> None:
+    def _update(self, updates: list, grad_scale, scalars: dict) -> None:
         """One group's updates, each (parameter, state, int32 key halves, (step size, sqrt of bias correction 2))."""
         device = local(updates[0][0]).device
         compiled = device.type in COMPILED_UPDATE_DEVICES
-        if compiled:  # tensors, so a new lr or step is an input of the compiled kernel rather than a recompile
+        if compiled:  # tensors, so a new lr, step or scale is an input of the compiled kernel rather than a recompile
             keys = torch.tensor([key for _, _, key, _ in updates], dtype=torch.int32, device=device)
             corrections = torch.tensor([c for *_, c in updates], dtype=torch.float32, device=device)
             scalars = dict(zip(scalars, torch.tensor(list(scalars.values()), dtype=torch.float32, device=device)))
+            grad_scale = torch.as_tensor(1.0 if grad_scale is None else grad_scale, dtype=torch.float32,
+                                         device=device)
         update = _compiled_update() if compiled else adamw_update
         for i, (p, state, (key_lo, key_hi), (step_size, bias_correction2_sqrt)) in enumerate(updates):
             if compiled:
@@ -200,9 +206,9 @@ class BF16AdamW(torch.optim.Optimizer):
             compensation = state.get("compensation")
             grad = _like_param(p.grad, p)
             tensors = [local(t).view(-1) for t in (p, grad, state["exp_avg"], state["exp_avg_sq"])]
-            update(*tensors, None if compensation is None else local(compensation).view(-1), **scalars,
-                   neg_step_size=-step_size, bias_correction2_sqrt=bias_correction2_sqrt, key_lo=key_lo, key_hi=key_hi,
-                   rounding=self.rounding)
+            update(*tensors, None if compensation is None else local(compensation).view(-1), grad_scale=grad_scale,
+                   **scalars, neg_step_size=-step_size, bias_correction2_sqrt=bias_correction2_sqrt,
+                   key_lo=key_lo, key_hi=key_hi, rounding=self.rounding)
 
 
 # Devices where the update runs compiled: one fused kernel per parameter (read 8 bytes, write 6 or 8 per element)
@@ -214,12 +220,12 @@ COMPILED_UPDATE_DEVICES = ("cuda",)
 
 
 def adamw_update(weight: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, compensation: Tensor | None, *,
-                 one_minus_beta1, beta2, one_minus_beta2, eps, decay, neg_step_size, bias_correction2_sqrt,
-                 key_lo, key_hi, rounding: str) -> None:
+                 grad_scale, one_minus_beta1, beta2, one_minus_beta2, eps, decay, neg_step_size,
+                 bias_correction2_sqrt, key_lo, key_hi, rounding: str) -> None:
     """One AdamW step of one bf16 tensor, in place: torch.optim.AdamW's single-tensor arithmetic in fp32 (the
-    same operations, so the same bits), then written back with `rounding` (see BF16AdamW). The key halves are
-    int32."""
-    g = grad.float()
+    same operations, so the same bits) on the gradient times `grad_scale` (None: 1), then written back with
+    `rounding` (see BF16AdamW). The key halves are int32."""
+    g = grad.float() if grad_scale is None else grad.float() * grad_scale
     m = exp_avg.float().lerp_(g, one_minus_beta1)
     v = exp_avg_sq.float().mul_(beta2).addcmul_(g * one_minus_beta2, g)
     denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)

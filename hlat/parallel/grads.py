@@ -1,4 +1,4 @@
-"""Global gradient-norm clipping across every mesh dimension."""
+"""The global gradient norm across every mesh dimension, and clipping by it."""
 
 from __future__ import annotations
 
@@ -9,9 +9,8 @@ from torch.distributed.tensor import DTensor
 from hlat.dtensor import full
 
 
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float, pp_group: dist.ProcessGroup | None = None
-                   ) -> torch.Tensor:
-    """Clip to `max_norm` (0: only measure) and return the total norm over the whole model.
+def global_grad_norm(params: list[torch.Tensor], pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The total norm of the gradients over the whole model, a 0-d fp32 tensor on their device (no host read).
 
     Gradients sharded alike (same mesh and placements) are reduced together: their DTensor norm is already
     global over data and tensor parallelism. Pipeline stages hold disjoint parameters, so their squared norms
@@ -31,7 +30,17 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float, pp_group: dist.P
     total = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
     if pp_group is not None:
         dist.all_reduce(total, group=pp_group)
-    total = total.sqrt()
-    if max_norm:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
-    return total
+    return total.sqrt()
+
+
+def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """What clipping to `max_norm` multiplies every gradient by, min(1, max_norm / (norm + 1e-6)) (the formula
+    of torch's clip_grads_with_norm_), as a 0-d tensor on the norm's device: an optimizer that reads each gradient
+    anyway (BF16AdamW's `grad_scale`) applies it there instead of in a pass of its own (`clip_in_place`)."""
+    return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+
+
+def clip_in_place(params: list[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
+    """Every gradient of `params` multiplied in place by clip_coefficient(norm, max_norm), for the optimizers
+    that take the gradients as they are (torch's AdamW)."""
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)

@@ -6,7 +6,7 @@ what it has; what happens after a step (metrics, checkpoints, the bad-step polic
 
 A step reads from the device once: after the gradient norm, one transfer brings the global loss, the gradient norm
 and the flags agreed in the step's all-reduce (a stop requested, the background writes done), which the host needs
-to decide whether the optimizers update.
+to decide whether the optimizers update. The update clips the gradients by that norm (`clipped_update`).
 """
 
 from __future__ import annotations
@@ -24,10 +24,11 @@ from torch import nn
 from hlat.checkpoint.run import Writes
 from hlat.config.job import Config
 from hlat.data.packing import DataStream
+from hlat.optim.bf16 import BF16AdamW
 from hlat.parallel import Topology
 from hlat.parallel.context import split_batch
 from hlat.parallel.data import sync_gradients
-from hlat.parallel.grads import clip_grad_norm
+from hlat.parallel.grads import clip_coefficient, clip_in_place, global_grad_norm
 from hlat.train.faults import BadSteps, InjectedNaN
 from hlat.train.health import Health
 
@@ -117,8 +118,9 @@ class TrainStep:
 
     def __call__(self, step: int, stop_requested: bool, written: Writes = Writes()) -> StepResult:
         """Optimizer step `step` + 1 on every rank: forward and backward, the loss summed and the stop and save
-        flags agreed in one all-reduce, the gradient norm clipped, one read of those figures by the host, and the
-        update unless the step is bad. `written`: this rank's part of the background writes in flight is done."""
+        flags agreed in one all-reduce, the gradient norm, one read of those figures by the host, and the update
+        (clipped by that norm) unless the step is bad. `written`: this rank's part of the background writes in
+        flight is done."""
         started, waited = time.perf_counter(), self.batches.stream.wait_time_s
         lr = self.set_lr(step)
         micro = self.batches.next_step(self.device)
@@ -127,13 +129,13 @@ class TrainStep:
         local_loss = self.fault(step + 1, local_loss, self.parts.params)
         with self.health.at_collective():
             reduced = reduce_step(local_loss, stop_requested, written)
-        grad_norm = clip_grad_norm(self.parts.params, self.cfg.optim.clip_grad_norm, self.pp_group)
+        grad_norm = global_grad_norm(self.parts.params, self.pp_group)
         loss, norm, stopping, written = read_figures(reduced, grad_norm, self.topo)  # the step's one read
         self.health.step_read()
         bad = self.bad_steps.check(loss, norm)
+        if bad is None:
+            clipped_update(self.parts.optimizers, grad_norm, self.cfg.optim.clip_grad_norm)
         for optimizer in self.parts.optimizers:
-            if bad is None:
-                optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         return StepResult(loss, norm, lr, bad, stopping, written, time.perf_counter() - started,
                           self.batches.stream.wait_time_s - waited)
@@ -149,6 +151,23 @@ class TrainStep:
             for group in optimizer.param_groups:
                 group["lr"] = lr
         return lr
+
+
+def clipped_update(optimizers: list[torch.optim.Optimizer], grad_norm: torch.Tensor, max_norm: float) -> None:
+    """Every optimizer's step, the gradients clipped to `max_norm` (0: not clipped) by their global norm
+    `grad_norm` (a device tensor: nothing is read). BF16AdamW multiplies each gradient by the clip coefficient as
+    its update reads it, in fp32 (`grad_scale`), which saves a pass over the gradients; the other optimizers'
+    gradients are scaled in place first."""
+    scale = clip_coefficient(grad_norm, max_norm) if max_norm else None
+    in_place = [p for optimizer in optimizers if not isinstance(optimizer, BF16AdamW)
+                for group in optimizer.param_groups for p in group["params"]]
+    if max_norm and in_place:
+        clip_in_place(in_place, max_norm, grad_norm)
+    for optimizer in optimizers:
+        if isinstance(optimizer, BF16AdamW):
+            optimizer.step(grad_scale=scale)
+        else:
+            optimizer.step()
 
 
 def forward_backward(model: ModelParts, micro: list[dict], device: torch.device) -> torch.Tensor:
