@@ -146,9 +146,9 @@ class BF16AdamW(torch.optim.Optimizer):
                 if p.dtype != torch.bfloat16:
                     raise ValueError(f"BF16AdamW needs bf16 parameters, got {p.dtype} {tuple(p.shape)} "
                                      "(cast the model with hlat.optim.precision.prepare_model first)")
-                if p.numel() > MAX_NUMEL:  # the rounding's element indices are int32 (rounding_noises)
-                    raise ValueError(f"BF16AdamW rounds tensors of at most {MAX_NUMEL} elements, got "
-                                     f"{tuple(p.shape)}")
+                if local(p).numel() > MAX_NUMEL:  # each rank rounds its own shard, indexed in int32
+                    raise ValueError(f"BF16AdamW rounds tensors of at most {MAX_NUMEL} elements a rank, got "
+                                     f"{tuple(local(p).shape)}")
 
     def _init_state(self, p: Tensor) -> dict:
         state = self.state[p]
