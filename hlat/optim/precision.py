@@ -8,8 +8,10 @@ import contextlib
 import torch
 from torch import nn
 
+from hlat.optim.modes import MODES
+
 # Pure-bf16 modes and how BF16AdamW writes their updates back.
-PURE_BF16 = {"bf16_sr": "stochastic", "bf16_kahan": "kahan"}
+PURE_BF16 = {mode.name: mode.rounding for mode in MODES.values() if mode.rounding}
 
 
 def prepare_model(model: nn.Module, mode: str) -> nn.Module:

@@ -158,16 +158,16 @@ def clipped_update(optimizers: list[torch.optim.Optimizer], grad_norm: torch.Ten
     `grad_norm` (a device tensor: nothing is read). BF16AdamW multiplies each gradient by the clip coefficient as
     its update reads it, in fp32 (`grad_scale`), which saves a pass over the gradients; the other optimizers'
     gradients are scaled in place first."""
-    scale = clip_coefficient(grad_norm, max_norm) if max_norm else None
-    in_place = [p for optimizer in optimizers if not isinstance(optimizer, BF16AdamW)
-                for group in optimizer.param_groups for p in group["params"]]
-    if max_norm and in_place:
-        clip_in_place(in_place, max_norm, grad_norm)
-    for optimizer in optimizers:
-        if isinstance(optimizer, BF16AdamW):
-            optimizer.step(grad_scale=scale)
-        else:
-            optimizer.step()
+    folding = [optimizer for optimizer in optimizers if isinstance(optimizer, BF16AdamW)]
+    others = [optimizer for optimizer in optimizers if not isinstance(optimizer, BF16AdamW)]
+    if max_norm and others:
+        clip_in_place([p for optimizer in others for group in optimizer.param_groups for p in group["params"]],
+                      max_norm, grad_norm)
+    for optimizer in others:
+        optimizer.step()
+    scale = clip_coefficient(grad_norm, max_norm) if max_norm and folding else None
+    for optimizer in folding:
+        optimizer.step(grad_scale=scale)
 
 
 def forward_backward(model: ModelParts, micro: list[dict], device: torch.device) -> torch.Tensor:
