@@ -107,6 +107,27 @@ def test_a_single_process_preflight_times_the_configs_block_as_the_trainer_runs_
     assert not (measured.matmul_fp8_tensorwise or measured.matmul_fp8_rowwise)
 
 
+def test_with_parallel_compile_the_blocks_are_timed_compiled_and_price_compiled_plans(tmp_path):
+    """A compiled block is another kernel schedule than an eager one: preflight compiles the blocks it times as the
+    trainer does, records them under the compiled key, and the planner prices a compiled plan from them."""
+    from torch._dynamo.utils import counters
+
+    from hlat.cli import main
+
+    out = tmp_path / "measured.toml"
+    graphs = counters["stats"]["unique_graphs"]
+    assert main(["preflight", "--model", "tiny", "--train.seq_len", "32", "--train.micro_batch", "2", "--repeats",
+                 "1", "--dtypes", "fp32", "--fp8", "none", "--parallel.compile", "true", "--out", str(out)]) == 0
+    assert counters["stats"]["unique_graphs"] > graphs  # dynamo compiled what was timed
+    measured = load_profile(str(out)).measured
+    assert measured.block_shapes == [block_shape(model_config("tiny"), 32, 2, "fp32", 1, False, "none",
+                                                 compiled=True)]
+    work, profile = Workload(model_config("tiny"), 32, 4, "fp32"), load_profile(str(out))
+    compiled = Layout.of(micro_batch=2, activation_checkpoint="none", compile=True)
+    assert step_time(work, compiled, profile).layer == "measured block"
+    assert step_time(work, compiled.replaced(compile=False), profile).layer != "measured block"
+
+
 def test_the_update_is_recorded_under_its_optimizers_name():
     """The pure-bf16 modes' BF16AdamW is another kernel than AdamW: its rate goes to its own field, so a profile can
     hold both (the planner prices each mode's update at its own)."""

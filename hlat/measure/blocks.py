@@ -124,9 +124,11 @@ def block_labels(options: Options, timed_model: TimedModel) -> tuple[str, str, s
     """The block's shape (the profile's key), its layout as the report names it, and micro-batch x sequence."""
     tp, micro_batch = timed_model.tp, timed_model.micro_batch
     sequence_parallel = options.sequence_parallel and tp > 1
+    compiled = options.compiled_blocks(tp)
     shape = block_shape(options.model, options.seq_len, micro_batch, options.precision, tp, sequence_parallel,
-                        options.recompute)
-    layout = f"tp{tp}{' sp' if sequence_parallel else ''} ac:{options.recompute} {options.precision}"
+                        options.recompute, compiled)
+    layout = (f"tp{tp}{' sp' if sequence_parallel else ''} ac:{options.recompute} {options.precision}"
+              f"{' compiled' if compiled else ''}")
     return shape, layout, f"{micro_batch}x{options.seq_len}"
 
 

@@ -81,7 +81,8 @@ def preflight_options(args: argparse.Namespace, overrides: list[str]) -> Options
                    threshold=args.threshold, memory_fraction=args.memory_fraction, delay_rank=delay_rank,
                    delay_ms=delay_ms, perturb_rank=args.debug_perturb, precision=config.precision.mode,
                    sequence_parallel=config.parallel.sequence_parallel,
-                   recompute=config.parallel.activation_checkpoint,
+                   recompute=config.parallel.activation_checkpoint, compile=config.parallel.compile,
+                   compile_backend=config.parallel.compile_backend,
                    data_parallel=data_parallel_arrangements(args.dp, config.parallel),
                    sizes=comma_ints(args.sizes, "--sizes") or default_sizes(config.model),
                    optim=config.optim, device=config.train.device)

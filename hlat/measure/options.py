@@ -34,8 +34,15 @@ class Options:
     precision: str = "fp32"
     sequence_parallel: bool = True
     recompute: str = "none"
+    compile: bool = False  # parallel.compile: blocks compiled, as the trainer compiles them (`compiled_blocks`)
+    compile_backend: str = "inductor"
     optim: OptimConfig = field(default_factory=OptimConfig)  # the update timed after the blocks (`measure_update`)
     device: str = "auto"  # train.device
+
+    def compiled_blocks(self, tp: int) -> bool:
+        """Whether blocks timed at `tp` run compiled: as configured, except where torch cannot compile them
+        (recomputation under tensor parallelism; the config refuses that for its own tp)."""
+        return self.compile and not (tp > 1 and self.recompute != "none")
 
     def micro_batches(self) -> list[int]:
         """Every micro-batch whose shapes are measured, smallest first."""

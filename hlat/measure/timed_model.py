@@ -1,6 +1,6 @@
 """A few blocks of the real model and the rest of it, built, wrapped and run as the trainer runs them, for
 `hlat.measure.blocks` to time: the trainer's mesh, the precision mode's parameters and autocast, tensor (and
-sequence) parallelism, recomputation, and `fully_shard` data parallelism."""
+sequence) parallelism, recomputation, compiled blocks, and `fully_shard` data parallelism."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ from hlat.measure.timing import timed_on_every_rank
 from hlat.models import build_model, materialize
 from hlat.models.layers import document_mask
 from hlat.optim.precision import autocast, prepare_model
+from hlat.parallel import compile_blocks
+from hlat.parallel.config import ParallelConfig
 from hlat.parallel.data import apply_data_parallel, sync_gradients
 from hlat.parallel.mesh import data_parallel_dims
 from hlat.parallel.recompute import apply_recomputation
@@ -92,8 +94,8 @@ class TimedModel:
 def build_timed_model(options: Options, device: torch.device, mesh: DeviceMesh | None, micro_batch: int,
                       arrangement: str | None) -> TimedModel:
     """Blocks and the rest, built and wrapped by the trainer's own code: the precision mode's parameters, tensor
-    (and sequence) parallelism over the mesh's tp ranks, the recomputation mode, and under a data-parallel
-    `arrangement` `fully_shard` over its dp ranks.
+    (and sequence) parallelism over the mesh's tp ranks, the recomputation mode, compiled blocks (parallel.compile)
+    and under a data-parallel `arrangement` `fully_shard` over its dp ranks.
 
     A few distinct blocks in a row, as the model runs them: one block timed again and again would find its
     weights and gradients still in the cache, which a whole model (on a CPU host) does not."""
@@ -105,6 +107,8 @@ def build_timed_model(options: Options, device: torch.device, mesh: DeviceMesh |
     if tp > 1:
         apply_tensor_parallel(model, mesh["tp"], sequence_parallel)
     apply_recomputation(model, options.recompute)
+    if options.compiled_blocks(tp):
+        compile_blocks(model, ParallelConfig(tp=tp, compile=True, compile_backend=options.compile_backend))
     materialize(model, device)
     blocks = BlockStack([model.layers.pop(str(i)) for i in range(stack)])  # what is left: the rest
     if arrangement is not None:
