@@ -9,10 +9,11 @@ result into one folder to bring back.
 `speed` (about 5 minutes): hlat against torchtitan (its released wheel, on the device's torch) at the same model,
 shapes, batch, precision and recomputation, compiled, each case in its own process: the 1B setting in bf16 and in
 FP8 tensorwise and rowwise, and llama2-7b in pure bf16 (benchmarks/gpu_step.py builds both systems' steps); a
-kernel profile of hlat's 1B bf16 step; `hlat preflight` at the 1B setting's shapes with FP8.
+kernel profile of hlat's 1B bf16 step; `hlat preflight` at the 1B setting's shapes with FP8 and its compiled block.
 
 `7b` (about 5 minutes): llama2-7b in bf16_sr on one GPU at the layout the planner picks for it (with a kernel
-profile of its step), `hlat preflight` at llama2-7b's shapes with FP8, FP8 tensorwise at the planner's layout, then
+profile of its step), `hlat preflight` at llama2-7b's shapes with FP8 and the compiled block of the planner's layout
+(whose key the planner then prices that layout by), FP8 tensorwise at the planner's layout, then
 the other micro-batches and recomputation its memory allows, each beside the planner's prediction from the shipped
 p5.48xlarge profile.
 
@@ -230,7 +231,7 @@ def speed(args) -> None:
 def seven_b(args) -> None:
     def extra(case: str, budget: Budget) -> list[dict]:
         if budget.left() > 60:
-            preflight(args, "7b", min(budget.left() - 30, args.preflight_timeout_s))
+            preflight(args, "7b", min(budget.left() - 30, args.preflight_timeout_s), planners)
         return []
 
     chosen = planner_choice(args.cpu)  # the layout the planner picks for llama2-7b on one GPU, measured first
@@ -283,15 +284,19 @@ def planned_tokens_per_s(row: dict, cpu: bool) -> float | None:
         return None
 
 
-def preflight(args, setting: str, timeout: float) -> None:
-    """`hlat preflight` at a setting's shapes: bf16 matmuls and (where the device has them) compiled FP8 ones."""
-    s = TINY if args.cpu else gpu_step.SETTINGS[setting]
+def preflight(args, setting: str, timeout: float, layout: dict | None = None) -> None:
+    """`hlat preflight` at a setting's shapes: bf16 matmuls, (where the device has them) compiled FP8 ones, and
+    whole blocks compiled as the cases run them, at the setting's micro-batch and recomputation or `layout`'s
+    (`batch`, `ac`): the block the planner then prices that layout from."""
+    s = {**(TINY if args.cpu else gpu_step.SETTINGS[setting]), **{k: v for k, v in (layout or {}).items()
+                                                                    if k in ("batch", "ac")}}
     model = ["--model", "llama2-7b"] if "preset" in s["model"] else [
         a for k, v in s["model"].items() for a in (f"--model.{k}", str(v))]
     out = Path(args.out) / f"preflight_{setting}"
     cmd = [sys.executable, "-m", "hlat", "preflight", *model, "--train.seq_len", str(s["seq"]), "--train.micro_batch",
            str(s["batch"]), "--precision.mode", s["hlat_mode"], "--parallel.activation_checkpoint", s["ac"],
-           "--dtypes", "bf16", "--fp8", "tensorwise,rowwise", "--json", "--out", f"{out}.toml"]
+           "--parallel.compile", str(not args.cpu).lower(), "--dtypes", "bf16", "--fp8", "tensorwise,rowwise",
+           "--json", "--out", f"{out}.toml"]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         Path(f"{out}.json").write_text(done.stdout or done.stderr[-3000:])
