@@ -54,8 +54,9 @@ def flops_per_token(setting: dict) -> float:
 
 # --- the two systems' training steps --------------------------------------------------------------------------
 
-def hlat_step(setting: dict, compile_: bool, device: torch.device):
-    """hlat's single-process training step, built as `hlat train` builds it."""
+def hlat_step(setting: dict, compile_: bool, device: torch.device, weights: dict | None = None):
+    """hlat's single-process training step, built as `hlat train` builds it, from hlat's own initial weights or
+    from `weights` (a state dict in hlat's names)."""
     from hlat.optim import OptimConfig, build_optimizer
     from hlat.optim.fp8 import convert_blocks
     from hlat.optim.precision import autocast, prepare_model
@@ -70,6 +71,8 @@ def hlat_step(setting: dict, compile_: bool, device: torch.device):
     if setting.get("fp8", "none") != "none":
         convert_blocks(model, setting["fp8"], emulate=device.type == "cpu", fsdp_fp8_all_gather=False)
     [(_, model)] = parallelize(model, Topology(pcfg, None), device, seed=0)
+    if weights is not None:
+        model.load_state_dict(weights)
     optimizer = build_optimizer(model, OptimConfig(), mode, seed=0)
     params = list(model.parameters())
     context = autocast(mode, device)
@@ -85,18 +88,20 @@ def hlat_step(setting: dict, compile_: bool, device: torch.device):
     return step
 
 
-def titan_step(setting: dict, compile_: bool, device: torch.device):
-    """torchtitan's Llama with its own recomputation and compile helpers, in the loop its trainer runs on one
-    GPU: autocast bf16 over fp32 weights (maybe_enable_amp), fused AdamW, clip_grad_norm_, fp32 cross-entropy."""
+def titan_model(setting: dict, compile_: bool, device: torch.device):
+    """torchtitan's Llama at the setting's shapes, with its own initial weights, recomputation and compile helpers.
+    Its rotary table is left unscaled, as hlat's: torchtitan's Llama 3.1 default (the frequencies whose wavelength
+    exceeds 8192 positions divided by 8) would make it another model, at the same cost."""
     from torchtitan.config.job_config import ActivationCheckpoint, Compile
     from torchtitan.distributed.activation_checkpoint import apply_ac
     from torchtitan.models.llama3 import Transformer, TransformerModelArgs
     from torchtitan.models.llama3.infra.parallelize import apply_compile
+    from torchtitan.models.llama3.model.args import RoPEScalingArgs
 
     m = hlat_model_config(setting)
     args = TransformerModelArgs(dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads or None,
                                 vocab_size=m.vocab_size, multiple_of=256, norm_eps=m.norm_eps, rope_theta=m.rope_theta,
-                                max_seq_len=setting["seq"])
+                                rope_scaling_args=RoPEScalingArgs(scaling_factor=1.0), max_seq_len=setting["seq"])
     with torch.device("meta"):
         model = Transformer(args)
     if setting.get("fp8", "none") != "none":
@@ -108,14 +113,22 @@ def titan_step(setting: dict, compile_: bool, device: torch.device):
     model.to_empty(device=device)
     with torch.no_grad():
         model.init_weights(buffer_device=device)
-    pure = setting["titan_mode"] == "bf16_pure"
-    if pure:  # parameters only: the complex rotary table must stay complex
+    return model
+
+
+def titan_step(setting: dict, compile_: bool, device: torch.device, model: torch.nn.Module | None = None):
+    """torchtitan's Llama (`model`, else a new `titan_model`) in the loop its trainer runs on one GPU: autocast bf16
+    over fp32 weights (maybe_enable_amp), fused AdamW, clip_grad_norm_, fp32 cross-entropy; or all in bf16
+    (`bf16_pure`) or fp32."""
+    model = model if model is not None else titan_model(setting, compile_, device)
+    mode = setting["titan_mode"]
+    if mode == "bf16_pure":  # parameters only: the complex rotary table must stay complex
         freqs_cis = model.freqs_cis
         model.to(torch.bfloat16)
         model.freqs_cis = freqs_cis
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
                                   fused=True)
-    context = torch.autocast(device.type, dtype=torch.bfloat16, enabled=not pure)
+    context = torch.autocast(device.type, dtype=torch.bfloat16, enabled=mode == "bf16_mixed")
 
     def step(inputs, targets):
         with context:

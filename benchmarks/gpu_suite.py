@@ -75,8 +75,9 @@ def settings(cpu: bool) -> dict:
 # --- one case, in its own process -------------------------------------------------------------------------------
 
 def install_titan_stubs() -> None:
-    """torchtitan's model package imports its Hugging Face data loader, which imports `datasets`; the suite never
-    loads data through torchtitan, so where `datasets` is not installed two empty modules stand in for it."""
+    """torchtitan's model package imports its Hugging Face data loader, which imports `datasets`, and its MoE
+    kernels, which import Triton (absent from CPU builds of torch). The suite loads no data through torchtitan and
+    runs no MoE, so where either is missing an empty module stands in for what imports it."""
     import importlib.util
     import types
 
@@ -84,6 +85,10 @@ def install_titan_stubs() -> None:
         stub, distributed = types.ModuleType("datasets"), types.ModuleType("datasets.distributed")
         stub.Dataset, stub.load_dataset, distributed.split_dataset_by_node = object, None, None
         sys.modules.update({"datasets": stub, "datasets.distributed": distributed})
+    if importlib.util.find_spec("triton") is None:
+        kernels = types.ModuleType("torchtitan.models.moe.kernels")
+        kernels.generate_permute_indices = None
+        sys.modules[kernels.__name__] = kernels
 
 
 def case_setting(spec: dict) -> dict:
