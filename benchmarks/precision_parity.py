@@ -1,5 +1,7 @@
 """Loss parity of the precision modes: fp32, bf16_mixed, bf16_sr (and bf16_kahan) against plain bf16 that rounds
 updates to nearest, trained on the same batches from the same initial weights with hlat's model and data path.
+`fp8_tensorwise` is bf16_mixed with the blocks' linear layers in FP8 (torchao's tensorwise recipe, emulated on the
+CPU: the same FP8 rounding of every input and weight, the products summed in higher precision).
 
 Writes the per-step loss and gradient-norm curves to docs/precision_parity.png and the numbers to
 benchmarks/results/precision_parity.{json,md}.
@@ -27,6 +29,7 @@ from hlat.models import build_model, materialize
 from hlat.models.config import model_config
 from hlat.optim import OptimConfig, build_optimizer, lr_at, param_groups
 from hlat.optim.bf16 import BF16AdamW
+from hlat.optim.fp8 import convert_blocks
 from hlat.optim.modes import MODES
 from hlat.optim.precision import autocast, prepare_model
 from hlat.parallel.grads import global_grad_norm
@@ -35,15 +38,22 @@ from hlat.train.step import clipped_update
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 PLAIN = "bf16_nearest"  # the baseline, not a training mode: pure bf16 rounding every write to nearest
+FP8 = "fp8_tensorwise"  # bf16_mixed with FP8 linears (precision.fp8 = "tensorwise"), not a mode
 LABELS = {"fp32": "fp32", "bf16_mixed": "bf16 mixed (fp32 master)", "bf16_sr": "bf16 + stochastic rounding",
-          "bf16_kahan": "bf16 + Kahan summation", PLAIN: "bf16, round to nearest"}
+          "bf16_kahan": "bf16 + Kahan summation", PLAIN: "bf16, round to nearest",
+          FP8: "bf16 mixed, FP8 tensorwise linears"}
 BYTES_PER_PARAM = {**{name: mode.bytes_per_param for name, mode in MODES.items()},
-                   PLAIN: MODES["bf16_sr"].bytes_per_param}
+                   PLAIN: MODES["bf16_sr"].bytes_per_param, FP8: MODES["bf16_mixed"].bytes_per_param}
 
 
 def build(mode: str, model_cfg, optim_cfg: OptimConfig, seed: int):
-    # identical initial weights in every mode (cast to bf16 after initialisation in the pure-bf16 ones)
-    model = materialize(build_model(model_cfg), "cpu", seed)
+    # identical initial weights in every mode (cast to bf16 after initialisation in the pure-bf16 ones; a Float8Linear
+    # keeps its weight's name, from which the weight is drawn)
+    model = build_model(model_cfg)
+    if mode == FP8:
+        convert_blocks(model, "tensorwise", emulate=True, fsdp_fp8_all_gather=False)
+        mode = "bf16_mixed"
+    model = materialize(model, "cpu", seed)
     if mode == PLAIN:
         model.to(torch.bfloat16)
         opt = BF16AdamW(param_groups(model, optim_cfg), lr=optim_cfg.lr, betas=(optim_cfg.beta1, optim_cfg.beta2),
@@ -55,7 +65,7 @@ def build(mode: str, model_cfg, optim_cfg: OptimConfig, seed: int):
 
 def forward_backward(mode: str, model, batch: dict) -> tuple[float, torch.Tensor]:
     """The trainer's forward and backward (autocast, fp32 loss); the loss and the global gradient norm."""
-    with autocast("fp32" if mode == PLAIN else mode, "cpu"):
+    with autocast({PLAIN: "fp32", FP8: "bf16_mixed"}.get(mode, mode), "cpu"):
         loss = model(batch["inputs"], targets=batch["targets"])
     loss.backward()
     return loss.item(), global_grad_norm(list(model.parameters()))
@@ -117,7 +127,7 @@ def plot(runs: dict, summary: dict, path: Path, window: int) -> None:
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--modes", default=f"fp32,bf16_mixed,bf16_sr,{PLAIN}",
-                    help=f"comma-separated: {', '.join(MODES)}, {PLAIN}")
+                    help=f"comma-separated: {', '.join(MODES)}, {PLAIN}, {FP8}")
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
@@ -132,7 +142,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--final-window", type=int, default=50, help="the final loss is the mean of this many last steps")
     ap.add_argument("--note", default="", help="a sentence for the results' caption")
     ap.add_argument("--out", default="precision_parity", help="results name under benchmarks/results")
-    ap.add_argument("--plot", default=str(ROOT / "docs" / "precision_parity.png"))
+    ap.add_argument("--plot", default=str(ROOT / "docs" / "precision_parity.png"), help="'': no figure")
     args = ap.parse_args()
     args.seeds = [int(s) for s in args.seeds.split(",")]
     for mode in args.modes.split(","):
@@ -204,8 +214,9 @@ def main() -> None:
         (RESULTS / f"{args.out}.md").write_text(f"{caption}\n\n{text}\n")
         print(text, flush=True)
     first = results[args.seeds[0]]
-    plot(first["runs"], first["summary"], Path(args.plot), window=max(1, min(window, args.steps // 10)))
-    print(f"total {time.perf_counter() - started:.0f} s; wrote {RESULTS / args.out}.json, .md and {args.plot}")
+    if args.plot:
+        plot(first["runs"], first["summary"], Path(args.plot), window=max(1, min(window, args.steps // 10)))
+    print(f"total {time.perf_counter() - started:.0f} s; wrote {RESULTS / args.out}.json, .md {args.plot}")
     if not all(math.isfinite(s["final_loss"]) for summary in summaries.values() for s in summary.values()):
         raise SystemExit("a run diverged (non-finite loss)")
 
