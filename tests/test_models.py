@@ -1,5 +1,6 @@
 import copy
 import math
+import zlib
 
 import pytest
 import torch
@@ -97,6 +98,31 @@ def test_the_seed_sets_every_initial_weight():
         if "norm" not in name:
             assert not torch.equal(p, runs[1][name]), name
         assert torch.equal(runs[1][name], runs[2][name]), name
+
+
+def test_a_large_weight_is_drawn_in_chunks_the_same_whatever_the_threads(monkeypatch):
+    """A parameter over DRAW_CHUNK elements is drawn chunk by chunk, each from a generator of its own, by parallel
+    threads: its value is the same on one thread as on several, no two chunks repeat one seed's stream, and a
+    parameter of one chunk is drawn as before chunking (one generator for the whole)."""
+    from hlat.models import layers
+
+    monkeypatch.setattr(layers, "DRAW_CHUNK", 1000)
+    large = torch.empty(7, 999, device="meta")  # 6993 elements: 7 chunks, the last one short
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        several = layers.initial_value(large, "layers.0.feed_forward.w1.weight", 0.02, 0)
+        torch.set_num_threads(1)
+        one = layers.initial_value(large, "layers.0.feed_forward.w1.weight", 0.02, 0)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(several, one)
+    chunks = several.view(-1)[:6000].view(6, 1000)
+    assert all(not torch.equal(chunks[0], chunks[k]) for k in range(1, 6))
+    assert several.std().item() == pytest.approx(0.02, rel=0.05)
+    whole = layers.initial_value(torch.empty(1000, device="meta"), "norm.weight", 0.02, 0)
+    assert torch.equal(whole, torch.empty(1000).normal_(0.0, 0.02, generator=torch.Generator().manual_seed(
+        zlib.crc32(b"norm.weight"))))
 
 
 def reference_partial_rope(x, positions, head_dim, rotary_dim, theta):

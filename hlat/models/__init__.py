@@ -30,9 +30,10 @@ WEIGHTS = ("drawn", "per_shard", "loaded")
 
 def materialize(model: nn.Module, device: torch.device | str, seed: int = 0, weights: str = "drawn") -> nn.Module:
     """Allocate the (meta) model's storage on `device`, build the rope table and initialise the weights:
-    - "drawn": each parameter's full value from its own generator, so the weights depend only on `seed`, not on
+    - "drawn": each parameter's full value from its own generators, so the weights depend only on `seed`, not on
       how the model was split or sharded before this call (a fresh run). Every rank draws the full value of each
-      parameter it holds a shard of: 7-8 s per billion parameters on a CPU core;
+      parameter it holds a shard of, a large parameter's chunks on torch's intra-op threads (`initial_value`):
+      4.8 s per billion parameters on 2 CPU threads;
     - "per_shard": each rank draws its own shards alone, from one generator: the same distributions at a shard's
       cost, values that depend on the layout (a rehearsal);
     - "loaded": left as allocated, a checkpoint's weights about to be loaded over them (a resume)."""

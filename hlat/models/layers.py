@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
@@ -172,21 +173,36 @@ class GeluMLP(nn.Module):
 OUTPUT_PROJECTIONS = ("wo", "w2")  # written into the residual stream: initialised with a smaller std
 
 
+DRAW_CHUNK = 2**22  # elements one generator draws: a larger parameter's chunks are drawn by parallel threads
+
+
 def initial_value(param: torch.Tensor, name: str, std: float, seed: int) -> torch.Tensor:
     """The full fp32 initial value of parameter `name`: normal(0, std), or ones/zeros for std 1.0/0.0.
 
-    Each parameter draws from its own generator seeded by (seed, name), not from the global RNG, so its value
+    Each parameter draws from its own generators seeded by (seed, name), not from the global RNG, so its value
     does not depend on which other parameters a process holds: every parallel layout starts from the weights
-    a single process would have."""
+    a single process would have. Each DRAW_CHUNK elements have a generator of their own, so that the chunks of a
+    large parameter are drawn at once on torch's intra-op threads (one core draws a llama2-7b in about 40 s; under
+    torchrun a rank has one thread unless OMP_NUM_THREADS gives it more)."""
     # torch's CPU generator keeps only the low 32 bits of its seed: the run's seed is mixed into them (seed 0 keeps
-    # each parameter's crc32), so that train.seed changes every weight
-    generator = torch.Generator().manual_seed((zlib.crc32(name.encode()) + seed * 0x9E3779B1) % 2**32)
-    return draw(param.shape, std, generator)
+    # each parameter's crc32), so that train.seed changes every weight; chunk k > 0 adds k times another odd constant
+    base = zlib.crc32(name.encode()) + seed * 0x9E3779B1
+    value = torch.empty(param.shape, dtype=torch.float32)
+    if std in (0.0, 1.0) or value.numel() <= DRAW_CHUNK:
+        return draw_into(value, std, torch.Generator().manual_seed(base % 2**32))
+    flat = value.view(-1)
+
+    def draw_chunk(k: int) -> None:
+        generator = torch.Generator().manual_seed((base + k * 0x85EBCA6B) % 2**32)
+        draw_into(flat[k * DRAW_CHUNK:(k + 1) * DRAW_CHUNK], std, generator)
+
+    with ThreadPoolExecutor(torch.get_num_threads()) as pool:  # torch releases the GIL while it draws
+        list(pool.map(draw_chunk, range(math.ceil(flat.numel() / DRAW_CHUNK))))
+    return value
 
 
-def draw(shape: torch.Size, std: float, generator: torch.Generator) -> torch.Tensor:
-    """normal(0, std) in fp32, or ones/zeros for std 1.0/0.0 (which take nothing from `generator`)."""
-    value = torch.empty(shape, dtype=torch.float32)
+def draw_into(value: torch.Tensor, std: float, generator: torch.Generator) -> torch.Tensor:
+    """`value` filled with normal(0, std), or ones/zeros for std 1.0/0.0 (which take nothing from `generator`)."""
     return value.fill_(std) if std in (0.0, 1.0) else value.normal_(0.0, std, generator=generator)
 
 
@@ -202,7 +218,7 @@ def fill_parameter(param: torch.Tensor, value: torch.Tensor) -> None:
 def draw_shard(param: torch.Tensor, std: float, generator: torch.Generator) -> None:
     """`initial_value`'s distribution for this rank's shard of a parameter alone."""
     shard = local(param)
-    shard.copy_(draw(shard.shape, std, generator))
+    shard.copy_(draw_into(torch.empty(shard.shape, dtype=torch.float32), std, generator))  # on the CPU, in fp32
 
 
 def init_std(cfg: ModelConfig, module_name: str, module: nn.Module, param_name: str) -> float:
