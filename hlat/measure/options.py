@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from hlat.models.config import ModelConfig
 from hlat.optim import OptimConfig
 from hlat.optim.config import FP8_RECIPES
+from hlat.parallel.config import compilable
 from hlat.planner.layout import Layout
 from hlat.planner.memory import sharded_units
 
@@ -41,8 +42,8 @@ class Options:
 
     def compiled_blocks(self, tp: int) -> bool:
         """Whether blocks timed at `tp` run compiled: as configured, except where torch cannot compile them
-        (recomputation under tensor parallelism; the config refuses that for its own tp)."""
-        return self.compile and not (tp > 1 and self.recompute != "none")
+        (`compilable`; the config refuses those for its own tp)."""
+        return self.compile and compilable(tp, self.recompute)
 
     def micro_batches(self) -> list[int]:
         """Every micro-batch whose shapes are measured, smallest first."""

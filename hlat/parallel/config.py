@@ -15,6 +15,12 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def compilable(tp: int, recompute: str) -> bool:
+    """Whether torch can compile a block at tensor-parallel degree `tp` under recomputation `recompute`: torch 2.13's
+    compiled autograd cannot save the tensor-parallel mesh inside a checkpointed block."""
+    return tp == 1 or recompute == "none"
+
+
 def stage_layers(n_layers: int, n_stages: int) -> list[range]:
     """Consecutive blocks per stage, as even as possible; the first and last stages, which also hold the
     embedding and the output projection, get the smaller share when the split is uneven."""
@@ -119,8 +125,7 @@ class ParallelConfig:
             raise ConfigError("parallel.compile_backend: empty; 'inductor' is torch's default")
         if p.zero1 and p.shards == 1:
             raise ConfigError("parallel.zero1: shards optimizer states over dp_shard x cp, which is 1")
-        if p.compile and p.tp > 1 and p.activation_checkpoint != "none":
-            # torch 2.13's compiled autograd cannot save the tensor-parallel mesh inside a checkpointed block
+        if p.compile and not compilable(p.tp, p.activation_checkpoint):
             raise ConfigError(f"parallel.compile: not supported with tp > 1 and activation_checkpoint = "
                               f"{p.activation_checkpoint!r} in this torch; turn compile or recomputation off")
         return p
