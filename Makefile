@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # pyproject.toml asks for torch>=2.11 (a machine's own CUDA or Neuron build stays); the venv pins what CI tests.
 TORCH ?= 2.13.0
 
-.PHONY: train test test-fast clean
+.PHONY: train test test-fast lint clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,11 +28,16 @@ TEST_WORKERS ?= 2
 TEST_THREADS ?= 1
 PYTEST := OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
-test: $(VENV)/.installed
+# Style first (ruff's lint and format, configured in pyproject.toml): seconds, and a failure names the file and line.
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint
 	$(PYTEST) $(ARGS)
 
 # The daily tier: every test but the few long end-to-end ones marked slow (CI runs `make test`).
-test-fast: $(VENV)/.installed
+test-fast: lint
 	$(PYTEST) -m "not slow" $(ARGS)
 
 clean:

@@ -21,12 +21,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from results_io import markdown_table, write_results  # noqa: E402
 
+from hlat.checkpoint.state import TrainState  # noqa: E402
+from hlat.checkpoint.store import Checkpointer  # noqa: E402
 from hlat.models import build_model, count_params, materialize  # noqa: E402
 from hlat.models.config import preset_config  # noqa: E402
 from hlat.optim import build_optimizer  # noqa: E402
 from hlat.optim.config import OptimConfig  # noqa: E402
-from hlat.checkpoint.state import TrainState  # noqa: E402
-from hlat.checkpoint.store import Checkpointer  # noqa: E402
 
 
 def main() -> None:
@@ -44,8 +44,9 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for mode in ("sync", "async"):
-            ckpt = Checkpointer(Path(tmp) / mode, keep=1, rank=0, asynchronous=mode == "async",
-                                pinned=device.type == "cuda")
+            ckpt = Checkpointer(
+                Path(tmp) / mode, keep=1, rank=0, asynchronous=mode == "async", pinned=device.type == "cuda"
+            )
             stalls, totals = [], []
             for i in range(args.repeats):
                 start = time.perf_counter()
@@ -56,18 +57,34 @@ def main() -> None:
                     ckpt.finish()
                 totals.append(time.perf_counter() - start - (args.work_s if mode == "async" else 0))
             ckpt.close()
-            rows.append({"mode": mode, "stall_s": statistics.median(stalls), "stalls_s": stalls,
-                         "save_s_outside_work": statistics.median(totals)})
+            rows.append(
+                {
+                    "mode": mode,
+                    "stall_s": statistics.median(stalls),
+                    "stalls_s": stalls,
+                    "save_s_outside_work": statistics.median(totals),
+                }
+            )
     sync_s = rows[0]["stall_s"]
     for r in rows:
         r["stall_vs_sync_save"] = r["stall_s"] / sync_s
-    meta = {"model": args.model, "params": count_params(model), "device": str(device), "repeats": args.repeats,
-            "work_s": args.work_s, "torch": torch.__version__}
-    caption = (f"Training stall per checkpoint, {args.model} ({meta['params']:,} parameters, fp32 weights + AdamW "
-               f"state) on {device}; median of {args.repeats} saves each (benchmarks/checkpoint_stall.py). "
-               "Asynchronous: the stall is the copy to host memory; the write overlaps training.")
-    table = markdown_table(["mode", "stall per checkpoint (s)", "stall / synchronous save"],
-                           [[r["mode"], f"{r['stall_s']:.3f}", f"{r['stall_vs_sync_save']:.1%}"] for r in rows])
+    meta = {
+        "model": args.model,
+        "params": count_params(model),
+        "device": str(device),
+        "repeats": args.repeats,
+        "work_s": args.work_s,
+        "torch": torch.__version__,
+    }
+    caption = (
+        f"Training stall per checkpoint, {args.model} ({meta['params']:,} parameters, fp32 weights + AdamW "
+        f"state) on {device}; median of {args.repeats} saves each (benchmarks/checkpoint_stall.py). "
+        "Asynchronous: the stall is the copy to host memory; the write overlaps training."
+    )
+    table = markdown_table(
+        ["mode", "stall per checkpoint (s)", "stall / synchronous save"],
+        [[r["mode"], f"{r['stall_s']:.3f}", f"{r['stall_vs_sync_save']:.1%}"] for r in rows],
+    )
     write_results("checkpoint_stall" + ("_gpu" if device.type == "cuda" else ""), meta, rows, caption, table)
 
 

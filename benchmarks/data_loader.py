@@ -32,8 +32,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mb", type=float, default=4.0, help="megabytes of text per measurement")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--workers", default=",".join(["0"] + [str(2**i) for i in range(5) if 2**i <= os.cpu_count()]),
-                        help="worker counts; 0 = in the measuring process (default: 0, then 1, 2, 4... CPUs)")
+    parser.add_argument(
+        "--workers",
+        default=",".join(["0"] + [str(2**i) for i in range(5) if 2**i <= os.cpu_count()]),
+        help="worker counts; 0 = in the measuring process (default: 0, then 1, 2, 4... CPUs)",
+    )
     parser.add_argument("--packing", default="concat", choices=("concat", "best_fit"))
     args = parser.parse_args()
     workers = [int(n) for n in args.workers.split(",")]
@@ -47,17 +50,28 @@ def main() -> None:
         else:
             tokenizer = train_bpe(training_sample([corpus], "text", 3_000_000, 0), 8192)
         load_before = os.getloadavg()[0]
-        runs = [bench([corpus], tokenizer, workers, int(args.mb * 1e6), packing=args.packing)
-                for _ in range(args.repeats)]
+        runs = [
+            bench([corpus], tokenizer, workers, int(args.mb * 1e6), packing=args.packing) for _ in range(args.repeats)
+        ]
         load = f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
 
     result = {k: v for k, v in runs[0].items() if k != "loader"}
-    result["loader"] = [{"workers": n, **{k: statistics.median(r["loader"][i][k] for r in runs)
-                                          for k in ("tokens_per_s", "tokenizer_tokens_per_s", "vs_tokenizer",
-                                                    "cpu_efficiency")}}
-                        for i, n in enumerate(workers)]
-    result.update(repeats=args.repeats, machine=f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
-                  load=load, all_runs=[r["loader"] for r in runs])
+    result["loader"] = [
+        {
+            "workers": n,
+            **{
+                k: statistics.median(r["loader"][i][k] for r in runs)
+                for k in ("tokens_per_s", "tokenizer_tokens_per_s", "vs_tokenizer", "cpu_efficiency")
+            },
+        }
+        for i, n in enumerate(workers)
+    ]
+    result.update(
+        repeats=args.repeats,
+        machine=f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
+        load=load,
+        all_runs=[r["loader"] for r in runs],
+    )
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "data_loader.json").write_text(json.dumps(result, indent=1) + "\n")
     lines = [
@@ -75,8 +89,11 @@ def main() -> None:
         "",
         "| workers | loader tokens/s | tokenizer tokens/s | loader / tokenizer | per CPU-second |",
         "| ---: | ---: | ---: | ---: | ---: |",
-        *(f"| {r['workers'] or '0 (in process)'} | {r['tokens_per_s']:,.0f} | {r['tokenizer_tokens_per_s']:,.0f} | "
-          f"{r['vs_tokenizer']:.0%} | {r['cpu_efficiency']:.0%} |" for r in result["loader"]),
+        *(
+            f"| {r['workers'] or '0 (in process)'} | {r['tokens_per_s']:,.0f} | {r['tokenizer_tokens_per_s']:,.0f} | "
+            f"{r['vs_tokenizer']:.0%} | {r['cpu_efficiency']:.0%} |"
+            for r in result["loader"]
+        ),
     ]
     (RESULTS / "data_loader.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -26,7 +26,9 @@ from gpu_step import SETTINGS  # noqa: E402
 
 def linears_seconds(bf16: list[list[float]], model, tokens: int) -> float:
     """Forward + backward seconds of one step's block linears at the measured bf16 rates."""
-    per_layer = sum(matmul_flops(s) / rate(bf16, matmul_flops(s), 1e12) for s in block_linears(model, tokens, 1).values())
+    per_layer = sum(
+        matmul_flops(s) / rate(bf16, matmul_flops(s), 1e12) for s in block_linears(model, tokens, 1).values()
+    )
     return 3 * per_layer * model.n_layers
 
 

@@ -13,11 +13,11 @@ import platform
 import time
 
 import torch
+from results_io import markdown_table, write_results
 
 from hlat.models import build_model, count_params, materialize
 from hlat.models.config import model_config
 from hlat.models.generate import generate
-from results_io import markdown_table, write_results
 
 
 def tokens_per_s(model, prompt: list[int], new: int, use_cache: bool) -> float:
@@ -47,20 +47,33 @@ def main() -> None:
         for _ in range(args.repeats):
             cached.append(tokens_per_s(model, prompt, args.new, True))
             recomputed.append(tokens_per_s(model, prompt, args.new, False))
-        row = {"model": preset, "params": count_params(model), "kv_cache_tok_s": round(max(cached), 1),
-               "recompute_tok_s": round(max(recomputed), 1), "speedup": round(max(cached) / max(recomputed), 2)}
+        row = {
+            "model": preset,
+            "params": count_params(model),
+            "kv_cache_tok_s": round(max(cached), 1),
+            "recompute_tok_s": round(max(recomputed), 1),
+            "speedup": round(max(cached) / max(recomputed), 2),
+        }
         rows.append(row)
         print(row, flush=True)
 
-    meta = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "prompt_tokens": args.prompt, "new_tokens": args.new,
-            "repeats": args.repeats}
-    caption = (f"Greedy generation of {args.new} tokens after a {args.prompt}-token prompt, batch 1, fp32, CPU, "
-               f"{meta['threads']} threads, torch {torch.__version__}; best of {args.repeats} runs each, "
-               "interleaved, on a machine shared with other jobs (compare the ratio, not the absolute speeds).")
-    table = markdown_table(["model", "params", "KV cache tok/s", "recompute prefix tok/s", "KV cache / recompute"],
-                           [[r["model"], f"{r['params']:,}", r["kv_cache_tok_s"], r["recompute_tok_s"],
-                             r["speedup"]] for r in rows])
+    meta = {
+        "machine": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "prompt_tokens": args.prompt,
+        "new_tokens": args.new,
+        "repeats": args.repeats,
+    }
+    caption = (
+        f"Greedy generation of {args.new} tokens after a {args.prompt}-token prompt, batch 1, fp32, CPU, "
+        f"{meta['threads']} threads, torch {torch.__version__}; best of {args.repeats} runs each, "
+        "interleaved, on a machine shared with other jobs (compare the ratio, not the absolute speeds)."
+    )
+    table = markdown_table(
+        ["model", "params", "KV cache tok/s", "recompute prefix tok/s", "KV cache / recompute"],
+        [[r["model"], f"{r['params']:,}", r["kv_cache_tok_s"], r["recompute_tok_s"], r["speedup"]] for r in rows],
+    )
     write_results("generation", meta, rows, caption, table)
 
 

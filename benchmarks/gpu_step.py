@@ -34,11 +34,17 @@ PEAK = 989e12
 # GPU only in pure bf16 (8 bytes per parameter) with full recomputation, so torchtitan runs there with its
 # model cast to bf16 and plain AdamW (it has no pure-bf16 optimizer; its own path would be CPU offload).
 SETTINGS = {
-    "1b": dict(model=dict(family="llama", dim=2048, n_layers=16, n_heads=16, ffn_dim=5632, vocab_size=32000,
-                          max_seq_len=4096), seq=4096, batch=4, hlat_mode="bf16_mixed", titan_mode="bf16_mixed",
-               ac="none"),
-    "7b": dict(model=dict(preset="llama2-7b"), seq=4096, batch=2, hlat_mode="bf16_sr", titan_mode="bf16_pure",
-               ac="full"),
+    "1b": dict(
+        model=dict(family="llama", dim=2048, n_layers=16, n_heads=16, ffn_dim=5632, vocab_size=32000, max_seq_len=4096),
+        seq=4096,
+        batch=4,
+        hlat_mode="bf16_mixed",
+        titan_mode="bf16_mixed",
+        ac="none",
+    ),
+    "7b": dict(
+        model=dict(preset="llama2-7b"), seq=4096, batch=2, hlat_mode="bf16_sr", titan_mode="bf16_pure", ac="full"
+    ),
 }
 
 
@@ -54,13 +60,14 @@ def flops_per_token(setting: dict) -> float:
 
 # --- the two systems' training steps --------------------------------------------------------------------------
 
+
 def hlat_step(setting: dict, compile_: bool, device: torch.device, weights: dict | None = None):
     """hlat's single-process training step, built as `hlat train` builds it, from hlat's own initial weights or
     from `weights` (a state dict in hlat's names)."""
+    from hlat.models import build_model
     from hlat.optim import OptimConfig, build_optimizer
     from hlat.optim.fp8 import convert_blocks
     from hlat.optim.precision import autocast, prepare_model
-    from hlat.models import build_model
     from hlat.parallel import ParallelConfig, Topology, parallelize
     from hlat.parallel.grads import global_grad_norm
     from hlat.train.step import clipped_update
@@ -99,9 +106,18 @@ def titan_model(setting: dict, compile_: bool, device: torch.device):
     from torchtitan.models.llama3.model.args import RoPEScalingArgs
 
     m = hlat_model_config(setting)
-    args = TransformerModelArgs(dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads or None,
-                                vocab_size=m.vocab_size, multiple_of=256, norm_eps=m.norm_eps, rope_theta=m.rope_theta,
-                                rope_scaling_args=RoPEScalingArgs(scaling_factor=1.0), max_seq_len=setting["seq"])
+    args = TransformerModelArgs(
+        dim=m.dim,
+        n_layers=m.n_layers,
+        n_heads=m.n_heads,
+        n_kv_heads=m.n_kv_heads or None,
+        vocab_size=m.vocab_size,
+        multiple_of=256,
+        norm_eps=m.norm_eps,
+        rope_theta=m.rope_theta,
+        rope_scaling_args=RoPEScalingArgs(scaling_factor=1.0),
+        max_seq_len=setting["seq"],
+    )
     with torch.device("meta"):
         model = Transformer(args)
     if setting.get("fp8", "none") != "none":
@@ -126,8 +142,9 @@ def titan_step(setting: dict, compile_: bool, device: torch.device, model: torch
         freqs_cis = model.freqs_cis
         model.to(torch.bfloat16)
         model.freqs_cis = freqs_cis
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
-                                  fused=True)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True
+    )
     context = torch.autocast(device.type, dtype=torch.bfloat16, enabled=mode == "bf16_mixed")
 
     def step(inputs, targets):
@@ -154,16 +171,28 @@ def titan_fp8(model, recipe: str, emulate: bool) -> None:
     config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
     if recipe == "rowwise":
         torch._inductor.config.emulate_precision_casts = True
-    convert_to_float8_training(model, config=config, module_filter_fn=lambda module, fqn: fqn != "output" and (
-        module.in_features % 16 == 0 and module.out_features % 16 == 0))
+    convert_to_float8_training(
+        model,
+        config=config,
+        module_filter_fn=lambda module, fqn: (
+            fqn != "output" and (module.in_features % 16 == 0 and module.out_features % 16 == 0)
+        ),
+    )
 
 
 def run_one(system: str, name: str, compile_: bool, steps: int, warmup: int, batch: int) -> dict:
     setting = {**SETTINGS[name], "batch": batch}
     device = torch.device("cuda")
     torch.manual_seed(0)
-    row = {"system": system, "setting": name, "compile": compile_, "batch": batch, "seq": setting["seq"],
-           "mode": setting[f"{'hlat' if system == 'hlat' else 'titan'}_mode"], "ac": setting["ac"]}
+    row = {
+        "system": system,
+        "setting": name,
+        "compile": compile_,
+        "batch": batch,
+        "seq": setting["seq"],
+        "mode": setting[f"{'hlat' if system == 'hlat' else 'titan'}_mode"],
+        "ac": setting["ac"],
+    }
     try:
         step = (hlat_step if system == "hlat" else titan_step)(setting, compile_, device)
         vocab = hlat_model_config(setting).vocab_size
@@ -184,8 +213,13 @@ def run_one(system: str, name: str, compile_: bool, steps: int, warmup: int, bat
         times.sort()
         step_s = times[len(times) // 2]
         tps = batch * setting["seq"] / step_s
-        row.update(step_s=round(step_s, 4), tokens_per_s=round(tps), mfu=round(tps * flops_per_token(setting) / PEAK, 4),
-                   peak_memory_gb=round(torch.cuda.max_memory_allocated() / 1e9, 2), loss=round(loss.item(), 4))
+        row.update(
+            step_s=round(step_s, 4),
+            tokens_per_s=round(tps),
+            mfu=round(tps * flops_per_token(setting) / PEAK, 4),
+            peak_memory_gb=round(torch.cuda.max_memory_allocated() / 1e9, 2),
+            loss=round(loss.item(), 4),
+        )
     except torch.OutOfMemoryError:
         row["error"] = "out of memory"
     except Exception as e:  # a benchmark row, not a crash: report what failed and carry on with the others
@@ -198,36 +232,96 @@ def bench(args) -> None:
     for name in args.settings.split(","):
         for compile_ in (False, True):
             for system in ("hlat", "torchtitan"):  # hlat first, then titan, per case: same GPU state for both
-                cmd = [sys.executable, __file__, "one", system, name, str(int(compile_)), str(args.steps),
-                       str(args.warmup), str(args.batch or SETTINGS[name]["batch"])]
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    "one",
+                    system,
+                    name,
+                    str(int(compile_)),
+                    str(args.steps),
+                    str(args.warmup),
+                    str(args.batch or SETTINGS[name]["batch"]),
+                ]
                 done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
                 lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-                row = json.loads(lines[-1]) if lines else {
-                    "system": system, "setting": name, "compile": compile_,
-                    "error": (done.stderr.strip().splitlines() or ["no output"])[-1][:200]}
+                row = (
+                    json.loads(lines[-1])
+                    if lines
+                    else {
+                        "system": system,
+                        "setting": name,
+                        "compile": compile_,
+                        "error": (done.stderr.strip().splitlines() or ["no output"])[-1][:200],
+                    }
+                )
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     device = torch.cuda.get_device_name()
     table_rows = []
     for r in rows:
-        other = next((o for o in rows if o["setting"] == r["setting"] and o["compile"] == r["compile"]
-                      and o["system"] != r["system"]), None)
-        ratio = (r["tokens_per_s"] / other["tokens_per_s"]
-                 if r["system"] == "hlat" and other and "tokens_per_s" in r and "tokens_per_s" in other else None)
-        table_rows.append([r["setting"], r["system"], r.get("mode", ""), r.get("ac", ""), "yes" if r["compile"] else "no",
-                           f"{r.get('batch', '')} x {r.get('seq', '')}", r.get("tokens_per_s", r.get("error", "")),
-                           f"{r['mfu']:.1%}" if "mfu" in r else "", r.get("peak_memory_gb", ""),
-                           f"{ratio:.3f}" if ratio else ""])
-    table = markdown_table(["setting", "system", "precision", "recompute", "compile", "batch x seq", "tokens/s",
-                            "MFU", "peak GB", "hlat / torchtitan"], table_rows)
-    meta = {"device": device, "torch": torch.__version__, "torchtitan": _titan_version(), "steps": args.steps,
-            "warmup": args.warmup, "statistic": "median step after warm-up", "peak_flops": PEAK}
-    write_results("gpu_step", meta, rows,
-                  f"Training step on one {device} (torch {torch.__version__}, torchtitan {meta['torchtitan']}): "
-                  f"median of {args.steps} steps after {args.warmup} warm-up steps, each case in its own process. "
-                  "1b: dim 2048, 16 layers, 16 heads, ffn 5632, vocab 32000 (1.0B parameters). 7b: llama2-7b; "
-                  "hlat in pure bf16 with stochastic rounding (BF16AdamW), torchtitan's model cast to bf16 with "
-                  "plain AdamW (torchtitan has no pure-bf16 optimizer).", table)
+        other = next(
+            (
+                o
+                for o in rows
+                if o["setting"] == r["setting"] and o["compile"] == r["compile"] and o["system"] != r["system"]
+            ),
+            None,
+        )
+        ratio = (
+            r["tokens_per_s"] / other["tokens_per_s"]
+            if r["system"] == "hlat" and other and "tokens_per_s" in r and "tokens_per_s" in other
+            else None
+        )
+        table_rows.append(
+            [
+                r["setting"],
+                r["system"],
+                r.get("mode", ""),
+                r.get("ac", ""),
+                "yes" if r["compile"] else "no",
+                f"{r.get('batch', '')} x {r.get('seq', '')}",
+                r.get("tokens_per_s", r.get("error", "")),
+                f"{r['mfu']:.1%}" if "mfu" in r else "",
+                r.get("peak_memory_gb", ""),
+                f"{ratio:.3f}" if ratio else "",
+            ]
+        )
+    table = markdown_table(
+        [
+            "setting",
+            "system",
+            "precision",
+            "recompute",
+            "compile",
+            "batch x seq",
+            "tokens/s",
+            "MFU",
+            "peak GB",
+            "hlat / torchtitan",
+        ],
+        table_rows,
+    )
+    meta = {
+        "device": device,
+        "torch": torch.__version__,
+        "torchtitan": _titan_version(),
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "statistic": "median step after warm-up",
+        "peak_flops": PEAK,
+    }
+    write_results(
+        "gpu_step",
+        meta,
+        rows,
+        f"Training step on one {device} (torch {torch.__version__}, torchtitan {meta['torchtitan']}): "
+        f"median of {args.steps} steps after {args.warmup} warm-up steps, each case in its own process. "
+        "1b: dim 2048, 16 layers, 16 heads, ffn 5632, vocab 32000 (1.0B parameters). 7b: llama2-7b; "
+        "hlat in pure bf16 with stochastic rounding (BF16AdamW), torchtitan's model cast to bf16 with "
+        "plain AdamW (torchtitan has no pure-bf16 optimizer).",
+        table,
+    )
 
 
 def _titan_version() -> str:
@@ -240,6 +334,7 @@ def _titan_version() -> str:
 
 
 # --- correctness --------------------------------------------------------------------------------------------
+
 
 def trajectory(preset: str, mode: str, device: torch.device, steps: int, batch: int = 4, seq: int = 256) -> dict:
     """Loss and grad norm per step over a fixed cycle of 4 random batches (so the loss falls as the model
@@ -269,8 +364,11 @@ def trajectory(preset: str, mode: str, device: torch.device, steps: int, batch: 
     for i in range(steps):
         tokens = data[i % 4].to(device)
         with autocast(mode, device):  # the reference's loss: F.cross_entropy of the float64 logits
-            loss = (F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()) if fp64
-                    else model(tokens[:, :-1], targets=tokens[:, 1:]))
+            loss = (
+                F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+                if fp64
+                else model(tokens[:, :-1], targets=tokens[:, 1:])
+            )
         loss.backward()
         if fp64:
             norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -302,22 +400,32 @@ def compiled_update_mismatch(rounding: str) -> float:
     for compiled_devices in (("cuda",), ()):
         bf16.COMPILED_UPDATE_DEVICES = compiled_devices
         torch.manual_seed(0)
-        params = [torch.nn.Parameter(torch.randn(shape, device="cuda").to(torch.bfloat16))
-                  for shape in ((2048, 1536), (1000,), (777, 13))]
+        params = [
+            torch.nn.Parameter(torch.randn(shape, device="cuda").to(torch.bfloat16))
+            for shape in ((2048, 1536), (1000,), (777, 13))
+        ]
         optimizer = bf16.BF16AdamW(params, lr=1e-3, weight_decay=0.1, rounding=rounding, seed=1)
         for _ in range(3):
             for p in params:
                 p.grad = (torch.randn(p.shape, device="cuda") * 1e-2).to(torch.bfloat16)
             optimizer.step(grad_scale=torch.tensor(0.7, device="cuda"))
         state = [optimizer.state[p] for p in params]
-        results.append({"weights": [p.detach().float() + (s["compensation"].float() if rounding == "kahan" else 0)
-                                    for p, s in zip(params, state)],
-                        "moments": [s[k] for s in state for k in ("exp_avg", "exp_avg_sq")]})
+        results.append(
+            {
+                "weights": [
+                    p.detach().float() + (s["compensation"].float() if rounding == "kahan" else 0)
+                    for p, s in zip(params, state)
+                ],
+                "moments": [s[k] for s in state for k in ("exp_avg", "exp_avg_sq")],
+            }
+        )
     bf16.COMPILED_UPDATE_DEVICES = ("cuda",)
     compiled, eager = results
     numel = sum(t.numel() for t in compiled["weights"] + compiled["moments"])
     if rounding == "kahan":  # represented values within 2^-16 of each other count as equal
-        differing = sum(int(((a - b).abs() > 2**-16 * b.abs()).sum()) for a, b in zip(compiled["weights"], eager["weights"]))
+        differing = sum(
+            int(((a - b).abs() > 2**-16 * b.abs()).sum()) for a, b in zip(compiled["weights"], eager["weights"])
+        )
     else:
         differing = sum(int((a != b).sum()) for a, b in zip(compiled["weights"], eager["weights"]))
     differing += sum(int((a != b).sum()) for a, b in zip(compiled["moments"], eager["moments"]))
@@ -337,9 +445,19 @@ def check(args) -> None:
         # Adam's sign-like first steps amplify rounding, so the bound is what the CPU itself shows, not a constant
         passed = cuda_dev <= 4 * cpu_dev + 1e-6
         ok &= passed
-        rows.append({"model": preset, "mode": "fp32", "reference": "CPU float64", "max_rel_dev": cuda_dev,
-                     "cpu_fp32_rel_dev": cpu_dev, "first_loss": on_cuda["losses"][0],
-                     "last_loss": on_cuda["losses"][-1], "peak_memory_gb": on_cuda["peak_memory_gb"], "pass": passed})
+        rows.append(
+            {
+                "model": preset,
+                "mode": "fp32",
+                "reference": "CPU float64",
+                "max_rel_dev": cuda_dev,
+                "cpu_fp32_rel_dev": cpu_dev,
+                "first_loss": on_cuda["losses"][0],
+                "last_loss": on_cuda["losses"][-1],
+                "peak_memory_gb": on_cuda["peak_memory_gb"],
+                "pass": passed,
+            }
+        )
         for mode in ("bf16_mixed", "bf16_sr", "bf16_kahan"):
             run = trajectory(preset, mode, cuda, args.steps)
             finite = all(map(lambda x: x == x and abs(x) < float("inf"), run["losses"]))
@@ -347,31 +465,76 @@ def check(args) -> None:
             # bf16 keeps 8 mantissa bits: not the fp32 trajectory, but most of its decrease
             passed = finite and learned > 0.5 * (on_cuda["losses"][0] - on_cuda["losses"][-1])
             ok &= passed
-            rows.append({"model": preset, "mode": mode, "reference": "CUDA fp32",
-                         "max_rel_dev": rel_dev(run, on_cuda) if finite else float("nan"), "cpu_fp32_rel_dev": None,
-                         "first_loss": run["losses"][0], "last_loss": run["losses"][-1],
-                         "peak_memory_gb": run["peak_memory_gb"], "pass": passed})
+            rows.append(
+                {
+                    "model": preset,
+                    "mode": mode,
+                    "reference": "CUDA fp32",
+                    "max_rel_dev": rel_dev(run, on_cuda) if finite else float("nan"),
+                    "cpu_fp32_rel_dev": None,
+                    "first_loss": run["losses"][0],
+                    "last_loss": run["losses"][-1],
+                    "peak_memory_gb": run["peak_memory_gb"],
+                    "pass": passed,
+                }
+            )
         print(json.dumps(rows[-4:]), flush=True)
     for rounding in ("stochastic", "kahan", "nearest"):
         differing = compiled_update_mismatch(rounding)
         passed = differing < 1e-4  # seen: 6e-6 (stochastic), 2e-5 (nearest) of elements on an H100
         ok &= passed
-        rows.append({"model": "BF16AdamW, 3 steps of 4M elements", "mode": rounding, "reference": "eager on CUDA",
-                     "max_rel_dev": differing, "cpu_fp32_rel_dev": None, "first_loss": float("nan"),
-                     "last_loss": float("nan"), "peak_memory_gb": 0.0, "pass": passed})
+        rows.append(
+            {
+                "model": "BF16AdamW, 3 steps of 4M elements",
+                "mode": rounding,
+                "reference": "eager on CUDA",
+                "max_rel_dev": differing,
+                "cpu_fp32_rel_dev": None,
+                "first_loss": float("nan"),
+                "last_loss": float("nan"),
+                "peak_memory_gb": 0.0,
+                "pass": passed,
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
     device = torch.cuda.get_device_name()
-    table = markdown_table(["model", "mode", "reference", "max rel. deviation (loss, grad norm)",
-                            "CPU fp32's deviation", "first loss", "last loss", "peak GB", "pass"],
-                           [[r["model"], r["mode"], r["reference"], f"{r['max_rel_dev']:.2e}",
-                             f"{r['cpu_fp32_rel_dev']:.2e}" if r["cpu_fp32_rel_dev"] is not None else "",
-                             f"{r['first_loss']:.4f}", f"{r['last_loss']:.4f}", f"{r['peak_memory_gb']:.3f}", r["pass"]]
-                            for r in rows])
-    write_results("gpu_check", {"device": device, "torch": torch.__version__, "steps": args.steps}, rows,
-                  f"hlat on {device} (torch {torch.__version__}): {args.steps} training steps, batch 4 x 256, over a "
-                  "cycle of 4 random batches, from the same initial weights. fp32 on CUDA (TF32 off) against a "
-                  "float64 run on the CPU: pass when its deviation is at most 4x that of fp32 on the CPU. bf16 modes "
-                  "on CUDA against fp32 on CUDA: pass when finite and the loss falls by at least half as much.", table)
+    table = markdown_table(
+        [
+            "model",
+            "mode",
+            "reference",
+            "max rel. deviation (loss, grad norm)",
+            "CPU fp32's deviation",
+            "first loss",
+            "last loss",
+            "peak GB",
+            "pass",
+        ],
+        [
+            [
+                r["model"],
+                r["mode"],
+                r["reference"],
+                f"{r['max_rel_dev']:.2e}",
+                f"{r['cpu_fp32_rel_dev']:.2e}" if r["cpu_fp32_rel_dev"] is not None else "",
+                f"{r['first_loss']:.4f}",
+                f"{r['last_loss']:.4f}",
+                f"{r['peak_memory_gb']:.3f}",
+                r["pass"],
+            ]
+            for r in rows
+        ],
+    )
+    write_results(
+        "gpu_check",
+        {"device": device, "torch": torch.__version__, "steps": args.steps},
+        rows,
+        f"hlat on {device} (torch {torch.__version__}): {args.steps} training steps, batch 4 x 256, over a "
+        "cycle of 4 random batches, from the same initial weights. fp32 on CUDA (TF32 off) against a "
+        "float64 run on the CPU: pass when its deviation is at most 4x that of fp32 on the CPU. bf16 modes "
+        "on CUDA against fp32 on CUDA: pass when finite and the loss falls by at least half as much.",
+        table,
+    )
     print("CUDA check", "PASSED" if ok else "FAILED")
     sys.exit(0 if ok else 1)
 
@@ -397,8 +560,10 @@ def attention(args) -> None:
                 q.grad = k.grad = v.grad = None
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
                 out.backward(grad_out)
-                errors = [((got.double() - ref).norm() / ref.norm()).item()
-                          for got, ref in zip([out.detach(), q.grad, k.grad, v.grad], refs)]
+                errors = [
+                    ((got.double() - ref).norm() / ref.norm()).item()
+                    for got, ref in zip([out.detach(), q.grad, k.grad, v.grad], refs)
+                ]
                 for _ in range(3):
                     F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad_out)
                 torch.cuda.synchronize()
@@ -407,10 +572,17 @@ def attention(args) -> None:
                     F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad_out)
                 torch.cuda.synchronize()
             ms = (time.perf_counter() - t0) / 20 * 1e3
-            print(f"{backend.name if backend else 'default':>20}: {ms:7.3f} ms fwd+bwd  {flops / ms / 1e9:6.1f} TFLOP/s   rel. error vs float64 "
-                  f"out {errors[0]:.2e} dq {errors[1]:.2e} dk {errors[2]:.2e} dv {errors[3]:.2e}", flush=True)
+            print(
+                f"{backend.name if backend else 'default':>20}: {ms:7.3f} ms fwd+bwd  "
+                f"{flops / ms / 1e9:6.1f} TFLOP/s   rel. error vs float64 "
+                f"out {errors[0]:.2e} dq {errors[1]:.2e} dk {errors[2]:.2e} dv {errors[3]:.2e}",
+                flush=True,
+            )
         except RuntimeError as e:
-            print(f"{backend.name if backend else 'default':>20}: unavailable ({str(e).splitlines()[0][:100]})", flush=True)
+            print(
+                f"{backend.name if backend else 'default':>20}: unavailable ({str(e).splitlines()[0][:100]})",
+                flush=True,
+            )
 
 
 def main() -> None:

@@ -17,7 +17,8 @@ profile of its step), `hlat preflight` at llama2-7b's shapes with FP8 and the co
 the other micro-batches and recomputation its memory allows, each beside the planner's prediction from the shipped
 p5.48xlarge profile.
 
-`figure` (about 8 minutes: each run took 108-124 s on an H100): a Pythia-style model of about 1B parameters (GPT-NeoX: parallel residual, a quarter of
+`figure` (about 8 minutes: each run took 108-124 s on an H100): a Pythia-style model of about
+1B parameters (GPT-NeoX: parallel residual, a quarter of
 each head rotated) trained by `hlat train` on the same real text (the machine's Python standard library, as
 `make train`; the GPT-NeoX-20B tokenizer carried in .gpu/) from the same seed and data order: bf16_mixed, bf16_sr,
 bf16_mixed with FP8 tensorwise, and bf16_mixed from another seed (the run-to-run spread); `hlat compare` draws
@@ -48,22 +49,46 @@ from results_io import markdown_table  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # The CPU mode's setting: the suite's code paths at a size a CPU runs in seconds (FP8 emulated, not compiled).
-TINY = dict(model=dict(family="llama", dim=64, n_layers=2, n_heads=4, ffn_dim=128, vocab_size=512, max_seq_len=64),
-            seq=64, batch=2, hlat_mode="bf16_mixed", titan_mode="bf16_mixed", ac="none")
+TINY = dict(
+    model=dict(family="llama", dim=64, n_layers=2, n_heads=4, ffn_dim=128, vocab_size=512, max_seq_len=64),
+    seq=64,
+    batch=2,
+    hlat_mode="bf16_mixed",
+    titan_mode="bf16_mixed",
+    ac="none",
+)
 SPEED_CASES = [  # most important first; "preflight" runs hlat preflight at that point
-    dict(system="hlat", setting="1b", fp8="none", profile=True), dict(system="hlat", setting="1b", fp8="tensorwise"),
-    dict(system="torchtitan", setting="1b", fp8="none"), dict(system="torchtitan", setting="1b", fp8="tensorwise"),
-    dict(system="hlat", setting="1b", fp8="rowwise"), "preflight", dict(system="torchtitan", setting="1b", fp8="rowwise"),
-    dict(system="hlat", setting="7b", fp8="none"), dict(system="torchtitan", setting="7b", fp8="none"),
+    dict(system="hlat", setting="1b", fp8="none", profile=True),
+    dict(system="hlat", setting="1b", fp8="tensorwise"),
+    dict(system="torchtitan", setting="1b", fp8="none"),
+    dict(system="torchtitan", setting="1b", fp8="tensorwise"),
+    dict(system="hlat", setting="1b", fp8="rowwise"),
+    "preflight",
+    dict(system="torchtitan", setting="1b", fp8="rowwise"),
+    dict(system="hlat", setting="7b", fp8="none"),
+    dict(system="torchtitan", setting="7b", fp8="none"),
 ]
 # llama2-7b in pure bf16 on one 80 GB GPU: 8 bytes a parameter of states (54 GB) leave ~20 GB for activations,
 # enough for micro-batch 4 under full recomputation (the block inputs, 4.3 GB) or 1 under selective (~10 GB). The
 # part measures the planner's layout first (profiled), then preflight, then FP8 at that layout, then these.
 SEVEN_B_CASES = [dict(batch=2, ac="full"), dict(batch=4, ac="full"), dict(batch=1, ac="selective")]
-FIGURE_RUNS = [("bf16_mixed", "bf16_mixed", "none", 0), ("bf16_sr", "bf16_sr", "none", 0),
-               ("fp8_tensorwise", "bf16_mixed", "tensorwise", 0), ("bf16_mixed_seed1", "bf16_mixed", "none", 1)]
-PYTHIA_1B = dict(family="neox", dim=2048, n_layers=16, n_heads=8, ffn_dim=8192, vocab_size=50304, rotary_pct=0.25,
-                 max_seq_len=2048, parallel_residual=True)
+FIGURE_RUNS = [
+    ("bf16_mixed", "bf16_mixed", "none", 0),
+    ("bf16_sr", "bf16_sr", "none", 0),
+    ("fp8_tensorwise", "bf16_mixed", "tensorwise", 0),
+    ("bf16_mixed_seed1", "bf16_mixed", "none", 1),
+]
+PYTHIA_1B = dict(
+    family="neox",
+    dim=2048,
+    n_layers=16,
+    n_heads=8,
+    ffn_dim=8192,
+    vocab_size=50304,
+    rotary_pct=0.25,
+    max_seq_len=2048,
+    parallel_residual=True,
+)
 TOKENIZER = ROOT / ".gpu" / "gpt-neox-20b-tokenizer.json"  # ../shared/data/tokenizers/gpt-neox-20b, carried
 BUDGET_S = {"speed": 290, "7b": 290, "figure": 480}  # each part's default time
 
@@ -73,6 +98,7 @@ def settings(cpu: bool) -> dict:
 
 
 # --- one case, in its own process -------------------------------------------------------------------------------
+
 
 def install_titan_stubs() -> None:
     """torchtitan's model package imports its Hugging Face data loader, which imports `datasets`, and its MoE
@@ -103,10 +129,17 @@ def run_case(spec: dict) -> dict:
     device = torch.device("cpu" if spec["cpu"] else "cuda")
     setting = case_setting(spec)
     torch.manual_seed(0)
-    row = {"system": spec["system"], "setting": spec["setting"], "fp8": setting["fp8"], "batch": setting["batch"],
-           "seq": setting["seq"], "ac": setting["ac"], "compile": not spec["cpu"],
-           "mode": setting["hlat_mode" if spec["system"] == "hlat" else "titan_mode"],
-           **({"chosen_by": spec["chosen_by"]} if "chosen_by" in spec else {})}
+    row = {
+        "system": spec["system"],
+        "setting": spec["setting"],
+        "fp8": setting["fp8"],
+        "batch": setting["batch"],
+        "seq": setting["seq"],
+        "ac": setting["ac"],
+        "compile": not spec["cpu"],
+        "mode": setting["hlat_mode" if spec["system"] == "hlat" else "titan_mode"],
+        **({"chosen_by": spec["chosen_by"]} if "chosen_by" in spec else {}),
+    }
     try:
         if spec["system"] == "torchtitan":
             install_titan_stubs()
@@ -143,9 +176,14 @@ def time_steps(step, inputs, targets, spec: dict, device: torch.device) -> dict:
     if spec.get("profile"):
         write_profile(step, inputs, targets, device, Path(spec["out"]) / f"profile_{spec['setting']}.txt")
     peak = torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else 0.0
-    return {"warmup_s": round(warmup_s, 1), "step_s": round(step_s, 4),
-            "tokens_per_s": round(inputs.numel() / step_s), "peak_memory_gb": round(peak, 2),
-            "loss": round(loss.item(), 4), "steps_run": spec["warmup"] + spec["steps"]}
+    return {
+        "warmup_s": round(warmup_s, 1),
+        "step_s": round(step_s, 4),
+        "tokens_per_s": round(inputs.numel() / step_s),
+        "peak_memory_gb": round(peak, 2),
+        "loss": round(loss.item(), 4),
+        "steps_run": spec["warmup"] + spec["steps"],
+    }
 
 
 def write_profile(step, inputs, targets, device: torch.device, path: Path) -> None:
@@ -166,17 +204,22 @@ def run_in_process(spec: dict, timeout: float) -> dict:
     """A case in a fresh process (its own memory and compile caches); a crash or a timeout is the row's error."""
     named = {"system": spec["system"], "setting": spec["setting"], "fp8": spec.get("fp8", "none")}
     try:
-        done = subprocess.run([sys.executable, __file__, "case", json.dumps(spec)], capture_output=True, text=True,
-                              timeout=timeout)
+        done = subprocess.run(
+            [sys.executable, __file__, "case", json.dumps(spec)], capture_output=True, text=True, timeout=timeout
+        )
     except subprocess.TimeoutExpired:
         return {**named, "error": f"timed out after {timeout:.0f} s"}
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if lines:
         return json.loads(lines[-1])
-    return {**named, "error": f"exit {done.returncode}: {(done.stderr.strip().splitlines() or ['no output'])[-1][:300]}"}
+    return {
+        **named,
+        "error": f"exit {done.returncode}: {(done.stderr.strip().splitlines() or ['no output'])[-1][:300]}",
+    }
 
 
 # --- the parts --------------------------------------------------------------------------------------------------
+
 
 class Budget:
     def __init__(self, seconds: float):
@@ -191,8 +234,9 @@ def one_of_each_kind(cases: list) -> list:
     which is every code path of the part at a CPU's cost."""
     seen, kept = set(), []
     for case in cases:
-        kind = case if isinstance(case, str) else (case["system"], case.get("fp8", "none") != "none",
-                                                    "chosen_by" in case)
+        kind = (
+            case if isinstance(case, str) else (case["system"], case.get("fp8", "none") != "none", "chosen_by" in case)
+        )
         if kind not in seen:
             seen.add(kind)
             kept.append(case)
@@ -209,11 +253,19 @@ def run_cases(name: str, cases: list, args, extra) -> list[dict]:
             continue
         spec = {"cpu": args.cpu, "steps": steps, "warmup": warmup, "out": str(out), **case}
         if budget.left() < 30:
-            row = {"system": spec["system"], "setting": spec["setting"], "fp8": spec.get("fp8", "none"),
-                   "error": "skipped: the part's budget"}
+            row = {
+                "system": spec["system"],
+                "setting": spec["setting"],
+                "fp8": spec.get("fp8", "none"),
+                "error": "skipped: the part's budget",
+            }
         elif spec["system"] == "torchtitan" and not installed("torchtitan"):
-            row = {"system": "torchtitan", "setting": spec["setting"], "fp8": spec.get("fp8", "none"),
-                   "error": "skipped: torchtitan is not installed"}
+            row = {
+                "system": "torchtitan",
+                "setting": spec["setting"],
+                "fp8": spec.get("fp8", "none"),
+                "error": "skipped: torchtitan is not installed",
+            }
         else:
             row = run_in_process(spec, min(args.case_timeout_s, budget.left()))
         rows.append(row)
@@ -242,8 +294,9 @@ def seven_b(args) -> None:
     chosen = planner_choice(args.cpu)  # the layout the planner picks for llama2-7b on one GPU, measured first
     planners = dict(batch=chosen.micro_batch, ac=chosen.activation_checkpoint, chosen_by="planner")
     cases = [dict(planners, profile=True), "preflight", dict(planners, fp8="tensorwise"), *SEVEN_B_CASES]
-    rows = run_cases("7b", [c if isinstance(c, str) else dict(system="hlat", setting="7b", **c) for c in cases], args,
-                     extra)
+    rows = run_cases(
+        "7b", [c if isinstance(c, str) else dict(system="hlat", setting="7b", **c) for c in cases], args, extra
+    )
     for row in rows:
         row["planned_tokens_per_s"] = planned_tokens_per_s(row, args.cpu)
     write_table("7b", rows, args, against_titan=False)
@@ -293,15 +346,40 @@ def preflight(args, setting: str, timeout: float, layout: dict | None = None) ->
     """`hlat preflight` at a setting's shapes: bf16 matmuls, (where the device has them) compiled FP8 ones, and
     whole blocks compiled as the cases run them, at the setting's micro-batch and recomputation or `layout`'s
     (`batch`, `ac`): the block the planner then prices that layout from."""
-    s = {**(TINY if args.cpu else gpu_step.SETTINGS[setting]), **{k: v for k, v in (layout or {}).items()
-                                                                    if k in ("batch", "ac")}}
-    model = ["--model", "llama2-7b"] if "preset" in s["model"] else [
-        a for k, v in s["model"].items() for a in (f"--model.{k}", str(v))]
+    s = {
+        **(TINY if args.cpu else gpu_step.SETTINGS[setting]),
+        **{k: v for k, v in (layout or {}).items() if k in ("batch", "ac")},
+    }
+    model = (
+        ["--model", "llama2-7b"]
+        if "preset" in s["model"]
+        else [a for k, v in s["model"].items() for a in (f"--model.{k}", str(v))]
+    )
     out = Path(args.out) / f"preflight_{setting}"
-    cmd = [sys.executable, "-m", "hlat", "preflight", *model, "--train.seq_len", str(s["seq"]), "--train.micro_batch",
-           str(s["batch"]), "--precision.mode", s["hlat_mode"], "--parallel.activation_checkpoint", s["ac"],
-           "--parallel.compile", str(not args.cpu).lower(), "--dtypes", "bf16", "--fp8", "tensorwise,rowwise",
-           "--json", "--out", f"{out}.toml"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hlat",
+        "preflight",
+        *model,
+        "--train.seq_len",
+        str(s["seq"]),
+        "--train.micro_batch",
+        str(s["batch"]),
+        "--precision.mode",
+        s["hlat_mode"],
+        "--parallel.activation_checkpoint",
+        s["ac"],
+        "--parallel.compile",
+        str(not args.cpu).lower(),
+        "--dtypes",
+        "bf16",
+        "--fp8",
+        "tensorwise,rowwise",
+        "--json",
+        "--out",
+        f"{out}.toml",
+    ]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         Path(f"{out}.json").write_text(done.stdout or done.stderr[-3000:])
@@ -321,13 +399,23 @@ def figure(args) -> None:
         run_dir = work / name
         shutil.rmtree(run_dir, ignore_errors=True)
         steps = 6 if args.cpu else args.figure_steps
-        cmd = [sys.executable, "-m", "hlat", "train", *figure_overrides(args.cpu, mode, fp8, seed, steps),
-               "--train.run_dir", str(run_dir)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "hlat",
+            "train",
+            *figure_overrides(args.cpu, mode, fp8, seed, steps),
+            "--train.run_dir",
+            str(run_dir),
+        ]
         started = time.monotonic()
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=budget.left() - 30)
-            print(f"figure {name} ({time.monotonic() - started:.0f} s):",
-                  "ok" if done.returncode == 0 else done.stderr[-800:], flush=True)
+            print(
+                f"figure {name} ({time.monotonic() - started:.0f} s):",
+                "ok" if done.returncode == 0 else done.stderr[-800:],
+                flush=True,
+            )
         except subprocess.TimeoutExpired:
             print(f"figure {name}: timed out after {time.monotonic() - started:.0f} s", flush=True)
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # gigabytes each, and not what is brought back
@@ -338,13 +426,30 @@ def figure(args) -> None:
 
 
 def figure_overrides(cpu: bool, mode: str, fp8: str, seed: int, steps: int) -> list[str]:
-    model = dict(PYTHIA_1B, dim=64, n_layers=2, n_heads=4, ffn_dim=128, vocab_size=512, max_seq_len=64) if cpu else PYTHIA_1B
+    model = (
+        dict(PYTHIA_1B, dim=64, n_layers=2, n_heads=4, ffn_dim=128, vocab_size=512, max_seq_len=64)
+        if cpu
+        else PYTHIA_1B
+    )
     seq, batch, tokenizer = (64, 4, "") if cpu else (2048, 8, str(TOKENIZER))
-    fields = {**{f"model.{k}": v for k, v in model.items()}, "precision.mode": mode, "precision.fp8": fp8,
-              "train.seed": seed, "train.steps": steps, "train.global_batch": batch, "train.micro_batch": batch,
-              "train.seq_len": seq, "train.log_every": 1 if cpu else 5, "parallel.compile": not cpu,
-              "data.tokenizer": tokenizer, "data.workers": 0 if cpu else 4, "optim.lr": 3e-4, "optim.min_lr": 3e-5,
-              "optim.warmup_steps": 2 if cpu else 20, "train.snapshot_every": 0}
+    fields = {
+        **{f"model.{k}": v for k, v in model.items()},
+        "precision.mode": mode,
+        "precision.fp8": fp8,
+        "train.seed": seed,
+        "train.steps": steps,
+        "train.global_batch": batch,
+        "train.micro_batch": batch,
+        "train.seq_len": seq,
+        "train.log_every": 1 if cpu else 5,
+        "parallel.compile": not cpu,
+        "data.tokenizer": tokenizer,
+        "data.workers": 0 if cpu else 4,
+        "optim.lr": 3e-4,
+        "optim.min_lr": 3e-5,
+        "optim.warmup_steps": 2 if cpu else 20,
+        "train.snapshot_every": 0,
+    }
     if cpu:  # rounds of 64 KiB of the embedded corpus, not 4 MiB (2 s of tokenizing at each start): 6 steps need less
         fields["data.round_bytes"] = 1 << 16
     return [a for k, v in fields.items() for a in (f"--{k}", str(v).lower() if isinstance(v, bool) else str(v))]
@@ -363,34 +468,69 @@ def draw_figure(runs: list[Path], out: Path) -> None:
 
 # --- tables -----------------------------------------------------------------------------------------------------
 
+
 def write_table(name: str, rows: list[dict], args, against_titan: bool) -> None:
     def find(system, setting, fp8, batch, ac):
-        return next((r for r in rows if (r["system"], r["setting"], r["fp8"]) == (system, setting, fp8)
-                     and (r.get("batch"), r.get("ac")) == (batch, ac) and "tokens_per_s" in r), None)
+        return next(
+            (
+                r
+                for r in rows
+                if (r["system"], r["setting"], r["fp8"]) == (system, setting, fp8)
+                and (r.get("batch"), r.get("ac")) == (batch, ac)
+                and "tokens_per_s" in r
+            ),
+            None,
+        )
 
     table = []
     for r in rows:
         titan = find("torchtitan", r["setting"], r["fp8"], r.get("batch"), r.get("ac"))
         bf16 = find(r["system"], r["setting"], "none", r.get("batch"), r.get("ac"))
         measured = "tokens_per_s" in r
-        table.append([r["setting"], r["system"] + (" (planner's layout)" if r.get("chosen_by") else ""),
-                      r.get("mode", ""), r["fp8"], r.get("ac", ""), f"{r.get('batch', '')} x {r.get('seq', '')}",
-                      r.get("tokens_per_s", r.get("error", "")), f"{r['mfu']:.1%}" if measured else "",
-                      r.get("peak_memory_gb", ""),
-                      f"{r['tokens_per_s'] / titan['tokens_per_s']:.3f}" if titan and measured and r["system"] == "hlat" else "",
-                      f"{r['tokens_per_s'] / bf16['tokens_per_s']:.3f}" if bf16 and measured and r["fp8"] != "none" else "",
-                      f"{r['loss'] / bf16['loss'] - 1:+.2%}" if bf16 and measured and r["fp8"] != "none" else "",
-                      r.get("planned_tokens_per_s") or ""])
-    header = ["setting", "system", "precision", "fp8", "recompute", "batch x seq", "tokens/s", "MFU", "peak GB",
-              "hlat / torchtitan", "FP8 / bf16", "loss vs bf16", "planner's tokens/s"]
+        table.append(
+            [
+                r["setting"],
+                r["system"] + (" (planner's layout)" if r.get("chosen_by") else ""),
+                r.get("mode", ""),
+                r["fp8"],
+                r.get("ac", ""),
+                f"{r.get('batch', '')} x {r.get('seq', '')}",
+                r.get("tokens_per_s", r.get("error", "")),
+                f"{r['mfu']:.1%}" if measured else "",
+                r.get("peak_memory_gb", ""),
+                f"{r['tokens_per_s'] / titan['tokens_per_s']:.3f}"
+                if titan and measured and r["system"] == "hlat"
+                else "",
+                f"{r['tokens_per_s'] / bf16['tokens_per_s']:.3f}" if bf16 and measured and r["fp8"] != "none" else "",
+                f"{r['loss'] / bf16['loss'] - 1:+.2%}" if bf16 and measured and r["fp8"] != "none" else "",
+                r.get("planned_tokens_per_s") or "",
+            ]
+        )
+    header = [
+        "setting",
+        "system",
+        "precision",
+        "fp8",
+        "recompute",
+        "batch x seq",
+        "tokens/s",
+        "MFU",
+        "peak GB",
+        "hlat / torchtitan",
+        "FP8 / bf16",
+        "loss vs bf16",
+        "planner's tokens/s",
+    ]
     keep = [i for i, h in enumerate(header) if any(row[i] != "" for row in table) or i < 9]
     if not against_titan:
         keep = [i for i in keep if header[i] != "hlat / torchtitan"]
     device = "CPU (the CPU mode)" if args.cpu else torch.cuda.get_device_name()
-    meta = (f"{device}, torch {torch.__version__}, torchao {package_version('torchao')}, torchtitan "
-            f"{package_version('torchtitan')}; median of {args.steps} steps after {args.warmup} warm-up steps on "
-            "one random batch (the loss column: the loss after the same steps), each case in its own process, "
-            "compiled blocks")
+    meta = (
+        f"{device}, torch {torch.__version__}, torchao {package_version('torchao')}, torchtitan "
+        f"{package_version('torchtitan')}; median of {args.steps} steps after {args.warmup} warm-up steps on "
+        "one random batch (the loss column: the loss after the same steps), each case in its own process, "
+        "compiled blocks"
+    )
     text = markdown_table([header[i] for i in keep], [[row[i] for i in keep] for row in table])
     (Path(args.out) / f"{name}.md").write_text(f"{meta}\n\n{text}\n")
     print(text, flush=True)
@@ -419,8 +559,12 @@ def main() -> None:
     ap.add_argument("part", choices=["speed", "7b", "figure"])
     ap.add_argument("--out", required=True)
     ap.add_argument("--cpu", action="store_true", help="the CPU mode: tiny shapes, FP8 emulated, not compiled")
-    ap.add_argument("--budget-s", type=float, help="the part's time, cases beyond it skipped (default: "
-                    f"{', '.join(f'{part} {s} s' for part, s in BUDGET_S.items())})")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        help="the part's time, cases beyond it skipped (default: "
+        f"{', '.join(f'{part} {s} s' for part, s in BUDGET_S.items())})",
+    )
     ap.add_argument("--case-timeout-s", type=float, default=120)
     ap.add_argument("--preflight-timeout-s", type=float, default=120)
     ap.add_argument("--steps", type=int, default=6, help="timed steps per case (after --warmup)")

@@ -24,12 +24,12 @@ from pathlib import Path
 import torch
 import transformers
 
+from hlat.checkpoint.layout import latest_checkpoint
+from hlat.checkpoint.state import load_weights
 from hlat.cli import main as hlat
 from hlat.config.job import load_config
 from hlat.data.tokenizer import load_tokenizer
 from hlat.models import build_model, materialize
-from hlat.checkpoint.layout import latest_checkpoint
-from hlat.checkpoint.state import load_weights
 
 sys.path.insert(0, str(Path(__file__).parent))
 from results_io import markdown_table, write_results  # noqa: E402
@@ -55,11 +55,42 @@ print(json.dumps({"version": transformers.__version__, "ids": ids.input_ids[0].t
 def export_run(family: str, work: Path) -> tuple[Path, torch.nn.Module, int]:
     corpus = str(Path(json.__file__).parent / "*.py")
     run, out = work / f"{family}-run", work / f"{family}-hf"
-    hlat(["train", "--model.preset", "tiny-neox" if family == "neox" else "tiny", "--model.dim", "64",
-          "--model.n_layers", "2", "--model.n_heads", "4", *(["--model.n_kv_heads", "2"] if family == "llama" else []),
-          "--model.ffn_dim", "128", "--model.vocab_size", "384", "--model.rope_theta", "20000", "--data.paths", corpus,
-          "--data.workers", "0", "--train.steps", "2", "--train.global_batch", "2", "--train.micro_batch", "2",
-          "--train.seq_len", "32", "--optim.warmup_steps", "1", "--train.run_dir", str(run)])
+    hlat(
+        [
+            "train",
+            "--model.preset",
+            "tiny-neox" if family == "neox" else "tiny",
+            "--model.dim",
+            "64",
+            "--model.n_layers",
+            "2",
+            "--model.n_heads",
+            "4",
+            *(["--model.n_kv_heads", "2"] if family == "llama" else []),
+            "--model.ffn_dim",
+            "128",
+            "--model.vocab_size",
+            "384",
+            "--model.rope_theta",
+            "20000",
+            "--data.paths",
+            corpus,
+            "--data.workers",
+            "0",
+            "--train.steps",
+            "2",
+            "--train.global_batch",
+            "2",
+            "--train.micro_batch",
+            "2",
+            "--train.seq_len",
+            "32",
+            "--optim.warmup_steps",
+            "1",
+            "--train.run_dir",
+            str(run),
+        ]
+    )
     hlat(["export-hf", str(run), "--out", str(out)])
     ckpt = latest_checkpoint(run)
     model = materialize(build_model(load_config(ckpt / "config.toml").model), "cpu").eval()
@@ -84,16 +115,24 @@ def throwaway_python(work: Path, version: str) -> Path:
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = venv / "bin" / "python"
     subprocess.run([str(python), "-m", "pip", "install", "--quiet", f"transformers=={version}"], check=True)
-    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          check=True, capture_output=True, text=True).stdout.strip()
+    site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     # torch from this environment; the venv's own packages (transformers, tokenizers, hub) come first on sys.path
     Path(site, "shared-torch.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     return python
 
 
 def read_with(python: str, path: Path) -> dict:
-    result = subprocess.run([python, "-c", READER, str(path), PROMPT, str(NEW_TOKENS)], capture_output=True,
-                            text=True, env={"PYTHONNOUSERSITE": "1", "PATH": "/usr/bin:/bin"})
+    result = subprocess.run(
+        [python, "-c", READER, str(path), PROMPT, str(NEW_TOKENS)],
+        capture_output=True,
+        text=True,
+        env={"PYTHONNOUSERSITE": "1", "PATH": "/usr/bin:/bin"},
+    )
     if result.returncode:
         raise SystemExit(f"{python} could not read {path}:\n{result.stderr[-3000:]}")
     return json.loads(result.stdout.splitlines()[-1])
@@ -113,19 +152,42 @@ def main() -> None:
                 got = read_with(python, path)
                 ours, expected = hlat_greedy(model, got["ids"], eos)
                 theirs = torch.tensor(got["logits"])
-                rows.append({"family": family, "transformers": got["version"],
-                             "max_rel_logit_error": float((ours - theirs).abs().max() / theirs.abs().max()),
-                             "eos_read": got["eos"] == eos, "generate_matches": got["generated"] == expected,
-                             "new_tokens": len(expected) - len(got["ids"])})
+                rows.append(
+                    {
+                        "family": family,
+                        "transformers": got["version"],
+                        "max_rel_logit_error": float((ours - theirs).abs().max() / theirs.abs().max()),
+                        "eos_read": got["eos"] == eos,
+                        "generate_matches": got["generated"] == expected,
+                        "new_tokens": len(expected) - len(got["ids"]),
+                    }
+                )
     header = ["family", "transformers", "max logit error (relative)", "eos read", "generate() = hlat greedy"]
-    table = markdown_table(header, [[r["family"], r["transformers"], f"{r['max_rel_logit_error']:.1e}",
-                                     "yes" if r["eos_read"] else "NO", "yes" if r["generate_matches"] else "NO"]
-                                    for r in rows])
-    caption = (f"`hlat export-hf` directories read by transformers {transformers.__version__} (installed) and "
-               f"{args.version} (throwaway venv): tiny models, rotary base 20000, fp32 on CPU "
-               f"(benchmarks/hf_export_compat.py).")
-    write_results("hf_export_compat", {"installed": transformers.__version__, "older": args.version,
-                                       "torch": torch.__version__}, rows, caption, table)
+    table = markdown_table(
+        header,
+        [
+            [
+                r["family"],
+                r["transformers"],
+                f"{r['max_rel_logit_error']:.1e}",
+                "yes" if r["eos_read"] else "NO",
+                "yes" if r["generate_matches"] else "NO",
+            ]
+            for r in rows
+        ],
+    )
+    caption = (
+        f"`hlat export-hf` directories read by transformers {transformers.__version__} (installed) and "
+        f"{args.version} (throwaway venv): tiny models, rotary base 20000, fp32 on CPU "
+        f"(benchmarks/hf_export_compat.py)."
+    )
+    write_results(
+        "hf_export_compat",
+        {"installed": transformers.__version__, "older": args.version, "torch": torch.__version__},
+        rows,
+        caption,
+        table,
+    )
     if not all(r["max_rel_logit_error"] < 1e-5 and r["eos_read"] and r["generate_matches"] for r in rows):
         raise SystemExit("some reader disagrees with hlat")
 

@@ -24,17 +24,29 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "tests")]
+import torch  # noqa: E402
 from results_io import markdown_table, write_results  # noqa: E402
 from test_faults import alive, children, session_processes, strict_records, trained_state  # noqa: E402
 from test_train import config  # noqa: E402
 
-import torch  # noqa: E402
-
 
 def hlat_train(cfg_file: Path, nproc: int, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "hlat", "train", "--config", str(cfg_file), *extra,
-                             *(["--nproc-per-node", str(nproc)] if nproc > 1 else [])],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hlat",
+            "train",
+            "--config",
+            str(cfg_file),
+            *extra,
+            *(["--nproc-per-node", str(nproc)] if nproc > 1 else []),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def victim(supervisor: int, nproc: int) -> int | None:
@@ -66,17 +78,28 @@ def trial(root: Path, nproc: int, reference: Path, steps: int, rng: random.Rando
     time.sleep(2)
     log = root / "run" / "restarts.jsonl"
     restarts = log.read_text().splitlines() if log.exists() else []
-    same_steps = ([(r["loss"], r["grad_norm"]) for r in strict_records(root / "run")]
-                  == [(r["loss"], r["grad_norm"]) for r in strict_records(reference)])
+    same_steps = [(r["loss"], r["grad_norm"]) for r in strict_records(root / "run")] == [
+        (r["loss"], r["grad_norm"]) for r in strict_records(reference)
+    ]
     (w, o), (rw, ro) = trained_state(root / "run", cfg), trained_state(reference, cfg)
-    same_state = (all(torch.equal(w[k], rw[k]) for k in rw)
-                  and all(torch.equal(o[i][k], ro[i][k]) for i in ro for k in ro[i]))
+    same_state = all(torch.equal(w[k], rw[k]) for k in rw) and all(
+        torch.equal(o[i][k], ro[i][k]) for i in ro for k in ro[i]
+    )
     leftovers = [p for p in doomed if alive(p)] + session_processes(job.pid)
     ok = job.returncode == 0 and same_steps and same_state and not leftovers and (len(restarts) == 1 or not target)
-    return {"nproc": nproc, "async_checkpoint": asynchronous, "killed_after_steps": kill_after,
-            "killed": bool(target), "restarts": len(restarts),
-            "exit": job.returncode, "same_steps": same_steps, "same_state": same_state,
-            "leftover_processes": len(leftovers), "ok": ok, "stderr_tail": "" if ok else err[-500:]}
+    return {
+        "nproc": nproc,
+        "async_checkpoint": asynchronous,
+        "killed_after_steps": kill_after,
+        "killed": bool(target),
+        "restarts": len(restarts),
+        "exit": job.returncode,
+        "same_steps": same_steps,
+        "same_state": same_state,
+        "leftover_processes": len(leftovers),
+        "ok": ok,
+        "stderr_tail": "" if ok else err[-500:],
+    }
 
 
 def main() -> None:
@@ -102,22 +125,38 @@ def main() -> None:
         seeds = [rng.randrange(2**32) for _ in plan]  # each trial its own stream: the same under --jobs
 
         def one(i: int) -> dict:
-            row = trial(Path(tmp) / f"trial{i}", plan[i], references[plan[i]], args.steps,
-                        random.Random(seeds[i]), i % 2 == 1)
+            row = trial(
+                Path(tmp) / f"trial{i}", plan[i], references[plan[i]], args.steps, random.Random(seeds[i]), i % 2 == 1
+            )
             print(json.dumps(row), flush=True)
             return row
 
         with ThreadPoolExecutor(args.jobs) as pool:
             rows = list(pool.map(one, range(len(plan))))
     passed = sum(r["ok"] for r in rows)
-    meta = {"trials": len(rows), "passed": passed, "steps": args.steps, "seed": args.seed, "jobs": args.jobs,
-            "torch": torch.__version__, "cpus": os.cpu_count()}
-    caption = (f"kill -9 at a random moment under `hlat train --max-restarts 3`: {passed}/{len(rows)} trials "
-               "resumed bit-exact (every step's loss and gradient norm, final weights and optimizer state) with no "
-               "process left behind (benchmarks/kill_resume_loop.py).")
-    table = markdown_table(["ranks", "async saves", "trials", "passed"],
-                           [[n, a, len(group), sum(r["ok"] for r in group)] for n in (1, 2) for a in (False, True)
-                            if (group := [r for r in rows if (r["nproc"], r["async_checkpoint"]) == (n, a)])])
+    meta = {
+        "trials": len(rows),
+        "passed": passed,
+        "steps": args.steps,
+        "seed": args.seed,
+        "jobs": args.jobs,
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+    }
+    caption = (
+        f"kill -9 at a random moment under `hlat train --max-restarts 3`: {passed}/{len(rows)} trials "
+        "resumed bit-exact (every step's loss and gradient norm, final weights and optimizer state) with no "
+        "process left behind (benchmarks/kill_resume_loop.py)."
+    )
+    table = markdown_table(
+        ["ranks", "async saves", "trials", "passed"],
+        [
+            [n, a, len(group), sum(r["ok"] for r in group)]
+            for n in (1, 2)
+            for a in (False, True)
+            if (group := [r for r in rows if (r["nproc"], r["async_checkpoint"]) == (n, a)])
+        ],
+    )
     write_results("kill_resume_loop", meta, rows, caption, table)
 
 

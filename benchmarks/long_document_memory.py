@@ -57,9 +57,30 @@ def train_peaks(tokenizer_file: str, mb: int, tmp: Path) -> dict:
     words = "the quick brown fox jumps over the lazy dog 0123 "
     data = tmp / f"doc{mb}.jsonl"
     data.write_text(json.dumps({"text": (words * (mb * 2**20 // len(words) + 1))[: mb * 2**20]}) + "\n")
-    cmd = [sys.executable, "-m", "hlat", "train", "--config", "tiny", "--train.steps", "2", "--train.log_every", "1",
-           "--train.run_dir", str(tmp / f"run{mb}"), "--data.paths", str(data), "--data.tokenizer", tokenizer_file,
-           "--data.workers", "1", "--data.packing", "best_fit", "--train.ckpt_every", "0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hlat",
+        "train",
+        "--config",
+        "tiny",
+        "--train.steps",
+        "2",
+        "--train.log_every",
+        "1",
+        "--train.run_dir",
+        str(tmp / f"run{mb}"),
+        "--data.paths",
+        str(data),
+        "--data.tokenizer",
+        tokenizer_file,
+        "--data.workers",
+        "1",
+        "--data.packing",
+        "best_fit",
+        "--train.ckpt_every",
+        "0",
+    ]
     job = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     peaks: dict[int, float] = {}
     while job.poll() is None:
@@ -96,8 +117,12 @@ def main() -> None:
         for mb in map(int, args.sizes_mb.split(",")):
             row = {"doc_mb": mb}
             for mode in ("bounded", "whole"):  # whole: about 210 bytes per byte of document
-                out = subprocess.run([sys.executable, __file__, "--measure", tokenizer_file, str(mb), mode],
-                                     capture_output=True, text=True, check=True).stdout
+                out = subprocess.run(
+                    [sys.executable, __file__, "--measure", tokenizer_file, str(mb), mode],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                ).stdout
                 row[f"{mode}_peak_mib"] = round(float(out.strip().splitlines()[-1]), 1)
             rows.append(row)
             print(row, flush=True)
@@ -105,16 +130,27 @@ def main() -> None:
         for mb in map(int, args.train_mb.split(",")):
             runs.append({"doc_mb": mb, **train_peaks(tokenizer_file, mb, Path(tmp))})
             print(runs[-1], flush=True)
-    caption = ("Peak memory added by tokenizing and packing one single-line document (seq_len 256, BPE of 512 "
-               "tokens), in bounded pieces against whole; then the peak memory of `hlat train` (tiny, 2 steps, "
-               "one tokenizer worker, best-fit packing) on a JSONL file of that one document, trainer and worker "
-               "apart (benchmarks/long_document_memory.py).")
-    table = markdown_table(["document (MB)", "in pieces: peak added (MiB)", "whole: peak added (MiB)"],
-                           [[r["doc_mb"], r["bounded_peak_mib"], r["whole_peak_mib"]] for r in rows])
-    table += "\n\n" + markdown_table(["document (MB)", "hlat train: worker peak (MiB)", "trainer peak (MiB)"],
-                                     [[r["doc_mb"], r["worker_peak_mib"], r["trainer_peak_mib"]] for r in runs])
-    write_results("long_document_memory", {"sizes_mb": args.sizes_mb, "train_mb": args.train_mb},
-                  rows + [{"train": r} for r in runs], caption, table)
+    caption = (
+        "Peak memory added by tokenizing and packing one single-line document (seq_len 256, BPE of 512 "
+        "tokens), in bounded pieces against whole; then the peak memory of `hlat train` (tiny, 2 steps, "
+        "one tokenizer worker, best-fit packing) on a JSONL file of that one document, trainer and worker "
+        "apart (benchmarks/long_document_memory.py)."
+    )
+    table = markdown_table(
+        ["document (MB)", "in pieces: peak added (MiB)", "whole: peak added (MiB)"],
+        [[r["doc_mb"], r["bounded_peak_mib"], r["whole_peak_mib"]] for r in rows],
+    )
+    table += "\n\n" + markdown_table(
+        ["document (MB)", "hlat train: worker peak (MiB)", "trainer peak (MiB)"],
+        [[r["doc_mb"], r["worker_peak_mib"], r["trainer_peak_mib"]] for r in runs],
+    )
+    write_results(
+        "long_document_memory",
+        {"sizes_mb": args.sizes_mb, "train_mb": args.train_mb},
+        rows + [{"train": r} for r in runs],
+        caption,
+        table,
+    )
 
 
 if __name__ == "__main__":

@@ -49,8 +49,10 @@ GPU_RUNS = {  # one device: micro-batch, recomputation and precision vary what t
     "mb1_fp32": (1, {"train.micro_batch": 1, "precision.mode": "fp32"}),
     "mb4_fp32": (1, {"train.micro_batch": 4, "precision.mode": "fp32"}),
     "mb4_bf16": (1, {"train.micro_batch": 4, "precision.mode": "bf16_mixed"}),
-    "mb4_bf16_full_ac": (1, {"train.micro_batch": 4, "precision.mode": "bf16_mixed",
-                             "parallel.activation_checkpoint": "full"}),
+    "mb4_bf16_full_ac": (
+        1,
+        {"train.micro_batch": 4, "precision.mode": "bf16_mixed", "parallel.activation_checkpoint": "full"},
+    ),
 }
 BLOCK_SETTINGS = ("precision.mode", "parallel.activation_checkpoint")  # of a run's, its preflights' too
 # Tokenize in the training process: on a host whose cores the training processes fill (the 2-core CPU host runs
@@ -62,8 +64,16 @@ REPLAYED = ("gpu", "preset", "steps", "warmup", "seq_len", "global_batch", "micr
 
 
 def torchrun(nproc: int, args: list[str], env: dict) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "hlat",
-           *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "hlat",
+        *args,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
 
 
@@ -72,20 +82,53 @@ def flags(overrides: dict) -> list[str]:
 
 
 def preflight(args, nproc: int, timed_as: dict, out: Path, env: dict) -> None:
-    done = torchrun(nproc, ["preflight", "--model", args.preset, *flags(args.model_overrides), *flags(timed_as),
-                            "--train.seq_len", str(args.seq_len), "--micro-batches", args.micro_batches,
-                            "--tp", args.tp, "--dp", args.dp, "--dtypes", args.dtypes,
-                            "--repeats", str(args.repeats), "--threshold", "0.05", "--out", str(out)], env)
+    done = torchrun(
+        nproc,
+        [
+            "preflight",
+            "--model",
+            args.preset,
+            *flags(args.model_overrides),
+            *flags(timed_as),
+            "--train.seq_len",
+            str(args.seq_len),
+            "--micro-batches",
+            args.micro_batches,
+            "--tp",
+            args.tp,
+            "--dp",
+            args.dp,
+            "--dtypes",
+            args.dtypes,
+            "--repeats",
+            str(args.repeats),
+            "--threshold",
+            "0.05",
+            "--out",
+            str(out),
+        ],
+        env,
+    )
     if not out.is_file():
         sys.exit(f"preflight failed:\n{done.stderr[-3000:]}")
 
 
 def train(name: str, nproc: int, overrides: dict, args, workdir: Path, env: dict) -> Path | str:
     run_dir = workdir / name
-    base = {"model.preset": args.preset, **args.model_overrides, "train.run_dir": run_dir,
-            "train.steps": args.steps, "train.log_every": 1, "train.global_batch": args.global_batch,
-            "train.micro_batch": args.micro_batch, "train.seq_len": args.seq_len, "train.ckpt_every": 0,
-            "data.paths": os.path.join(os.path.dirname(json.__file__), "*.py"), **DATA_IN_PROCESS, **overrides}
+    base = {
+        "model.preset": args.preset,
+        **args.model_overrides,
+        "train.run_dir": run_dir,
+        "train.steps": args.steps,
+        "train.log_every": 1,
+        "train.global_batch": args.global_batch,
+        "train.micro_batch": args.micro_batch,
+        "train.seq_len": args.seq_len,
+        "train.ckpt_every": 0,
+        "data.paths": os.path.join(os.path.dirname(json.__file__), "*.py"),
+        **DATA_IN_PROCESS,
+        **overrides,
+    }
     done = torchrun(nproc, ["train", "--config", "configs/tiny.toml", *flags(base)], env)
     if done.returncode:
         return done.stderr.strip().splitlines()[-1][:200]
@@ -107,11 +150,17 @@ def bracketed_runs(layouts: dict, args, workdir: Path, env: dict) -> dict:
         print(f"{name}: {'done' if isinstance(done, Path) else done}", flush=True)
         after = workdir / f"preflight{i}_after.toml"
         preflight(args, nproc, timed_as, after, env)
-        runs[name] = {"processes": nproc, "run": str(done) if isinstance(done, Path) else "",
-                      "error": "" if isinstance(done, Path) else done, "before": str(last[2]), "after": str(after)}
+        runs[name] = {
+            "processes": nproc,
+            "run": str(done) if isinstance(done, Path) else "",
+            "error": "" if isinstance(done, Path) else done,
+            "before": str(last[2]),
+            "after": str(after),
+        }
         last = (nproc, timed_as, after)
-    (workdir / "brackets.json").write_text(json.dumps({"args": {k: getattr(args, k) for k in REPLAYED},
-                                                       "runs": runs}, indent=1))
+    (workdir / "brackets.json").write_text(
+        json.dumps({"args": {k: getattr(args, k) for k in REPLAYED}, "runs": runs}, indent=1)
+    )
     return runs
 
 
@@ -129,18 +178,29 @@ def main() -> None:
     ap.add_argument("--gpu", action="store_true", help="one GPU: the single-device runs of GPU_RUNS")
     ap.add_argument("--preset", default="small")
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=4, help="first steps left out of the timing (on the 2-core "
-                                                          "CPU host the first ran up to twice as long as later ones)")
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=4,
+        help="first steps left out of the timing (on the 2-core "
+        "CPU host the first ran up to twice as long as later ones)",
+    )
     ap.add_argument("--seq-len", type=int)
     ap.add_argument("--global-batch", type=int)
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3, help="preflight repetitions per measurement")
     ap.add_argument("--layouts", default="", help="comma-separated subset of the layouts to run (default: all)")
-    ap.add_argument("--workdir", type=Path, help="keep the runs and every preflight's profile here (default: a "
-                                                 "temporary directory, removed)")
-    ap.add_argument("--replan", type=Path, metavar="WORKDIR",
-                    help="predict again the runs kept in WORKDIR by --workdir, running nothing "
-                         "(after a planner change)")
+    ap.add_argument(
+        "--workdir",
+        type=Path,
+        help="keep the runs and every preflight's profile here (default: a temporary directory, removed)",
+    )
+    ap.add_argument(
+        "--replan",
+        type=Path,
+        metavar="WORKDIR",
+        help="predict again the runs kept in WORKDIR by --workdir, running nothing (after a planner change)",
+    )
     args = ap.parse_args()
     if args.replan:
         vars(args).update(json.loads((args.replan / "brackets.json").read_text())["args"])
@@ -160,8 +220,13 @@ def main() -> None:
     args.model_overrides = {"model.tie_embeddings": False}  # pipeline stages cannot share the embedding
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}  # one core per process on a CPU host
     # another preset or a subset of the layouts is kept apart from the full table
-    tag = "_".join(["gpu" if args.gpu else "cpu", *([args.preset] if args.preset != "small" else []),
-                    *(layouts if args.layouts else [])])
+    tag = "_".join(
+        [
+            "gpu" if args.gpu else "cpu",
+            *([args.preset] if args.preset != "small" else []),
+            *(layouts if args.layouts else []),
+        ]
+    )
     RESULTS.mkdir(exist_ok=True)
     rows = []
     with contextlib.ExitStack() as stack:
@@ -187,40 +252,90 @@ def main() -> None:
             measured, median, data_wait = measured_step(Path(run_dir), args.warmup)
             predicted = [step_time(sample.workload, sample.layout, hw) for hw in (before, after)]
             mean = math.sqrt(predicted[0].total * predicted[1].total)
-            rows.append({"layout": name, "processes": nproc, "planner_layout": sample.layout.describe(),
-                         "measured_s": round(measured, 4), "median_s": round(median, 4),
-                         "data_wait_s": round(data_wait, 4),
-                         "predicted_before_s": round(predicted[0].total, 4),
-                         "predicted_after_s": round(predicted[1].total, 4),
-                         "error_before": round(predicted[0].total / measured - 1, 4),
-                         "error_after": round(predicted[1].total / measured - 1, 4),
-                         "predicted_mean_s": round(mean, 4), "error_mean": round(mean / measured - 1, 4),
-                         "breakdown_before": {k: round(v, 4) for k, v in predicted[0].__dict__.items()
-                                             if isinstance(v, float)},
-                         "priced_from": ", ".join(filter(None, [predicted[0].layer, predicted[0].data_parallel and
-                                                                f"DP {predicted[0].data_parallel}"]))})
-    meta = {"machine": platform.machine(), "cpus": os.cpu_count(), "preset": args.preset, "seq_len": args.seq_len,
-            "global_batch": args.global_batch, "micro_batch": args.micro_batch, "steps": args.steps,
-            "timed_steps": args.steps - args.warmup,
-            "profiles": kept,
-            "figures": before.sources()}
+            rows.append(
+                {
+                    "layout": name,
+                    "processes": nproc,
+                    "planner_layout": sample.layout.describe(),
+                    "measured_s": round(measured, 4),
+                    "median_s": round(median, 4),
+                    "data_wait_s": round(data_wait, 4),
+                    "predicted_before_s": round(predicted[0].total, 4),
+                    "predicted_after_s": round(predicted[1].total, 4),
+                    "error_before": round(predicted[0].total / measured - 1, 4),
+                    "error_after": round(predicted[1].total / measured - 1, 4),
+                    "predicted_mean_s": round(mean, 4),
+                    "error_mean": round(mean / measured - 1, 4),
+                    "breakdown_before": {
+                        k: round(v, 4) for k, v in predicted[0].__dict__.items() if isinstance(v, float)
+                    },
+                    "priced_from": ", ".join(
+                        filter(
+                            None,
+                            [predicted[0].layer, predicted[0].data_parallel and f"DP {predicted[0].data_parallel}"],
+                        )
+                    ),
+                }
+            )
+    meta = {
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "preset": args.preset,
+        "seq_len": args.seq_len,
+        "global_batch": args.global_batch,
+        "micro_batch": args.micro_batch,
+        "steps": args.steps,
+        "timed_steps": args.steps - args.warmup,
+        "profiles": kept,
+        "figures": before.sources(),
+    }
     table = markdown_table(
-        ["layout", "processes", "planner's reading", "priced from", "measured s/step (fastest)", "median",
-         "waiting for data", "predicted (preflight before)", "error", "predicted (preflight after)", "error",
-         "predicted (geometric mean)", "error"],
-        [[r["layout"], r["processes"], r.get("planner_layout", "failed: " + r.get("error", "")),
-          r.get("priced_from", ""), r.get("measured_s", ""), r.get("median_s", ""), r.get("data_wait_s", ""),
-          r.get("predicted_before_s", ""), f"{r['error_before']:+.1%}" if "error_before" in r else "",
-          r.get("predicted_after_s", ""), f"{r['error_after']:+.1%}" if "error_after" in r else "",
-          r.get("predicted_mean_s", ""), f"{r['error_mean']:+.1%}" if "error_mean" in r else ""]
-         for r in rows])
-    write_results(f"planner_measured_{tag}", meta, rows,
-                  f"`{args.preset}` (untied embeddings), seq {args.seq_len}, global batch {args.global_batch}, "
-                  f"micro-batch {args.micro_batch}; fastest (and median) step of steps {args.warmup + 1}-{args.steps} "
-                  f"(data tokenized in the training process); "
-                  f"predicted from the `hlat preflight` run just before and the one just after each training run "
-                  f"(each with the run's own process count{'' if args.gpu else ', one thread per process'}). "
-                  f"{before.sources()}.", table)
+        [
+            "layout",
+            "processes",
+            "planner's reading",
+            "priced from",
+            "measured s/step (fastest)",
+            "median",
+            "waiting for data",
+            "predicted (preflight before)",
+            "error",
+            "predicted (preflight after)",
+            "error",
+            "predicted (geometric mean)",
+            "error",
+        ],
+        [
+            [
+                r["layout"],
+                r["processes"],
+                r.get("planner_layout", "failed: " + r.get("error", "")),
+                r.get("priced_from", ""),
+                r.get("measured_s", ""),
+                r.get("median_s", ""),
+                r.get("data_wait_s", ""),
+                r.get("predicted_before_s", ""),
+                f"{r['error_before']:+.1%}" if "error_before" in r else "",
+                r.get("predicted_after_s", ""),
+                f"{r['error_after']:+.1%}" if "error_after" in r else "",
+                r.get("predicted_mean_s", ""),
+                f"{r['error_mean']:+.1%}" if "error_mean" in r else "",
+            ]
+            for r in rows
+        ],
+    )
+    write_results(
+        f"planner_measured_{tag}",
+        meta,
+        rows,
+        f"`{args.preset}` (untied embeddings), seq {args.seq_len}, global batch {args.global_batch}, "
+        f"micro-batch {args.micro_batch}; fastest (and median) step of steps {args.warmup + 1}-{args.steps} "
+        f"(data tokenized in the training process); "
+        f"predicted from the `hlat preflight` run just before and the one just after each training run "
+        f"(each with the run's own process count{'' if args.gpu else ', one thread per process'}). "
+        f"{before.sources()}.",
+        table,
+    )
 
 
 if __name__ == "__main__":

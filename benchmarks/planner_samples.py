@@ -19,8 +19,9 @@ from hlat.planner.layout import Layout, Workload, layout_problem
 from hlat.planner.timing import step_time
 from hlat.profiles import FACTORS, Fit, HardwareProfile, load_profile
 
-VALIDATION_DIR = Path(os.environ.get("HLAT_VALIDATION_DIR",
-                                    Path(__file__).resolve().parents[2] / "shared" / "validation"))
+VALIDATION_DIR = Path(
+    os.environ.get("HLAT_VALIDATION_DIR", Path(__file__).resolve().parents[2] / "shared" / "validation")
+)
 
 
 def _rows(name: str) -> list[dict]:
@@ -33,15 +34,31 @@ def gpt(dim: int, layers: int, heads: int, seq_len: int, vocab: int = 51200, ffn
     rotary (the learned position table Megatron uses instead is negligible). Under a pipeline Megatron keeps a
     copy of the embedding on the first and the last stage, which is what an untied model costs there (and what
     hlat's trainer runs)."""
-    return model_config(family="neox", dim=dim, n_layers=layers, n_heads=heads, ffn_dim=ffn or 4 * dim,
-                        vocab_size=vocab, max_seq_len=seq_len, rotary_pct=1.0, tie_embeddings=pp == 1)
+    return model_config(
+        family="neox",
+        dim=dim,
+        n_layers=layers,
+        n_heads=heads,
+        ffn_dim=ffn or 4 * dim,
+        vocab_size=vocab,
+        max_seq_len=seq_len,
+        rotary_pct=1.0,
+        tie_embeddings=pp == 1,
+    )
 
 
 def a100_cluster(inter_gbps: float) -> HardwareProfile:
     """The measurement clusters: DGX-A100-like nodes of 8 A100 80GB, with the p4d profile's A100 factors and
     their own network (vTrain: 800 Gbit/s per node; Selene: 8 x 200 Gbit/s HDR InfiniBand)."""
-    return replace(load_profile("p4d.24xlarge"), name=f"a100-80gb-{inter_gbps:g}gbps", memory_gib=80.0,
-                   hbm_gbs=2039.0, inter_gbps=inter_gbps, flash_attention=False, activations="megatron")
+    return replace(
+        load_profile("p4d.24xlarge"),
+        name=f"a100-80gb-{inter_gbps:g}gbps",
+        memory_gib=80.0,
+        hbm_gbs=2039.0,
+        inter_gbps=inter_gbps,
+        flash_attention=False,
+        activations="megatron",
+    )
 
 
 def vtrain_samples(which: str) -> list[Sample]:
@@ -54,11 +71,19 @@ def vtrain_samples(which: str) -> list[Sample]:
         pp = n["pipeline parallelism"]
         model = gpt(n["hidden size"], n["# layers"], n["attention heads"], n["sequence length"], pp=pp)
         work = Workload(model, n["sequence length"], n["global batch"], "bf16_mixed")
-        layout = Layout.of(tp=n["tensor parallelism"], pp=pp, dp_replicate=n["data parallelism"],
-                           micro_batch=n["micro batch"], sequence_parallel=False, activation_checkpoint="full")
+        layout = Layout.of(
+            tp=n["tensor parallelism"],
+            pp=pp,
+            dp_replicate=n["data parallelism"],
+            micro_batch=n["micro batch"],
+            sequence_parallel=False,
+            activation_checkpoint="full",
+        )
         tied = gpt(model.dim, model.n_layers, model.n_heads, work.seq_len)  # the model's size, wherever it runs
-        group = (f"{which}: {tied.num_params() / 1e9:.2f}B h{model.dim} L{model.n_layers} s{work.seq_len}, "
-                 f"{n['# GPUs']} GPUs, batch {work.global_batch}")
+        group = (
+            f"{which}: {tied.num_params() / 1e9:.2f}B h{model.dim} L{model.n_layers} s{work.seq_len}, "
+            f"{n['# GPUs']} GPUs, batch {work.global_batch}"
+        )
         samples.append(Sample(f"vtrain-{which}-{i}", work, layout, hw, float(r["iteration time (ms)"]) / 1e3, group))
     return samples
 
@@ -88,10 +113,16 @@ def trainium_samples() -> list[Sample]:
         work = Workload(model_config(r["model"]), seq, batch, precision[r["precision"]])
         nemo = r["model"] in ("neox-20b", "pythia-6.9b")
         dp = int(r["dp"])
-        layout = Layout.of(tp=int(r["tp"]), pp=int(r["pp"]), dp_replicate=dp if nemo else 1,
-                           dp_shard=1 if nemo else dp, micro_batch=int(r["micro_batch"] or (2 if r["model"] == "pythia-6.9b" else 1)),
-                           sequence_parallel=True, zero1=not nemo and dp > 1,
-                           activation_checkpoint="full" if nemo else "selective")
+        layout = Layout.of(
+            tp=int(r["tp"]),
+            pp=int(r["pp"]),
+            dp_replicate=dp if nemo else 1,
+            dp_shard=1 if nemo else dp,
+            micro_batch=int(r["micro_batch"] or (2 if r["model"] == "pythia-6.9b" else 1)),
+            sequence_parallel=True,
+            zero1=not nemo and dp > 1,
+            activation_checkpoint="full" if nemo else "selective",
+        )
         step_s = batch / float(r["seq_per_s"])
         samples.append(Sample(f"{r['model']} {r['nodes']} nodes", work, layout, hw, step_s, r["model"]))
     return samples
@@ -106,16 +137,36 @@ def a100_published() -> list[tuple[Sample, list[Layout]]]:
     hw = a100_cluster(1600.0)
     out = []
     for r in _rows("published_configs_a100.csv"):
-        n = {k: int(float(r[k])) for k in ("layers", "hidden", "heads", "ffn", "vocab", "seq_len", "gpus", "tp", "pp",
-                                          "dp", "global_batch_seqs")}
+        n = {
+            k: int(float(r[k]))
+            for k in (
+                "layers",
+                "hidden",
+                "heads",
+                "ffn",
+                "vocab",
+                "seq_len",
+                "gpus",
+                "tp",
+                "pp",
+                "dp",
+                "global_batch_seqs",
+            )
+        }
         model = gpt(n["hidden"], n["layers"], n["heads"], n["seq_len"], n["vocab"], n["ffn"], n["pp"])
         work = Workload(model, n["seq_len"], n["global_batch_seqs"], "bf16_mixed")
         selective = r["act_recompute"] == "selective+SP"
 
         def layout(mb: int, v: int) -> Layout:
-            return Layout.of(tp=n["tp"], pp=n["pp"], dp_replicate=n["dp"], sequence_parallel=selective,
-                             activation_checkpoint="selective" if selective else "full", micro_batch=mb,
-                             virtual_stages=v)
+            return Layout.of(
+                tp=n["tp"],
+                pp=n["pp"],
+                dp_replicate=n["dp"],
+                sequence_parallel=selective,
+                activation_checkpoint="selective" if selective else "full",
+                micro_batch=mb,
+                virtual_stages=v,
+            )
 
         if r["iter_time_s"]:
             step_s = float(r["iter_time_s"])
@@ -125,8 +176,12 @@ def a100_published() -> list[tuple[Sample, list[Layout]]]:
             flops = 96 * b * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
             step_s = flops / (float(r["tflops_per_gpu"]) * 1e12 * n["gpus"])
             per_stage = L // n["pp"]
-            layouts = [layout(mb, v) for mb in (1, 2, 4, 8) for v in range(1, per_stage + 1)
-                       if per_stage % v == 0 and (v == 1 or n["pp"] > 1)]
+            layouts = [
+                layout(mb, v)
+                for mb in (1, 2, 4, 8)
+                for v in range(1, per_stage + 1)
+                if per_stage % v == 0 and (v == 1 or n["pp"] > 1)
+            ]
             layouts = [lay for lay in layouts if not layout_problem(work, lay, n["gpus"])]
         name = f"{r['model']} {r['source'].split(' ')[0]} {r['act_recompute']}"
         out.append((Sample(name, work, layouts[0], hw, step_s, r["source"].split(" ")[0]), layouts))
@@ -142,13 +197,19 @@ def fit_a100(multi_part: list[Sample], single_part: list[Sample]) -> Fit:
     """The A100 factors, all of them, fitted to vTrain measurements with the multi-node and single-node files
     weighted equally (the 1,440 small single-node runs would otherwise swamp the 109 large ones)."""
     weights = [1 / len(multi_part)] * len(multi_part) + [1 / len(single_part)] * len(single_part)
-    return fit_factors(multi_part + single_part, FACTORS, Fit(),
-                       "fitted to half of vTrain's A100 measurements (benchmarks/planner_validation.py)", weights)
+    return fit_factors(
+        multi_part + single_part,
+        FACTORS,
+        Fit(),
+        "fitted to half of vTrain's A100 measurements (benchmarks/planner_validation.py)",
+        weights,
+    )
 
 
 def fit_trn1(samples: list[Sample]) -> Fit:
-    return fit_factors(samples, TRN1_FACTORS, Fit(),
-                       "fitted to the published trn1 runs (benchmarks/planner_validation.py)")
+    return fit_factors(
+        samples, TRN1_FACTORS, Fit(), "fitted to the published trn1 runs (benchmarks/planner_validation.py)"
+    )
 
 
 def relative_errors(samples: list[Sample], fit: Fit) -> list[float]:

@@ -39,11 +39,19 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 PLAIN = "bf16_nearest"  # the baseline, not a training mode: pure bf16 rounding every write to nearest
 FP8 = "fp8_tensorwise"  # bf16_mixed with FP8 linears (precision.fp8 = "tensorwise"), not a mode
-LABELS = {"fp32": "fp32", "bf16_mixed": "bf16 mixed (fp32 master)", "bf16_sr": "bf16 + stochastic rounding",
-          "bf16_kahan": "bf16 + Kahan summation", PLAIN: "bf16, round to nearest",
-          FP8: "bf16 mixed, FP8 tensorwise linears"}
-BYTES_PER_PARAM = {**{name: mode.bytes_per_param for name, mode in MODES.items()},
-                   PLAIN: MODES["bf16_sr"].bytes_per_param, FP8: MODES["bf16_mixed"].bytes_per_param}
+LABELS = {
+    "fp32": "fp32",
+    "bf16_mixed": "bf16 mixed (fp32 master)",
+    "bf16_sr": "bf16 + stochastic rounding",
+    "bf16_kahan": "bf16 + Kahan summation",
+    PLAIN: "bf16, round to nearest",
+    FP8: "bf16 mixed, FP8 tensorwise linears",
+}
+BYTES_PER_PARAM = {
+    **{name: mode.bytes_per_param for name, mode in MODES.items()},
+    PLAIN: MODES["bf16_sr"].bytes_per_param,
+    FP8: MODES["bf16_mixed"].bytes_per_param,
+}
 
 
 def build(mode: str, model_cfg, optim_cfg: OptimConfig, seed: int):
@@ -56,8 +64,14 @@ def build(mode: str, model_cfg, optim_cfg: OptimConfig, seed: int):
     model = materialize(model, "cpu", seed)
     if mode == PLAIN:
         model.to(torch.bfloat16)
-        opt = BF16AdamW(param_groups(model, optim_cfg), lr=optim_cfg.lr, betas=(optim_cfg.beta1, optim_cfg.beta2),
-                        eps=optim_cfg.eps, rounding="nearest", seed=seed)
+        opt = BF16AdamW(
+            param_groups(model, optim_cfg),
+            lr=optim_cfg.lr,
+            betas=(optim_cfg.beta1, optim_cfg.beta2),
+            eps=optim_cfg.eps,
+            rounding="nearest",
+            seed=seed,
+        )
     else:
         opt = build_optimizer(prepare_model(model, mode), optim_cfg, mode, seed)
     return model, opt
@@ -126,8 +140,11 @@ def plot(runs: dict, summary: dict, path: Path, window: int) -> None:
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--modes", default=f"fp32,bf16_mixed,bf16_sr,{PLAIN}",
-                    help=f"comma-separated: {', '.join(MODES)}, {PLAIN}, {FP8}")
+    ap.add_argument(
+        "--modes",
+        default=f"fp32,bf16_mixed,bf16_sr,{PLAIN}",
+        help=f"comma-separated: {', '.join(MODES)}, {PLAIN}, {FP8}",
+    )
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
@@ -137,8 +154,11 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--min-lr", type=float, default=1e-4)
     ap.add_argument("--warmup", type=int, default=40)
-    ap.add_argument("--seeds", default="0,1,2", help="comma-separated: each seed draws its own initial weights, "
-                                                     "batches and rounding bits")
+    ap.add_argument(
+        "--seeds",
+        default="0,1,2",
+        help="comma-separated: each seed draws its own initial weights, batches and rounding bits",
+    )
     ap.add_argument("--final-window", type=int, default=50, help="the final loss is the mean of this many last steps")
     ap.add_argument("--note", default="", help="a sentence for the results' caption")
     ap.add_argument("--out", default="precision_parity", help="results name under benchmarks/results")
@@ -154,9 +174,14 @@ def parse_args() -> argparse.Namespace:
 def summarise(runs: dict, window: int) -> dict:
     """Each mode's final loss (the mean of the last `window` steps), seconds and bytes per parameter, and its final
     loss against bf16_mixed's."""
-    summary = {mode: {"final_loss": sum(r["loss"][-window:]) / window, "seconds": round(r["seconds"], 1),
-                      "bytes_per_param": BYTES_PER_PARAM[mode]}
-               for mode, r in runs.items()}
+    summary = {
+        mode: {
+            "final_loss": sum(r["loss"][-window:]) / window,
+            "seconds": round(r["seconds"], 1),
+            "bytes_per_param": BYTES_PER_PARAM[mode],
+        }
+        for mode, r in runs.items()
+    }
     if "bf16_mixed" in summary:
         for s in summary.values():
             s["vs_bf16_mixed_pct"] = 100 * (s["final_loss"] / summary["bf16_mixed"]["final_loss"] - 1)
@@ -175,8 +200,11 @@ def table(summaries: dict[int, dict]) -> str:
     """Per mode: the final loss and its difference from bf16_mixed for each seed, and the mean and standard
     deviation of that difference over the seeds."""
     seeds = list(summaries)
-    rows = [f"| mode | final loss (seed {', '.join(map(str, seeds))}) | vs bf16_mixed (each seed) | vs bf16_mixed "
-            "(mean ± sd) | bytes/param (weights+grads+optimizer) | seconds (each seed) |", "|---|---|---|---|---|---|"]
+    rows = [
+        f"| mode | final loss (seed {', '.join(map(str, seeds))}) | vs bf16_mixed (each seed) | vs bf16_mixed "
+        "(mean ± sd) | bytes/param (weights+grads+optimizer) | seconds (each seed) |",
+        "|---|---|---|---|---|---|",
+    ]
     for mode, first in summaries[seeds[0]].items():
         each = [summaries[s][mode] for s in seeds]
         vs = [e["vs_bf16_mixed_pct"] for e in each if "vs_bf16_mixed_pct" in e]
@@ -184,23 +212,43 @@ def table(summaries: dict[int, dict]) -> str:
         losses = " / ".join(f"{e['final_loss']:.4f}" for e in each)
         seconds = " / ".join(f"{e['seconds']:.0f}" for e in each)
         differences = " / ".join(f"{v:+.2f}%" for v in vs) or "n/a"
-        rows.append(f"| {LABELS[mode]} (`{mode}`) | {losses} | {differences} | {spread} | {first['bytes_per_param']} "
-                    f"| {seconds} |")
+        rows.append(
+            f"| {LABELS[mode]} (`{mode}`) | {losses} | {differences} | {spread} | {first['bytes_per_param']} "
+            f"| {seconds} |"
+        )
     return "\n".join(rows)
 
 
 def main() -> None:
     args = parse_args()
-    model_cfg = model_config("tiny", dim=args.dim, n_layers=args.layers, n_heads=max(1, args.dim // 64),
-                             ffn_dim=args.dim * 8 // 3 // 16 * 16, vocab_size=args.vocab, max_seq_len=args.seq_len)
-    tokenizer = get_tokenizer(DataConfig(tokenizer_sample_bytes=1_000_000), default_corpus(), args.vocab,
-                              ROOT / "runs" / f"{args.out}-tokenizer-{args.vocab}")
-    print(f"{model_cfg.num_params():,} parameters, {args.steps} steps of {args.batch}x{args.seq_len} tokens, "
-          f"torch {torch.__version__} on {torch.get_num_threads()} threads", flush=True)
+    model_cfg = model_config(
+        "tiny",
+        dim=args.dim,
+        n_layers=args.layers,
+        n_heads=max(1, args.dim // 64),
+        ffn_dim=args.dim * 8 // 3 // 16 * 16,
+        vocab_size=args.vocab,
+        max_seq_len=args.seq_len,
+    )
+    tokenizer = get_tokenizer(
+        DataConfig(tokenizer_sample_bytes=1_000_000),
+        default_corpus(),
+        args.vocab,
+        ROOT / "runs" / f"{args.out}-tokenizer-{args.vocab}",
+    )
+    print(
+        f"{model_cfg.num_params():,} parameters, {args.steps} steps of {args.batch}x{args.seq_len} tokens, "
+        f"torch {torch.__version__} on {torch.get_num_threads()} threads",
+        flush=True,
+    )
     started, window = time.perf_counter(), args.final_window
-    setup = {**{k: v for k, v in vars(args).items() if k not in ("out", "plot", "note")},
-             "params": model_cfg.num_params(), "machine": platform.processor() or platform.machine(),
-             "threads": torch.get_num_threads(), "torch": torch.__version__}
+    setup = {
+        **{k: v for k, v in vars(args).items() if k not in ("out", "plot", "note")},
+        "params": model_cfg.num_params(),
+        "machine": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
     results, summaries = {}, {}
     for seed in args.seeds:  # results written after each seed: a long run stopped early keeps what it finished
         runs = seed_runs(args, seed, model_cfg, tokenizer)

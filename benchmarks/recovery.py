@@ -39,11 +39,23 @@ from results_io import markdown_table, write_results  # noqa: E402
 # each recovery path: its config overrides ({node_local}: a directory on this node, {ckpt_every}: --ckpt-every)
 PATHS = {
     "durable": ["--train.ckpt_every", "{ckpt_every}", "--train.snapshot_every", "0"],
-    "memory": ["--train.ckpt_every", "{ckpt_every}", "--train.snapshot_every", "1",
-               "--train.snapshot_dir", "{node_local}"],
+    "memory": [
+        "--train.ckpt_every",
+        "{ckpt_every}",
+        "--train.snapshot_every",
+        "1",
+        "--train.snapshot_dir",
+        "{node_local}",
+    ],
     # the default: a snapshot every K steps, K the fewest that keep its measured cost under 5% of their time
-    "memory_auto": ["--train.ckpt_every", "{ckpt_every}", "--train.snapshot_every", "-1",
-                    "--train.snapshot_dir", "{node_local}"],
+    "memory_auto": [
+        "--train.ckpt_every",
+        "{ckpt_every}",
+        "--train.snapshot_every",
+        "-1",
+        "--train.snapshot_dir",
+        "{node_local}",
+    ],
 }
 MEMORY_PATHS = ("memory", "memory_auto")
 PARTS = ("detection_s", "restart_s", "downtime_s", "load_s", "recomputed_steps", "recomputed_s")
@@ -52,23 +64,49 @@ PARTS = ("detection_s", "restart_s", "downtime_s", "load_s", "recomputed_steps",
 def overrides(path: str, run_dir: Path, ckpt_every: int, *extra: str) -> list[str]:
     """The path's `hlat train` arguments (micro-batches of 8: the tiny config's global batch of 16 over 2 ranks)."""
     fill = {"node_local": str(run_dir.parent / "node_local"), "ckpt_every": str(ckpt_every)}
-    return ["--config", str(ROOT / "configs" / "tiny.toml"), "--train.run_dir", str(run_dir),
-            "--train.steps", "1000000", "--train.micro_batch", "8", *(o.format(**fill) for o in PATHS[path]), *extra]
+    return [
+        "--config",
+        str(ROOT / "configs" / "tiny.toml"),
+        "--train.run_dir",
+        str(run_dir),
+        "--train.steps",
+        "1000000",
+        "--train.micro_batch",
+        "8",
+        *(o.format(**fill) for o in PATHS[path]),
+        *extra,
+    ]
 
 
 def config_refusal(args: list[str]) -> str:
     """'' if `hlat train` accepts these overrides, else its one-line error."""
-    done = subprocess.run([sys.executable, "-m", "hlat", "train", *args, "--print-config"],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "hlat", "train", *args, "--print-config"], capture_output=True, text=True, timeout=120
+    )
     errors = [line for line in done.stderr.splitlines() if line.startswith("hlat: error:")]
     return "" if done.returncode == 0 else (errors[-1] if errors else done.stderr.strip()[-300:])
 
 
 def start_job(args: list[str], log: Path) -> subprocess.Popen:
     with open(log, "w") as out:
-        return subprocess.Popen([sys.executable, "-m", "hlat", "torchrun", "--standalone", "--nproc-per-node=2",
-                                 "--max-restarts=1000", "-m", "hlat", "train", *args],
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "hlat",
+                "torchrun",
+                "--standalone",
+                "--nproc-per-node=2",
+                "--max-restarts=1000",
+                "-m",
+                "hlat",
+                "train",
+                *args,
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 def trainers(torchrun: int) -> list[int]:
@@ -76,8 +114,11 @@ def trainers(torchrun: int) -> list[int]:
     found = []
     for entry in Path("/proc").iterdir():
         try:
-            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == torchrun \
-                    and b"train" in (entry / "cmdline").read_bytes():
+            if (
+                entry.name.isdigit()
+                and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == torchrun
+                and b"train" in (entry / "cmdline").read_bytes()
+            ):
                 found.append(int(entry.name))
         except (OSError, ValueError, IndexError):
             continue
@@ -115,9 +156,17 @@ def faulted_run(path: str, root: Path, seconds: float, mean_s: float, ckpt_every
         raise SystemExit(f"path {path}: the job ended early with exit code {job.returncode}: see {root / path}/job.log")
     code = stop(job)
     goodput = json.loads((run_dir / "goodput.json").read_text())
-    return {"path": path, "snapshots": cadence(path, root / path / "job.log"), "exit": code,
-            "wall_s": goodput["wall_s"], "ettr": goodput["ettr"], "steps": goodput["high_water_step"], "kills": kills,
-            "failures": goodput["failures"], "totals": goodput["failure_totals"]}
+    return {
+        "path": path,
+        "snapshots": cadence(path, root / path / "job.log"),
+        "exit": code,
+        "wall_s": goodput["wall_s"],
+        "ettr": goodput["ettr"],
+        "steps": goodput["high_water_step"],
+        "kills": kills,
+        "failures": goodput["failures"],
+        "totals": goodput["failure_totals"],
+    }
 
 
 def no_faults(path: str, root: Path, steps: int, ckpt_every: int, name: str = "") -> tuple[float, float]:
@@ -146,14 +195,18 @@ def snapshot_cost(root: Path, steps: int, ckpt_every: int, paths: list[str]) -> 
     runs = {path: no_faults(path, root, steps, ckpt_every) for path in paths}
     after = no_faults("durable", root, steps, ckpt_every, "durable_after")
     without, stall_without = statistics.fmean((before[0], after[0])), statistics.fmean((before[1], after[1]))
-    costs = [f"the durable baseline {without * 1e3:.1f} ms a step (before {before[0] * 1e3:.1f}, after "
-             f"{after[0] * 1e3:.1f}: a drift of {after[0] / before[0] - 1:+.1%})"]
+    costs = [
+        f"the durable baseline {without * 1e3:.1f} ms a step (before {before[0] * 1e3:.1f}, after "
+        f"{after[0] * 1e3:.1f}: a drift of {after[0] / before[0] - 1:+.1%})"
+    ]
     for path, (with_tier, stall_with) in runs.items():
         stall = stall_with - stall_without
         every = cadence(path, root / f"{path}_no_faults" / "job.log")
-        costs.append(f"{path} (a snapshot {every}): {(with_tier + stall) / without - 1:+.1%} in all, a stall of "
-                     f"{stall * 1e3:.1f} ms a step ({stall / without:.1%}) and steps {with_tier / without - 1:+.1%} "
-                     f"slower ({with_tier * 1e3:.1f} ms)")
+        costs.append(
+            f"{path} (a snapshot {every}): {(with_tier + stall) / without - 1:+.1%} in all, a stall of "
+            f"{stall * 1e3:.1f} ms a step ({stall / without:.1%}) and steps {with_tier / without - 1:+.1%} "
+            f"slower ({with_tier * 1e3:.1f} ms)"
+        )
     return "; ".join(costs)
 
 
@@ -173,16 +226,30 @@ def row(result: dict) -> list:
         have = [f[part] for f in result["failures"] if f[part] is not None]
         return f"{sum(have) / len(have):.{digits}f}" if have else "-"
 
-    return [result["path"], result["snapshots"], f"{result['wall_s']:.0f}", result["steps"], len(result["kills"]),
-            f"{n} ({totals['not_observed']} not observed)", f"{result['ettr']:.3f}", mean("detection_s"),
-            mean("restart_s"), mean("downtime_s"), mean("load_s"), mean("recomputed_steps", 1),
-            mean("recomputed_s")]
+    return [
+        result["path"],
+        result["snapshots"],
+        f"{result['wall_s']:.0f}",
+        result["steps"],
+        len(result["kills"]),
+        f"{n} ({totals['not_observed']} not observed)",
+        f"{result['ettr']:.3f}",
+        mean("detection_s"),
+        mean("restart_s"),
+        mean("downtime_s"),
+        mean("load_s"),
+        mean("recomputed_steps", 1),
+        mean("recomputed_s"),
+    ]
 
 
 def machine() -> str:
     try:
-        model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                     if line.startswith("model name"))
+        model = next(
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        )
     except (OSError, StopIteration):
         model = platform.processor() or "unknown CPU"
     return f"{platform.node()}: {os.cpu_count()} cores of {model}"
@@ -193,12 +260,18 @@ def main() -> None:
     p.add_argument("--minutes", type=float, default=10.0, help="wall time per path")
     p.add_argument("--mean-s", type=float, default=90.0, help="mean time between faults")
     p.add_argument("--ckpt-every", type=int, default=20, help="train.ckpt_every of every path")
-    p.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated, of {', '.join(PATHS)}; empty: the "
-                                                           "snapshot's cost alone (results/recovery_cost.md)")
+    p.add_argument(
+        "--paths",
+        default=",".join(PATHS),
+        help=f"comma-separated, of {', '.join(PATHS)}; empty: the snapshot's cost alone (results/recovery_cost.md)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cost-steps", type=int, default=200, help="steps of each run without faults (snapshot cost)")
-    p.add_argument("--quick", action="store_true", help="3 minutes per path, a fault every 45 s on average, "
-                                                        "60 steps for the snapshot's cost")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="3 minutes per path, a fault every 45 s on average, 60 steps for the snapshot's cost",
+    )
     args = p.parse_args()
     if args.quick:
         args.minutes, args.mean_s, args.cost_steps = 3.0, 45.0, 60
@@ -211,32 +284,63 @@ def main() -> None:
         for name in paths:
             if refused[name]:
                 print(f"path {name}: {refused[name]}", file=sys.stderr)
-        results = [faulted_run(name, root, args.minutes * 60, args.mean_s, args.ckpt_every, args.seed)
-                   for name in paths if not refused[name]]
+        results = [
+            faulted_run(name, root, args.minutes * 60, args.mean_s, args.ckpt_every, args.seed)
+            for name in paths
+            if not refused[name]
+        ]
         measured = [name for name in MEMORY_PATHS if not refused[name] and (name in paths or not paths)]
         cost = snapshot_cost(root, args.cost_steps, args.ckpt_every, measured) if measured else "not measured"
     report(args, results, cost, refused)
 
 
 def report(args: argparse.Namespace, results: list[dict], cost: str, refused: dict) -> None:
-    header = ["path", "snapshots", "wall s", "steps", "faults", "failures", "ETTR", "detection s", "restart s",
-              "downtime s", "load s", "recomputed steps", "recomputed s"]
+    header = [
+        "path",
+        "snapshots",
+        "wall s",
+        "steps",
+        "faults",
+        "failures",
+        "ETTR",
+        "detection s",
+        "restart s",
+        "downtime s",
+        "load s",
+        "recomputed steps",
+        "recomputed s",
+    ]
     left_out = "; ".join(f"{name}: {why}" for name, why in refused.items() if why)
-    faults = (f"{args.minutes:g} min per path, one trainer SIGKILLed at exponential intervals (mean {args.mean_s:g} "
-              f"s, seed {args.seed}), train.ckpt_every = {args.ckpt_every}; per failure means (goodput.json; a fault "
-              f"that lands on a start before its rank 0 began its work, during the interpreter's imports, is no "
-              f"failure of its own: its time is in the previous failure's restart). " if results else
-              f"no faults (the snapshot's cost alone), train.ckpt_every = {args.ckpt_every}. ")
-    caption = (f"Recovery of the tiny model (configs/tiny.toml), 2 ranks under `hlat torchrun --max-restarts`, "
-               f"{faults}Machine: {machine()}; torch {torch_version()}. Snapshots' cost ({args.cost_steps} steps "
-               f"without faults; mean step times and goodput's stall for saves, each memory path against the "
-               f"durable one, run before and after them): {cost}."
-               + (f" Paths left out: {left_out}." if left_out else ""))
+    faults = (
+        f"{args.minutes:g} min per path, one trainer SIGKILLed at exponential intervals (mean {args.mean_s:g} "
+        f"s, seed {args.seed}), train.ckpt_every = {args.ckpt_every}; per failure means (goodput.json; a fault "
+        f"that lands on a start before its rank 0 began its work, during the interpreter's imports, is no "
+        f"failure of its own: its time is in the previous failure's restart). "
+        if results
+        else f"no faults (the snapshot's cost alone), train.ckpt_every = {args.ckpt_every}. "
+    )
+    caption = (
+        f"Recovery of the tiny model (configs/tiny.toml), 2 ranks under `hlat torchrun --max-restarts`, "
+        f"{faults}Machine: {machine()}; torch {torch_version()}. Snapshots' cost ({args.cost_steps} steps "
+        f"without faults; mean step times and goodput's stall for saves, each memory path against the "
+        f"durable one, run before and after them): {cost}." + (f" Paths left out: {left_out}." if left_out else "")
+    )
     name = "recovery_quick" if args.quick else "recovery" if results else "recovery_cost"
-    write_results(name, {"machine": machine(), "minutes": args.minutes, "mean_s": args.mean_s,
-                         "ckpt_every": args.ckpt_every, "seed": args.seed, "snapshot_cost": cost,
-                         "left_out": {k: v for k, v in refused.items() if v}},
-                  results, caption, markdown_table(header, [row(r) for r in results]))
+    write_results(
+        name,
+        {
+            "machine": machine(),
+            "minutes": args.minutes,
+            "mean_s": args.mean_s,
+            "ckpt_every": args.ckpt_every,
+            "seed": args.seed,
+            "snapshot_cost": cost,
+            "left_out": {k: v for k, v in refused.items() if v},
+        },
+        results,
+        caption,
+        markdown_table(header, [row(r) for r in results]),
+    )
 
 
 def torch_version() -> str:

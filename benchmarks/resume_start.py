@@ -47,22 +47,24 @@ def main() -> None:
         for weights, seconds in times.items():
             seconds.append(materialise_s(cfg, weights))
     drawn, loaded = (statistics.median(seconds) for seconds in times.values())
-    table = "\n".join([
-        f"# A resumed start's weights: allocated, not drawn ({args.preset} at {args.layers} layers, "
-        f"{billions:.2f} B parameters)",
-        "",
-        f"One process on {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch "
-        f"{torch.__version__}; medians of {args.rounds} alternating rounds (`python benchmarks/resume_start.py`).",
-        "",
-        "| start | materialise (s) | per billion parameters (s) |",
-        "|---|---|---|",
-        f"| fresh: every weight drawn | {drawn:.2f} | {drawn / billions:.2f} |",
-        f"| resume: weights left to the checkpoint's load | {loaded:.3f} | {loaded / billions:.3f} |",
-        "",
-        "A rank draws the full value of every parameter it holds a shard of: at this rate, a rank of a llama2-7b "
-        f"job ({full_7b:.1f} B parameters) spent about {full_7b * drawn / billions:.0f} s of each restart on draws "
-        "that the load then overwrote.",
-    ])
+    table = "\n".join(
+        [
+            f"# A resumed start's weights: allocated, not drawn ({args.preset} at {args.layers} layers, "
+            f"{billions:.2f} B parameters)",
+            "",
+            f"One process on {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch "
+            f"{torch.__version__}; medians of {args.rounds} alternating rounds (`python benchmarks/resume_start.py`).",
+            "",
+            "| start | materialise (s) | per billion parameters (s) |",
+            "|---|---|---|",
+            f"| fresh: every weight drawn | {drawn:.2f} | {drawn / billions:.2f} |",
+            f"| resume: weights left to the checkpoint's load | {loaded:.3f} | {loaded / billions:.3f} |",
+            "",
+            "A rank draws the full value of every parameter it holds a shard of: at this rate, a rank of a llama2-7b "
+            f"job ({full_7b:.1f} B parameters) spent about {full_7b * drawn / billions:.0f} s of each restart on draws "
+            "that the load then overwrote.",
+        ]
+    )
     RESULTS.write_text(table + "\n")
     print(table)
 

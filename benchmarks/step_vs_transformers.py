@@ -13,11 +13,11 @@ import time
 import torch
 import torch.nn.functional as F
 import transformers
+from results_io import markdown_table, write_results
 
 from hlat.models import build_model, materialize
 from hlat.models.config import model_config
 from hlat.models.hf import model_config_to_hf_config
-from results_io import markdown_table, write_results
 
 
 def hf_model(cfg):
@@ -48,11 +48,13 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     rows = []
-    for family, preset in (("llama", args.size), ("neox", f"{args.size}-neox")):
+    for preset in (args.size, f"{args.size}-neox"):
         cfg = model_config(preset)
         tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len))
-        steps = {"hlat": step_fn(materialize(build_model(cfg), "cpu"), False),
-                 "transformers": step_fn(hf_model(cfg), True)}
+        steps = {
+            "hlat": step_fn(materialize(build_model(cfg), "cpu"), False),
+            "transformers": step_fn(hf_model(cfg), True),
+        }
         for fn in steps.values():
             fn(tokens)  # warm-up
         times = {name: [] for name in steps}
@@ -62,21 +64,47 @@ def main() -> None:
                 fn(tokens)
                 times[name].append(time.perf_counter() - start)
         tps = {name: args.batch * args.seq_len / min(t) for name, t in times.items()}
-        rows.append({"model": preset, "params": cfg.num_params(), "hlat_tokens_per_s": round(tps["hlat"], 1),
-                     "transformers_tokens_per_s": round(tps["transformers"], 1),
-                     "ratio": round(tps["hlat"] / tps["transformers"], 3)})
-        print(f"{preset:>12}  hlat {tps['hlat']:8.1f} tok/s   transformers {tps['transformers']:8.1f} tok/s   "
-              f"ratio {tps['hlat'] / tps['transformers']:.3f}", flush=True)
-    meta = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "transformers": transformers.__version__, "batch": args.batch,
-            "seq_len": args.seq_len, "measured_steps": args.steps, "statistic": "best step"}
-    table = markdown_table(["model", "params", "hlat tok/s", "transformers tok/s", "hlat / transformers"],
-                           [[r["model"], f"{r['params']:,}", r["hlat_tokens_per_s"], r["transformers_tokens_per_s"],
-                             r["ratio"]] for r in rows])
-    write_results("step_vs_transformers", meta, rows,
-                  f"Training step (forward, backward, AdamW), batch {args.batch} x {args.seq_len}, CPU, "
-                  f"{meta['threads']} threads, torch {meta['torch']}, transformers {meta['transformers']}; best of "
-                  f"{args.steps} steps each, interleaved.", table)
+        rows.append(
+            {
+                "model": preset,
+                "params": cfg.num_params(),
+                "hlat_tokens_per_s": round(tps["hlat"], 1),
+                "transformers_tokens_per_s": round(tps["transformers"], 1),
+                "ratio": round(tps["hlat"] / tps["transformers"], 3),
+            }
+        )
+        print(
+            f"{preset:>12}  hlat {tps['hlat']:8.1f} tok/s   transformers {tps['transformers']:8.1f} tok/s   "
+            f"ratio {tps['hlat'] / tps['transformers']:.3f}",
+            flush=True,
+        )
+    meta = {
+        "machine": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "batch": args.batch,
+        "seq_len": args.seq_len,
+        "measured_steps": args.steps,
+        "statistic": "best step",
+    }
+    table = markdown_table(
+        ["model", "params", "hlat tok/s", "transformers tok/s", "hlat / transformers"],
+        [
+            [r["model"], f"{r['params']:,}", r["hlat_tokens_per_s"], r["transformers_tokens_per_s"], r["ratio"]]
+            for r in rows
+        ],
+    )
+    write_results(
+        "step_vs_transformers",
+        meta,
+        rows,
+        f"Training step (forward, backward, AdamW), batch {args.batch} x {args.seq_len}, CPU, "
+        f"{meta['threads']} threads, torch {meta['torch']}, transformers {meta['transformers']}; best of "
+        f"{args.steps} steps each, interleaved.",
+        table,
+    )
+
 
 if __name__ == "__main__":
     main()

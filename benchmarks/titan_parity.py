@@ -30,8 +30,12 @@ from gpu_suite import install_titan_stubs  # noqa: E402
 from results_io import markdown_table, write_results  # noqa: E402
 
 CPU = torch.device("cpu")
-MID = dict(model=dict(family="llama", dim=1024, n_layers=4, n_heads=8, ffn_dim=2816, vocab_size=32000,
-                      max_seq_len=512), seq=512, batch=2, ac="none")
+MID = dict(
+    model=dict(family="llama", dim=1024, n_layers=4, n_heads=8, ffn_dim=2816, vocab_size=32000, max_seq_len=512),
+    seq=512,
+    batch=2,
+    ac="none",
+)
 ONE_B = {**gpu_step.SETTINGS["1b"], "seq": 512, "batch": 2}
 
 
@@ -72,8 +76,14 @@ def same_weights(mode: str, steps: int) -> dict:
     print(f"same weights, {mode}: hlat", flush=True)
     ours = losses(gpu_step.hlat_step(setting, False, CPU, weights=weights), setting, steps)
     deviation = max(abs(a - b) / abs(b) for a, b in zip(ours, theirs))
-    return {"case": "same weights", "shape": "mid", "mode": mode, "hlat": ours, "torchtitan": theirs,
-            "max_rel_dev": deviation}
+    return {
+        "case": "same weights",
+        "shape": "mid",
+        "mode": mode,
+        "hlat": ours,
+        "torchtitan": theirs,
+        "max_rel_dev": deviation,
+    }
 
 
 def own_init(steps: int) -> dict:
@@ -90,16 +100,33 @@ def write(rows: list[dict], meta: dict) -> None:
     shapes = {"mid": MID, "1b": ONE_B}
     table = markdown_table(
         ["case", "model", "precision", "step", "hlat loss", "torchtitan loss", "hlat / torchtitan - 1"],
-        [[r["case"], "dim {dim}, {n_layers} layers, vocab {vocab_size}".format(**shapes[r["shape"]]["model"])
-          + f", {shapes[r['shape']]['batch']} x {shapes[r['shape']]['seq']} tokens", r["mode"], i + 1,
-          f"{a:.5f}", f"{b:.5f}", f"{a / b - 1:+.2e}" if r["case"] == "same weights" else ""]
-         for r in rows for i, (a, b) in enumerate(zip(r["hlat"], r["torchtitan"])) if i in (0, 1, 2, len(r["hlat"]) - 1)])
+        [
+            [
+                r["case"],
+                "dim {dim}, {n_layers} layers, vocab {vocab_size}".format(**shapes[r["shape"]]["model"])
+                + f", {shapes[r['shape']]['batch']} x {shapes[r['shape']]['seq']} tokens",
+                r["mode"],
+                i + 1,
+                f"{a:.5f}",
+                f"{b:.5f}",
+                f"{a / b - 1:+.2e}" if r["case"] == "same weights" else "",
+            ]
+            for r in rows
+            for i, (a, b) in enumerate(zip(r["hlat"], r["torchtitan"]))
+            if i in (0, 1, 2, len(r["hlat"]) - 1)
+        ],
+    )
     largest = ", ".join(f"{r['mode']} {r['max_rel_dev']:.1e}" for r in rows if r["case"] == "same weights")
-    write_results("titan_parity", meta, rows,
-                  f"hlat against torchtitan {meta['torchtitan']} on the CPU (torch {meta['torch']}, {meta['threads']} "
-                  f"threads), `python benchmarks/titan_parity.py`: the loss of steps 1-3 and {meta['steps']} on one "
-                  "random batch. Same weights: torchtitan's initial weights in both models; the largest relative "
-                  f"difference over the {meta['steps']} steps: {largest}. Own init: each system's.", table)
+    write_results(
+        "titan_parity",
+        meta,
+        rows,
+        f"hlat against torchtitan {meta['torchtitan']} on the CPU (torch {meta['torch']}, {meta['threads']} "
+        f"threads), `python benchmarks/titan_parity.py`: the loss of steps 1-3 and {meta['steps']} on one "
+        "random batch. Same weights: torchtitan's initial weights in both models; the largest relative "
+        f"difference over the {meta['steps']} steps: {largest}. Own init: each system's.",
+        table,
+    )
 
 
 def main() -> None:
@@ -110,8 +137,16 @@ def main() -> None:
     rows = [same_weights("fp32", args.steps), same_weights("bf16_mixed", args.steps), own_init(args.steps)]
     from importlib.metadata import version
 
-    write(rows, {"device": "cpu", "torch": torch.__version__, "torchtitan": version("torchtitan"),
-                 "steps": args.steps, "threads": torch.get_num_threads()})
+    write(
+        rows,
+        {
+            "device": "cpu",
+            "torch": torch.__version__,
+            "torchtitan": version("torchtitan"),
+            "steps": args.steps,
+            "threads": torch.get_num_threads(),
+        },
+    )
 
 
 if __name__ == "__main__":

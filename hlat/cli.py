@@ -15,8 +15,14 @@ import sys
 
 from hlat import ERROR_EXIT, HlatError, __version__
 
-COMMAND_MODULES = ("hlat.train.cli", "hlat.jobs.cli", "hlat.tools.cli", "hlat.data.cli", "hlat.measure.cli",
-                   "hlat.planner.cli")
+COMMAND_MODULES = (
+    "hlat.train.cli",
+    "hlat.jobs.cli",
+    "hlat.tools.cli",
+    "hlat.data.cli",
+    "hlat.measure.cli",
+    "hlat.planner.cli",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -33,6 +33,8 @@ from hlat.checkpoint.layout import latest_checkpoint
 REFUSED = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
 # the Rust `tokenizers` library reports an I/O error as a plain Exception ending in "(os error N)"
 _RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
 def read_metrics(path: Path) -> list[dict]:
     """The records of a run's metrics.jsonl, in order (blank lines skipped); a line that is not a JSON record with
     a step is a one-line HlatError naming the file and the line."""
@@ -54,9 +56,10 @@ class WriteFailed(HlatError):
 
     def __init__(self, path: Path, cause: OSError, run_dir: Path, what: str = ""):
         previous = latest_checkpoint(run_dir)
-        super().__init__(f"cannot write {what}{path}: {cause.strerror}"
-                         + (f"; the previous checkpoint {previous} is intact" if previous else
-                            "; no checkpoint written yet"))
+        super().__init__(
+            f"cannot write {what}{path}: {cause.strerror}"
+            + (f"; the previous checkpoint {previous} is intact" if previous else "; no checkpoint written yet")
+        )
         self.cause = cause
 
 
@@ -111,7 +114,7 @@ def append_text(path: Path, text: str, run_dir: Path) -> None:
             start, data = os.lseek(fd, 0, os.SEEK_END), memoryview(text.encode())
             try:
                 while data:
-                    data = data[os.write(fd, data):]
+                    data = data[os.write(fd, data) :]
             except OSError:
                 with contextlib.suppress(OSError):
                     os.ftruncate(fd, start)
@@ -129,8 +132,11 @@ def record_seen(run_dir: Path, who: str, what: str) -> None:
     directory = Path(run_dir) / SEEN_DIR
     with contextlib.suppress(OSError, HlatError):
         directory.mkdir(parents=True, exist_ok=True)
-        write_text(directory / f"seen_{who}.json", json.dumps({"at": round(time.time(), 3), "by": f"{who}: {what}"}),
-                   Path(run_dir))
+        write_text(
+            directory / f"seen_{who}.json",
+            json.dumps({"at": round(time.time(), 3), "by": f"{who}: {what}"}),
+            Path(run_dir),
+        )
 
 
 def free_bytes(directory: Path) -> int | None:

@@ -14,6 +14,7 @@ from hlat import HlatError
 from hlat.config import ConfigError, load_toml, to_toml, update
 from hlat.resources import HARDWARE_DIR
 
+
 @dataclass
 class Fit:
     """Measured-over-nominal factors. Predicted step time = sum of factor x nominal term (+ the optimizer step)."""
@@ -28,8 +29,15 @@ class Fit:
     source: str = "defaults, not fitted"
 
 
-FACTORS = ("flops_factor", "layer_overhead_ms", "intra_factor", "inter_factor", "dp_factor", "attention_factor",
-           "p2p_ms")
+FACTORS = (
+    "flops_factor",
+    "layer_overhead_ms",
+    "intra_factor",
+    "inter_factor",
+    "dp_factor",
+    "attention_factor",
+    "p2p_ms",
+)
 
 
 @dataclass
@@ -93,13 +101,18 @@ class Measured:
 
     def figures(self) -> dict[str, bool]:
         """Which figures were measured, by name."""
-        return {"matmul": bool(self.matmul_bf16 or self.matmul_fp32),
-                "fp8 matmul": bool(self.matmul_fp8_tensorwise or self.matmul_fp8_rowwise),
-                "attention": bool(self.attention_bf16 or self.attention_fp32),
-                "whole block": bool(self.block_shapes),
-                "data-parallel block": any(" | dp" in shape for shape in self.block_shapes), "memory-bound": self.norm_gbs > 0,
-                "optimizer": self.optimizer_gbs > 0 or self.bf16_optimizer_gbs > 0,
-                "collectives": bool(self.all_reduce), "send/recv": bool(self.send_recv), "overlap": self.overlap >= 0}
+        return {
+            "matmul": bool(self.matmul_bf16 or self.matmul_fp32),
+            "fp8 matmul": bool(self.matmul_fp8_tensorwise or self.matmul_fp8_rowwise),
+            "attention": bool(self.attention_bf16 or self.attention_fp32),
+            "whole block": bool(self.block_shapes),
+            "data-parallel block": any(" | dp" in shape for shape in self.block_shapes),
+            "memory-bound": self.norm_gbs > 0,
+            "optimizer": self.optimizer_gbs > 0 or self.bf16_optimizer_gbs > 0,
+            "collectives": bool(self.all_reduce),
+            "send/recv": bool(self.send_recv),
+            "overlap": self.overlap >= 0,
+        }
 
     def mismatch(self, precision: str) -> str:
         """One line on what a plan in `precision` cannot take from these measurements ('' when nothing is
@@ -110,8 +123,9 @@ class Measured:
         if not getattr(self, f"matmul_{compute}"):
             return f"the profile measured no {compute} operations: {precision} is priced from its fitted factors"
         if self.block_shapes and not any(f" {precision}" in shape for shape in self.block_shapes):
-            return (f"the profile timed no whole block in {precision}: its layers are composed from the measured "
-                    "operations")
+            return (
+                f"the profile timed no whole block in {precision}: its layers are composed from the measured operations"
+            )
         return ""
 
 
@@ -199,8 +213,11 @@ class HardwareProfile:
         figures = self.measured.figures()
         cited = self.links.source and not figures["collectives"]
         measured = [k for k, v in figures.items() if v]
-        fitted = [k for k, v in figures.items() if not v and "block" not in k and k != "fp8 matmul"
-                  and not (cited and k in ("collectives", "overlap"))]
+        fitted = [
+            k
+            for k, v in figures.items()
+            if not v and "block" not in k and k != "fp8 matmul" and not (cited and k in ("collectives", "overlap"))
+        ]
         if not measured and not cited:
             return f"all figures fitted ({self.fit.source})"
         kind = f"derived ({self.measured.derived_from})" if self.measured.derived_from else "measured"
@@ -209,12 +226,22 @@ class HardwareProfile:
             parts.append(f"cited: collectives ({self.links.source}), overlapped as the trainer overlaps them")
         return "; ".join(parts + ([f"fitted: {', '.join(fitted)} ({self.fit.source})"] if fitted else []))
 
-    def validate(self) -> "HardwareProfile":
+    def validate(self) -> HardwareProfile:
         for name in ("devices_per_node", "memory_gib", "peak_tflops", "hbm_gbs", "intra_gbs", "inter_gbps"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"hardware {self.name!r}: {name} must be positive, got {getattr(self, name)}")
-        for name in ("intra_latency_us", "inter_latency_us", "overhead_gib", "price_on_demand", "price_reserved",
-                     "scheduler_devices", "fabric_devices", "vcpus", "host_memory_gib", *FACTORS):
+        for name in (
+            "intra_latency_us",
+            "inter_latency_us",
+            "overhead_gib",
+            "price_on_demand",
+            "price_reserved",
+            "scheduler_devices",
+            "fabric_devices",
+            "vcpus",
+            "host_memory_gib",
+            *FACTORS,
+        ):
             value = getattr(self.fit if name in FACTORS else self, name)
             if value < 0:
                 raise ConfigError(f"hardware {self.name!r}: {name} must be >= 0, got {value}")
@@ -241,8 +268,10 @@ def load_profile(name_or_path: str) -> HardwareProfile:
     if path.suffix != ".toml":  # a name, like "trn1.32xlarge"
         path = HARDWARE_DIR / f"{name_or_path}.toml"
         if not path.is_file():
-            raise HlatError(f"--hardware: unknown profile {name_or_path!r} (known: {', '.join(profile_names())}; "
-                            "or give a TOML file)")
+            raise HlatError(
+                f"--hardware: unknown profile {name_or_path!r} (known: {', '.join(profile_names())}; "
+                "or give a TOML file)"
+            )
     data = load_toml(path)
     hw = update(HardwareProfile(name=path.stem), data, f"{path}: ")
     return hw.validate()

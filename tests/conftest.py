@@ -1,5 +1,4 @@
 import pytest
-
 from hosts import hosts  # noqa: F401  (hosts of a multi-host test: tests/hosts.py)
 from warm_torchrun import WarmTorchrun
 

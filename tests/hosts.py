@@ -83,11 +83,22 @@ class Host:
 
     def popen(self, argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
         """`argv` on this host, in a session of its own, with `env`, stdout and stderr to `log` (appended)."""
-        command = ["ip", "netns", "exec", self.name, "unshare", "--uts", "--", "sh", "-c",
-                   'hostname "$0" && exec "$@"', self.name, *argv]
+        command = [
+            "ip",
+            "netns",
+            "exec",
+            self.name,
+            "unshare",
+            "--uts",
+            "--",
+            "sh",
+            "-c",
+            'hostname "$0" && exec "$@"',
+            self.name,
+            *argv,
+        ]
         with open(log, "ab") as out:
-            process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                       start_new_session=True)
+            process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         self.processes.append(process)
         return process
 

@@ -136,8 +136,9 @@ def test_activation_bytes_match_the_saved_tensors_in_one_process():
 
 
 def test_activation_bytes_match_under_tensor_and_sequence_parallelism(tmp_path, warm_torchrun):
-    done = warm_torchrun.call(2, "test_activation_memory:measure_under_tensor_parallelism",
-                              str(tmp_path / "measured.json"), timeout=300)
+    done = warm_torchrun.call(
+        2, "test_activation_memory:measure_under_tensor_parallelism", str(tmp_path / "measured.json"), timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     measured = json.loads((tmp_path / "measured.json").read_text())
     for sp in (False, True):
@@ -146,8 +147,9 @@ def test_activation_bytes_match_under_tensor_and_sequence_parallelism(tmp_path, 
 
 def test_activation_bytes_match_under_context_parallelism(tmp_path, warm_torchrun):
     """cp 2: each rank's queries are half of every sequence, and attention keeps both ranks' keys and values."""
-    done = warm_torchrun.call(2, "test_activation_memory:measure_under_context_parallelism",
-                              str(tmp_path / "measured.json"), timeout=300)
+    done = warm_torchrun.call(
+        2, "test_activation_memory:measure_under_context_parallelism", str(tmp_path / "measured.json"), timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     _check(json.loads((tmp_path / "measured.json").read_text()), planned(1, False, cp=2))
 
@@ -159,15 +161,20 @@ def test_model_state_bytes_are_exact_for_every_precision_and_sharding(precision)
     work, hw = Workload(cfg, SEQ, 8, precision), load_profile("cpu")
     mode = MODES[precision]
     assert stage_params(cfg, Layout.of()) == params
-    for layout, shard, opt_shard in ((Layout.of(dp_replicate=4), 1, 1), (Layout.of(dp_shard=4), 4, 4),
-                                     (Layout.of(dp_shard=4, zero1=True), 1, 4),
-                                     (Layout.of(dp_replicate=2, dp_shard=2), 2, 2),
-                                     (Layout.of(cp=4), 4, 4),  # the context-parallel ranks share the sharding
-                                     (Layout.of(cp=2, dp_shard=2, zero1=True), 1, 4)):
+    for layout, shard, opt_shard in (
+        (Layout.of(dp_replicate=4), 1, 1),
+        (Layout.of(dp_shard=4), 4, 4),
+        (Layout.of(dp_shard=4, zero1=True), 1, 4),
+        (Layout.of(dp_replicate=2, dp_shard=2), 2, 2),
+        (Layout.of(cp=4), 4, 4),  # the context-parallel ranks share the sharding
+        (Layout.of(cp=2, dp_shard=2, zero1=True), 1, 4),
+    ):
         m = memory(work, layout, hw)
-        assert (m.weights, m.grads, m.optimizer) == (params * mode.weight_bytes / shard,
-                                                     params * mode.grad_bytes / shard,
-                                                     params * mode.optimizer_bytes / opt_shard)
+        assert (m.weights, m.grads, m.optimizer) == (
+            params * mode.weight_bytes / shard,
+            params * mode.grad_bytes / shard,
+            params * mode.optimizer_bytes / opt_shard,
+        )
 
 
 def measure_under_tensor_parallelism(path: str) -> None:

@@ -22,33 +22,46 @@ def test_preset_then_overrides():
     assert cfg.model.preset == "tiny" and cfg.model.n_layers == 3
 
 
-@pytest.mark.parametrize("data, overrides, message", [
-    ({"optim": {"lrr": 1.0}}, [], "unknown config key 'optim.lrr'"),
-    ({}, ["--optim.lr", "fast"], "optim.lr: expected float, got 'fast'"),
-    ({}, ["--optim.lr", "-1"], "optim.lr: must be positive"),
-    ({"model": {"n_heads": 6, "n_kv_heads": 4, "dim": 48}}, [], "model.n_heads: 6 is not divisible by n_kv_heads=4"),
-    ({"model": {"preset": "gpt5"}}, [], "model.preset: unknown preset 'gpt5'"),
-    ({"train": {"seq_len": 4096}, "model": {"preset": "tiny"}}, [], "train.seq_len: 4096 exceeds"),
-    ({"train": {"steps": "ten"}}, [], "train.steps: expected int"),
-    ({"precision": {"mode": "fp8"}}, [], "precision.mode: 'fp8' is not one of"),
-    ({"bogus": {}}, [], "unknown config key 'bogus'"),
-    ({}, ["--nosection", "1"], "unexpected argument '--nosection'"),
-    ({}, ["--data.paths", "[a.jsonl]"], "data.paths: '[a.jsonl]' is not a TOML array (a value starting with [ is "
-                                       "read as one): quote each string"),
-    ({}, ["--data.paths", "[1]"], "data.paths[0]: expected a string, got 1"),
-])
+@pytest.mark.parametrize(
+    "data, overrides, message",
+    [
+        ({"optim": {"lrr": 1.0}}, [], "unknown config key 'optim.lrr'"),
+        ({}, ["--optim.lr", "fast"], "optim.lr: expected float, got 'fast'"),
+        ({}, ["--optim.lr", "-1"], "optim.lr: must be positive"),
+        (
+            {"model": {"n_heads": 6, "n_kv_heads": 4, "dim": 48}},
+            [],
+            "model.n_heads: 6 is not divisible by n_kv_heads=4",
+        ),
+        ({"model": {"preset": "gpt5"}}, [], "model.preset: unknown preset 'gpt5'"),
+        ({"train": {"seq_len": 4096}, "model": {"preset": "tiny"}}, [], "train.seq_len: 4096 exceeds"),
+        ({"train": {"steps": "ten"}}, [], "train.steps: expected int"),
+        ({"precision": {"mode": "fp8"}}, [], "precision.mode: 'fp8' is not one of"),
+        ({"bogus": {}}, [], "unknown config key 'bogus'"),
+        ({}, ["--nosection", "1"], "unexpected argument '--nosection'"),
+        (
+            {},
+            ["--data.paths", "[a.jsonl]"],
+            "data.paths: '[a.jsonl]' is not a TOML array (a value starting with [ is read as one): quote each string",
+        ),
+        ({}, ["--data.paths", "[1]"], "data.paths[0]: expected a string, got 1"),
+    ],
+)
 def test_bad_config_names_the_field(data, overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         build_config(data, overrides)
 
 
-@pytest.mark.parametrize("text, paths", [
-    ("[]", []),
-    ('["a b.jsonl", "c.jsonl"]', ["a b.jsonl", "c.jsonl"]),
-    (' [ "x,y.jsonl" ] ', ["x,y.jsonl"]),
-    ("a.jsonl,b.jsonl", ["a.jsonl", "b.jsonl"]),
-    ("a.jsonl", ["a.jsonl"]),
-])
+@pytest.mark.parametrize(
+    "text, paths",
+    [
+        ("[]", []),
+        ('["a b.jsonl", "c.jsonl"]', ["a b.jsonl", "c.jsonl"]),
+        (' [ "x,y.jsonl" ] ', ["x,y.jsonl"]),
+        ("a.jsonl,b.jsonl", ["a.jsonl", "b.jsonl"]),
+        ("a.jsonl", ["a.jsonl"]),
+    ],
+)
 def test_a_list_override_is_comma_separated_or_a_toml_array(text, paths, capsys):
     assert build_config({}, ["--data.paths", text]).data.paths == paths
     with pytest.raises(SystemExit):
@@ -68,16 +81,38 @@ def test_cli_config_error_is_one_line(tmp_path, capsys):
 
 # What each recipe states: the published model, precision, layout, batch, schedule and cluster (sources in each file).
 RECIPES = {
-    "hlat-7b": dict(params=6_738_415_616, precision="bf16_sr", layout=(8, 1, 256, 1, False), batch=(4096, 1024, 1),
-                    schedule=(3e-4, 3e-5, 2000, 500_000, 450_000, 0.1), cluster=("trn1.32xlarge", 64, 32, "neuron")),
-    "hlat-70b": dict(params=68_976_648_192, precision="bf16_mixed", layout=(32, 8, 1, 32, True),
-                     batch=(4096, 1024, 1), schedule=(1.5e-4, 1.5e-5, 2000, 500_000, 450_000, 0.1),
-                     cluster=("trn1.32xlarge", 256, 32, "neuron")),
-    "neox-20b": dict(params=20_554_567_680, precision="bf16_sr", layout=(8, 4, 1, 64, True), batch=(2048, 1536, 1),
-                     schedule=(9.7e-5, 9.7e-6, 1500, 150_000, 150_000, 0.01), cluster=("trn1.32xlarge", 64, 32, "neuron")),
-    "pythia-6.9b": dict(params=6_857_302_016, precision="bf16_sr", layout=(8, 1, 1, 16, True), batch=(2048, 256, 1),
-                        schedule=(1.2e-4, 1.2e-5, 1430, 143_000, 143_000, 0.01),
-                        cluster=("trn1.32xlarge", 4, 32, "neuron")),
+    "hlat-7b": dict(
+        params=6_738_415_616,
+        precision="bf16_sr",
+        layout=(8, 1, 256, 1, False),
+        batch=(4096, 1024, 1),
+        schedule=(3e-4, 3e-5, 2000, 500_000, 450_000, 0.1),
+        cluster=("trn1.32xlarge", 64, 32, "neuron"),
+    ),
+    "hlat-70b": dict(
+        params=68_976_648_192,
+        precision="bf16_mixed",
+        layout=(32, 8, 1, 32, True),
+        batch=(4096, 1024, 1),
+        schedule=(1.5e-4, 1.5e-5, 2000, 500_000, 450_000, 0.1),
+        cluster=("trn1.32xlarge", 256, 32, "neuron"),
+    ),
+    "neox-20b": dict(
+        params=20_554_567_680,
+        precision="bf16_sr",
+        layout=(8, 4, 1, 64, True),
+        batch=(2048, 1536, 1),
+        schedule=(9.7e-5, 9.7e-6, 1500, 150_000, 150_000, 0.01),
+        cluster=("trn1.32xlarge", 64, 32, "neuron"),
+    ),
+    "pythia-6.9b": dict(
+        params=6_857_302_016,
+        precision="bf16_sr",
+        layout=(8, 1, 1, 16, True),
+        batch=(2048, 256, 1),
+        schedule=(1.2e-4, 1.2e-5, 1430, 143_000, 143_000, 0.01),
+        cluster=("trn1.32xlarge", 4, 32, "neuron"),
+    ),
 }
 
 
@@ -103,7 +138,9 @@ def test_plan_prices_each_recipe_as_it_stands(name, capsys):
     out = json.loads(capsys.readouterr().out)
     (plan,) = out["plans"]
     tp, pp, dp_replicate, dp_shard, zero1 = RECIPES[name]["layout"]
-    assert (out["hardware"], out["nodes"]) == RECIPES[name]["cluster"][:2] and out["precision"] == RECIPES[name]["precision"]
+    assert (out["hardware"], out["nodes"]) == RECIPES[name]["cluster"][:2] and out["precision"] == RECIPES[name][
+        "precision"
+    ]
     assert plan["parallel"]["tp"] == tp and plan["parallel"]["pp"] == pp and plan["parallel"]["zero1"] == zero1
     assert plan["fits"] and plan["tokens_per_dollar"] > 0 and plan["budget"]["days"] > 0
 
@@ -122,8 +159,18 @@ def test_recipe_turns_on_what_a_long_run_needs(name, capsys):
 
 
 def test_recipe_without_its_data_stops_at_once(capsys):
-    single = ["--parallel.tp", "1", "--parallel.pp", "1", "--parallel.dp_replicate", "1", "--parallel.dp_shard", "1",
-              "--parallel.zero1", "false"]
+    single = [
+        "--parallel.tp",
+        "1",
+        "--parallel.pp",
+        "1",
+        "--parallel.dp_replicate",
+        "1",
+        "--parallel.dp_shard",
+        "1",
+        "--parallel.zero1",
+        "false",
+    ]
     assert main(["train", "--config", "hlat-7b", *single]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("hlat: error: data.paths: no files match '/data/hlat/train/*.jsonl.zst'") and "\n" not in err
@@ -148,12 +195,15 @@ def test_describe_70b_without_allocating(capsys):
     assert "68,976,648,192" in out and "bf16_sr" in out
 
 
-@pytest.mark.parametrize("args, seq_len, source", [
-    (["--model", "llama2-7b"], 4096, "the model's max_seq_len"),  # a bare preset: its own context
-    (["--config", "tiny"], 128, "train.seq_len"),  # what `hlat train --config tiny` runs
-    (["--config", "tiny", "--train.seq_len", "64"], 64, "train.seq_len"),
-    (["--model", "llama2-7b", "--seq-len", "512"], 512, "--seq-len"),
-])
+@pytest.mark.parametrize(
+    "args, seq_len, source",
+    [
+        (["--model", "llama2-7b"], 4096, "the model's max_seq_len"),  # a bare preset: its own context
+        (["--config", "tiny"], 128, "train.seq_len"),  # what `hlat train --config tiny` runs
+        (["--config", "tiny", "--train.seq_len", "64"], 64, "train.seq_len"),
+        (["--model", "llama2-7b", "--seq-len", "512"], 512, "--seq-len"),
+    ],
+)
 def test_describe_and_plan_figure_at_the_same_sequence_length(args, seq_len, source, capsys):
     hardware = "cpu" if "tiny" in args else "p4d.24xlarge"
     assert main(["plan", *args, "--hardware", hardware, "--json"]) == 0
@@ -168,8 +218,24 @@ def test_describe_and_plan_figure_at_the_same_sequence_length(args, seq_len, sou
 def test_configs_merge_in_order(tmp_path, capsys):
     """A recipe, then the tables `hlat plan --emit` writes, then overrides: later files set only what they name."""
     emitted = tmp_path / "plan.toml"
-    assert main(["plan", "--model", "llama2-7b", "--hardware", "p5.48xlarge", "--nodes", "2", "--precision",
-                 "bf16_mixed", "--emit", str(emitted)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "llama2-7b",
+                "--hardware",
+                "p5.48xlarge",
+                "--nodes",
+                "2",
+                "--precision",
+                "bf16_mixed",
+                "--emit",
+                str(emitted),
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     cfg = load_config(["hlat-7b", str(emitted)], ["--train.steps", "5"])
     base = load_config("hlat-7b")
@@ -180,22 +246,35 @@ def test_configs_merge_in_order(tmp_path, capsys):
     assert (cfg.train.steps, cfg.model) == (5, base.model)
     # the other order: the fields the recipe names win
     p = load_config([str(emitted), "hlat-7b"]).parallel
-    assert (p.tp, p.pp, p.dp_replicate, p.dp_shard, p.zero1, p.activation_checkpoint) == (8, 1, -1, 1, False,
-                                                                                          "selective")
+    assert (p.tp, p.pp, p.dp_replicate, p.dp_shard, p.zero1, p.activation_checkpoint) == (
+        8,
+        1,
+        -1,
+        1,
+        False,
+        "selective",
+    )
 
 
 def test_print_config_shows_every_field_and_reloads(tmp_path, capsys):
     first, second = tmp_path / "a.toml", tmp_path / "b.toml"
     first.write_text('[model]\npreset = "tiny"\nn_layers = 3\n[optim]\nlr = 1e-3\n')
-    second.write_text('[optim]\nwarmup_steps = 7\n[train]\nsteps = 9\n')
-    assert main(["train", "--config", str(first), "--config", str(second), "--optim.min_lr", "1e-5",
-                 "--print-config"]) == 0
+    second.write_text("[optim]\nwarmup_steps = 7\n[train]\nsteps = 9\n")
+    assert (
+        main(["train", "--config", str(first), "--config", str(second), "--optim.min_lr", "1e-5", "--print-config"])
+        == 0
+    )
     printed = capsys.readouterr().out
     out = tmp_path / "resolved.toml"
     out.write_text(printed)
     cfg = load_config(str(out))
     assert (cfg.model.n_layers, cfg.optim.lr, cfg.optim.warmup_steps, cfg.optim.min_lr, cfg.train.steps) == (
-        3, 1e-3, 7, 1e-5, 9)
+        3,
+        1e-3,
+        7,
+        1e-5,
+        9,
+    )
     assert cfg == load_config([str(first), str(second)], ["--optim.min_lr", "1e-5"])
     assert not (tmp_path / "runs").exists() and "clip_grad_norm = 1.0" in printed  # every field, nothing run
 

@@ -77,8 +77,17 @@ def test_flex_attention_follows_the_dense_document_mask(recompute, monkeypatch):
     from hlat.parallel.recompute import apply_recomputation
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    cfg = model_config(family="llama", dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=256, vocab_size=512,
-                       max_seq_len=512, doc_mask=True)
+    cfg = model_config(
+        family="llama",
+        dim=128,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=256,
+        vocab_size=512,
+        max_seq_len=512,
+        doc_mask=True,
+    )
     batch = packed_rows(512, cfg.vocab_size)
     assert isinstance(layers.document_mask(batch["doc_ids"]), layers.BlockMask)
 

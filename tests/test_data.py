@@ -26,8 +26,20 @@ from hlat.data.config import DataConfig
 from hlat.data.packing import build_stream
 from hlat.data.rounds import best_fit
 from hlat.data.sources import (
-    START, Bad, BadLog, Split, default_corpus, iter_documents, make_splits, read_split, resolve_data_files,
-    Source, one_source, resolve_paths, resolve_sources, skipped,
+    START,
+    Bad,
+    BadLog,
+    Source,
+    Split,
+    default_corpus,
+    iter_documents,
+    make_splits,
+    one_source,
+    read_split,
+    resolve_data_files,
+    resolve_paths,
+    resolve_sources,
+    skipped,
 )
 from hlat.data.tokenizer import PROBE, train_bpe
 
@@ -99,8 +111,9 @@ def docs_in(tokens) -> list[str]:
 
 
 def same(a, b) -> bool:
-    return len(a) == len(b) and all(x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
-                                    for x, y in zip(a, b))
+    return len(a) == len(b) and all(
+        x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(a, b)
+    )
 
 
 # --- finding files ---------------------------------------------------------------------------------------
@@ -130,14 +143,17 @@ def test_resolve_paths(tmp_path):
     assert list(iter_documents(f"file://{c}")) == ["c"]
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda d: [str(d / "nope.txt")], "data.paths: no files match '.*nope.txt'"),
-    (lambda d: [str(d / "*.md")], r"data.paths: no files match '.*\*.md'"),
-    (lambda d: [str(write(d / "x.bin", "x"))], "unsupported file type '.*x.bin'"),
-    (lambda d: [str(write(d / "empty.txt", ""))], "the corpus is empty"),
-    (lambda d: [], "the corpus is empty"),
-    (lambda d: ["nosuchfs://bucket/x.jsonl"], "cannot open 'nosuchfs://bucket/x.jsonl'"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda d: [str(d / "nope.txt")], "data.paths: no files match '.*nope.txt'"),
+        (lambda d: [str(d / "*.md")], r"data.paths: no files match '.*\*.md'"),
+        (lambda d: [str(write(d / "x.bin", "x"))], "unsupported file type '.*x.bin'"),
+        (lambda d: [str(write(d / "empty.txt", ""))], "the corpus is empty"),
+        (lambda d: [], "the corpus is empty"),
+        (lambda d: ["nosuchfs://bucket/x.jsonl"], "cannot open 'nosuchfs://bucket/x.jsonl'"),
+    ],
+)
 def test_resolve_paths_errors(tmp_path, make, message):
     with pytest.raises(HlatError, match=message):
         resolve_paths(make(tmp_path))
@@ -147,34 +163,43 @@ def test_named_sources(tmp_path):
     prose = jsonl(tmp_path / "prose" / "a.jsonl", ["p"])
     web = jsonl(tmp_path / "web" / "b.jsonl", ["w"])
     code = write(tmp_path / "code" / "c.py", "x = 1")
-    cfg = DataConfig(sources=[f"prose:0.7:{tmp_path}/prose", f"prose:0.7:{tmp_path}/web/*.jsonl",
-                              f"code:0.3:file://{tmp_path}/code/*.py"]).validate()
+    cfg = DataConfig(
+        sources=[
+            f"prose:0.7:{tmp_path}/prose",
+            f"prose:0.7:{tmp_path}/web/*.jsonl",
+            f"code:0.3:file://{tmp_path}/code/*.py",
+        ]
+    ).validate()
     sources = resolve_sources(cfg)
     assert [(s.name, s.weight, s.files) for s in sources] == [
-        ("prose", 0.7, [prose.resolve(), web.resolve()]), ("code", 0.3, [f"file://{code}"])]
+        ("prose", 0.7, [prose.resolve(), web.resolve()]),
+        ("code", 0.3, [f"file://{code}"]),
+    ]
     assert resolve_data_files(cfg) == sorted([prose.resolve(), web.resolve(), f"file://{code}"], key=str)
     with pytest.raises(HlatError, match="data source 'code': data.paths: no files match"):
         resolve_sources(DataConfig(sources=[f"code:1:{tmp_path}/nothing/*.py"]))
 
 
-@pytest.mark.parametrize("data, message", [
-    ({"tokenizer_sample_bytes": 0}, "data.tokenizer_sample_bytes: must be positive"),
-    ({"seed": -1}, "data.seed: must be >= 0"),
-    ({"workers": -1}, "data.workers: must be >= 0"),
-    ({"text_field": ""}, "data.text_field: must name a JSONL field"),
-    ({"paths": ["a", " "]}, r"data.paths\[1\]: empty path"),
-    ({"packing": "greedy"}, "data.packing: 'greedy' is not one of 'concat', 'best_fit'"),
-    ({"max_bad_fraction": 1.5}, r"data.max_bad_fraction: must be in \[0, 1\]"),
-    ({"sources": ["a:1:x"], "paths": ["y"]}, "set data.paths .* or data.sources .*, not both"),
-    ({"sources": ["a:x"]}, r"data.sources\[0\]: 'a:x' is not 'name:weight:path'"),
-    ({"sources": ["a:0:x"]}, "needs a name, a positive weight and a path"),
-    ({"sources": ["a:1:x", "a:2:y"]}, "source 'a' has two weights, 1.0 and 2.0"),
-])
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"tokenizer_sample_bytes": 0}, "data.tokenizer_sample_bytes: must be positive"),
+        ({"seed": -1}, "data.seed: must be >= 0"),
+        ({"workers": -1}, "data.workers: must be >= 0"),
+        ({"text_field": ""}, "data.text_field: must name a JSONL field"),
+        ({"paths": ["a", " "]}, r"data.paths\[1\]: empty path"),
+        ({"packing": "greedy"}, "data.packing: 'greedy' is not one of 'concat', 'best_fit'"),
+        ({"max_bad_fraction": 1.5}, r"data.max_bad_fraction: must be in \[0, 1\]"),
+        ({"sources": ["a:1:x"], "paths": ["y"]}, "set data.paths .* or data.sources .*, not both"),
+        ({"sources": ["a:x"]}, r"data.sources\[0\]: 'a:x' is not 'name:weight:path'"),
+        ({"sources": ["a:0:x"]}, "needs a name, a positive weight and a path"),
+        ({"sources": ["a:1:x", "a:2:y"]}, "source 'a' has two weights, 1.0 and 2.0"),
+    ],
+)
 def test_config_validation(data, message):
     with pytest.raises(ConfigError, match=message):
         update(DataConfig(), data, "data.").validate()
     assert update(DataConfig(), {"paths": ["x/*.jsonl"], "seed": 3}, "data.").validate().seed == 3
-
 
 
 def test_a_missing_reader_names_the_package_it_needs(monkeypatch):
@@ -185,6 +210,7 @@ def test_a_missing_reader_names_the_package_it_needs(monkeypatch):
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)  # as if it were not installed
     with pytest.raises(HlatError, match=r"reading \.parquet files needs .*'pyarrow': pip install pyarrow$"):
         format_reader("parquet", "reading .parquet files")
+
 
 # --- formats and bad input -------------------------------------------------------------------------------
 
@@ -249,8 +275,10 @@ def test_token_files_and_arrow_give_the_jsonl_token_stream(tmp_path):
 
 def test_a_token_file_of_several_megabytes_gives_the_jsonl_token_stream(tmp_path):
     rng = random.Random(0)
-    docs = [" ".join(rng.choice(string.ascii_lowercase) * rng.randint(1, 9) for _ in range(rng.randint(5, 300)))
-            for _ in range(1500)]
+    docs = [
+        " ".join(rng.choice(string.ascii_lowercase) * rng.randint(1, 9) for _ in range(rng.randint(5, 300)))
+        for _ in range(1500)
+    ]
     plain = jsonl(tmp_path / "c.jsonl", docs)
     tokens = Path(tokenize([plain], CharTokenizer(), tmp_path / "c")["file"])  # what `hlat data tokenize` writes
     assert tokens.stat().st_size > 4 << 20 and len(make_splits([tokens], 1)) > 1  # big enough to be cut
@@ -282,7 +310,7 @@ def test_jsonl_bad_lines_are_skipped_and_counted(tmp_path, caplog):
     path.write_bytes(
         b'{"text": "first"}\n'
         b'{"text": "broken\n'
-        b'\n'
+        b"\n"
         b'{"text": "\xff\xfe"}\n'
         b'{"body": "wrong field"}\n'
         b'{"text": "  "}\n'
@@ -293,8 +321,13 @@ def test_jsonl_bad_lines_are_skipped_and_counted(tmp_path, caplog):
     bad = BadLog()
     with caplog.at_level(logging.WARNING, logger="hlat.data.sources"):
         assert list(iter_documents(path, "text", max_bytes=100, bad=bad)) == ["first", "second"]
-    assert bad.counts == {"malformed JSON": 1, "invalid UTF-8": 1, "no string field 'text'": 2,
-                          "empty document": 1, "document over 100 bytes": 1}
+    assert bad.counts == {
+        "malformed JSON": 1,
+        "invalid UTF-8": 1,
+        "no string field 'text'": 2,
+        "empty document": 1,
+        "document over 100 bytes": 1,
+    }
     assert f"{path}:2" in caplog.text and f"{path}:8" in caplog.text  # file and line of each first skip
     assert list(iter_documents(path, "body")) == ["wrong field"]
 
@@ -314,8 +347,9 @@ def test_a_document_over_100_mb_is_skipped_without_holding_it(tmp_path):
     assert list(iter_documents(text, max_bytes=1000)) == []
 
 
-@pytest.mark.parametrize("suffix, compress", [(".jsonl.gz", gzip.compress),
-                                              (".jsonl.zst", zstandard.ZstdCompressor().compress)])
+@pytest.mark.parametrize(
+    "suffix, compress", [(".jsonl.gz", gzip.compress), (".jsonl.zst", zstandard.ZstdCompressor().compress)]
+)
 def test_truncated_compressed_files_keep_what_came_before(tmp_path, suffix, compress):
     rng = random.Random(0)  # incompressible enough that half the file holds whole blocks
     docs = [f"doc {i} " + "".join(rng.choices(string.ascii_letters, k=50)) for i in range(10_000)]
@@ -352,16 +386,22 @@ def test_nothing_usable_is_an_error_before_training(tmp_path):
     no_column = tmp_path / "a.parquet"
     pq.write_table(pa.table({"body": ["x"]}), no_column)
     files = [no_column, jsonl(tmp_path / "b.jsonl", []), write(tmp_path / "c.txt", "   ")]
-    with pytest.raises(HlatError, match=r"data source 'default': no documents in its 3 files \(1 Parquet file with "
-                                        r"no column 'text', 1 empty document\)"):
+    with pytest.raises(
+        HlatError,
+        match=r"data source 'default': no documents in its 3 files \(1 Parquet file with "
+        r"no column 'text', 1 empty document\)",
+    ):
         stream(files)
 
 
 def test_too_much_bad_data_is_an_error(tmp_path):
     path = tmp_path / "half.jsonl"
     path.write_bytes(b"".join(lines([f"doc {i}"]) if i % 2 else b"{oops\n" for i in range(200)))
-    with pytest.raises(HlatError, match=r"100 of 200 records are bad \(100 malformed JSON\), more than "
-                                        r"data.max_bad_fraction = 0.1"):
+    with pytest.raises(
+        HlatError,
+        match=r"100 of 200 records are bad \(100 malformed JSON\), more than "
+        r"data.max_bad_fraction = 0.1",
+    ):
         next(stream([path], max_bad_fraction=0.1))
     assert next(stream([path], max_bad_fraction=0.5))["inputs"].shape == (2, 16)
 
@@ -425,9 +465,16 @@ def test_best_fit_pads_and_splits_fewer_documents_than_concat(tmp_path):
 
 def test_doc_ids_and_positions(tmp_path):
     files = [jsonl(tmp_path / "a.jsonl", ["abc", "de", "fghijklmn"])]
-    b = next(build_stream(DataConfig(shuffle_files=False, shuffle_rows=0, workers=0), CharTokenizer(),
-                          one_source(files),
-                          seq_len=8, batch_size=2, doc_mask=True))
+    b = next(
+        build_stream(
+            DataConfig(shuffle_files=False, shuffle_rows=0, workers=0),
+            CharTokenizer(),
+            one_source(files),
+            seq_len=8,
+            batch_size=2,
+            doc_mask=True,
+        )
+    )
     # row 0: a b c EOS d e EOS f | row 1: (f) g h i j k l m n — its start continues a document
     assert b["doc_ids"].tolist() == [[0, 0, 0, 0, 1, 1, 1, 2], [0, 0, 0, 0, 0, 0, 0, 0]]
     assert b["positions"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 0], [0, 1, 2, 3, 4, 5, 6, 7]]
@@ -440,8 +487,12 @@ def test_mixing_proportions_over_a_million_tokens(tmp_path):
     for name, n in (("prose", 50), ("code", 80), ("math", 20)):
         for i in range(3):
             jsonl(tmp_path / name / f"{i}.jsonl", [f"{name} {i} {j} " + name[0] * (j * 7 % 300) for j in range(n)])
-    cfg = DataConfig(sources=[f"prose:5:{tmp_path}/prose", f"code:3:{tmp_path}/code", f"math:2:{tmp_path}/math"],
-                     workers=0, shuffle_rows=64, round_bytes=4096)
+    cfg = DataConfig(
+        sources=[f"prose:5:{tmp_path}/prose", f"code:3:{tmp_path}/code", f"math:2:{tmp_path}/math"],
+        workers=0,
+        shuffle_rows=64,
+        round_bytes=4096,
+    )
     s = build_stream(cfg, CharTokenizer(), resolve_sources(cfg), seq_len=512, batch_size=8)
     counts = Counter()
     for b in take(s, 250):  # 1,024,000 tokens
@@ -452,9 +503,9 @@ def test_mixing_proportions_over_a_million_tokens(tmp_path):
     for name, weight in (("prose", 0.5), ("code", 0.3), ("math", 0.2)):
         assert abs(counts[name] / total - weight) < 0.02, counts
     again = build_stream(cfg, CharTokenizer(), resolve_sources(cfg), seq_len=512, batch_size=8)
-    assert same(take(again, 3), take(build_stream(cfg, CharTokenizer(), resolve_sources(cfg), seq_len=512, batch_size=8),
-                                     3))
-
+    assert same(
+        take(again, 3), take(build_stream(cfg, CharTokenizer(), resolve_sources(cfg), seq_len=512, batch_size=8), 3)
+    )
 
 
 def test_the_mix_counts_each_sources_rows_as_taken_and_holds_the_weights(tmp_path):
@@ -468,8 +519,12 @@ def test_the_mix_counts_each_sources_rows_as_taken_and_holds_the_weights(tmp_pat
     random by weight would give (0.011 for w = 0.5 at these 1,984 rows, against 2 / 1,984)."""
     for name, n in (("prose", 50), ("code", 80), ("math", 20)):
         jsonl(tmp_path / name / "0.jsonl", [f"{name} {j} " + name[0] * (j * 7 % 300) for j in range(n)])
-    cfg = DataConfig(sources=[f"prose:5:{tmp_path}/prose", f"code:3:{tmp_path}/code", f"math:2:{tmp_path}/math"],
-                     workers=0, shuffle_rows=64, round_bytes=4096)
+    cfg = DataConfig(
+        sources=[f"prose:5:{tmp_path}/prose", f"code:3:{tmp_path}/code", f"math:2:{tmp_path}/math"],
+        workers=0,
+        shuffle_rows=64,
+        round_bytes=4096,
+    )
     s = build_stream(cfg, CharTokenizer(), resolve_sources(cfg), seq_len=64, batch_size=8)
     counts = Counter()
     for b in take(s, 31 * 64 // 8):  # 31 whole windows of 64 rows
@@ -483,6 +538,7 @@ def test_the_mix_counts_each_sources_rows_as_taken_and_holds_the_weights(tmp_pat
     resumed = build_stream(cfg, CharTokenizer(), resolve_sources(cfg), seq_len=64, batch_size=8)
     resumed.load_state_dict(s.state_dict())
     assert resumed.mix() == s.mix()
+
 
 def _source_of(row) -> str:
     """Rows never mix sources; each source's documents are made of its own letters."""
@@ -522,12 +578,18 @@ def test_a_rank_never_runs_out_and_resume_needs_the_same_ranks(tmp_path):
     take(small, 50)  # 50 epochs of its one short file: it keeps step with the rank holding the long one
     assert small.epoch > 20
     state = small.state_dict()
-    with pytest.raises(HlatError, match="a position in the files of data-parallel rank 1 of 2, and this run reads "
-                                        "the files of data-parallel rank 1 of 3"):
+    with pytest.raises(
+        HlatError,
+        match="a position in the files of data-parallel rank 1 of 2, and this run reads "
+        "the files of data-parallel rank 1 of 3",
+    ):
         more = [*files, write(tmp_path / "c.txt", "c")]
-        build_stream(DataConfig(workers=0), CharTokenizer(), one_source(more), 8, 2, shard=(1, 3)).load_state_dict(state)
-    with pytest.raises(HlatError, match="a position in the files of data-parallel rank 1 of 2, and this run reads "
-                                        "the global stream"):
+        build_stream(DataConfig(workers=0), CharTokenizer(), one_source(more), 8, 2, shard=(1, 3)).load_state_dict(
+            state
+        )
+    with pytest.raises(
+        HlatError, match="a position in the files of data-parallel rank 1 of 2, and this run reads the global stream"
+    ):
         build_stream(DataConfig(workers=0), CharTokenizer(), one_source(files), 8, 2).load_state_dict(state)
     with pytest.raises(HlatError, match="2 files cannot be shared among 3 data-parallel ranks"):
         build_stream(DataConfig(workers=0), CharTokenizer(), one_source(files), 8, 2, shard=(0, 3))
@@ -537,8 +599,9 @@ def test_a_rank_never_runs_out_and_resume_needs_the_same_ranks(tmp_path):
 
 
 def _corpus(tmp_path) -> list[Path]:
-    files = [jsonl(tmp_path / f"{i}.jsonl", [f"doc {i}.{j} " + "w" * (j * 5 % 37) for j in range(15)])
-             for i in range(3)]
+    files = [
+        jsonl(tmp_path / f"{i}.jsonl", [f"doc {i}.{j} " + "w" * (j * 5 % 37) for j in range(15)]) for i in range(3)
+    ]
     return files + [write(tmp_path / "t.txt", "a whole text file, not <|endoftext|> " * 5)]
 
 
@@ -640,8 +703,11 @@ def test_changed_settings_are_refused_unless_forced(tmp_path):
     s = stream(files, packing="concat")
     take(s, 5)
     state = s.state_dict()
-    with pytest.raises(HlatError, match=r"data settings changed since the checkpoint: packing 'concat' -> "
-                                        r"'best_fit'.*data.force_resume"):
+    with pytest.raises(
+        HlatError,
+        match=r"data settings changed since the checkpoint: packing 'concat' -> "
+        r"'best_fit'.*data.force_resume",
+    ):
         stream(files, packing="best_fit").load_state_dict(state)
     with pytest.raises(HlatError, match=r"the files of source 'default': removed \S*t.txt \(185 bytes\);"):
         stream(files[:3]).load_state_dict(state)
@@ -667,11 +733,15 @@ def test_a_changed_data_set_is_reported_as_files(tmp_path):
     files[0].write_text(files[0].read_text() + '{"text": "one more"}\n')
     with pytest.raises(HlatError) as e:
         stream([files[0], files[2], files[3]]).load_state_dict(state)  # 0 grown, 1 removed, 2 kept, t.txt added
-    assert (f"the files of source 'default': added {files[3]} ({sizes[3]:,} bytes); removed {files[1]} "
-            f"({sizes[1]:,} bytes)") in str(e.value)
+    assert (
+        f"the files of source 'default': added {files[3]} ({sizes[3]:,} bytes); removed {files[1]} ({sizes[1]:,} bytes)"
+    ) in str(e.value)
     assert f"; resized {files[0]} {sizes[0]:,} -> {sizes[0] + 21:,} bytes; resume with" in str(e.value)
-    with pytest.raises(HlatError, match=r"the files of source 'default' \(listing hash '\w{16}' -> '\w{16}'; the "
-                                        r"checkpoint predates file listings"):
+    with pytest.raises(
+        HlatError,
+        match=r"the files of source 'default' \(listing hash '\w{16}' -> '\w{16}'; the "
+        r"checkpoint predates file listings",
+    ):
         stream(files[:2]).load_state_dict(old)
 
 

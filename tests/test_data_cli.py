@@ -47,8 +47,21 @@ def test_inspect_counts_documents_tokens_and_bad_records(data, capsys):
 
 def test_bench_reports_the_tokenizer_and_the_loader(data, capsys):
     d, tok, tok_path = data
-    argv = ["bench", str(d), "--tokenizer", str(tok_path), "--workers", "1", "--mb", "0.001", "--seq-len", "16",
-            "--batch-size", "2", "--json"]
+    argv = [
+        "bench",
+        str(d),
+        "--tokenizer",
+        str(tok_path),
+        "--workers",
+        "1",
+        "--mb",
+        "0.001",
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "2",
+        "--json",
+    ]
     assert run(parse(argv), []) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["tokens"] == sum(len(ids) + 1 for ids in tok.encode_batch(DOCS[:21]))  # the same text

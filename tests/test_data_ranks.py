@@ -35,19 +35,28 @@ def rank_main(tmp: str, files: list[str]) -> None:  # one rank of a job of tests
             fresh = take(s, 3 * ACCUM // WORLD)  # 3 steps
             resumed = build_stream(_cfg(packing), CharTokenizer(), one_source(files), SEQ, MICRO, ranks=ranks)
             resumed.load_state_dict(states[packing])
-            out[packing] = {"fresh": fresh, "state": s.state_dict(), "tokenized": s.tokenized,
-                            "received": s.exchanged_bytes, "resumed": take(resumed, 2 * ACCUM // WORLD)}
+            out[packing] = {
+                "fresh": fresh,
+                "state": s.state_dict(),
+                "tokenized": s.tokenized,
+                "received": s.exchanged_bytes,
+                "resumed": take(resumed, 2 * ACCUM // WORLD),
+            }
     finally:
         packing_module.BLOCK = block  # the process runs other jobs after this one
     torch.save(out, f"{tmp}/rank{rank}.pt")
 
 
 def test_ranks_share_the_work_and_train_on_the_single_process_rows(tmp_path, warm_torchrun):
-    files = [jsonl(tmp_path / f"{i}.jsonl", [f"doc {i}.{j} " + "xyz"[j % 3] * (j * 7 % 23) for j in range(12)])
-             for i in range(3)]
+    files = [
+        jsonl(tmp_path / f"{i}.jsonl", [f"doc {i}.{j} " + "xyz"[j % 3] * (j * 7 % 23) for j in range(12)])
+        for i in range(3)
+    ]
     reference, states, tokenized = {}, {}, {}
     for packing in PACKINGS:
-        single = build_stream(_cfg(packing), CharTokenizer(), one_source(files), SEQ, MICRO)  # one micro-batch at a time
+        single = build_stream(
+            _cfg(packing), CharTokenizer(), one_source(files), SEQ, MICRO
+        )  # one micro-batch at a time
         reference[packing] = take(single, ACCUM)
         states[packing] = single.state_dict()  # after one step
         reference[packing] += take(single, 2 * ACCUM)
@@ -86,15 +95,16 @@ def test_ranks_share_the_work_and_train_on_the_single_process_rows(tmp_path, war
 def test_files_sharding_gives_each_data_parallel_rank_its_own_files(tmp_path):
     """parallel.data_sharding = "files", as the trainer opens it: each data-parallel rank reads only its share of
     the files, takes its micro-batches of each step from its own stream, and keeps its own data state."""
+    from hlat.config.job import build_config
     from hlat.parallel.config import ParallelConfig
     from hlat.parallel.mesh import Topology
-    from hlat.config.job import build_config
     from hlat.train.loop import open_stream
     from hlat.train.step import Batches
 
     files = [jsonl(tmp_path / f"{letter}.jsonl", [letter * 30] * 4) for letter in "abcd"]
-    cfg = build_config({"data": {"workers": 0, "shuffle_rows": 0},
-                        "train": {"global_batch": 4, "micro_batch": 1, "seq_len": 8}})
+    cfg = build_config(
+        {"data": {"workers": 0, "shuffle_rows": 0}, "train": {"global_batch": 4, "micro_batch": 1, "seq_len": 8}}
+    )
     letters, keys = [], []
     for rank in (0, 1):
         topo = Topology(ParallelConfig(dp_shard=2, data_sharding="files"), None, rank=rank, dp_rank=rank)

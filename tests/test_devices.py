@@ -71,7 +71,11 @@ def test_compile_backend_reaches_torch_compile():
     with pytest.raises(HlatError, match="^parallel.compile_backend: Invalid backend: 'no_such_backend'"):
         parallelize(model, Topology(cfg, None), torch.device("cpu"), seed=0)
     cfg = ParallelConfig(compile=True, compile_backend="eager").resolved(1)
-    (_, part), = parallelize(build_model(model_config("tiny", n_layers=1, dim=32, n_heads=2, ffn_dim=64,
-                                                       vocab_size=64)), Topology(cfg, None), torch.device("cpu"), 0)
+    ((_, part),) = parallelize(
+        build_model(model_config("tiny", n_layers=1, dim=32, n_heads=2, ffn_dim=64, vocab_size=64)),
+        Topology(cfg, None),
+        torch.device("cpu"),
+        0,
+    )
     tokens = torch.randint(0, 64, (1, 8))
     assert part(tokens).shape == (1, 8, 64)

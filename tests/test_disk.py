@@ -16,14 +16,14 @@ from collections import namedtuple
 from pathlib import Path
 
 import pytest
-
-from hlat import files
-from hlat.cli import main
-from hlat.checkpoint.layout import complete_checkpoints
-from hlat.checkpoint.store import verify_checkpoint
-from hlat.train.metrics import MetricsLog
 from test_faults import write_config
 from test_train import config
+
+from hlat import files
+from hlat.checkpoint.layout import complete_checkpoints
+from hlat.checkpoint.store import verify_checkpoint
+from hlat.cli import main
+from hlat.train.metrics import MetricsLog
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
 
@@ -50,7 +50,7 @@ def one_line(capsys) -> str:
 
 
 def only_step_2_intact(run: Path) -> None:
-    (step, path), = complete_checkpoints(run)
+    ((step, path),) = complete_checkpoints(run)
     verify_checkpoint(path)
     assert step == 2 and not list((run / "checkpoints").glob("*.partial"))
 
@@ -83,9 +83,11 @@ def test_full_disk_between_checkpoints_is_one_line_and_exit_2(target, tmp_path, 
     assert main(["train", "--config", str(cfg_file)]) == 2
     err = one_line(capsys)
     path = str(tmp_path / "run") + ("" if target == "TensorBoard events" else f"/{target}")
-    assert f"cannot write {'TensorBoard events in ' if target == 'TensorBoard events' else ''}{path}: " \
-           f"No space left on device; the previous checkpoint {tmp_path / 'run'}/checkpoints/step_00000002 is " \
-           "intact" in err
+    assert (
+        f"cannot write {'TensorBoard events in ' if target == 'TensorBoard events' else ''}{path}: "
+        f"No space left on device; the previous checkpoint {tmp_path / 'run'}/checkpoints/step_00000002 is "
+        "intact" in err
+    )
     only_step_2_intact(tmp_path / "run")
 
 
@@ -106,7 +108,7 @@ class NearlyFullFile(io.FileIO):
 
 @contextlib.contextmanager
 def nearly_full_stream(self, path, mode):  # FileSystem.create_stream: the step-4 checkpoint's files fill the disk
-    with (NearlyFullFile(path, mode) if "step_00000004" in str(path) else open(path, mode)) as stream:
+    with NearlyFullFile(path, mode) if "step_00000004" in str(path) else open(path, mode) as stream:
         yield stream
 
 
@@ -119,8 +121,10 @@ def test_full_disk_in_torch_save_names_the_disk_not_the_zip_writer(tmp_path, cap
     monkeypatch.setattr(FileSystem, "create_stream", nearly_full_stream)
     assert main(["train", "--config", str(cfg_file)]) == 2
     err = one_line(capsys)
-    assert f"cannot write checkpoint {tmp_path}/run/checkpoints/step_00000004.partial: No space left on device; " \
-           f"the previous checkpoint {tmp_path}/run/checkpoints/step_00000002 is intact" in err
+    assert (
+        f"cannot write checkpoint {tmp_path}/run/checkpoints/step_00000004.partial: No space left on device; "
+        f"the previous checkpoint {tmp_path}/run/checkpoints/step_00000002 is intact" in err
+    )
     only_step_2_intact(tmp_path / "run")
 
 
@@ -150,12 +154,18 @@ sys.exit(main(["train", *sys.argv[1:]]))
 
 def test_a_full_disk_is_not_retried_by_the_supervisor(tmp_path):
     cfg_file = two_step_run(tmp_path)
-    done = subprocess.run([sys.executable, "-c", SUPERVISED, GOODPUT_FILLS_AT_STEP_3, "--config", str(cfg_file),
-                           "--max-restarts", "3"], capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", SUPERVISED, GOODPUT_FILLS_AT_STEP_3, "--config", str(cfg_file), "--max-restarts", "3"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 2, done.stderr
     errors = [line for line in done.stderr.splitlines() if line.startswith("hlat: error:")]
-    assert errors == [f"hlat: error: cannot write {tmp_path}/run/goodput.json: No space left on device; the previous "
-                      f"checkpoint {tmp_path}/run/checkpoints/step_00000002 is intact"]
+    assert errors == [
+        f"hlat: error: cannot write {tmp_path}/run/goodput.json: No space left on device; the previous "
+        f"checkpoint {tmp_path}/run/checkpoints/step_00000002 is intact"
+    ]
     assert "Traceback" not in done.stderr and not (tmp_path / "run" / "restarts.jsonl").exists()
     only_step_2_intact(tmp_path / "run")
 
@@ -172,8 +182,10 @@ def test_a_run_whose_checkpoints_cannot_fit_is_refused_before_its_first_step(tmp
     monkeypatch.setattr(files.shutil, "disk_usage", lambda path: Usage(10**12, 10**12 - 2 * size + 1, 2 * size - 1))
     assert main(["train", "--config", str(cfg_file)]) == 2
     err = one_line(capsys)
-    assert f"not enough free space for the checkpoints of {tmp_path}/run: {files.size_text(2 * size - 1)} free, 2 x " \
-           f"{files.size_text(size)} needed (train.keep_checkpoints = 2, and the one being written)" in err
+    assert (
+        f"not enough free space for the checkpoints of {tmp_path}/run: {files.size_text(2 * size - 1)} free, 2 x "
+        f"{files.size_text(size)} needed (train.keep_checkpoints = 2, and the one being written)" in err
+    )
     only_step_2_intact(tmp_path / "run")
     assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2  # nothing ran
 
@@ -196,8 +208,10 @@ def test_a_fresh_run_is_checked_against_its_weights_and_optimizer_states(tmp_pat
     assert f"{files.size_text(1000)} free, 3 x {files.size_text(estimate)} needed" in one_line(capsys)
     monkeypatch.setattr(files.shutil, "disk_usage", lambda path: Usage(0, 0, 0))
     assert main(["train", "--config", str(cfg_file)]) == 0
-    written = sum(size for size, _ in json.loads(
-        (complete_checkpoints(tmp_path / "run")[0][1] / "manifest.json").read_text()).values())
+    written = sum(
+        size
+        for size, _ in json.loads((complete_checkpoints(tmp_path / "run")[0][1] / "manifest.json").read_text()).values()
+    )
     assert estimate <= written < 1.1 * estimate
 
 
@@ -207,8 +221,10 @@ def test_keeping_every_checkpoint_warns_when_they_will_outgrow_the_disk(tmp_path
     estimate = cfg.model.num_params() * 12
     monkeypatch.setattr(files.shutil, "disk_usage", lambda path: Usage(10**12, 0, int(2.5 * estimate)))
     assert main(["train", "--config", str(write_config(tmp_path / "c.toml", cfg))]) == 0
-    assert f"has room for 2 of the 4 checkpoints of {files.size_text(estimate)} this run will keep" in \
-        capsys.readouterr().out
+    assert (
+        f"has room for 2 of the 4 checkpoints of {files.size_text(estimate)} this run will keep"
+        in capsys.readouterr().out
+    )
 
 
 def test_refused_writes_are_found_wherever_they_surface():
@@ -217,7 +233,7 @@ def test_refused_writes_are_found_wherever_they_surface():
         try:
             raise full
         except OSError:
-            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")  # noqa: B904
     except RuntimeError as e:
         assert files.refused_write(e) is full  # the context
     from torch.distributed.checkpoint.api import CheckpointException

@@ -35,8 +35,9 @@ def batches(tmp_path_factory):
 @pytest.mark.parametrize("packing", ["best_fit", "concat"])
 def test_packed_documents_match_running_alone(batches, family, packing):
     extra = dict(n_kv_heads=2) if family == "llama" else dict(rotary_pct=0.25)
-    cfg = model_config(family=family, dim=64, n_layers=2, n_heads=4, ffn_dim=96, vocab_size=320, max_seq_len=64,
-                       doc_mask=True, **extra)
+    cfg = model_config(
+        family=family, dim=64, n_layers=2, n_heads=4, ffn_dim=96, vocab_size=320, max_seq_len=64, doc_mask=True, **extra
+    )
     torch.manual_seed(0)
     model = build_model(cfg, "cpu").double()
     batch = batches[packing]

@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_train import config, final_weights, train
 from torch.distributed.checkpoint.api import CheckpointException
 
-from hlat.cli import main
 from hlat.checkpoint import store as ckpt
-from hlat.train import trainer
 from hlat.checkpoint.layout import complete_checkpoints
 from hlat.checkpoint.store import verify_checkpoint
-from test_train import config, final_weights, train
+from hlat.cli import main
+from hlat.train import trainer
 
 
 def strict_records(run_dir: Path) -> list[dict]:
@@ -107,9 +107,12 @@ def test_every_reader_of_a_checkpoint_refuses_a_flipped_byte(two_checkpoints, tm
     problem = "damaged checkpoint: __0_0.distcp does not match its checksum"
     fine_tune = config(tmp_path / "fine", steps=1, init_from=str(damaged))
     fine_tune.data.workers = 0
-    for argv in (["export-hf", str(run), "--out", str(tmp_path / "hf")], ["eval", str(run), "--data", json.__file__],
-                 ["generate", str(damaged), "--prompt", "def"],
-                 ["train", "--config", str(write_config(tmp_path / "fine.toml", fine_tune))]):
+    for argv in (
+        ["export-hf", str(run), "--out", str(tmp_path / "hf")],
+        ["eval", str(run), "--data", json.__file__],
+        ["generate", str(damaged), "--prompt", "def"],
+        ["train", "--config", str(write_config(tmp_path / "fine.toml", fine_tune))],
+    ):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err.strip()
         assert err == f"hlat: error: {damaged}: {problem}", argv
@@ -118,8 +121,10 @@ def test_every_reader_of_a_checkpoint_refuses_a_flipped_byte(two_checkpoints, tm
     assert main(["eval", str(run), "--all", "--data", json.__file__, "--max-batches", "1", "--json"]) == 2
     out, err = capsys.readouterr()
     assert [json.loads(line)["checkpoint"] for line in out.splitlines()] == [str(good)]
-    assert err.splitlines() == [f"hlat: error: {damaged}: {problem}",
-                                "hlat eval: 1 of 2 checkpoints damaged, not evaluated"]
+    assert err.splitlines() == [
+        f"hlat: error: {damaged}: {problem}",
+        "hlat eval: 1 of 2 checkpoints damaged, not evaluated",
+    ]
 
     assert main(["checkpoint", "verify", str(run)]) == 1
     assert capsys.readouterr().out.splitlines() == [f"ok       {good}", f"DAMAGED  {damaged}: {problem}"]
@@ -129,8 +134,7 @@ def test_every_reader_of_a_checkpoint_refuses_a_flipped_byte(two_checkpoints, tm
 
 
 def nan_config(run: Path, policy: str, **train_fields):
-    cfg = config(run, steps=6, ckpt_every=2, keep_checkpoints=0, debug_nan_step=3, on_bad_step=policy,
-                 **train_fields)
+    cfg = config(run, steps=6, ckpt_every=2, keep_checkpoints=0, debug_nan_step=3, on_bad_step=policy, **train_fields)
     cfg.data.workers = 0
     return cfg
 
@@ -179,8 +183,15 @@ def test_a_rollback_passes_over_a_checkpoint_damaged_since_it_was_written(tmp_pa
     train(cfg)
     damaged = run / "checkpoints" / "step_00000004"
     out = capsys.readouterr().out
-    assert (f"{damaged}: damaged checkpoint: __0_0.distcp does not match its checksum; falling back to the previous "
-            "checkpoint") in out and "rolled back to" in out and "step_00000002 (step 2)" in out
+    assert (
+        (
+            f"{damaged}: damaged checkpoint: __0_0.distcp does not match its checksum; falling back to the previous "
+            "checkpoint"
+        )
+        in out
+        and "rolled back to" in out
+        and "step_00000002 (step 2)" in out
+    )
     assert [r["step"] for r in strict_records(run)] == [1, 2, 3, 4, 5, 6]  # 3 to 6 run again after step 5
     assert damaged.with_name("step_00000004.damaged").is_dir()  # kept for inspection; step 4 saved afresh
     for _, path in complete_checkpoints(run):
@@ -213,15 +224,16 @@ def test_full_disk_keeps_the_previous_checkpoint(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err.strip()
     assert "No space left on device" in err and "step_00000004.partial" in err and "\n" not in err
     assert "step_00000002 is intact" in err
-    (step, path), = complete_checkpoints(tmp_path / "run")
+    ((step, path),) = complete_checkpoints(tmp_path / "run")
     verify_checkpoint(path)
     assert step == 2 and not list((tmp_path / "run" / "checkpoints").glob("*.partial"))
 
 
 @pytest.mark.parametrize("asynchronous", [False, True])
 @pytest.mark.parametrize("code", [errno.EDQUOT, errno.EIO])
-def test_a_refused_checkpoint_write_is_one_line_and_another_keeps_its_traceback(code, asynchronous, tmp_path,
-                                                                                capsys, monkeypatch):
+def test_a_refused_checkpoint_write_is_one_line_and_another_keeps_its_traceback(
+    code, asynchronous, tmp_path, capsys, monkeypatch
+):
     """Step 4's write fails with `code`: refused (a spent quota), the run ends in one line with exit code 2, not
     retried; an I/O error that may pass raises (traceback, exit code 1: restarts retry it). Either way the partial
     checkpoint is removed and step 2's is intact."""
@@ -252,10 +264,12 @@ def test_a_refused_checkpoint_write_is_one_line_and_another_keeps_its_traceback(
     else:
         assert main(argv) == 2
         err = capsys.readouterr().err.strip()
-        assert err == (f"hlat: error: cannot write checkpoint {tmp_path}/run/checkpoints/step_00000004.partial: "
-                       f"{os.strerror(code)} (__0_0.distcp); the previous checkpoint "
-                       f"{tmp_path}/run/checkpoints/step_00000002 is intact")
-    (step, path), = complete_checkpoints(tmp_path / "run")
+        assert err == (
+            f"hlat: error: cannot write checkpoint {tmp_path}/run/checkpoints/step_00000004.partial: "
+            f"{os.strerror(code)} (__0_0.distcp); the previous checkpoint "
+            f"{tmp_path}/run/checkpoints/step_00000002 is intact"
+        )
+    ((step, path),) = complete_checkpoints(tmp_path / "run")
     verify_checkpoint(path)
     assert step == 2 and not list((tmp_path / "run" / "checkpoints").glob("*.partial"))
 
@@ -291,8 +305,11 @@ def stat_of(proc: Path) -> list[str] | None:
 
 
 def session_processes(sid: int) -> list[int]:
-    return [pid for pid in (int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit())
-            if (fields := stat(pid)) is not None and fields[0] != "Z" and fields[3] == str(sid)]
+    return [
+        pid
+        for pid in (int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit())
+        if (fields := stat(pid)) is not None and fields[0] != "Z" and fields[3] == str(sid)
+    ]
 
 
 def children(pid: int) -> list[int]:
@@ -305,9 +322,9 @@ def children(pid: int) -> list[int]:
 
 def trained_state(run_dir: Path, cfg) -> tuple[dict, dict]:
     """Model and optimizer state of the run's newest checkpoint."""
+    from hlat.checkpoint.state import TrainState
     from hlat.models import build_model, materialize
     from hlat.optim import build_optimizer
-    from hlat.checkpoint.state import TrainState
 
     model = materialize(build_model(cfg.model), "cpu")
     optimizer = build_optimizer(model, cfg.optim)
@@ -333,21 +350,35 @@ def test_supervisor_restarts_after_kill_9_bit_exact_and_leaves_nothing_behind(np
         if nproc == 1:
             train(job_config("reference"))
             return
-        done = warm_torchrun.run(2, ["train", "--config",
-                                     str(write_config(tmp_path / "reference.toml", job_config("reference")))])
+        done = warm_torchrun.run(
+            2, ["train", "--config", str(write_config(tmp_path / "reference.toml", job_config("reference")))]
+        )
         assert done.returncode == 0, done.stdout[-3000:]
 
     with open(tmp_path / "run.log", "w") as log:
-        supervisor = subprocess.Popen([sys.executable, "-m", "hlat", "train", "--config",
-                                       str(write_config(tmp_path / "run.toml", job_config("run"))),
-                                       "--max-restarts", "2", "--nproc-per-node", str(nproc)],
-                                      stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        supervisor = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "hlat",
+                "train",
+                "--config",
+                str(write_config(tmp_path / "run.toml", job_config("run"))),
+                "--max-restarts",
+                "2",
+                "--nproc-per-node",
+                str(nproc),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         metrics = tmp_path / "run" / "metrics.jsonl"
         deadline = time.time() + 120
         while (not metrics.exists() or len(metrics.read_text().splitlines()) < 4) and time.time() < deadline:
             time.sleep(0.05)
-        child, = children(supervisor.pid)
+        (child,) = children(supervisor.pid)
         assert "libtorch" not in Path(f"/proc/{supervisor.pid}/maps").read_text()  # it only starts processes
         victim = children(child)[-1] if nproc > 1 else child  # a torchrun worker, or the trainer
         doomed = [victim] + [p for c in children(victim) for p in [c, *children(c)]]  # workers, tracker
@@ -358,13 +389,16 @@ def test_supervisor_restarts_after_kill_9_bit_exact_and_leaves_nothing_behind(np
         if supervisor.poll() is None:
             os.killpg(supervisor.pid, signal.SIGKILL)
     assert supervisor.returncode == 0, (tmp_path / "run.log").read_text()
-    restart, = [json.loads(line) for line in (tmp_path / "run" / "restarts.jsonl").read_text().splitlines()]
+    (restart,) = [json.loads(line) for line in (tmp_path / "run" / "restarts.jsonl").read_text().splitlines()]
     assert restart["exit"] == ("killed by SIGKILL" if nproc == 1 else "exit code 1")  # torchrun's, for a worker
-    assert [(r["loss"], r["grad_norm"]) for r in strict_records(tmp_path / "run")] == \
-        [(r["loss"], r["grad_norm"]) for r in strict_records(tmp_path / "reference")]
+    assert [(r["loss"], r["grad_norm"]) for r in strict_records(tmp_path / "run")] == [
+        (r["loss"], r["grad_norm"]) for r in strict_records(tmp_path / "reference")
+    ]
     cfg = config(tmp_path / "reference", steps=10, decay_steps=10)
-    (weights, optim), (ref_weights, ref_optim) = trained_state(tmp_path / "run", cfg), \
-        trained_state(tmp_path / "reference", cfg)
+    (weights, optim), (ref_weights, ref_optim) = (
+        trained_state(tmp_path / "run", cfg),
+        trained_state(tmp_path / "reference", cfg),
+    )
     assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
     assert all(torch.equal(optim[i][k], ref_optim[i][k]) for i in ref_optim for k in ref_optim[i])
     deadline = time.time() + 10
@@ -376,9 +410,27 @@ def test_supervisor_restarts_after_kill_9_bit_exact_and_leaves_nothing_behind(np
 def launch_rendered_torchrun(cfg_file: Path, port: int) -> list[str]:
     """The `hlat torchrun` command `hlat launch` renders into a SLURM script for this config (2 ranks on 1 node,
     2 restarts), with its rendezvous on this host."""
-    done = subprocess.run([sys.executable, "-m", "hlat", "launch", "--config", str(cfg_file), "--target", "slurm",
-                           "--nodes", "1", "--nproc-per-node", "2", "--cluster.max_restarts", "2"],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hlat",
+            "launch",
+            "--config",
+            str(cfg_file),
+            "--target",
+            "slurm",
+            "--nodes",
+            "1",
+            "--nproc-per-node",
+            "2",
+            "--cluster.max_restarts",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     line = next(line for line in done.stdout.splitlines() if line.startswith("srun hlat torchrun"))
     line = line.replace('"$head_node:29500"', f"127.0.0.1:{port}").replace('"$SLURM_JOB_ID"', "7")
@@ -386,8 +438,20 @@ def launch_rendered_torchrun(cfg_file: Path, port: int) -> list[str]:
 
 
 def restarting_torchrun(cfg_file: Path) -> list[str]:
-    return [sys.executable, "-m", "hlat", "torchrun", "--standalone", "--nproc-per-node=2", "--max-restarts=2", "-m",
-            "hlat", "train", "--config", str(cfg_file)]
+    return [
+        sys.executable,
+        "-m",
+        "hlat",
+        "torchrun",
+        "--standalone",
+        "--nproc-per-node=2",
+        "--max-restarts=2",
+        "-m",
+        "hlat",
+        "train",
+        "--config",
+        str(cfg_file),
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -412,10 +476,18 @@ def test_torchrun_restarts_a_killed_worker_in_place_bit_exact(launched, restart_
     losses and weights."""
     cfg_file, cfg = restart_job
     run = tmp_path / "run"
-    command = (restarting_torchrun(cfg_file) if launched == "hlat torchrun"
-               else launch_rendered_torchrun(cfg_file, free_port()))
-    job = subprocess.Popen([*command, "--train.run_dir", str(run)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True, start_new_session=True)
+    command = (
+        restarting_torchrun(cfg_file)
+        if launched == "hlat torchrun"
+        else launch_rendered_torchrun(cfg_file, free_port())
+    )
+    job = subprocess.Popen(
+        [*command, "--train.run_dir", str(run)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         metrics, deadline = run / "metrics.jsonl", time.time() + 120
         while (not metrics.exists() or len(metrics.read_text().splitlines()) < 5) and time.time() < deadline:
@@ -432,13 +504,14 @@ def test_torchrun_restarts_a_killed_worker_in_place_bit_exact(launched, restart_
     assert job.returncode == 0, out[-5000:]
     assert "resumed from" in out and "Connection refused" not in out
     # goodput's split of the failure: the surviving rank saw its collective fail (hlat.train.recovery)
-    failure, = json.loads((run / "goodput.json").read_text())["failures"]
+    (failure,) = json.loads((run / "goodput.json").read_text())["failures"]
     assert failure["seen_by"].startswith(("rank0: ", "rank1: ")), failure
     assert failure["progress_at"] <= failure["seen_at"] <= failure["restart_at"] and failure["load_s"] > 0
     assert failure["recomputed_steps"] == failure["high_water_step"] - failure["resumed_step"] >= 0
     reference = cfg_file.parent / "reference"
-    assert [(r["loss"], r["grad_norm"]) for r in strict_records(run)] == \
-        [(r["loss"], r["grad_norm"]) for r in strict_records(reference)]
+    assert [(r["loss"], r["grad_norm"]) for r in strict_records(run)] == [
+        (r["loss"], r["grad_norm"]) for r in strict_records(reference)
+    ]
     weights, ref_weights = trained_state(run, cfg)[0], trained_state(reference, cfg)[0]
     assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
 
@@ -456,9 +529,23 @@ def two_ranks_training(tmp_path: Path, launcher: list[str], **fields) -> subproc
     cfg = config(tmp_path / "run", steps=10_000, decay_steps=10_000, **fields)
     cfg.data.workers = 0
     cfg_file = write_config(tmp_path / "c.toml", cfg)
-    job = subprocess.Popen([sys.executable, *launcher, "--standalone", "--nproc-per-node=2", "-m", "hlat", "train",
-                            "--config", str(cfg_file)],
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    job = subprocess.Popen(
+        [
+            sys.executable,
+            *launcher,
+            "--standalone",
+            "--nproc-per-node=2",
+            "-m",
+            "hlat",
+            "train",
+            "--config",
+            str(cfg_file),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.time() + 180
     while (not metrics.exists() or len(metrics.read_text().splitlines()) < 2) and time.time() < deadline:
@@ -474,8 +561,12 @@ def test_hang_watchdog_names_the_stopped_rank_and_the_job_exits_3(tmp_path):
     would wait 30 s before killing it), so the job ends at once with the watchdog's exit code 3, not torchrun's 1."""
     job = two_ranks_training(tmp_path, ["-m", "hlat", "torchrun"], hang_timeout_s=4, collective_timeout_s=300)
     try:
-        ranks = {v: p for p in children(job.pid)
-                 for v in Path(f"/proc/{p}/environ").read_bytes().split(b"\0") if v.startswith(b"RANK=")}
+        ranks = {
+            v: p
+            for p in children(job.pid)
+            for v in Path(f"/proc/{p}/environ").read_bytes().split(b"\0")
+            if v.startswith(b"RANK=")
+        }
         hung = ranks[b"RANK=1"]
         os.kill(hung, signal.SIGSTOP)
         out, _ = job.communicate(timeout=120)  # nobody kills the stopped rank but the watchdog
@@ -521,6 +612,7 @@ def test_asynchronous_checkpoints_resume_like_synchronous_ones(one_stager, tmp_p
     from them follows the same trajectory as synchronous saves, to the bit; with one stager for the run (its
     host buffers reused) and with a stager per save (torch < 2.13)."""
     monkeypatch.setattr(ckpt, "STAGER_KEEPS_BUFFERS", one_stager)
+
     def run(name: str, **fields):
         cfg = config(tmp_path / name, keep_checkpoints=2, ckpt_every=2, **fields)
         cfg.data.workers = 0
@@ -532,8 +624,9 @@ def test_asynchronous_checkpoints_resume_like_synchronous_ones(one_stager, tmp_p
     assert [s for s, _ in complete_checkpoints(tmp_path / "async")] == [4, 6]
     for _, path in complete_checkpoints(tmp_path / "async"):
         verify_checkpoint(path)
-    assert [(r["loss"], r["grad_norm"]) for r in strict_records(tmp_path / "async")] == \
-        [(r["loss"], r["grad_norm"]) for r in strict_records(tmp_path / "sync")]
+    assert [(r["loss"], r["grad_norm"]) for r in strict_records(tmp_path / "async")] == [
+        (r["loss"], r["grad_norm"]) for r in strict_records(tmp_path / "sync")
+    ]
 
 
 HOLD_THE_STEP_4_WRITE = """
@@ -564,9 +657,12 @@ def test_kill_9_during_an_asynchronous_write_resumes_from_the_previous_checkpoin
 
     train(job("reference"))
     held = tmp_path / "held"
-    trainer = subprocess.Popen([sys.executable, "-c", HOLD_THE_STEP_4_WRITE, str(held),
-                                str(write_config(tmp_path / "c.toml", job("run")))],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", HOLD_THE_STEP_4_WRITE, str(held), str(write_config(tmp_path / "c.toml", job("run")))],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.time() + 180
         while not held.exists() and trainer.poll() is None and time.time() < deadline:
@@ -579,8 +675,9 @@ def test_kill_9_during_an_asynchronous_write_resumes_from_the_previous_checkpoin
     assert (partial / ".metadata").is_file()  # a complete DCP checkpoint, but never committed
     assert [s for s, _ in complete_checkpoints(tmp_path / "run")] == [2]
     train(job("run", resume="auto"))
-    assert [(r["loss"], r["grad_norm"]) for r in strict_records(tmp_path / "run")] == \
-        [(r["loss"], r["grad_norm"]) for r in strict_records(tmp_path / "reference")]
+    assert [(r["loss"], r["grad_norm"]) for r in strict_records(tmp_path / "run")] == [
+        (r["loss"], r["grad_norm"]) for r in strict_records(tmp_path / "reference")
+    ]
     assert [s for s, _ in complete_checkpoints(tmp_path / "run")] == [2, 4, 6, 8]
 
 
@@ -598,7 +695,7 @@ def test_sigterm_to_torchrun_checkpoints_and_exits_0(tmp_path):
             os.killpg(job.pid, signal.SIGKILL)
     assert job.returncode == 0, out
     assert "stopped by signal" in out and "every trainer checkpointed" in out
-    (stopped_at, _), = complete_checkpoints(tmp_path / "run")
+    ((stopped_at, _),) = complete_checkpoints(tmp_path / "run")
     assert stopped_at == len(strict_records(tmp_path / "run")) >= 2
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_parallel import MODELS, job, torchrun, trajectory, write_toml
 
 from hlat import HlatError
 from hlat.config.job import build_config
@@ -16,10 +17,9 @@ from hlat.models import build_model
 from hlat.optim.fp8 import convert_blocks, converted, fp8_support
 from hlat.tools.inference import load_trained_model
 from hlat.train.loop import train
-from test_parallel import MODELS, job, torchrun, trajectory, write_toml
 
-BF16_ROUNDOFF = 2.0 ** -8  # unit roundoff of bf16 (8 significant bits)
-E4M3_ROUNDOFF = 2.0 ** -4  # unit roundoff of float8 e4m3 (4 significant bits), what the forward's operands get
+BF16_ROUNDOFF = 2.0**-8  # unit roundoff of bf16 (8 significant bits)
+E4M3_ROUNDOFF = 2.0**-4  # unit roundoff of float8 e4m3 (4 significant bits), what the forward's operands get
 
 
 def fp8_job(run_dir: Path, recipe: str, mode: str = "bf16_mixed", **train_settings) -> dict:
@@ -118,10 +118,13 @@ def test_checkpoints_move_between_fp8_and_bf16_runs(tmp_path, warm_torchrun):
     config = write_toml(tmp_path / "fp8.toml", fp8_job(fp8_run, "tensorwise", steps=2))
     torchrun(warm_torchrun, 2, config, {"dp_shard": 2})
     train(build_config(fp8_job(bf16_run, "none", steps=2)))
-    without_torchao = ("import sys; from hlat.tools.interop import export_hf; export_hf(sys.argv[1], sys.argv[2]); "
-                       "assert 'torchao' not in sys.modules")
-    done = subprocess.run([sys.executable, "-c", without_torchao, str(fp8_run), str(tmp_path / "hf")],
-                          capture_output=True, text=True)
+    without_torchao = (
+        "import sys; from hlat.tools.interop import export_hf; export_hf(sys.argv[1], sys.argv[2]); "
+        "assert 'torchao' not in sys.modules"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", without_torchao, str(fp8_run), str(tmp_path / "hf")], capture_output=True, text=True
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     exported = load_file(tmp_path / "hf" / "model.safetensors")
     (_, _, from_fp8), (_, _, from_bf16) = load_trained_model(fp8_run), load_trained_model(bf16_run)

@@ -59,10 +59,22 @@ def test_a_run_killed_three_times_splits_its_failures_and_its_ettr_matches_its_o
     cfg = config(tmp_path / "run", steps=12, decay_steps=12, ckpt_every=3, snapshot_every=0)  # durable resumes
     cfg.data.workers = 0
     (tmp_path / "marks").mkdir()
-    done = subprocess.run([sys.executable, "-c", SUPERVISED, KILLED_THREE_TIMES, "--config",
-                           str(write_config(tmp_path / "c.toml", cfg)), "--max-restarts", "3"],
-                          env={**os.environ, "KILL_MARKS": str(tmp_path / "marks")},
-                          capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            SUPERVISED,
+            KILLED_THREE_TIMES,
+            "--config",
+            str(write_config(tmp_path / "c.toml", cfg)),
+            "--max-restarts",
+            "3",
+        ],
+        env={**os.environ, "KILL_MARKS": str(tmp_path / "marks")},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stderr
     assert len(os.listdir(tmp_path / "marks")) == 3
     assert len((tmp_path / "run" / "restarts.jsonl").read_text().splitlines()) == 3
@@ -71,12 +83,15 @@ def test_a_run_killed_three_times_splits_its_failures_and_its_ettr_matches_its_o
     records = strict_records(tmp_path / "run")
     steps = [r["step"] for r in records]
     assert steps == list(range(1, 13))  # one record per step of the final model (log_every = 1)
-    step_time = sum(r["step_time_s"] * (step - before) - r["data_wait_s"]
-                    for r, step, before in zip(records, steps, [0, *steps]))
+    step_time = sum(
+        r["step_time_s"] * (step - before) - r["data_wait_s"] for r, step, before in zip(records, steps, [0, *steps])
+    )
     computed = step_time / goodput["wall_s"]
-    print(f"ETTR reported {goodput['ettr']:.4f}, computed from metrics.jsonl {computed:.4f}; productive "
-          f"{goodput['productive_s']:.3f} s against {step_time:.3f} s; lost {goodput['lost_s']:.3f} s, recomputed "
-          f"{goodput['recomputed_s']:.3f} s")
+    print(
+        f"ETTR reported {goodput['ettr']:.4f}, computed from metrics.jsonl {computed:.4f}; productive "
+        f"{goodput['productive_s']:.3f} s against {step_time:.3f} s; lost {goodput['lost_s']:.3f} s, recomputed "
+        f"{goodput['recomputed_s']:.3f} s"
+    )
     assert abs(goodput["ettr"] - computed) <= 0.03 * computed
     assert goodput["lost_s"] > 0 and goodput["recomputed_s"] > 0  # steps 4 and 5 were run again
 
@@ -133,14 +148,44 @@ def test_each_failure_is_split_and_the_totals_are_the_sums_of_the_list(tmp_path,
     Goodput(tmp_path, True, clock[0])
     account = json.loads((tmp_path / "goodput.json").read_text())
     first, second = account["failures"]
-    assert first == {"after_step": 5, "progress_at": 1008.0, "seen_at": 1011.0,
-                     "seen_by": "supervisor: killed by SIGKILL", "restart_at": 1013.0, "detection_s": 3.0,
-                     "restart_s": 2.0, "downtime_s": 5.0, "load_s": 3.0, "resumed_step": 3, "high_water_step": 5,
-                     "recomputed_steps": 2, "recomputed_s": 2.0}
-    assert second == {"after_step": 6, "progress_at": 1019.0, "seen_at": None, "seen_by": None, "restart_at": 1025.0,
-                      "detection_s": None, "restart_s": None, "downtime_s": 6.0, "load_s": 3.0, "resumed_step": 3,
-                      "high_water_step": 6, "recomputed_steps": 3, "recomputed_s": 3.0}
-    assert account["failure_totals"] == {"failures": 2, "not_observed": 1, "detection_s": 3.0, "restart_s": 2.0,
-                                         "downtime_s": 11.0, "load_s": 6.0, "recomputed_steps": 5,
-                                         "recomputed_s": 5.0}
+    assert first == {
+        "after_step": 5,
+        "progress_at": 1008.0,
+        "seen_at": 1011.0,
+        "seen_by": "supervisor: killed by SIGKILL",
+        "restart_at": 1013.0,
+        "detection_s": 3.0,
+        "restart_s": 2.0,
+        "downtime_s": 5.0,
+        "load_s": 3.0,
+        "resumed_step": 3,
+        "high_water_step": 5,
+        "recomputed_steps": 2,
+        "recomputed_s": 2.0,
+    }
+    assert second == {
+        "after_step": 6,
+        "progress_at": 1019.0,
+        "seen_at": None,
+        "seen_by": None,
+        "restart_at": 1025.0,
+        "detection_s": None,
+        "restart_s": None,
+        "downtime_s": 6.0,
+        "load_s": 3.0,
+        "resumed_step": 3,
+        "high_water_step": 6,
+        "recomputed_steps": 3,
+        "recomputed_s": 3.0,
+    }
+    assert account["failure_totals"] == {
+        "failures": 2,
+        "not_observed": 1,
+        "detection_s": 3.0,
+        "restart_s": 2.0,
+        "downtime_s": 11.0,
+        "load_s": 6.0,
+        "recomputed_steps": 5,
+        "recomputed_s": 5.0,
+    }
     assert account["starts"] == 4 and account["recomputed_s"] == 5.0

@@ -12,8 +12,12 @@ SUITE = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_suite.py"
 
 
 def run_part(part: str, out: Path) -> None:
-    done = subprocess.run([sys.executable, str(SUITE), part, "--out", str(out), "--cpu", "--work-dir",
-                           str(out / "runs")], capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [sys.executable, str(SUITE), part, "--out", str(out), "--cpu", "--work-dir", str(out / "runs")],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
@@ -29,8 +33,11 @@ def test_the_suites_cpu_mode_runs_every_part(tmp_path):
     hlat = {(r["setting"], r["fp8"]): r for r in speed if r["system"] == "hlat"}
     assert set(hlat) == {("1b", "none"), ("1b", "tensorwise")}  # one case of each kind (the CPU mode)
     assert all(r["tokens_per_s"] > 0 for r in hlat.values()), hlat
-    assert all("tokens_per_s" in r or r["error"] == "skipped: torchtitan is not installed"
-               for r in speed if r["system"] == "torchtitan")
+    assert all(
+        "tokens_per_s" in r or r["error"] == "skipped: torchtitan is not installed"
+        for r in speed
+        if r["system"] == "torchtitan"
+    )
     assert hlat["1b", "tensorwise"]["loss"] != hlat["1b", "none"]["loss"]  # FP8 (emulated) ran
     assert "FP8 / bf16" in (tmp_path / "speed.md").read_text()
     assert (tmp_path / "profile_1b.txt").read_text().count("\n") > 10

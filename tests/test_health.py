@@ -21,10 +21,21 @@ def test_a_slowed_rank_is_named_while_training_goes_on(tmp_path, warm_torchrun):
     healthy ranks' forwards take about a millisecond, so on a loaded machine a descheduled one may be named too
     (it was slow): what holds whatever the load, up to scheduling delays as long as the debug delay, is that rank
     2 is named and stays the slowest."""
-    cfg = build_config({"model": TINY, "data": {"paths": [CORPUS]},
-                        "train": {"steps": 6, "global_batch": 4, "micro_batch": 1, "seq_len": 32, "log_every": 1,
-                                  "run_dir": str(tmp_path / "run")},
-                        "health": {"debug_delay": f"2:{DELAY_S * 1e3:g}", "slow_intervals": 2, "slow_margin": 1.0}})
+    cfg = build_config(
+        {
+            "model": TINY,
+            "data": {"paths": [CORPUS]},
+            "train": {
+                "steps": 6,
+                "global_batch": 4,
+                "micro_batch": 1,
+                "seq_len": 32,
+                "log_every": 1,
+                "run_dir": str(tmp_path / "run"),
+            },
+            "health": {"debug_delay": f"2:{DELAY_S * 1e3:g}", "slow_intervals": 2, "slow_margin": 1.0},
+        }
+    )
     config = tmp_path / "c.toml"
     config.write_text(cfg.to_toml())
     done = warm_torchrun.run(4, ["train", "--config", str(config)])

@@ -11,28 +11,52 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import (AutoConfig, AutoModelForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig,
-                          LlamaForCausalLM)
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
 
 from hlat import HlatError
 from hlat.models import build_model
 from hlat.models.config import model_config
-from hlat.models.hf import (hf_config_to_model_config, hf_state_to_hlat, hlat_state_to_hf, model_config_to_hf_config,
-                            read_hf_dir, write_hf_dir)
+from hlat.models.hf import (
+    hf_config_to_model_config,
+    hf_state_to_hlat,
+    hlat_state_to_hf,
+    model_config_to_hf_config,
+    read_hf_dir,
+    write_hf_dir,
+)
 
-SIZES = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-             max_position_embeddings=64)
+SIZES = dict(
+    vocab_size=96,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=128,
+    max_position_embeddings=64,
+)
 HF_MODELS = {
-    "llama-gqa": lambda: LlamaForCausalLM(LlamaConfig(
-        **SIZES, num_key_value_heads=2, rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 5e3},
-        attn_implementation="eager")),
-    "llama-tied": lambda: LlamaForCausalLM(LlamaConfig(
-        **SIZES, tie_word_embeddings=True, attn_implementation="eager")),
-    "neox-parallel": lambda: GPTNeoXForCausalLM(GPTNeoXConfig(
-        **SIZES, rotary_pct=0.25, attn_implementation="eager")),
-    "neox-sequential-tied": lambda: GPTNeoXForCausalLM(GPTNeoXConfig(
-        **SIZES, rotary_pct=0.25, use_parallel_residual=False, tie_word_embeddings=True,
-        attn_implementation="eager")),
+    "llama-gqa": lambda: LlamaForCausalLM(
+        LlamaConfig(
+            **SIZES,
+            num_key_value_heads=2,
+            rms_norm_eps=1e-5,
+            rope_parameters={"rope_type": "default", "rope_theta": 5e3},
+            attn_implementation="eager",
+        )
+    ),
+    "llama-tied": lambda: LlamaForCausalLM(LlamaConfig(**SIZES, tie_word_embeddings=True, attn_implementation="eager")),
+    "neox-parallel": lambda: GPTNeoXForCausalLM(GPTNeoXConfig(**SIZES, rotary_pct=0.25, attn_implementation="eager")),
+    "neox-sequential-tied": lambda: GPTNeoXForCausalLM(
+        GPTNeoXConfig(
+            **SIZES, rotary_pct=0.25, use_parallel_residual=False, tie_word_embeddings=True, attn_implementation="eager"
+        )
+    ),
 }
 
 
@@ -88,12 +112,24 @@ def test_read_save_pretrained_dir(name, tmp_path):
     compare(hlat_from_state(cfg, state), hf)
 
 
-@pytest.mark.parametrize("family, tie, shard_bytes", [("llama", False, 40_000), ("neox", True, 10**9),
-                                                      ("neox", False, 40_000)])
+@pytest.mark.parametrize(
+    "family, tie, shard_bytes", [("llama", False, 40_000), ("neox", True, 10**9), ("neox", False, 40_000)]
+)
 def test_write_dir_loads_in_transformers(family, tie, shard_bytes, tmp_path):
     extra = {"rotary_pct": 0.25, "parallel_residual": False} if family == "neox" else {"n_kv_heads": 2}
-    cfg = model_config(family=family, dim=64, n_layers=2, n_heads=4, ffn_dim=128, vocab_size=96, max_seq_len=64,
-                       tie_embeddings=tie, rope_theta=2e4, norm_eps=1e-6, **extra)
+    cfg = model_config(
+        family=family,
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        ffn_dim=128,
+        vocab_size=96,
+        max_seq_len=64,
+        tie_embeddings=tie,
+        rope_theta=2e4,
+        norm_eps=1e-6,
+        **extra,
+    )
     torch.manual_seed(0)
     model = perturbed(build_model(cfg, "cpu"))
     write_hf_dir(cfg, model.state_dict(), tmp_path, max_shard_bytes=shard_bytes)
@@ -112,8 +148,9 @@ def test_write_dir_loads_in_transformers(family, tie, shard_bytes, tmp_path):
 @pytest.mark.parametrize("tie", [False, True])
 def test_state_round_trip_is_bit_exact(family, tie):
     extra = {"rotary_pct": 0.5} if family == "neox" else {"n_kv_heads": 1}
-    cfg = model_config(family=family, dim=64, n_layers=2, n_heads=4, ffn_dim=96, vocab_size=50, tie_embeddings=tie,
-                       **extra)
+    cfg = model_config(
+        family=family, dim=64, n_layers=2, n_heads=4, ffn_dim=96, vocab_size=50, tie_embeddings=tie, **extra
+    )
     torch.manual_seed(0)
     state = perturbed(build_model(cfg, "cpu")).to(torch.bfloat16).state_dict()
     hf_state = hlat_state_to_hf(cfg, state)
@@ -125,15 +162,41 @@ def test_state_round_trip_is_bit_exact(family, tie):
 
 
 # Configs as the released checkpoints spell them (transformers 4 era, top-level rotary fields).
-PYTHIA_6_9B = {"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", "hidden_act": "gelu",
-               "hidden_size": 4096, "intermediate_size": 16384, "num_attention_heads": 32, "num_hidden_layers": 32,
-               "layer_norm_eps": 1e-05, "max_position_embeddings": 2048, "rotary_emb_base": 10000,
-               "rotary_pct": 0.25, "tie_word_embeddings": False, "use_parallel_residual": True, "vocab_size": 50432,
-               "initializer_range": 0.02, "torch_dtype": "float16"}
-LLAMA2_7B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "hidden_size": 4096,
-             "intermediate_size": 11008, "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 32,
-             "max_position_embeddings": 4096, "rms_norm_eps": 1e-05, "rope_scaling": None, "pretraining_tp": 1,
-             "tie_word_embeddings": False, "vocab_size": 32000, "initializer_range": 0.02}
+PYTHIA_6_9B = {
+    "architectures": ["GPTNeoXForCausalLM"],
+    "model_type": "gpt_neox",
+    "hidden_act": "gelu",
+    "hidden_size": 4096,
+    "intermediate_size": 16384,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "layer_norm_eps": 1e-05,
+    "max_position_embeddings": 2048,
+    "rotary_emb_base": 10000,
+    "rotary_pct": 0.25,
+    "tie_word_embeddings": False,
+    "use_parallel_residual": True,
+    "vocab_size": 50432,
+    "initializer_range": 0.02,
+    "torch_dtype": "float16",
+}
+LLAMA2_7B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 32,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": None,
+    "pretraining_tp": 1,
+    "tie_word_embeddings": False,
+    "vocab_size": 32000,
+    "initializer_range": 0.02,
+}
 
 
 @pytest.mark.parametrize("hf_cfg, preset", [(PYTHIA_6_9B, "pythia-6.9b"), (LLAMA2_7B, "llama2-7b")])
@@ -173,8 +236,9 @@ def test_bad_dirs(saved, tmp_path_factory):
     weights = load_file(saved / "model.safetensors")
     (saved / "model.safetensors").rename(saved / "pytorch_model.bin")
     expect_error(saved, "model.safetensors")
-    save_file({k: v for k, v in weights.items() if "layers.1.mlp.dense_4h_to_h.bias" not in k},
-              saved / "model.safetensors")
+    save_file(
+        {k: v for k, v in weights.items() if "layers.1.mlp.dense_4h_to_h.bias" not in k}, saved / "model.safetensors"
+    )
     expect_error(saved, "missing tensor", "gpt_neox.layers.1.mlp.dense_4h_to_h.bias")
     stray = {"gpt_neox.layers.2.mlp.dense_4h_to_h.bias": torch.zeros(64)}
     save_file({**weights, **stray}, saved / "model.safetensors")
@@ -236,22 +300,56 @@ def test_exported_run_generates_in_transformers(family, tmp_path, capsys):
     hlat's own greedy decoding does."""
     from transformers import AutoTokenizer
 
-    from hlat.cli import main
-    from hlat.data.tokenizer import load_tokenizer
-    from hlat.models import materialize
     from hlat.checkpoint.layout import latest_checkpoint
     from hlat.checkpoint.state import load_weights
+    from hlat.cli import main
     from hlat.config.job import load_config
+    from hlat.data.tokenizer import load_tokenizer
+    from hlat.models import materialize
 
     corpus = str(Path(json.__file__).parent / "*.py")
-    model = ["--model.preset", "tiny-neox" if family == "neox" else "tiny", "--model.dim", "64", "--model.n_layers",
-             "2", "--model.n_heads", "4", "--model.ffn_dim", "128", "--model.vocab_size", "384",
-             "--model.rope_theta", "20000"]
+    model = [
+        "--model.preset",
+        "tiny-neox" if family == "neox" else "tiny",
+        "--model.dim",
+        "64",
+        "--model.n_layers",
+        "2",
+        "--model.n_heads",
+        "4",
+        "--model.ffn_dim",
+        "128",
+        "--model.vocab_size",
+        "384",
+        "--model.rope_theta",
+        "20000",
+    ]
     run = tmp_path / "run"
-    assert main(["train", *model, "--data.paths", corpus, "--data.workers", "0", "--train.steps", "2",
-                 "--train.global_batch", "2",
-                 "--train.micro_batch", "2", "--train.seq_len", "32", "--optim.warmup_steps", "1",
-                 "--train.run_dir", str(run)]) == 0
+    assert (
+        main(
+            [
+                "train",
+                *model,
+                "--data.paths",
+                corpus,
+                "--data.workers",
+                "0",
+                "--train.steps",
+                "2",
+                "--train.global_batch",
+                "2",
+                "--train.micro_batch",
+                "2",
+                "--train.seq_len",
+                "32",
+                "--optim.warmup_steps",
+                "1",
+                "--train.run_dir",
+                str(run),
+            ]
+        )
+        == 0
+    )
     out = tmp_path / "hf"
     umask = os.umask(0o027)
     try:
@@ -260,8 +358,16 @@ def test_exported_run_generates_in_transformers(family, tmp_path, capsys):
         os.umask(umask)
     assert "bos = eos = '<|endoftext|>'" in capsys.readouterr().out
     assert {f.name: f.stat().st_mode & 0o777 for f in out.iterdir()} == dict.fromkeys(
-        ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-         "special_tokens_map.json"], 0o640)  # as the umask says, weights too
+        [
+            "config.json",
+            "generation_config.json",
+            "model.safetensors",
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "special_tokens_map.json",
+        ],
+        0o640,
+    )  # as the umask says, weights too
 
     ckpt = latest_checkpoint(run)
     cfg = load_config(ckpt / "config.toml")

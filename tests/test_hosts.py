@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_faults import strict_records, trained_state, write_config
+from test_train import config
 
 from hlat.config.job import ClusterConfig
 from hlat.jobs.launch import rendezvous_conf
-from test_faults import strict_records, trained_state, write_config
-from test_train import config
 
 STEPS = 10
 RDZV_PORT = 29500  # every host has its own ports: nothing else listens in these namespaces
@@ -30,8 +30,16 @@ RDZV_PORT = 29500  # every host has its own ports: nothing else listens in these
 def job_config(root: Path):
     """10 steps of 8 rows (one micro-batch of 2 per rank on 4 ranks, two on 2), a checkpoint every step, all kept
     (the references continue from any of them; saving does not change a run), no memory tier (the jobs set it)."""
-    cfg = config(root / "run", steps=STEPS, decay_steps=STEPS, ckpt_every=1, keep_checkpoints=0, global_batch=8,
-                 micro_batch=2, snapshot_every=0)
+    cfg = config(
+        root / "run",
+        steps=STEPS,
+        decay_steps=STEPS,
+        ckpt_every=1,
+        keep_checkpoints=0,
+        global_batch=8,
+        micro_batch=2,
+        snapshot_every=0,
+    )
     cfg.data.workers = 0
     return cfg
 
@@ -56,8 +64,9 @@ def references(tmp_path_factory, warm_torchrun):
             for later in (run / "checkpoints").iterdir():  # this run has not made them yet
                 if later.name > checkpoint.name:
                     shutil.rmtree(later)
-            done = warm_torchrun.run(2, ["train", "--config", str(cfg_file), "--train.run_dir", str(run),
-                                         "--resume", str(checkpoint)])
+            done = warm_torchrun.run(
+                2, ["train", "--config", str(cfg_file), "--train.run_dir", str(run), "--resume", str(checkpoint)]
+            )
             assert done.returncode == 0, done.stdout[-3000:]
             made[step] = run
         return made[step]
@@ -69,11 +78,33 @@ def host_command(cfg_file: Path, run_dir: Path, endpoint: str, *overrides: str) 
     """What each host runs: the `hlat torchrun` line of `hlat launch`'s SLURM script, elastic down to 1 node, with
     a snapshot in memory after every step and a checkpoint only at the end, so that every resume is the memory
     tier's (a checkpoint of the same step as a snapshot still being written would be chosen instead)."""
-    return [sys.executable, "-m", "hlat", "torchrun", "--nnodes=1:2", "--nproc-per-node=2", "--max-restarts=3",
-            "--rdzv-backend=c10d", "--rdzv-id=hosts-test", f"--rdzv-endpoint={endpoint}:{RDZV_PORT}",
-            f"--rdzv-conf={rendezvous_conf(ClusterConfig())}",
-            "-m", "hlat", "train", "--config", str(cfg_file), "--resume", "auto", "--train.run_dir", str(run_dir),
-            "--train.snapshot_every", "1", "--train.ckpt_every", "0", *overrides]
+    return [
+        sys.executable,
+        "-m",
+        "hlat",
+        "torchrun",
+        "--nnodes=1:2",
+        "--nproc-per-node=2",
+        "--max-restarts=3",
+        "--rdzv-backend=c10d",
+        "--rdzv-id=hosts-test",
+        f"--rdzv-endpoint={endpoint}:{RDZV_PORT}",
+        f"--rdzv-conf={rendezvous_conf(ClusterConfig())}",
+        "-m",
+        "hlat",
+        "train",
+        "--config",
+        str(cfg_file),
+        "--resume",
+        "auto",
+        "--train.run_dir",
+        str(run_dir),
+        "--train.snapshot_every",
+        "1",
+        "--train.ckpt_every",
+        "0",
+        *overrides,
+    ]
 
 
 class Job:
@@ -87,8 +118,9 @@ class Job:
         # TMPDIR: `hlat torchrun`'s directory of finished marks, left behind when a host is killed
         host = self.hosts[i]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TMPDIR=str(self.root))
-        command = host_command(self.cfg_file, self.run, self.hosts[0].address, *self.overrides,
-                               "--train.snapshot_dir", str(host.local_dir))
+        command = host_command(
+            self.cfg_file, self.run, self.hosts[0].address, *self.overrides, "--train.snapshot_dir", str(host.local_dir)
+        )
         return host.popen(command, env, self.log(i))
 
     def log(self, i: int) -> Path:
@@ -223,8 +255,10 @@ def test_a_killed_worker_a_damaged_snapshot_and_a_lost_host_each_recovered_from_
     assert from_memory(resumes[-1]) and resumed_step(resumes[-1]) >= 5, job.logs()
     assert before_the_loss[:8] == trajectory(reference)[:8]
     step, went_on_s = goes_on_at_two_ranks(job, references, lost, resumed_before=len(resumes))
-    print(f"after the loss, losses differ from the uninterrupted run by at most {drift(job.run, reference):.1e} "
-          "(relative): the reduction order of 2 ranks, not 4")
+    print(
+        f"after the loss, losses differ from the uninterrupted run by at most {drift(job.run, reference):.1e} "
+        "(relative): the reduction order of 2 ranks, not 4"
+    )
     print(f"host 1 lost after step 8: resumed from step {step}, first step {went_on_s:.1f} s after the loss")
 
 
@@ -245,5 +279,7 @@ def test_a_cut_link_is_found_within_the_collective_timeout_and_the_job_goes_on(h
     # trainer as long again to end
     assert detected_s < 2 * timeout_s, job.logs()
     step, went_on_s = goes_on_at_two_ranks(job, references, cut)
-    print(f"link cut after step 5: found in {detected_s:.1f} s, resumed from step {step}, first step "
-          f"{went_on_s:.1f} s after the cut")
+    print(
+        f"link cut after step 5: found in {detected_s:.1f} s, resumed from step {step}, first step "
+        f"{went_on_s:.1f} s after the cut"
+    )

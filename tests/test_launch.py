@@ -8,7 +8,6 @@ import pytest
 from hlat import HlatError
 from hlat.cli import main
 
-
 # hlat-7b's 2,048 processes on trn2 (hlat cannot train on the recipe's trn1: test_trn1_is_priced_not_launched)
 TRN2 = ["--cluster.hardware", "trn2.48xlarge", "--nodes", "32", "--nproc-per-node", "64"]
 P5 = ["--cluster.hardware", "p5.48xlarge", "--nproc-per-node", "8"]
@@ -20,21 +19,49 @@ def render(capsys, *args, config="configs/hlat-7b.toml"):
 
 
 def test_slurm_script_stops_before_the_time_limit_and_requeues(capsys):
-    script = render(capsys, "--target", "slurm", "--cluster.hardware", "trn2.48xlarge", "--nodes", "4",
-                    "--nproc-per-node", "64", "--cluster.time_limit", "2-00:00:00", "--cluster.stop_grace_s", "1200")
+    script = render(
+        capsys,
+        "--target",
+        "slurm",
+        "--cluster.hardware",
+        "trn2.48xlarge",
+        "--nodes",
+        "4",
+        "--nproc-per-node",
+        "64",
+        "--cluster.time_limit",
+        "2-00:00:00",
+        "--cluster.stop_grace_s",
+        "1200",
+    )
     lines = script.splitlines()
-    for line in ("#SBATCH --nodes=4", "#SBATCH --time=2-00:00:00", "#SBATCH --requeue", "trap stop_and_requeue USR1",
-                 'kill -TERM "$train_pid"', 'scontrol requeue "$SLURM_JOB_ID"', "export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=1200"):
+    for line in (
+        "#SBATCH --nodes=4",
+        "#SBATCH --time=2-00:00:00",
+        "#SBATCH --requeue",
+        "trap stop_and_requeue USR1",
+        'kill -TERM "$train_pid"',
+        'scontrol requeue "$SLURM_JOB_ID"',
+        "export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=1200",
+    ):
         assert line in script, line
     assert "#SBATCH --signal=B:USR1@1200" in lines
     assert not any("--gpus-per-node" in line for line in lines)  # trn2: Neuron devices, not GPUs
     torchrun = next(line for line in lines if line.startswith("srun hlat torchrun"))
-    for flag in ("--nnodes=4", "--nproc-per-node=64", "--max-restarts=3", "--rdzv-backend=c10d",
-                 '--rdzv-endpoint="$head_node:29500"', '--rdzv-id="$SLURM_JOB_ID"'):
+    for flag in (
+        "--nnodes=4",
+        "--nproc-per-node=64",
+        "--max-restarts=3",
+        "--rdzv-backend=c10d",
+        '--rdzv-endpoint="$head_node:29500"',
+        '--rdzv-id="$SLURM_JOB_ID"',
+    ):
         assert flag in torchrun
-    assert torchrun.endswith("-m hlat train --config configs/hlat-7b.toml --cluster.nodes 4 --cluster.nproc_per_node "
-                             "64 --cluster.hardware trn2.48xlarge --cluster.time_limit 2-00:00:00 "
-                             "--cluster.stop_grace_s 1200 --resume auto &")
+    assert torchrun.endswith(
+        "-m hlat train --config configs/hlat-7b.toml --cluster.nodes 4 --cluster.nproc_per_node "
+        "64 --cluster.hardware trn2.48xlarge --cluster.time_limit 2-00:00:00 "
+        "--cluster.stop_grace_s 1200 --resume auto &"
+    )
     assert not any("preflight" in line for line in lines)
 
 
@@ -44,12 +71,20 @@ def test_slurm_stop_handler_requeues_during_preflight_and_training(training, cap
     training runs it stops the trainers, waits for them, then requeues."""
     script = render(capsys, "--target", "slurm", "--cluster.preflight", "true", *TRN2)
     lines = script.splitlines()
-    handler = "\n".join(lines[lines.index(next(x for x in lines if x.startswith("stop_and_requeue() {"))):][:9])
+    handler = "\n".join(lines[lines.index(next(x for x in lines if x.startswith("stop_and_requeue() {"))) :][:9])
     assert handler.endswith("}")
     start = "sleep 30 & train_pid=$!\n" if training else ""
-    done = subprocess.run(["bash", "-c", "set -uo pipefail\nscontrol() { echo requeued \"$@\"; }\n"
-                           f"SLURM_JOB_ID=7\n{handler}\n{start}stop_and_requeue\necho not reached"],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [
+            "bash",
+            "-c",
+            'set -uo pipefail\nscontrol() { echo requeued "$@"; }\n'
+            f"SLURM_JOB_ID=7\n{handler}\n{start}stop_and_requeue\necho not reached",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == "requeued requeue 7" and "not reached" not in done.stdout
 
@@ -58,9 +93,11 @@ def test_slurm_on_gpus_with_preflight(capsys):
     script = render(capsys, "--target", "slurm", *P5, "--nodes", "32", "--cluster.preflight", "true")
     assert "#SBATCH --gpus-per-node=8" in script and "#SBATCH --time" not in script
     preflight = next(line for line in script.splitlines() if "hlat preflight" in line)
-    assert preflight.startswith("srun hlat torchrun --nnodes=32 --nproc-per-node=8 --max-restarts=0 --rdzv-backend=c10d "
-                                '--rdzv-id="$SLURM_JOB_ID-preflight" --rdzv-endpoint="$head_node:29500" -m hlat '
-                                "preflight --config configs/hlat-7b.toml")
+    assert preflight.startswith(
+        "srun hlat torchrun --nnodes=32 --nproc-per-node=8 --max-restarts=0 --rdzv-backend=c10d "
+        '--rdzv-id="$SLURM_JOB_ID-preflight" --rdzv-endpoint="$head_node:29500" -m hlat '
+        "preflight --config configs/hlat-7b.toml"
+    )
     assert preflight.endswith(" || exit 1") and script.index(preflight) < script.index("--max-restarts=3")
 
 
@@ -68,56 +105,97 @@ def test_slurm_on_gpus_with_preflight(capsys):
 def test_slurm_runs_the_preflight_again_before_each_restart(failures, capsys, tmp_path):
     """cluster.preflight_restarts: the script starts torchrun itself (which restarts nothing), each start after a
     preflight, until training succeeds or max_restarts restarts have failed (srun stands in for the cluster)."""
-    script = render(capsys, "--target", "slurm", "--cluster.preflight", "true", "--cluster.preflight_restarts",
-                    "true", "--cluster.max_restarts", "2", *TRN2)
+    script = render(
+        capsys,
+        "--target",
+        "slurm",
+        "--cluster.preflight",
+        "true",
+        "--cluster.preflight_restarts",
+        "true",
+        "--cluster.max_restarts",
+        "2",
+        *TRN2,
+    )
     lines = script.splitlines()
-    tail = "\n".join(lines[lines.index("trap stop_and_requeue USR1") + 1:])
+    tail = "\n".join(lines[lines.index("trap stop_and_requeue USR1") + 1 :])
     # training runs in the background (a subshell): its starts are counted in a file
-    srun = ('srun() { for a in "$@"; do case $a in preflight) echo preflight; return 0;; train) echo >> "$starts"; '
-            f'echo "train $*"; [ "$(wc -l < "$starts")" -gt {failures} ]; return;; esac; done; }}')
-    done = subprocess.run(["bash", "-c", f"set -uo pipefail\nstarts={tmp_path / 'starts'}\nSLURM_JOB_ID=7\n"
-                           f"head_node=h\n{srun}\n{tail}"], capture_output=True, text=True, timeout=60)
+    srun = (
+        'srun() { for a in "$@"; do case $a in preflight) echo preflight; return 0;; train) echo >> "$starts"; '
+        f'echo "train $*"; [ "$(wc -l < "$starts")" -gt {failures} ]; return;; esac; done; }}'
+    )
+    done = subprocess.run(
+        ["bash", "-c", f"set -uo pipefail\nstarts={tmp_path / 'starts'}\nSLURM_JOB_ID=7\nhead_node=h\n{srun}\n{tail}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     steps = [line.split()[0] for line in done.stdout.splitlines() if line.split()[0] in ("preflight", "train")]
     starts = min(failures + 1, 3)
     assert steps == ["preflight", "train"] * starts
     assert done.returncode == (0 if failures < 3 else 1), done.stdout + done.stderr
     trains = [line for line in done.stdout.splitlines() if line.startswith("train ")]
-    assert all("--max-restarts=0" in t for t in trains) and '--rdzv-id=7-1' in trains[1]
+    assert all("--max-restarts=0" in t for t in trains) and "--rdzv-id=7-1" in trains[1]
     assert "hlat: training failed (start 1 of 3): preflight, then resume" in done.stdout
     # a restart's preflight needs the preflight itself
-    assert main(["launch", "--config", "configs/hlat-7b.toml", "--target", "slurm", "--cluster.preflight_restarts",
-                 "true"]) == 2
+    assert (
+        main(
+            ["launch", "--config", "configs/hlat-7b.toml", "--target", "slurm", "--cluster.preflight_restarts", "true"]
+        )
+        == 2
+    )
     assert "cluster.preflight_restarts: runs the preflight again before a restart" in capsys.readouterr().err
 
 
 def test_slurm_does_not_restart_an_hlat_error(capsys, tmp_path):
     """With cluster.preflight_restarts the script restarts torchrun itself: not after exit code 2 (`hlat torchrun`
     passes on a trainer's full disk or other hlat error), which the same start would meet again."""
-    script = render(capsys, "--target", "slurm", "--cluster.preflight", "true", "--cluster.preflight_restarts",
-                    "true", *TRN2)
+    script = render(
+        capsys, "--target", "slurm", "--cluster.preflight", "true", "--cluster.preflight_restarts", "true", *TRN2
+    )
     lines = script.splitlines()
-    tail = "\n".join(lines[lines.index("trap stop_and_requeue USR1") + 1:])
-    srun = 'srun() { for a in "$@"; do case $a in preflight) echo preflight; return 0;; train) echo train; return 2;; esac; done; }'
-    done = subprocess.run(["bash", "-c", f"set -uo pipefail\nSLURM_JOB_ID=7\nhead_node=h\n{srun}\n{tail}"],
-                          capture_output=True, text=True, timeout=60)
+    tail = "\n".join(lines[lines.index("trap stop_and_requeue USR1") + 1 :])
+    srun = (
+        'srun() { for a in "$@"; do case $a in preflight) echo preflight; return 0;; '
+        "train) echo train; return 2;; esac; done; }"
+    )
+    done = subprocess.run(
+        ["bash", "-c", f"set -uo pipefail\nSLURM_JOB_ID=7\nhead_node=h\n{srun}\n{tail}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2 and done.stdout.split()[:2] == ["preflight", "train"]
     assert done.stdout.splitlines().count("train") == 1 and "not restarted" in done.stdout
 
 
 def test_kubernetes_pods_restart_through_the_preflight(capsys):
-    job = json.loads(render(capsys, "--target", "k8s", "--cluster.preflight", "true", "--cluster.preflight_restarts",
-                            "true", *TRN2))["items"][1]
+    job = json.loads(
+        render(capsys, "--target", "k8s", "--cluster.preflight", "true", "--cluster.preflight_restarts", "true", *TRN2)
+    )["items"][1]
     (container,) = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"]
     preflight, train = container["command"][2].split(" && exec ")
     assert "--max-restarts=0" in train and job["spec"]["runPolicy"]["backoffLimit"] == 3  # the pods restart
 
 
 def test_kubernetes_job_keeps_runs_on_a_volume(capsys):
-    objects = json.loads(render(capsys, "--target", "k8s", "--image", "reg/hlat:1", "--cluster.run_volume", "fsx",
-                                "--optim.lr", "1e-4", *TRN2))["items"]
+    objects = json.loads(
+        render(
+            capsys,
+            "--target",
+            "k8s",
+            "--image",
+            "reg/hlat:1",
+            "--cluster.run_volume",
+            "fsx",
+            "--optim.lr",
+            "1e-4",
+            *TRN2,
+        )
+    )["items"]
     config_map, job = objects
     assert (job["apiVersion"], job["kind"], job["spec"]["nprocPerNode"]) == ("kubeflow.org/v1", "PyTorchJob", "64")
-    assert 'lr = 0.0001' in config_map["data"]["config.toml"]  # the resolved config, overrides included
+    assert "lr = 0.0001" in config_map["data"]["config.toml"]  # the resolved config, overrides included
     replicas = job["spec"]["pytorchReplicaSpecs"]
     assert replicas["Master"]["replicas"] + replicas["Worker"]["replicas"] == 32
     pod = replicas["Worker"]["template"]["spec"]
@@ -125,8 +203,10 @@ def test_kubernetes_job_keeps_runs_on_a_volume(capsys):
     (container,) = pod["containers"]
     assert container["image"] == "reg/hlat:1"
     # the Trainium2 chips that hold 64 NeuronCores, the node's 16 EFA interfaces, 90% of its 192 CPUs and 2 TiB
-    assert container["resources"] == {"limits": {"aws.amazon.com/neuron": 16, "vpc.amazonaws.com/efa": 16},
-                                      "requests": {"cpu": "172", "memory": "1843Gi"}}
+    assert container["resources"] == {
+        "limits": {"aws.amazon.com/neuron": 16, "vpc.amazonaws.com/efa": 16},
+        "requests": {"cpu": "172", "memory": "1843Gi"},
+    }
     volumes = {v["name"]: v for v in pod["volumes"]}
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
     assert volumes["runs"]["persistentVolumeClaim"] == {"claimName": "fsx"} and mounts["runs"] == "/workspace/runs"
@@ -136,16 +216,21 @@ def test_kubernetes_job_keeps_runs_on_a_volume(capsys):
     assert volumes["data"]["persistentVolumeClaim"] == {"claimName": "hlat-data", "readOnly": True}
     assert mounts["data"] == "/data"  # where the recipes' data.paths and tokenizer are
     command = container["command"]
-    for flag in ("--nnodes=32", "--max-restarts=3", "--rdzv-backend=c10d",
-                 "--rdzv-endpoint=$(PET_MASTER_ADDR):$(PET_MASTER_PORT)"):
+    for flag in (
+        "--nnodes=32",
+        "--max-restarts=3",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=$(PET_MASTER_ADDR):$(PET_MASTER_PORT)",
+    ):
         assert flag in command
     assert command[-5:] == ["train", "--config", "/etc/hlat/config.toml", "--resume", "auto"]
     assert {"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": "900"} in container["env"]
 
 
 def test_kubernetes_preflight_keeps_torchrun_as_pid_1(capsys):
-    job = json.loads(render(capsys, "--target", "k8s", "--nodes", "1", "--cluster.preflight", "true",
-                            "--cpu"))["items"][1]
+    job = json.loads(render(capsys, "--target", "k8s", "--nodes", "1", "--cluster.preflight", "true", "--cpu"))[
+        "items"
+    ][1]
     (container,) = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"]
     assert "Worker" not in job["spec"]["pytorchReplicaSpecs"] and container["resources"] == {}
     shell, flag, script = container["command"]
@@ -153,7 +238,9 @@ def test_kubernetes_preflight_keeps_torchrun_as_pid_1(capsys):
     assert (shell, flag) == ("bash", "-c") and preflight.startswith("hlat torchrun --nnodes=1 ")
     assert "--rdzv-id=hlat-7b-preflight" in preflight and "$(PET_MASTER_ADDR)" in preflight
     assert preflight.endswith("-m hlat preflight --config /etc/hlat/config.toml")
-    assert train.startswith("hlat torchrun ") and train.endswith("-m hlat train --config /etc/hlat/config.toml --resume auto")
+    assert train.startswith("hlat torchrun ") and train.endswith(
+        "-m hlat train --config /etc/hlat/config.toml --resume auto"
+    )
 
 
 def test_torchrun_waits_for_the_shutdown_checkpoint(monkeypatch):
@@ -164,13 +251,21 @@ def test_torchrun_waits_for_the_shutdown_checkpoint(monkeypatch):
     assert LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1).shutdown_timeout == 900
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--nodes", "2", "--target", "slurm", "--parallel.tp", "3"], "does not divide the world size 64"),
-    (["--nodes", "2", "--target", "k8s", "--parallel.tp", "16", "--parallel.dp_replicate", "2"],
-     "but the world size is 64"),
-    (["--nodes", "0", "--target", "slurm"], "cluster.nodes: must be >= 1"),
-    (["--target", "k8s", "--train.run_dir", "/scratch/run", *TRN2], "train.run_dir: /scratch/run is outside the volume"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--nodes", "2", "--target", "slurm", "--parallel.tp", "3"], "does not divide the world size 64"),
+        (
+            ["--nodes", "2", "--target", "k8s", "--parallel.tp", "16", "--parallel.dp_replicate", "2"],
+            "but the world size is 64",
+        ),
+        (["--nodes", "0", "--target", "slurm"], "cluster.nodes: must be >= 1"),
+        (
+            ["--target", "k8s", "--train.run_dir", "/scratch/run", *TRN2],
+            "train.run_dir: /scratch/run is outside the volume",
+        ),
+    ],
+)
 def test_layout_and_volume_are_checked(capsys, args, message):
     assert main(["launch", "--config", "configs/hlat-7b.toml", *args]) == 2
     err = capsys.readouterr().err
@@ -186,31 +281,60 @@ def test_a_recipe_switched_to_p5_requests_its_gpus_and_efa(capsys):
     assert all(f"export {k}={v}" in script.splitlines() for k, v in efa.items())
     job = json.loads(render(capsys, "--target", "k8s", *P5, "--nodes", "256"))["items"][1]
     (container,) = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"]
-    assert container["resources"] == {"limits": {"nvidia.com/gpu": 8, "vpc.amazonaws.com/efa": 32},
-                                      "requests": {"cpu": "172", "memory": "1843Gi"}}
+    assert container["resources"] == {
+        "limits": {"nvidia.com/gpu": 8, "vpc.amazonaws.com/efa": 32},
+        "requests": {"cpu": "172", "memory": "1843Gi"},
+    }
     assert efa.items() <= {e["name"]: e["value"] for e in container["env"]}.items()
 
 
 def test_a_plain_cluster_gets_no_fabric(capsys):
     script = render(capsys, "--target", "slurm", "--cluster.hardware", "", "--nproc-per-node", "8", "--nodes", "256")
     assert "#SBATCH --gpus-per-node=8" in script and "FI_" not in script and "EFA" not in script
-    job = json.loads(render(capsys, "--target", "k8s", "--cluster.hardware", "", "--nproc-per-node", "8", "--nodes",
-                            "256", "--cluster.cpus", "90", "--cluster.memory_gib", "1000"))["items"][1]
+    job = json.loads(
+        render(
+            capsys,
+            "--target",
+            "k8s",
+            "--cluster.hardware",
+            "",
+            "--nproc-per-node",
+            "8",
+            "--nodes",
+            "256",
+            "--cluster.cpus",
+            "90",
+            "--cluster.memory_gib",
+            "1000",
+        )
+    )["items"][1]
     (container,) = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"]
     assert container["resources"] == {"limits": {"nvidia.com/gpu": 8}, "requests": {"cpu": "90", "memory": "1000Gi"}}
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--cluster.hardware", "p5.48xlarge"],  # the recipe's 32 processes per node
-     "cluster.nproc_per_node: 32 processes per node, but p5.48xlarge has 8 devices per node (one process each)"),
-    ([*P5, "--nodes", "256", "--cluster.accelerator", "neuron"],
-     "cluster.accelerator: 'neuron', but cluster.hardware p5.48xlarge has 'gpu' devices"),
-    ([*P5, "--nodes", "256", "--cluster.devices_per_node", "16"],
-     "cluster.devices_per_node: 16, but 8 processes on p5.48xlarge need 8"),
-    ([], "cluster.hardware: trn1.32xlarge: training needs other hardware: hlat trains on Trainium through "
-         "TorchNeuron, which runs on trn2 and later (trn1 needs torch-xla); `hlat plan` prices this cluster; to launch "
-         "the same 2,048 processes use --cluster.hardware trn2.48xlarge --nodes 32 --nproc-per-node 64"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--cluster.hardware", "p5.48xlarge"],  # the recipe's 32 processes per node
+            "cluster.nproc_per_node: 32 processes per node, but p5.48xlarge has 8 devices per node (one process each)",
+        ),
+        (
+            [*P5, "--nodes", "256", "--cluster.accelerator", "neuron"],
+            "cluster.accelerator: 'neuron', but cluster.hardware p5.48xlarge has 'gpu' devices",
+        ),
+        (
+            [*P5, "--nodes", "256", "--cluster.devices_per_node", "16"],
+            "cluster.devices_per_node: 16, but 8 processes on p5.48xlarge need 8",
+        ),
+        (
+            [],
+            "cluster.hardware: trn1.32xlarge: training needs other hardware: hlat trains on Trainium through "
+            "TorchNeuron, which runs on trn2 and later (trn1 needs torch-xla); `hlat plan` prices this cluster; "
+            "to launch the same 2,048 processes use --cluster.hardware trn2.48xlarge --nodes 32 --nproc-per-node 64",
+        ),
+    ],
+)
 @pytest.mark.parametrize("target", ["slurm", "k8s"])
 def test_a_cluster_that_contradicts_its_hardware_is_refused(target, args, message, capsys):
     assert main(["launch", "--config", "hlat-7b", "--target", target, *args]) == 2
@@ -221,9 +345,13 @@ def test_a_cluster_that_contradicts_its_hardware_is_refused(target, args, messag
 def test_a_launch_whose_tensor_parallelism_spans_nodes_says_so_beside_the_planners_layout(capsys):
     """On stderr (the job file stays whole on stdout), one line: the 70B recipe's TP32 on 8-GPU p5 nodes, and on trn2
     nodes running 16 processes each; a layout that suits its nodes gets none."""
-    for args, group in ((P5 + ["--nodes", "256"], "on 4 p5.48xlarge nodes of 8 processes"),
-                        (["--cluster.hardware", "trn2.48xlarge", "--nodes", "512", "--nproc-per-node", "16"],
-                         "on 2 trn2.48xlarge nodes of 16 processes")):
+    for args, group in (
+        (P5 + ["--nodes", "256"], "on 4 p5.48xlarge nodes of 8 processes"),
+        (
+            ["--cluster.hardware", "trn2.48xlarge", "--nodes", "512", "--nproc-per-node", "16"],
+            "on 2 trn2.48xlarge nodes of 16 processes",
+        ),
+    ):
         assert main(["launch", "--config", "hlat-70b", "--target", "slurm", *args]) == 0
         out, err = capsys.readouterr()
         assert out.startswith("#!/bin/bash") and err.count("\n") == 1
@@ -248,11 +376,17 @@ def test_train_names_a_tensor_parallel_group_across_the_nodes_torchrun_gives_it(
     run = ["--train.run_dir", str(tmp_path / "run")]
     assert main(["train", "--config", "hlat-70b", "--cluster.hardware", "p5.48xlarge", *run]) == 2
     out = capsys.readouterr().out
-    assert out.startswith("tensor parallelism across nodes: TP32 PP8 DP8 mb1 1F1B SP ZeRO-1 AC:sel puts each TP32 "
-                          "group on 4 p5.48xlarge nodes of 8 processes") and "`hlat plan --search` on 256 x" in out
+    assert (
+        out.startswith(
+            "tensor parallelism across nodes: TP32 PP8 DP8 mb1 1F1B SP ZeRO-1 AC:sel puts each TP32 "
+            "group on 4 p5.48xlarge nodes of 8 processes"
+        )
+        and "`hlat plan --search` on 256 x" in out
+    )
     assert main(["train", "--config", "hlat-70b", "--cluster.hardware", "", *run]) == 2
-    assert capsys.readouterr().out.startswith("tensor parallelism across nodes: parallel.tp 32 spans nodes of 8 "
-                                              "processes")
+    assert capsys.readouterr().out.startswith(
+        "tensor parallelism across nodes: parallel.tp 32 spans nodes of 8 processes"
+    )
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")  # trn1's 32 NeuronCores hold TP32 whole
     assert main(["train", "--config", "hlat-70b", *run]) == 2
     assert capsys.readouterr().out == ""
@@ -261,12 +395,45 @@ def test_train_names_a_tensor_parallel_group_across_the_nodes_torchrun_gives_it(
 def test_an_elastic_job_names_the_node_counts_it_can_go_on_with(capsys):
     """cluster.min_nodes: torchrun's node range and rendezvous timings, and which counts in the range the layout
     fits (tp 8 over 4 processes per node: whole tensor-parallel groups need an even number of nodes)."""
-    script = render(capsys, "--target", "slurm", "--cpu", "--nodes", "4", "--nproc-per-node", "4", "--parallel.tp",
-                    "8", "--cluster.min_nodes", "2", "--cluster.heartbeat_s", "3")
+    script = render(
+        capsys,
+        "--target",
+        "slurm",
+        "--cpu",
+        "--nodes",
+        "4",
+        "--nproc-per-node",
+        "4",
+        "--parallel.tp",
+        "8",
+        "--cluster.min_nodes",
+        "2",
+        "--cluster.heartbeat_s",
+        "3",
+    )
     assert "srun hlat torchrun --nnodes=2:4 " in script
     assert " --rdzv-conf=last_call_timeout=5,keep_alive_interval=3 " in script
     assert "# elastic: after a lost node the job goes on with 2 or 4 nodes" in script
     assert "# with 3 nodes the layout does not fit" in script
-    assert main(["launch", "--config", "configs/hlat-7b.toml", "--target", "slurm", "--cpu", "--nodes", "4",
-                 "--nproc-per-node", "4", "--parallel.tp", "8", "--cluster.min_nodes", "1"]) == 2
+    assert (
+        main(
+            [
+                "launch",
+                "--config",
+                "configs/hlat-7b.toml",
+                "--target",
+                "slurm",
+                "--cpu",
+                "--nodes",
+                "4",
+                "--nproc-per-node",
+                "4",
+                "--parallel.tp",
+                "8",
+                "--cluster.min_nodes",
+                "1",
+            ]
+        )
+        == 2
+    )
     assert "cluster.min_nodes: 1 nodes do not fit the layout" in capsys.readouterr().err

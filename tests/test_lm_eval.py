@@ -56,8 +56,9 @@ def test_lm_eval_hf_model_on_an_exported_model(tmp_path, monkeypatch):
     texts = [q["question"] + c for q in QUESTIONS for c in q["choices"]] * 20
     tok = train_bpe(texts, 300)
     tok.save(tmp_path)
-    cfg = model_config("tiny", dim=64, n_layers=2, n_heads=4, ffn_dim=128, vocab_size=320, max_seq_len=128,
-                       init_std=0.2)
+    cfg = model_config(
+        "tiny", dim=64, n_layers=2, n_heads=4, ffn_dim=128, vocab_size=320, max_seq_len=128, init_std=0.2
+    )
     model = materialize(build_model(cfg), "cpu", seed=1).eval()
     write_hf_dir(cfg, model.state_dict(), tmp_path / "hf")
     (tmp_path / "data.jsonl").write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
@@ -66,8 +67,12 @@ def test_lm_eval_hf_model_on_an_exported_model(tmp_path, monkeypatch):
 
     hf_tok = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"), eos_token=EOS)
     lm = HFLM(pretrained=str(tmp_path / "hf"), tokenizer=hf_tok, batch_size=1, device="cpu", dtype="float32")
-    out = lm_eval.simple_evaluate(model=lm, tasks=["hlat_local_choice"], log_samples=True,
-                                  task_manager=TaskManager(include_path=str(tmp_path / "tasks")))
+    out = lm_eval.simple_evaluate(
+        model=lm,
+        tasks=["hlat_local_choice"],
+        log_samples=True,
+        task_manager=TaskManager(include_path=str(tmp_path / "tasks")),
+    )
     samples = out["samples"]["hlat_local_choice"]
     assert len(samples) == len(QUESTIONS)
     correct = 0

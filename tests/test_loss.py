@@ -19,8 +19,8 @@ from hlat.models.loss import IGNORE_INDEX, cross_entropy, linear_cross_entropy
 
 TOKENS, DIM, VOCAB = 63, 48, 300
 CHUNKS = [1, 8, 63, 1000]  # 8 does not divide 63 tokens; 1000 is one chunk
-U32 = 2.0 ** -24  # unit roundoff of fp32
-UNIT = {torch.float64: 2.0 ** -53, torch.float32: U32, torch.bfloat16: 2.0 ** -8}
+U32 = 2.0**-24  # unit roundoff of fp32
+UNIT = {torch.float64: 2.0**-53, torch.float32: U32, torch.bfloat16: 2.0**-8}
 
 
 def problem(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -44,14 +44,20 @@ def loss_and_grads(loss_fn, hidden, weight, targets, reduction):
 
 
 def reference(hidden, weight, targets, reduction):
-    return loss_and_grads(lambda h, w, t, r: F.cross_entropy((h @ w.T).flatten(0, 1), t.flatten(), reduction=r),
-                          hidden.double(), weight.double(), targets, reduction)
+    return loss_and_grads(
+        lambda h, w, t, r: F.cross_entropy((h @ w.T).flatten(0, 1), t.flatten(), reduction=r),
+        hidden.double(),
+        weight.double(),
+        targets,
+        reduction,
+    )
 
 
 def chunked(chunk: int, autocast: bool = False):
     def loss_fn(hidden, weight, targets, reduction):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             return linear_cross_entropy(hidden, weight, targets, reduction, chunk)
+
     return loss_fn
 
 
@@ -60,6 +66,7 @@ def plain(autocast: bool = False):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             logits = F.linear(hidden, weight)
         return cross_entropy(logits, targets, reduction)
+
     return loss_fn
 
 
@@ -110,8 +117,11 @@ def error_bounds(hidden, weight, targets, reduction, unit):
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-@pytest.mark.parametrize("dtype, autocast", [(torch.float32, False), (torch.bfloat16, False),
-                                             (torch.float32, True)], ids=["fp32", "bf16", "bf16_autocast"])
+@pytest.mark.parametrize(
+    "dtype, autocast",
+    [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)],
+    ids=["fp32", "bf16", "bf16_autocast"],
+)
 def test_chunked_and_plain_losses_within_the_arithmetic_of_their_dtype(dtype, autocast, reduction):
     """Every chunk size, and the plain path over the whole logits, stay within `error_bounds` of the float64
     reference; with autocast (bf16_mixed) the weight and hidden states are fp32 and their gradients come back in
@@ -134,8 +144,17 @@ def test_without_gradients_the_loss_is_the_same():
 
 def tiny_model(loss_chunk: int, tie_embeddings: bool = False):
     """A float64 model on the meta device (to be parallelised, then materialised)."""
-    cfg = model_config("tiny", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=512,
-                       tie_embeddings=tie_embeddings, loss_chunk=loss_chunk)
+    cfg = model_config(
+        "tiny",
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=128,
+        vocab_size=512,
+        tie_embeddings=tie_embeddings,
+        loss_chunk=loss_chunk,
+    )
     return build_model(cfg).to(torch.float64)
 
 

@@ -12,14 +12,22 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from test_train import config, final_weights, losses
 
 from hlat.checkpoint.layout import complete_checkpoints
+from hlat.checkpoint.memory import (
+    AUTO,
+    STALL_SHARE,
+    MemoryTier,
+    Node,
+    files_to_read,
+    snapshot_root,
+    snapshot_steps,
+    step_dir,
+)
 from hlat.cli import main
-from hlat.checkpoint.memory import (AUTO, STALL_SHARE, MemoryTier, Node, files_to_read, snapshot_root,
-                                    snapshot_steps, step_dir)
 from hlat.config.job import load_config
 from hlat.train.loop import train
-from test_train import config, final_weights, losses
 
 # Runs hlat train (argv[2:]) and SIGKILLs this process right after the memory tier committed its snapshot of step
 # argv[1]: the run dies with that snapshot complete in memory, and the next one perhaps being written.
@@ -48,8 +56,12 @@ def write_config(path: Path, cfg) -> Path:
 def killed_after_snapshot(tmp_path: Path, cfg_file: Path, step: int, *extra: str) -> str:
     script = tmp_path / "kill_after_snapshot.py"
     script.write_text(KILL_AFTER_SNAPSHOT)
-    done = subprocess.run([sys.executable, str(script), str(step), "--config", str(cfg_file), *extra],
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, str(script), str(step), "--config", str(cfg_file), *extra],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == -signal.SIGKILL, done.stdout[-2000:] + done.stderr[-2000:]
     return done.stdout
 
@@ -71,7 +83,8 @@ def uninterrupted(tmp_path_factory):
 
 @pytest.mark.parametrize("damaged", [False, True])
 def test_a_killed_run_resumes_from_memory_exactly_or_from_disk_when_the_snapshot_is_damaged(
-        damaged, uninterrupted, tmp_path, capsys):
+    damaged, uninterrupted, tmp_path, capsys
+):
     """Snapshots every step, durable checkpoints every 2. Killed once the snapshot of step 2 is committed (step 3
     computed, not yet counted): the run resumes from memory at step 2 (a tie with the durable checkpoint: memory
     loads faster), recomputing one step (the interval), and ends bit-exact with the uninterrupted run. With a byte

@@ -35,8 +35,10 @@ def test_published_parameter_counts(preset):
     assert count_params(model) == PUBLISHED[preset] == cfg.num_params()
 
 
-@pytest.mark.parametrize("preset, low, high", [("tiny", 2e6, 10e6), ("tiny-neox", 2e6, 10e6),
-                                               ("small", 90e6, 130e6), ("small-neox", 90e6, 130e6)])
+@pytest.mark.parametrize(
+    "preset, low, high",
+    [("tiny", 2e6, 10e6), ("tiny-neox", 2e6, 10e6), ("small", 90e6, 130e6), ("small-neox", 90e6, 130e6)],
+)
 def test_cpu_preset_sizes(preset, low, high):
     cfg = model_config(preset)
     n = count_params(build_model(cfg))
@@ -74,8 +76,9 @@ def test_materialize_keeps_ties_and_counts_once(tie):
 @pytest.mark.parametrize("weights", ["drawn", "per_shard"])  # per_shard: a rehearsal's, each rank its own shards
 def test_init_std(weights):
     torch.manual_seed(0)
-    cfg = model_config(family="neox", dim=256, n_layers=8, n_heads=4, ffn_dim=1024, vocab_size=4096,
-                       rotary_pct=0.25, init_std=0.03)
+    cfg = model_config(
+        family="neox", dim=256, n_layers=8, n_heads=4, ffn_dim=1024, vocab_size=4096, rotary_pct=0.25, init_std=0.03
+    )
     model = materialize(build_model(cfg), "cpu", weights=weights)
     out_std = 0.03 / math.sqrt(2 * 8)
     for name, p in model.named_parameters():
@@ -121,8 +124,9 @@ def test_a_large_weight_is_drawn_in_chunks_the_same_whatever_the_threads(monkeyp
     assert all(not torch.equal(chunks[0], chunks[k]) for k in range(1, 6))
     assert several.std().item() == pytest.approx(0.02, rel=0.05)
     whole = layers.initial_value(torch.empty(1000, device="meta"), "norm.weight", 0.02, 0)
-    assert torch.equal(whole, torch.empty(1000).normal_(0.0, 0.02, generator=torch.Generator().manual_seed(
-        zlib.crc32(b"norm.weight"))))
+    assert torch.equal(
+        whole, torch.empty(1000).normal_(0.0, 0.02, generator=torch.Generator().manual_seed(zlib.crc32(b"norm.weight")))
+    )
 
 
 def reference_partial_rope(x, positions, head_dim, rotary_dim, theta):

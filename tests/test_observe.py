@@ -13,6 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hlat.checkpoint.layout import complete_checkpoints
+from hlat.checkpoint.store import verify_checkpoint
 from hlat.cli import main
 from hlat.config import ConfigError
 from hlat.config.job import build_config
@@ -24,14 +26,11 @@ from hlat.models.generate import generate, next_token
 from hlat.models.hf import write_hf_dir
 from hlat.models.kv_cache import KVCache
 from hlat.tools.inference import load_trained
-from hlat.checkpoint.layout import complete_checkpoints
-from hlat.checkpoint.store import verify_checkpoint
 from hlat.train.loop import train
 
 CORPUS_DIR = os.path.dirname(json.__file__)
 CORPUS = os.path.join(CORPUS_DIR, "*.py")
-TINY = {"preset": "tiny", "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128,
-        "vocab_size": 512}
+TINY = {"preset": "tiny", "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128, "vocab_size": 512}
 PRICE = 3600.0  # USD per device-hour: one dollar per second, so cost_usd reads as seconds
 
 
@@ -45,15 +44,42 @@ def runs(tmp_path_factory):
     on a hash split of its data and is priced through a hardware profile (two devices per node)."""
     root = tmp_path_factory.mktemp("runs")
     profile = root / "box.toml"
-    profile.write_text(f'devices_per_node = 2\nprice_on_demand = {2 * PRICE}\n')
-    common = {"model": dict(TINY), "data": {"paths": [CORPUS]},
-              "optim": {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 2, "decay_steps": 8}}
-    a = build_config({**common, "train": {"steps": 6, "global_batch": 4, "micro_batch": 2, "seq_len": 32,
-                                          "log_every": 1, "ckpt_every": 3, "run_dir": str(root / "a")},
-                      "eval": {"holdout": 0.3, "every": 3, "batches": 2}, "cost": {"hardware": str(profile)}})
-    b = build_config({**common, "train": {"steps": 8, "global_batch": 4, "micro_batch": 2, "seq_len": 32,
-                                          "log_every": 2, "run_dir": str(root / "b")},
-                      "precision": {"mode": "bf16_sr"}})
+    profile.write_text(f"devices_per_node = 2\nprice_on_demand = {2 * PRICE}\n")
+    common = {
+        "model": dict(TINY),
+        "data": {"paths": [CORPUS]},
+        "optim": {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 2, "decay_steps": 8},
+    }
+    a = build_config(
+        {
+            **common,
+            "train": {
+                "steps": 6,
+                "global_batch": 4,
+                "micro_batch": 2,
+                "seq_len": 32,
+                "log_every": 1,
+                "ckpt_every": 3,
+                "run_dir": str(root / "a"),
+            },
+            "eval": {"holdout": 0.3, "every": 3, "batches": 2},
+            "cost": {"hardware": str(profile)},
+        }
+    )
+    b = build_config(
+        {
+            **common,
+            "train": {
+                "steps": 8,
+                "global_batch": 4,
+                "micro_batch": 2,
+                "seq_len": 32,
+                "log_every": 2,
+                "run_dir": str(root / "b"),
+            },
+            "precision": {"mode": "bf16_sr"},
+        }
+    )
     train(a)
     train(b)
     return root / "a", root / "b"
@@ -86,8 +112,12 @@ def test_tensorboard_files_read_back(runs):
     events = EventAccumulator(str(runs[0]))
     events.Reload()
     logged = records(runs[0])
-    for tag, key in (("train/loss", "loss"), ("train/grad_norm_max", "grad_norm_max"), ("cost/usd", "cost_usd"),
-                     ("eval/loss", "val_loss")):
+    for tag, key in (
+        ("train/loss", "loss"),
+        ("train/grad_norm_max", "grad_norm_max"),
+        ("cost/usd", "cost_usd"),
+        ("eval/loss", "val_loss"),
+    ):
         got = [(e.step, e.value) for e in events.Scalars(tag)]
         want = [(r["step"], pytest.approx(r[key], rel=1e-6)) for r in logged if key in r]
         assert got == want, tag
@@ -139,8 +169,10 @@ def test_hlat_eval_names_each_checkpoint_it_evaluates(runs, capsys):
     assert main(["eval", str(runs[0]), *common, "--all"]) == 0
     header, *table = capsys.readouterr().out.splitlines()
     assert header.split() == ["step", "loss", "perplexity", "tokens", "set", "checkpoint"]
-    assert [line.split() for line in table] == [[str(r["step"]), f"{r['loss']:.4f}", f"{r['perplexity']:.2f}",
-                                                 f"{r['tokens']:,}", "-", r["checkpoint"]] for r in rows[:2]]
+    assert [line.split() for line in table] == [
+        [str(r["step"]), f"{r['loss']:.4f}", f"{r['perplexity']:.2f}", f"{r['tokens']:,}", "-", r["checkpoint"]]
+        for r in rows[:2]
+    ]
 
 
 def test_output_to_a_pipe_is_never_wrapped(tmp_path):
@@ -149,12 +181,21 @@ def test_output_to_a_pipe_is_never_wrapped(tmp_path):
     import sys
 
     run_dir = tmp_path / ("a-run-directory-whose-name-is-longer-than-a-terminal-is-wide-" * 2)
-    cfg = build_config({"model": dict(TINY), "data": {"paths": [CORPUS], "workers": 0},
-                        "train": {"steps": 1, "global_batch": 2, "micro_batch": 2, "seq_len": 16,
-                                  "run_dir": str(run_dir)}})
+    cfg = build_config(
+        {
+            "model": dict(TINY),
+            "data": {"paths": [CORPUS], "workers": 0},
+            "train": {"steps": 1, "global_batch": 2, "micro_batch": 2, "seq_len": 16, "run_dir": str(run_dir)},
+        }
+    )
     (tmp_path / "c.toml").write_text(cfg.to_toml())
-    done = subprocess.run([sys.executable, "-m", "hlat", "train", "--config", str(tmp_path / "c.toml")],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "COLUMNS": ""})
+    done = subprocess.run(
+        [sys.executable, "-m", "hlat", "train", "--config", str(tmp_path / "c.toml")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "COLUMNS": ""},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     checkpoint = str(run_dir / "checkpoints" / "step_00000001")
     assert any(checkpoint in line for line in done.stdout.splitlines()), done.stdout
@@ -199,7 +240,6 @@ def test_generate_cli_greedy_matches_the_function(runs, capsys):
     assert first == "def " + tok.decode([t for t in new if t != tok.eos_id])
 
 
-
 def test_an_imported_checkpoint_keeps_its_tokenizer_and_samples_come_apart(runs, tmp_path, capsys):
     """`hlat import-hf` puts the transformers directory's tokenizer into the checkpoint, where `hlat generate`
     finds it (without one it says where it looked); several samples each follow a line of their own."""
@@ -208,8 +248,25 @@ def test_an_imported_checkpoint_keeps_its_tokenizer_and_samples_come_apart(runs,
     assert capsys.readouterr().out.endswith("(with its tokenizer, tokenizer.json)\n")
     sampled = []
     for source in (tmp_path / "ckpt", runs[0]):  # the imported weights and the run's own, greedy
-        assert main(["generate", str(source), "--prompt", "def ", "--max-new-tokens", "6", "--temperature", "0",
-                     "--samples", "2", "--seed", "4"]) == 0
+        assert (
+            main(
+                [
+                    "generate",
+                    str(source),
+                    "--prompt",
+                    "def ",
+                    "--max-new-tokens",
+                    "6",
+                    "--temperature",
+                    "0",
+                    "--samples",
+                    "2",
+                    "--seed",
+                    "4",
+                ]
+            )
+            == 0
+        )
         sampled.append(capsys.readouterr().out)
     assert sampled[0] == sampled[1]
     first, *rest = sampled[0].split("--- sample 2 of 2 (seed 5)\n")
@@ -219,10 +276,12 @@ def test_an_imported_checkpoint_keeps_its_tokenizer_and_samples_come_apart(runs,
     assert main(["generate", str(tmp_path / "bare"), "--prompt", "def "]) == 2
     assert f"{tmp_path / 'bare'}: no tokenizer in it or in its run directory" in capsys.readouterr().err
 
+
 def random_model(preset: str, **fields):
     """A model with large random weights (std 0.5): its greedy choices are far from ties."""
-    cfg = model_config(preset, dim=64, n_layers=2, n_heads=4, ffn_dim=128, vocab_size=256, max_seq_len=128,
-                       init_std=0.5, **fields)
+    cfg = model_config(
+        preset, dim=64, n_layers=2, n_heads=4, ffn_dim=128, vocab_size=256, max_seq_len=128, init_std=0.5, **fields
+    )
     return materialize(build_model(cfg), "cpu", seed=3).double()
 
 
@@ -278,15 +337,20 @@ def test_tokenizer_of_a_checkpoint_is_the_runs(runs):
 def test_validation_under_tensor_parallelism_matches_one_process(tmp_path, warm_torchrun):
     """Validation through the tensor-parallel model (vocabulary-sharded logits under loss_parallel) gives the
     single process's validation loss."""
-    data = {"model": dict(TINY), "data": {"paths": [CORPUS]}, "eval": {"holdout": 0.3, "every": 2, "batches": 2},
-            "optim": {"lr": 3e-3, "warmup_steps": 1, "decay_steps": 4},
-            "train": {"steps": 2, "global_batch": 4, "micro_batch": 2, "seq_len": 32, "log_every": 1}}
+    data = {
+        "model": dict(TINY),
+        "data": {"paths": [CORPUS]},
+        "eval": {"holdout": 0.3, "every": 2, "batches": 2},
+        "optim": {"lr": 3e-3, "warmup_steps": 1, "decay_steps": 4},
+        "train": {"steps": 2, "global_batch": 4, "micro_batch": 2, "seq_len": 32, "log_every": 1},
+    }
     single = build_config({**data, "train": {**data["train"], "run_dir": str(tmp_path / "one")}})
     train(single)
     config = tmp_path / "tp.toml"
     config.write_text(build_config({**data, "train": {**data["train"], "run_dir": str(tmp_path / "tp")}}).to_toml())
-    done = warm_torchrun.run(2, ["train", "--config", str(config), "--parallel.tp", "2",
-                                 "--parallel.sequence_parallel", "true"])
+    done = warm_torchrun.run(
+        2, ["train", "--config", str(config), "--parallel.tp", "2", "--parallel.sequence_parallel", "true"]
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     one, tp = ([r["val_loss"] for r in records(tmp_path / name) if "val_loss" in r] for name in ("one", "tp"))
     assert len(one) == 1 and tp == pytest.approx(one, rel=1e-4)
@@ -300,11 +364,30 @@ def test_named_validation_sets_and_the_best_checkpoint(tmp_path, capsys):
     prose.write_text("The river runs past the mill and under the old stone bridge. " * 40)
     code = [os.path.join(CORPUS_DIR, name) for name in ("scanner.py", "tool.py")]
     run = tmp_path / "run"
-    cfg = build_config({"model": dict(TINY), "data": {"paths": [CORPUS]}, "optim": {"lr": 0.05, "warmup_steps": 1},
-                        "train": {"steps": 6, "global_batch": 4, "micro_batch": 2, "seq_len": 32, "log_every": 1,
-                                  "ckpt_every": 1, "keep_checkpoints": 1, "run_dir": str(run)},
-                        "eval": {"holdout": 0.3, "every": 1, "batches": 2, "keep_best": "val_prose_loss",
-                                 "sets": [f"code:{code[1]}", f"prose:{prose}", f"code:{code[0]}"]}})
+    cfg = build_config(
+        {
+            "model": dict(TINY),
+            "data": {"paths": [CORPUS]},
+            "optim": {"lr": 0.05, "warmup_steps": 1},
+            "train": {
+                "steps": 6,
+                "global_batch": 4,
+                "micro_batch": 2,
+                "seq_len": 32,
+                "log_every": 1,
+                "ckpt_every": 1,
+                "keep_checkpoints": 1,
+                "run_dir": str(run),
+            },
+            "eval": {
+                "holdout": 0.3,
+                "every": 1,
+                "batches": 2,
+                "keep_best": "val_prose_loss",
+                "sets": [f"code:{code[1]}", f"prose:{prose}", f"code:{code[0]}"],
+            },
+        }
+    )
     train(cfg)
     logged = records(run)
     for r in logged:
@@ -313,8 +396,12 @@ def test_named_validation_sets_and_the_best_checkpoint(tmp_path, capsys):
             assert r[f"val_{name}tokens"] == 2 * 2 * 32
     best = json.loads((run / "checkpoints" / "best.json").read_text())
     losses = [r["val_prose_loss"] for r in logged]
-    assert best == {"step": logged[losses.index(min(losses))]["step"], "metric": "val_prose_loss",
-                    "value": min(losses), "checkpoint": f"best_step_{best['step']:08d}"}
+    assert best == {
+        "step": logged[losses.index(min(losses))]["step"],
+        "metric": "val_prose_loss",
+        "value": min(losses),
+        "checkpoint": f"best_step_{best['step']:08d}",
+    }
     kept = {best["checkpoint"], "best.json", "step_00000006", "run_token"}  # run_token: the memory tier's
     assert {p.name for p in (run / "checkpoints").iterdir()} == kept
     best_dir = run / "checkpoints" / best["checkpoint"]
@@ -323,7 +410,9 @@ def test_named_validation_sets_and_the_best_checkpoint(tmp_path, capsys):
     assert main(["checkpoint", "verify", str(run), "--json"]) == 0  # the best checkpoint is one of the run's
     verified = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert {(v["checkpoint"], v["step"], v["ok"]) for v in verified} == {
-        (str(best_dir), best["step"], True), (str(run / "checkpoints" / "step_00000006"), 6, True)}
+        (str(best_dir), best["step"], True),
+        (str(run / "checkpoints" / "step_00000006"), 6, True),
+    }
 
     def evaluated(checkpoint, *files):
         assert main(["eval", str(checkpoint), "--data", *files, "--json", "--max-batches", "2"]) == 0
@@ -337,8 +426,11 @@ def test_named_validation_sets_and_the_best_checkpoint(tmp_path, capsys):
     assert list(rows) == ["", "code", "prose"]
     for name, row in rows.items():
         assert row["loss"] == pytest.approx(logged[-1][f"val_{name + '_' if name else ''}loss"], rel=1e-5)
-    train(replace(cfg, train=replace(cfg.train, run_dir=str(tmp_path / "again"), resume=str(best_dir),
-                                     steps=best["step"] + 1)))
+    train(
+        replace(
+            cfg, train=replace(cfg.train, run_dir=str(tmp_path / "again"), resume=str(best_dir), steps=best["step"] + 1)
+        )
+    )
     assert [r["step"] for r in records(tmp_path / "again")] == [best["step"] + 1]
     compared(run, tmp_path / "again", capsys)
 
@@ -349,8 +441,13 @@ def compared(run, other, capsys) -> None:
     from hlat.tools.compare import plot, read_run
 
     titles = plot([read_run(run, "a"), read_run(other, "b")], run.parent / "cmp.png")
-    assert titles == ["training loss", "gradient norm", "validation loss", "validation loss: code",
-                      "validation loss: prose"]
+    assert titles == [
+        "training loss",
+        "gradient norm",
+        "validation loss",
+        "validation loss: code",
+        "validation loss: prose",
+    ]
     capsys.readouterr()
     assert main(["compare", str(run), str(other), "--json"]) == 0
     (row,) = json.loads(capsys.readouterr().out)["deviations"]
@@ -361,13 +458,18 @@ def compared(run, other, capsys) -> None:
     assert all(f"{m} {s}" in header for m in ("val_code_loss", "val_prose_loss") for s in ("max", "mean"))
 
 
-@pytest.mark.parametrize("fields, message", [
-    ({"sets": ["Code:x.py"]}, "eval.sets[0]: 'Code:x.py' is not NAME:PATTERN"),
-    ({"sets": ["code"]}, "eval.sets[0]: 'code' is not NAME:PATTERN"),
-    ({"sets": ["code:x.py"], "keep_best": "val_loss"},
-     "eval.keep_best: 'val_loss' is not a validation loss of this run (it has: val_code_loss)"),
-    ({"holdout": 0.1, "keep_best": "val_loss", "every": 0}, "eval.keep_best: needs validation during training"),
-])
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"sets": ["Code:x.py"]}, "eval.sets[0]: 'Code:x.py' is not NAME:PATTERN"),
+        ({"sets": ["code"]}, "eval.sets[0]: 'code' is not NAME:PATTERN"),
+        (
+            {"sets": ["code:x.py"], "keep_best": "val_loss"},
+            "eval.keep_best: 'val_loss' is not a validation loss of this run (it has: val_code_loss)",
+        ),
+        ({"holdout": 0.1, "keep_best": "val_loss", "every": 0}, "eval.keep_best: needs validation during training"),
+    ],
+)
 def test_validation_sets_and_keep_best_are_checked(fields, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         build_config({"eval": {"every": 1, **fields}})
@@ -389,16 +491,30 @@ def test_the_data_mix_is_logged_per_source_over_each_interval_and_the_run(tmp_pa
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     run = tmp_path / "run"
     # a shuffle window of one step's rows: every record falls on whole windows (test_data.py's bound applies)
-    cfg = build_config({"model": dict(TINY), "data": {"sources": [f"kjv:0.3:{tmp_path}/kjv.jsonl",
-                                                                   f"shakespeare:0.7:{tmp_path}/shakespeare.jsonl"],
-                                                       "workers": 0, "shuffle_rows": 8},
-                        "train": {"steps": 6, "global_batch": 8, "micro_batch": 4, "seq_len": 32, "log_every": 2,
-                                  "run_dir": str(run)}})
+    cfg = build_config(
+        {
+            "model": dict(TINY),
+            "data": {
+                "sources": [f"kjv:0.3:{tmp_path}/kjv.jsonl", f"shakespeare:0.7:{tmp_path}/shakespeare.jsonl"],
+                "workers": 0,
+                "shuffle_rows": 8,
+            },
+            "train": {
+                "steps": 6,
+                "global_batch": 8,
+                "micro_batch": 4,
+                "seq_len": 32,
+                "log_every": 2,
+                "run_dir": str(run),
+            },
+        }
+    )
     train(cfg)
     logged = records(run)
     assert "mix run/target: kjv " in capsys.readouterr().out  # on the first record's line
-    stream = build_stream(cfg.data, load_tokenizer(run / "tokenizer.json"), resolve_sources(cfg.data), 32, 4,
-                          ranks=Ranks(accum=2))
+    stream = build_stream(
+        cfg.data, load_tokenizer(run / "tokenizer.json"), resolve_sources(cfg.data), 32, 4, ranks=Ranks(accum=2)
+    )
     counted, previous = Counter(), Counter()
     for record in logged:
         while sum(counted.values()) < record["tokens_seen"]:

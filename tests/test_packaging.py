@@ -18,8 +18,9 @@ CORPUS = os.path.join(os.path.dirname(json.__file__), "*.py")
 
 def _run(cmd: list, cwd: Path, **env) -> str:
     environment = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | env
-    result = subprocess.run([str(c) for c in cmd], cwd=cwd, env=environment, capture_output=True, text=True,
-                            timeout=600)
+    result = subprocess.run(
+        [str(c) for c in cmd], cwd=cwd, env=environment, capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, f"{cmd} failed:\n{result.stdout}\n{result.stderr}"
     return result.stdout
 
@@ -36,8 +37,10 @@ def test_wheel_trains_and_plans_in_a_fresh_venv(tmp_path):
         shutil.copy(ROOT / name, src)
     for name in ("hlat", "configs", "hardware"):
         shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", tmp_path / "dist",
-          src], tmp_path)
+    _run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", tmp_path / "dist", src],
+        tmp_path,
+    )
     (wheel,) = (tmp_path / "dist").glob("hlat-*.whl")
     shipped = set(zipfile.ZipFile(wheel).namelist())
     in_checkout = {p.relative_to(ROOT).as_posix() for p in (ROOT / "hlat").rglob("*.py")}
@@ -50,18 +53,49 @@ def test_wheel_trains_and_plans_in_a_fresh_venv(tmp_path):
     python = venv / "bin" / "python"
     site = _run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], tmp_path).strip()
     Path(site, "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    _run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--ignore-installed", "-q",
-          wheel], tmp_path)
+    _run(
+        [sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--ignore-installed", "-q", wheel],
+        tmp_path,
+    )
     hlat = venv / "bin" / "hlat"
     work = tmp_path / "elsewhere"
     work.mkdir()
     where = _run([python, "-c", "import hlat.resources as r; print(r.RECIPES_DIR, r.HARDWARE_DIR)"], work)
     assert where.split() == [str(Path(site, "hlat", "configs")), str(Path(site, "hlat", "hardware"))]
 
-    out = _run([hlat, "train", "--config", "tiny", "--model.dim", "64", "--model.n_layers", "2",
-                "--model.n_heads", "4", "--model.n_kv_heads", "2", "--model.ffn_dim", "128", "--train.steps", "2",
-                "--train.global_batch", "2", "--train.micro_batch", "2", "--train.seq_len", "32",
-                "--train.log_every", "1", "--data.paths", CORPUS, "--train.run_dir", work / "run"], work)
+    out = _run(
+        [
+            hlat,
+            "train",
+            "--config",
+            "tiny",
+            "--model.dim",
+            "64",
+            "--model.n_layers",
+            "2",
+            "--model.n_heads",
+            "4",
+            "--model.n_kv_heads",
+            "2",
+            "--model.ffn_dim",
+            "128",
+            "--train.steps",
+            "2",
+            "--train.global_batch",
+            "2",
+            "--train.micro_batch",
+            "2",
+            "--train.seq_len",
+            "32",
+            "--train.log_every",
+            "1",
+            "--data.paths",
+            CORPUS,
+            "--train.run_dir",
+            work / "run",
+        ],
+        work,
+    )
     assert "step      2/2" in out
     assert len((work / "run" / "metrics.jsonl").read_text().splitlines()) == 2
     plan = json.loads(_run([hlat, "plan", "--config", "hlat-7b", "--json"], work))  # a shipped recipe and profile
@@ -69,11 +103,18 @@ def test_wheel_trains_and_plans_in_a_fresh_venv(tmp_path):
     assert "6,738,415,616" in _run([hlat, "describe", "--config", "hlat-7b"], work)
 
 
-@pytest.mark.parametrize("command", [["describe", "--config", "hlat-70b"],
-                                     ["plan", "--model", "llama2-7b", "--hardware", "p4d.24xlarge", "--nodes", "2"]])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["describe", "--config", "hlat-70b"],
+        ["plan", "--model", "llama2-7b", "--hardware", "p4d.24xlarge", "--nodes", "2"],
+    ],
+)
 def test_describe_and_plan_import_no_torch(command):
-    code = ("import sys; from hlat.cli import main; assert main(sys.argv[1:]) == 0; "
-            "assert 'torch' not in sys.modules, 'torch was imported'")
+    code = (
+        "import sys; from hlat.cli import main; assert main(sys.argv[1:]) == 0; "
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
     _run([sys.executable, "-c", code, *command], ROOT, PYTHONPATH=str(ROOT))
 
 

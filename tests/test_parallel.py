@@ -8,16 +8,23 @@ from pathlib import Path
 
 import pytest
 import torch
+from warm_torchrun import WarmTorchrun
 
 from hlat.config import ConfigError, update
 from hlat.config.job import build_config, load_config
 from hlat.train.loop import train
-from warm_torchrun import WarmTorchrun
 
 CORPUS = os.path.join(os.path.dirname(json.__file__), "*.py")
 MODELS = {
-    "llama": {"preset": "tiny", "dim": 64, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128,
-              "vocab_size": 512},
+    "llama": {
+        "preset": "tiny",
+        "dim": 64,
+        "n_layers": 4,
+        "n_heads": 4,
+        "n_kv_heads": 2,
+        "ffn_dim": 128,
+        "vocab_size": 512,
+    },
     "neox": {"preset": "tiny-neox", "dim": 64, "n_layers": 4, "n_heads": 4, "ffn_dim": 128, "vocab_size": 512},
 }
 LAYOUTS = {  # name: (processes, [parallel] overrides)
@@ -38,10 +45,20 @@ def job(run_dir: Path, family: str, **train) -> dict:
     """4 steps: the first compares the split forward and backward passes, the later ones the sharded optimizer
     (Adam's moments included) and the data each rank reads. Tokenized in the training process: a worker process
     per rank adds its start to every run (workers under layouts: test_resume_at_another_data_parallel_size)."""
-    return {"model": dict(MODELS[family]), "data": {"paths": [CORPUS], "shuffle_rows": 64, "workers": 0},
-            "optim": {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 2, "decay_steps": 10},
-            "train": {"steps": 4, "global_batch": 8, "micro_batch": 2, "seq_len": 32, "log_every": 1,
-                      "run_dir": str(run_dir), **train}}
+    return {
+        "model": dict(MODELS[family]),
+        "data": {"paths": [CORPUS], "shuffle_rows": 64, "workers": 0},
+        "optim": {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 2, "decay_steps": 10},
+        "train": {
+            "steps": 4,
+            "global_batch": 8,
+            "micro_batch": 2,
+            "seq_len": 32,
+            "log_every": 1,
+            "run_dir": str(run_dir),
+            **train,
+        },
+    }
 
 
 def write_toml(path: Path, data: dict) -> Path:
@@ -90,8 +107,10 @@ FOUR_PROCESS_FAMILY = {"tp2_fsdp2": "llama", "tp4_kv_replicated": "llama", "pp2_
 
 # Two-process layouts run for both families; four-process ones (slow on a small CI machine) for one family each,
 # both families among them.
-@pytest.mark.parametrize("layout, family", [(layout, family) for layout in LAYOUTS for family in MODELS
-                                            if FOUR_PROCESS_FAMILY.get(layout, family) == family])
+@pytest.mark.parametrize(
+    "layout, family",
+    [(layout, family) for layout in LAYOUTS for family in MODELS if FOUR_PROCESS_FAMILY.get(layout, family) == family],
+)
 def test_layout_matches_single_process(layout, family, reference, tmp_path, warm_torchrun):
     nproc, parallel = LAYOUTS[layout]
     config = write_toml(tmp_path / "job.toml", job(tmp_path / "run", family))
@@ -99,11 +118,14 @@ def test_layout_matches_single_process(layout, family, reference, tmp_path, warm
     assert_close(trajectory(tmp_path / "run"), reference[family])
 
 
-@pytest.mark.parametrize("precision, nproc, parallel", [
-    ("bf16_sr", 2, {"dp_replicate": 2, "dp_shard": 1}),
-    ("bf16_sr", 2, {"tp": 2}),  # the vocabulary-parallel embedding's gradient arrives replicated
-    ("bf16_mixed", 4, {"pp": 2, "tp": 2, "dp_shard": 1}),
-])
+@pytest.mark.parametrize(
+    "precision, nproc, parallel",
+    [
+        ("bf16_sr", 2, {"dp_replicate": 2, "dp_shard": 1}),
+        ("bf16_sr", 2, {"tp": 2}),  # the vocabulary-parallel embedding's gradient arrives replicated
+        ("bf16_mixed", 4, {"pp": 2, "tp": 2, "dp_shard": 1}),
+    ],
+)
 def test_bf16_modes_under_parallel_layouts(precision, nproc, parallel, tmp_path, warm_torchrun):
     """A split layout sums and rounds in another order, and each bf16 rounding moves a value by up to its unit
     roundoff u = 2^-8. The loss, a mean over all the batch's tokens, stays within u of the single process for
@@ -111,7 +133,7 @@ def test_bf16_modes_under_parallel_layouts(precision, nproc, parallel, tmp_path,
     those differences grow step by step (1e-4 apart at step 1, 4e-3 at step 3, 2.5e-2 at step 8 in that run,
     and ~6% by step 10 under other CPUs and loads), so it is compared while the weights are still nearly the
     same, over the first three steps, within 4u."""
-    unit_roundoff = 2.0 ** -8
+    unit_roundoff = 2.0**-8
     data = job(tmp_path / "single", "llama", steps=10)
     data["precision"] = {"mode": precision}
     train(build_config(data))
@@ -181,10 +203,12 @@ def doc_mask_job(run_dir: Path) -> dict:
 # Packed documents under every layout; plain causal attention at cp 2 and 4. Under a split both build the mask from
 # the gathered positions, packed documents from the gathered document ids too: the causal mask is that code with
 # less in it, and the layout (FSDP, tp, a pipeline) does not change either.
-@pytest.mark.parametrize("layout, mask", [(layout, "doc_mask") for layout in CP_LAYOUTS] + [("cp2", "causal"),
-                                                                                              ("cp4", "causal")])
-def test_context_parallel_layout_matches_single_process(layout, mask, reference, doc_mask_reference, tmp_path,
-                                                        warm_torchrun):
+@pytest.mark.parametrize(
+    "layout, mask", [(layout, "doc_mask") for layout in CP_LAYOUTS] + [("cp2", "causal"), ("cp4", "causal")]
+)
+def test_context_parallel_layout_matches_single_process(
+    layout, mask, reference, doc_mask_reference, tmp_path, warm_torchrun
+):
     """Each sequence split over the cp ranks (every rank two of 2 x cp chunks, attending every rank's keys), alone
     and with FSDP, tensor and sequence parallelism, a pipeline, recomputation: the single process's trajectory at
     the same sequence length. fp32: the split sums the loss and the gradients over the same terms in another order
@@ -192,8 +216,9 @@ def test_context_parallel_layout_matches_single_process(layout, mask, reference,
     nproc, parallel = CP_LAYOUTS[layout]
     doc_mask = mask == "doc_mask"
     data = doc_mask_job(tmp_path / "run") if doc_mask else job(tmp_path / "run", "llama")
-    torchrun(warm_torchrun, nproc, write_toml(tmp_path / "job.toml", data), parallel,
-             *fewer_micro_batches(nproc, parallel))
+    torchrun(
+        warm_torchrun, nproc, write_toml(tmp_path / "job.toml", data), parallel, *fewer_micro_batches(nproc, parallel)
+    )
     assert_close(trajectory(tmp_path / "run"), doc_mask_reference if doc_mask else reference["llama"])
 
 
@@ -231,8 +256,14 @@ def saved_under_tp2_fsdp2(tmp_path_factory, warm_torchrun):
 def test_checkpoint_resumes_under_another_layout(resumed, saved_under_tp2_fsdp2, reference, tmp_path, warm_torchrun):
     run = tmp_path / "run"
     shutil.copytree(saved_under_tp2_fsdp2, run)
-    torchrun(warm_torchrun, 4, write_toml(tmp_path / "job.toml", job(run, "llama", ckpt_every=2)), resumed,
-             "--resume", "auto")
+    torchrun(
+        warm_torchrun,
+        4,
+        write_toml(tmp_path / "job.toml", job(run, "llama", ckpt_every=2)),
+        resumed,
+        "--resume",
+        "auto",
+    )
     assert_close(trajectory(run), reference["llama"])
 
 
@@ -247,20 +278,22 @@ def test_resume_at_another_data_parallel_size(reference, tmp_path, warm_torchrun
     assert_close(trajectory(tmp_path / "run"), reference["llama"])
 
 
-@pytest.mark.parametrize("parallel, world, message", [
-    ({"tp": 2, "pp": 2, "dp_shard": 1}, 8, "= 4, but the world size is 8"),
-    ({"tp": 3}, 3, "parallel.tp: 3 does not divide model.n_heads 4"),
-
-    ({"pp": 8}, 8, "8 pipeline stages but only 4 layers"),
-    ({"pp": 2, "pp_schedule": "interleaved_1f1b", "virtual_stages": 4}, 2, "8 pipeline stages but only 4 layers"),
-    ({"dp_replicate": 3}, 4, "does not divide the world size 4"),
-    ({"pp": 4, "dp_replicate": 2, "dp_shard": 1}, 8, "cannot fill 4 pipeline stages"),
-    ({"tp": 2, "compile": True, "activation_checkpoint": "selective"}, 2, "not supported with tp > 1"),
-    ({"dp_shard": 2, "zero1": True, "dp_replicate": 2}, 4, None),
-    ({"cp": 3}, 4, "parallel.cp: 3 does not divide the world size 4"),
-    ({"cp": 32}, 32, "parallel.cp: train.seq_len 32 is not divisible by 2 x cp = 64"),
-    ({"cp": 16, "tp": 4}, 64, "tp 4 does not divide the 2 tokens of each sequence a rank holds"),
-])
+@pytest.mark.parametrize(
+    "parallel, world, message",
+    [
+        ({"tp": 2, "pp": 2, "dp_shard": 1}, 8, "= 4, but the world size is 8"),
+        ({"tp": 3}, 3, "parallel.tp: 3 does not divide model.n_heads 4"),
+        ({"pp": 8}, 8, "8 pipeline stages but only 4 layers"),
+        ({"pp": 2, "pp_schedule": "interleaved_1f1b", "virtual_stages": 4}, 2, "8 pipeline stages but only 4 layers"),
+        ({"dp_replicate": 3}, 4, "does not divide the world size 4"),
+        ({"pp": 4, "dp_replicate": 2, "dp_shard": 1}, 8, "cannot fill 4 pipeline stages"),
+        ({"tp": 2, "compile": True, "activation_checkpoint": "selective"}, 2, "not supported with tp > 1"),
+        ({"dp_shard": 2, "zero1": True, "dp_replicate": 2}, 4, None),
+        ({"cp": 3}, 4, "parallel.cp: 3 does not divide the world size 4"),
+        ({"cp": 32}, 32, "parallel.cp: train.seq_len 32 is not divisible by 2 x cp = 64"),
+        ({"cp": 16, "tp": 4}, 64, "tp 4 does not divide the 2 tokens of each sequence a rank holds"),
+    ],
+)
 def test_impossible_layouts_are_refused_up_front(parallel, world, message, tmp_path):
     cfg = build_config(job(tmp_path, "llama"))
     update(cfg.parallel, parallel)
@@ -271,13 +304,20 @@ def test_impossible_layouts_are_refused_up_front(parallel, world, message, tmp_p
         cfg.resolved_parallel(world)
 
 
-@pytest.mark.parametrize("world, overrides, line", [
-    ("4", ["--parallel.cp", "3"], "parallel.cp: 3 does not divide the world size 4"),
-    ("4", ["--parallel.cp", "4", "--train.seq_len", "36"],
-     "parallel.cp: train.seq_len 36 is not divisible by 2 x cp = 8"),
-])
-def test_context_parallel_refusals_are_one_line_before_any_process_group(world, overrides, line, tmp_path, capsys,
-                                                                         monkeypatch):
+@pytest.mark.parametrize(
+    "world, overrides, line",
+    [
+        ("4", ["--parallel.cp", "3"], "parallel.cp: 3 does not divide the world size 4"),
+        (
+            "4",
+            ["--parallel.cp", "4", "--train.seq_len", "36"],
+            "parallel.cp: train.seq_len 36 is not divisible by 2 x cp = 8",
+        ),
+    ],
+)
+def test_context_parallel_refusals_are_one_line_before_any_process_group(
+    world, overrides, line, tmp_path, capsys, monkeypatch
+):
     from hlat.cli import main
 
     monkeypatch.setenv("WORLD_SIZE", world)  # as torchrun would set it; no process group is started
@@ -294,8 +334,11 @@ def test_validation_during_training_is_refused_where_it_cannot_run(parallel, tmp
     update(cfg.parallel, parallel)
     cfg.eval.every, cfg.eval.holdout = 2, 0.1
     name, degree = next(iter(parallel.items()))
-    with pytest.raises(ConfigError, match=f"eval.every: validation during training is not supported with "
-                                          f"parallel.{name} > 1; evaluate checkpoints with `hlat eval` instead"):
+    with pytest.raises(
+        ConfigError,
+        match=f"eval.every: validation during training is not supported with "
+        f"parallel.{name} > 1; evaluate checkpoints with `hlat eval` instead",
+    ):
         cfg.resolved_parallel(degree)
 
 
@@ -329,7 +372,6 @@ def test_selective_checkpointing_recomputes_only_attention():
     assert counts["selective"]["mm"] == counts["none"]["mm"] < counts["full"]["mm"]  # matmuls are kept
 
 
-
 def grad_sync_worker(out: str) -> None:  # one rank of a job of tests/warm_torchrun.py
     import copy
 
@@ -361,8 +403,9 @@ def grad_sync_worker(out: str) -> None:  # one rank of a job of tests/warm_torch
         model = build_model(cfg)
         materialize(model, torch.device("cpu"), seed=0)
         reference = copy.deepcopy(model)
-        apply_data_parallel(model, init_device_mesh("cpu", shape, mesh_dim_names=("dp_replicate", "dp_shard")),
-                            zero1, pipelined=False)
+        apply_data_parallel(
+            model, init_device_mesh("cpu", shape, mesh_dim_names=("dp_replicate", "dp_shard")), zero1, pipelined=False
+        )
         issued = []
         for i, tokens in enumerate(batches[rank]):  # this rank's two micro-batches
             sync_gradients(model, sharded=name == "fsdp", last_micro_batch=i == 1)
@@ -373,8 +416,10 @@ def grad_sync_worker(out: str) -> None:  # one rank of a job of tests/warm_torch
             issued.append((sorted(set(forward.names)), sorted(set(backward.names))))
         for tokens in batches.flatten(0, 1):  # every rank's micro-batches, averaged over ranks as FSDP does
             (reference(tokens).float().logsumexp(-1).mean() / world).backward()
-        error = max((p.grad.full_tensor() - r.grad).abs().max().item() / r.grad.abs().max().item()
-                    for p, r in zip(model.parameters(), reference.parameters()))
+        error = max(
+            (p.grad.full_tensor() - r.grad).abs().max().item() / r.grad.abs().max().item()
+            for p, r in zip(model.parameters(), reference.parameters())
+        )
         results[name] = (issued, error)
     torch.save(results, f"{out}/rank{rank}.pt")
 
@@ -387,8 +432,9 @@ def test_gradients_reduce_once_per_step_under_accumulation(tmp_path, warm_torchr
     assert done.returncode == 0, done.stderr[-3000:]
     for rank in (0, 1):
         results = torch.load(tmp_path / f"rank{rank}.pt")
-        reductions = {name: [[op for op in ops if "reduce" in op] for _, ops in issued]
-                      for name, (issued, _) in results.items()}
+        reductions = {
+            name: [[op for op in ops if "reduce" in op] for _, ops in issued] for name, (issued, _) in results.items()
+        }
         assert reductions["ddp"] == [[], ["allreduce_"]]
         assert reductions["zero1"][0] == [] and "_reduce_scatter_base_" in reductions["zero1"][1]
         first, last = reductions["fsdp"]

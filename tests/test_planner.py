@@ -33,8 +33,17 @@ ONLY_FLOPS = Fit(flops_factor=1.0, layer_overhead_ms=0.0, intra_factor=0.0, inte
 
 
 def gpt(dim=4096, layers=32, heads=32, seq=2048, vocab=51200):
-    return model_config(family="neox", dim=dim, n_layers=layers, n_heads=heads, ffn_dim=4 * dim, vocab_size=vocab,
-                        max_seq_len=seq, rotary_pct=1.0, tie_embeddings=True)
+    return model_config(
+        family="neox",
+        dim=dim,
+        n_layers=layers,
+        n_heads=heads,
+        ffn_dim=4 * dim,
+        vocab_size=vocab,
+        max_seq_len=seq,
+        rotary_pct=1.0,
+        tie_embeddings=True,
+    )
 
 
 def plan_args(*argv: str) -> argparse.Namespace:
@@ -44,6 +53,7 @@ def plan_args(*argv: str) -> argparse.Namespace:
 
 
 # --- memory ------------------------------------------------------------------------------------------------------
+
 
 def test_model_states_follow_the_published_parameter_count_and_sharding():
     work = Workload(model_config("llama2-7b"), 4096, 1024, "bf16_mixed")
@@ -83,8 +93,9 @@ def test_activations_match_korthikanti_without_dropout():
     assert act("selective", True) == pytest.approx(sbh * 32 / t)
     assert act("full", True) == pytest.approx(2 * sbh / t)
     assert act("full", False) == pytest.approx(2 * sbh)
-    flash = layer_activation_bytes(model, s, Layout.of(tp=t, micro_batch=b, sequence_parallel=False), "none", 2, flash=True,
-                                   stack="megatron")
+    flash = layer_activation_bytes(
+        model, s, Layout.of(tp=t, micro_batch=b, sequence_parallel=False), "none", 2, flash=True, stack="megatron"
+    )
     assert flash == pytest.approx(act("selective", False))  # fused attention never stores the scores
 
 
@@ -106,6 +117,7 @@ def test_pipeline_schedules_hold_the_expected_micro_batches_in_flight():
 
 # --- time --------------------------------------------------------------------------------------------------------
 
+
 def test_compute_matches_megatrons_flop_count_with_full_recomputation():
     """Narayanan et al. 2021: 96 B s L h^2 (1 + s/6h + V/16Lh) FLOPs per step with full recomputation."""
     model = gpt(dim=4096, layers=32, heads=32, seq=2048)
@@ -124,8 +136,10 @@ def test_pipeline_bubble_p2p_cost_and_linearity_in_the_factors():
     # The last stage's output layer: 6 V h FLOPs per token for the 64 x 2048 tokens; filling and draining the
     # pipeline runs through the other stages, which lack it.
     output = 6 * model.vocab_size * model.dim * 64 * 2048 / (hw.peak_tflops * 1e12)
-    for layout, bubble in ((Layout.of(pp=8, micro_batch=1), 7 / 64),
-                           (Layout.of(pp=8, micro_batch=1, pp_schedule="interleaved_1f1b", virtual_stages=2), 7 / 128)):
+    for layout, bubble in (
+        (Layout.of(pp=8, micro_batch=1), 7 / 64),
+        (Layout.of(pp=8, micro_batch=1, pp_schedule="interleaved_1f1b", virtual_stages=2), 7 / 128),
+    ):
         t = step_time(work, layout, hw, ONLY_FLOPS)
         assert t.bubble / (t.compute - output) == pytest.approx(bubble)
         # each micro-batch's activations go forward and their gradients back, v times per pipeline rank
@@ -147,8 +161,9 @@ def test_fsdp_under_a_pipeline_communicates_like_zero1():
     zero1 = step_time(work, Layout.of(pp=2, dp_shard=8, zero1=True, micro_batch=1), hw)
     unpiped = step_time(work, Layout.of(dp_shard=16, micro_batch=1), hw)
     assert fsdp.dp_comm == pytest.approx(zero1.dp_comm) and fsdp.dp_comm > 0
-    assert unpiped.dp_comm != pytest.approx(step_time(work, Layout.of(dp_shard=16, zero1=True, micro_batch=1),
-                                                      hw).dp_comm)
+    assert unpiped.dp_comm != pytest.approx(
+        step_time(work, Layout.of(dp_shard=16, zero1=True, micro_batch=1), hw).dp_comm
+    )
 
 
 def test_host_overhead_shows_only_where_layers_are_small_and_scores_cost_seq_squared():
@@ -162,16 +177,25 @@ def test_host_overhead_shows_only_where_layers_are_small_and_scores_cost_seq_squ
     assert step_time(work, layout, hw, host).compute - device.compute == pytest.approx(8 * 8 * per_layer)
     assert step_time(work, layout, hw, below).compute == pytest.approx(device.compute)  # hidden behind the device
     scores = replace(ONLY_FLOPS, attention_factor=1.0)
-    extra = [step_time(Workload(model, s, 8, "bf16_mixed"), layout, replace(hw, flash_attention=False), scores).compute
-             - step_time(Workload(model, s, 8, "bf16_mixed"), layout, replace(hw, flash_attention=True), scores).compute
-             for s in (1024, 2048)]
-    assert extra[1] == pytest.approx(4 * extra[0]) and extra[1] == pytest.approx(8 * 8 * 32 * 2048 ** 2 * 2 / 1e12)
+    extra = [
+        step_time(Workload(model, s, 8, "bf16_mixed"), layout, replace(hw, flash_attention=False), scores).compute
+        - step_time(Workload(model, s, 8, "bf16_mixed"), layout, replace(hw, flash_attention=True), scores).compute
+        for s in (1024, 2048)
+    ]
+    assert extra[1] == pytest.approx(4 * extra[0]) and extra[1] == pytest.approx(8 * 8 * 32 * 2048**2 * 2 / 1e12)
 
 
 def test_fit_recovers_known_factors_across_host_and_device_bound_runs():
     hw = replace(TRN1, devices_per_node=8, flash_attention=False)
-    truth = Fit(flops_factor=1.3, layer_overhead_ms=4.0, intra_factor=2.0, inter_factor=1.0, dp_factor=0.5,
-                attention_factor=40.0, p2p_ms=0.8)
+    truth = Fit(
+        flops_factor=1.3,
+        layer_overhead_ms=4.0,
+        intra_factor=2.0,
+        inter_factor=1.0,
+        dp_factor=0.5,
+        attention_factor=40.0,
+        p2p_ms=0.8,
+    )
     samples = []
     for dim, seq in ((1024, 1024), (2048, 1024), (4096, 2048)):
         work = Workload(gpt(dim=dim, layers=8, heads=16, seq=seq), seq, 16, "bf16_mixed")
@@ -181,12 +205,14 @@ def test_fit_recovers_known_factors_across_host_and_device_bound_runs():
     fitted = fit_factors(samples, FACTORS, Fit(), "test")
     # All runs sit in one node: nothing crosses nodes, so inter_factor is not identified.
     assert [getattr(fitted, k) for k in FACTORS if k != "inter_factor"] == pytest.approx(
-        [getattr(truth, k) for k in FACTORS if k != "inter_factor"], rel=1e-3)
+        [getattr(truth, k) for k in FACTORS if k != "inter_factor"], rel=1e-3
+    )
 
 
 def test_collectives_follow_the_ring_formula_and_share_the_nic():
-    hw = replace(TRN1, devices_per_node=8, intra_gbs=100.0, intra_latency_us=0.0, inter_gbps=800.0,
-                 inter_latency_us=0.0)
+    hw = replace(
+        TRN1, devices_per_node=8, intra_gbs=100.0, intra_latency_us=0.0, inter_gbps=800.0, inter_latency_us=0.0
+    )
     nbytes = 1e9
     intra, inter = collective(hw, nbytes, group=8, per_node=8, passes=2)
     assert (intra, inter) == (pytest.approx(2 * 7 / 8 * nbytes / 100e9), 0.0)
@@ -206,6 +232,7 @@ def test_tensor_parallelism_beyond_a_node_runs_over_the_network():
 
 
 # --- search and recommendations ------------------------------------------------------------------------------------
+
 
 def test_llama2_7b_on_64_trn1_nodes_is_tp8_pp1():
     work = Workload(model_config("llama2-7b"), 4096, 1024, "bf16_mixed")
@@ -267,15 +294,45 @@ def test_tokens_per_dollar_objective_tries_smaller_clusters():
 
 # --- CLI -----------------------------------------------------------------------------------------------------------
 
+
 def test_cli_json_and_emit(tmp_path, capsys):
     out = tmp_path / "parallel.toml"
-    assert run(plan_args("--model", "llama2-7b", "--hardware", "trn1.32xlarge", "--nodes", "64", "--global-batch",
-                         "1024", "--seq-len", "4096", "--json", "--top", "3", "--emit", str(out)), []) == 0
+    assert (
+        run(
+            plan_args(
+                "--model",
+                "llama2-7b",
+                "--hardware",
+                "trn1.32xlarge",
+                "--nodes",
+                "64",
+                "--global-batch",
+                "1024",
+                "--seq-len",
+                "4096",
+                "--json",
+                "--top",
+                "3",
+                "--emit",
+                str(out),
+            ),
+            [],
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out)
     assert len(report["plans"]) == 3 and report["plans"][0]["parallel"]["tp"] == 8
     emitted = load_toml(out)
-    assert set(emitted["parallel"]) >= {"dp_replicate", "dp_shard", "tp", "pp", "pp_schedule",
-                                        "sequence_parallel", "zero1", "activation_checkpoint"}
+    assert set(emitted["parallel"]) >= {
+        "dp_replicate",
+        "dp_shard",
+        "tp",
+        "pp",
+        "pp_schedule",
+        "sequence_parallel",
+        "zero1",
+        "activation_checkpoint",
+    }
     # the trainer takes the emitted tables as they are, and finds the layout valid on 64 x 32 devices
     cfg = build_config({**emitted, "model": {"preset": "llama2-7b"}})
     p = cfg.resolved_parallel(64 * 32)
@@ -283,12 +340,51 @@ def test_cli_json_and_emit(tmp_path, capsys):
 
 
 def test_cli_given_layout_and_table(capsys, tmp_path):
-    assert run(plan_args("--model", "llama2-70b", "--hardware", "trn1.32xlarge", "--nodes", "64", "--seq-len",
-                         "4096", "--tp", "32", "--pp", "8", "--zero1"), []) == 0
+    assert (
+        run(
+            plan_args(
+                "--model",
+                "llama2-70b",
+                "--hardware",
+                "trn1.32xlarge",
+                "--nodes",
+                "64",
+                "--seq-len",
+                "4096",
+                "--tp",
+                "32",
+                "--pp",
+                "8",
+                "--zero1",
+            ),
+            [],
+        )
+        == 0
+    )
     assert "TP32 PP8 DP8" in capsys.readouterr().out
     emit = tmp_path / "never.toml"
-    assert run(plan_args("--model", "llama2-70b", "--hardware", "trn1.32xlarge", "--nodes", "64", "--seq-len",
-                         "4096", "--tp", "8", "--recompute", "none", "--emit", str(emit)), []) == 1
+    assert (
+        run(
+            plan_args(
+                "--model",
+                "llama2-70b",
+                "--hardware",
+                "trn1.32xlarge",
+                "--nodes",
+                "64",
+                "--seq-len",
+                "4096",
+                "--tp",
+                "8",
+                "--recompute",
+                "none",
+                "--emit",
+                str(emit),
+            ),
+            [],
+        )
+        == 1
+    )
     assert "does not fit" in capsys.readouterr().out and not emit.exists()  # says so, exits 1, writes nothing
     config = tmp_path / "model.toml"
     config.write_text('[model]\npreset = "tiny"\nn_layers = 6\n[train]\nseq_len = 512\nglobal_batch = 16\n')
@@ -296,19 +392,26 @@ def test_cli_given_layout_and_table(capsys, tmp_path):
     assert "seq 512 (train.seq_len), batch 16" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--model", "llama2-7b", "--hardware", "h100"], "unknown profile 'h100'"),
-    (["--model", "gpt5", "--hardware", "cpu"], "unknown preset 'gpt5'"),
-    (["--model", "llama2-7b", "--hardware", "trn1.32xlarge", "--tp", "3"], "does not divide"),
-    (["--model", "llama2-7b", "--hardware", "trn1.32xlarge", "--tp", "64", "--nodes", "2"], "parallel.tp: 64 does not divide"),
-    (["--model", "llama2-7b"], "--hardware is required"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "llama2-7b", "--hardware", "h100"], "unknown profile 'h100'"),
+        (["--model", "gpt5", "--hardware", "cpu"], "unknown preset 'gpt5'"),
+        (["--model", "llama2-7b", "--hardware", "trn1.32xlarge", "--tp", "3"], "does not divide"),
+        (
+            ["--model", "llama2-7b", "--hardware", "trn1.32xlarge", "--tp", "64", "--nodes", "2"],
+            "parallel.tp: 64 does not divide",
+        ),
+        (["--model", "llama2-7b"], "--hardware is required"),
+    ],
+)
 def test_cli_rejects_bad_input_in_one_line(argv, message):
     with pytest.raises(HlatError, match=message):
         run(plan_args(*argv), [])
 
 
-# --- a layout that does not suit its hardware (hlat/planner/advice.py) -------------------------------------------------
+# --- a layout that does not suit its hardware (hlat/planner/advice.py) ------------------------------------------------
+
 
 def plan_output(capsys, *argv: str) -> str:
     from hlat.cli import main
@@ -332,13 +435,19 @@ def test_the_70b_recipes_tp32_on_p5_names_the_cross_node_group_and_the_planners_
     best = searched(capsys, "--config", "hlat-70b", "--hardware", "p5.48xlarge")
     out = plan_output(capsys, "--config", "hlat-70b", "--hardware", "p5.48xlarge")
     (line,) = advice_lines(out)
-    assert line.startswith("tensor parallelism across nodes: TP32 PP8 DP8 mb1 1F1B SP ZeRO-1 AC:sel puts each TP32 "
-                           "group on 4 p5.48xlarge nodes of 8 processes")
+    assert line.startswith(
+        "tensor parallelism across nodes: TP32 PP8 DP8 mb1 1F1B SP ZeRO-1 AC:sel puts each TP32 "
+        "group on 4 p5.48xlarge nodes of 8 processes"
+    )
     days, dollars = best["budget"]["days"], best["budget"]["dollars"]
     said = re.search(r"chooses (.+): (\S+) s/step, (\S+)% MFU, (\S+) days, \$(\S+)M \(for 1.89T tokens\)", line)
     assert said, line
-    assert said.group(1, 2, 3, 5) == (best["layout"], f"{best['step_time_s']['total']:.3g}", f"{best['mfu'] * 100:.1f}",
-                                      f"{dollars / 1e6:.3g}")
+    assert said.group(1, 2, 3, 5) == (
+        best["layout"],
+        f"{best['step_time_s']['total']:.3g}",
+        f"{best['mfu'] * 100:.1f}",
+        f"{dollars / 1e6:.3g}",
+    )
     assert float(said[4]) == pytest.approx(days, abs=0.05 + 0.005)  # one decimal there, two in --json
     assert f"  2   {best['layout']}" in out and "#2: what --search chooses" in out
     assert best["layout"].startswith("TP8 ")  # within a node
@@ -351,9 +460,22 @@ def test_a_layout_that_suits_its_hardware_gets_no_line(capsys):
     assert advice_lines(plan_output(capsys, "--config", "hlat-70b")) == []
     assert advice_lines(plan_output(capsys, "--config", "hlat-7b")) == []
     best = searched(capsys, "--config", "hlat-70b", "--hardware", "p5.48xlarge")["parallel"]
-    out = plan_output(capsys, "--config", "hlat-70b", "--hardware", "p5.48xlarge", "--tp", str(best["tp"]), "--pp",
-                      str(best["pp"]), "--virtual-stages", str(best["virtual_stages"]), "--zero1", "--recompute",
-                      best["activation_checkpoint"])
+    out = plan_output(
+        capsys,
+        "--config",
+        "hlat-70b",
+        "--hardware",
+        "p5.48xlarge",
+        "--tp",
+        str(best["tp"]),
+        "--pp",
+        str(best["pp"]),
+        "--virtual-stages",
+        str(best["virtual_stages"]),
+        "--zero1",
+        "--recompute",
+        best["activation_checkpoint"],
+    )
     assert advice_lines(out) == [] and "  2 " not in out
 
 
@@ -374,8 +496,10 @@ def test_a_plan_on_another_stacks_memory_shows_hlats_own_beside_it(capsys):
     own = json.loads(plan_output(capsys, "--config", "hlat-70b", "--json"))["plans"][0]
     assert own["memory_gib"]["total"] < 16 < own["hlat_trainer_memory_gib"]
     assert f"{own['memory_gib']['total']:.1f} (hlat {own['hlat_trainer_memory_gib']:.1f})" in row
-    assert f"(as trn1.32xlarge's stack keeps it, megatron; hlat's own trainer: {own['hlat_trainer_memory_gib']:.1f} " \
-           "GiB)" in out
+    assert (
+        f"(as trn1.32xlarge's stack keeps it, megatron; hlat's own trainer: {own['hlat_trainer_memory_gib']:.1f} "
+        "GiB)" in out
+    )
     p5 = json.loads(plan_output(capsys, "--config", "hlat-70b", "--hardware", "p5.48xlarge", "--json"))["plans"][0]
     assert p5["hlat_trainer_memory_gib"] is None
 
@@ -391,9 +515,11 @@ def test_shipped_profiles_and_recipes_cite_nothing_outside_the_package():
 
 # --- profiles and calibration ---------------------------------------------------------------------------------------
 
+
 def test_profiles_load_and_bad_ones_are_named(tmp_path):
     assert {"trn1.32xlarge", "trn2.48xlarge", "p4d.24xlarge", "p5.48xlarge", "p5e.48xlarge", "cpu"} <= set(
-        profile_names())
+        profile_names()
+    )
     for name in profile_names():
         hw = load_profile(name)
         assert hw.peak_tflops > 0 and hw.fit.flops_factor >= 1
@@ -420,10 +546,13 @@ def test_calibrate_recovers_the_factor_of_a_run(tmp_path, capsys):
     step = step_time(work, Layout.of(micro_batch=8, activation_checkpoint="none"), cpu, truth).total
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    (run_dir / "config.toml").write_text('[model]\npreset = "tiny"\n[train]\nseq_len = 256\nglobal_batch = 8\n'
-                                         'micro_batch = 8\n[precision]\nmode = "fp32"\n[parallel]\ndp_shard = 1\n')
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "step_time_s": step * (9 if i == 1 else 1)})
-                                                   + "\n" for i in range(1, 6)))
+    (run_dir / "config.toml").write_text(
+        '[model]\npreset = "tiny"\n[train]\nseq_len = 256\nglobal_batch = 8\n'
+        'micro_batch = 8\n[precision]\nmode = "fp32"\n[parallel]\ndp_shard = 1\n'
+    )
+    (run_dir / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": i, "step_time_s": step * (9 if i == 1 else 1)}) + "\n" for i in range(1, 6))
+    )
     out = tmp_path / "calibrated.toml"
     assert run(plan_args("--hardware", "cpu", "--calibrate", str(run_dir), "--emit", str(out)), []) == 0
     assert "predicted" in capsys.readouterr().out
@@ -493,10 +622,13 @@ def test_a_measured_block_prices_only_the_workload_it_was_measured_at():
     assert t.layer == "measured block" and t.tp_comm == 0
     assert t.compute == pytest.approx(4 * (model.n_layers * 0.25 + 0.5))  # 8 sequences in micro-batches of 2
     # another micro-batch, tp degree, recomputation, precision or model: the block does not apply
-    for other_work, other in [(work, layout.replaced(micro_batch=1)), (work, layout.replaced(tp=1)),
-                              (work, layout.replaced(activation_checkpoint="full")),
-                              (replace(work, precision="bf16_mixed"), layout),
-                              (replace(work, model=replace(model, n_layers=2)), layout)]:
+    for other_work, other in [
+        (work, layout.replaced(micro_batch=1)),
+        (work, layout.replaced(tp=1)),
+        (work, layout.replaced(activation_checkpoint="full")),
+        (replace(work, precision="bf16_mixed"), layout),
+        (replace(work, model=replace(model, n_layers=2)), layout),
+    ]:
         priced = step_time(other_work, other, hw)  # no operations measured either: the fitted factors
         assert priced.layer == "fitted" and (priced.tp_comm > 0) == (other.tp > 1), other.describe()
 
@@ -507,8 +639,9 @@ def test_a_pipeline_charges_the_measured_embedding_to_its_first_stage_and_the_re
 
     model, work = model_config("tiny"), Workload(model_config("tiny"), 64, 8, "fp32")
     shape = block_shape(model, 64, 2, "fp32", 1, False, "none")
-    hw = replace(load_profile("cpu"), measured=Measured(block_shapes=[shape], block_s=[0.25], ends_s=[0.5],
-                                                        embedding_s=[0.125]))
+    hw = replace(
+        load_profile("cpu"), measured=Measured(block_shapes=[shape], block_s=[0.25], ends_s=[0.5], embedding_s=[0.125])
+    )
     single = step_time(work, Layout.of(micro_batch=2), hw)
     assert single.compute == pytest.approx(4 * (model.n_layers * 0.25 + 0.5)) and single.bubble == 0
     piped = step_time(work, Layout.of(pp=2, micro_batch=2), hw)
@@ -525,9 +658,12 @@ def test_data_parallel_traffic_is_priced_as_fully_shard_runs_it():
     model = model_config("small")
     blocks = model.n_layers * model.layer_params()
     rest = model.num_params() - blocks
-    flat = [[4096, 1.0], [2.0 ** 30, 1.0]]  # 1 GB/s bus bandwidth at every size
-    hw = replace(load_profile("cpu"), devices_per_node=2, measured=Measured(
-        all_reduce=flat, all_gather=flat, reduce_scatter=flat, overlap=0.0, copy_gbs=1e12))  # copies free
+    flat = [[4096, 1.0], [2.0**30, 1.0]]  # 1 GB/s bus bandwidth at every size
+    hw = replace(
+        load_profile("cpu"),
+        devices_per_node=2,
+        measured=Measured(all_reduce=flat, all_gather=flat, reduce_scatter=flat, overlap=0.0, copy_gbs=1e12),
+    )  # copies free
     work = Workload(model, 128, 8, "fp32")
     assert step_time(work, Layout.of(dp_replicate=2), hw).dp_comm == pytest.approx((blocks + rest) * 4 / 1e9)
     fsdp = step_time(work, Layout.of(dp_shard=2), hw).dp_comm  # 4 micro-batches; half of each unit moves
@@ -549,14 +685,29 @@ def test_blocks_timed_under_the_layouts_data_parallelism_price_its_traffic():
     model = model_config("tiny")
     work = Workload(model, 64, 8, "fp32")  # 4 micro-batches per rank at dp 2
     shape = block_shape(model, 64, 1, "fp32", 1, False, "none")
-    timed = {shape: (0.25, 0.5), dp_block_shape(shape, "fsdp", 2, False): (0.5, 1.5),
-             dp_block_shape(shape, "zero1", 2, False): (0.375, 1.0),
-             dp_block_shape(shape, "zero1", 2, True): (0.3125, 0.625),
-             dp_block_shape(shape, "ddp", 2, False): (0.25, 2.0), dp_block_shape(shape, "ddp", 2, True): (0.25, 0.5)}
-    flat = [[4096, 1.0], [2.0 ** 30, 1.0]]
-    hw = replace(load_profile("cpu"), devices_per_node=2, measured=Measured(
-        block_shapes=list(timed), block_s=[b for b, _ in timed.values()], ends_s=[e for _, e in timed.values()],
-        all_reduce=flat, all_gather=flat, reduce_scatter=flat, overlap=0.0, copy_gbs=1.0))
+    timed = {
+        shape: (0.25, 0.5),
+        dp_block_shape(shape, "fsdp", 2, False): (0.5, 1.5),
+        dp_block_shape(shape, "zero1", 2, False): (0.375, 1.0),
+        dp_block_shape(shape, "zero1", 2, True): (0.3125, 0.625),
+        dp_block_shape(shape, "ddp", 2, False): (0.25, 2.0),
+        dp_block_shape(shape, "ddp", 2, True): (0.25, 0.5),
+    }
+    flat = [[4096, 1.0], [2.0**30, 1.0]]
+    hw = replace(
+        load_profile("cpu"),
+        devices_per_node=2,
+        measured=Measured(
+            block_shapes=list(timed),
+            block_s=[b for b, _ in timed.values()],
+            ends_s=[e for _, e in timed.values()],
+            all_reduce=flat,
+            all_gather=flat,
+            reduce_scatter=flat,
+            overlap=0.0,
+            copy_gbs=1.0,
+        ),
+    )
     plain = model.n_layers * 0.25 + 0.5
     fsdp = step_time(work, Layout.of(dp_shard=2), hw)
     assert fsdp.compute == pytest.approx(4 * plain) and fsdp.data_parallel == "measured blocks"
@@ -570,12 +721,14 @@ def test_blocks_timed_under_the_layouts_data_parallelism_price_its_traffic():
     for layout in (Layout.of(dp_shard=4), Layout.of(dp_shard=2, dp_replicate=2)):
         priced = step_time(replace(work, global_batch=16), layout, hw)
         assert priced.data_parallel == "composed"
-        assert priced.dp_comm > 0 and priced.dp_comm == step_time(replace(work, global_batch=16), layout,
-                                                                  untimed).dp_comm
+        assert (
+            priced.dp_comm > 0 and priced.dp_comm == step_time(replace(work, global_batch=16), layout, untimed).dp_comm
+        )
     assert step_time(work, Layout.of(), hw).data_parallel == ""
 
 
 # --- GPU profiles: cited collectives, the pipeline schedules, guard rails, plans of a config -------------------------
+
 
 def test_cited_collectives_follow_nccl_tests_bus_bandwidth_and_share_the_nodes_network():
     """With [links], a collective takes the cited bus bandwidth at its size: within a node the intra rows, across
@@ -583,8 +736,12 @@ def test_cited_collectives_follow_nccl_tests_bus_bandwidth_and_share_the_nodes_n
     from hlat.planner.comms import link_time
     from hlat.profiles import Links
 
-    links = Links(source="test", intra_all_reduce=[[1e6, 100.0], [1e9, 400.0]],
-                  inter_all_reduce=[[2, 1e9, 200.0], [8, 1e9, 50.0]], inter_all_gather=[[2, 1e9, 300.0]])
+    links = Links(
+        source="test",
+        intra_all_reduce=[[1e6, 100.0], [1e9, 400.0]],
+        inter_all_reduce=[[2, 1e9, 200.0], [8, 1e9, 50.0]],
+        inter_all_gather=[[2, 1e9, 300.0]],
+    )
     hw = replace(load_profile("p5.48xlarge"), links=links, measured=replace(load_profile("cpu").measured))
     fit = hw.fit
     assert link_time(hw, fit, "all_reduce", 1e9, 8, 8) == pytest.approx(2 * 7 / 8 * 1e9 / 400e9)
@@ -629,8 +786,7 @@ def _schedule_1f1b(p: int, m: int) -> list[list[tuple[str, int, int]]]:
     for s in range(p):
         warmup = min(m, p - s)
         steady = [step for i in range(m - warmup) for step in (("B", s, i), ("F", s, warmup + i))]
-        orders.append([("F", s, i) for i in range(warmup)] + steady
-                      + [("B", s, i) for i in range(m - warmup, m)])
+        orders.append([("F", s, i) for i in range(warmup)] + steady + [("B", s, i) for i in range(m - warmup, m)])
     return orders
 
 
@@ -644,8 +800,14 @@ def _schedule_interleaved(p: int, m: int, v: int) -> list[list[tuple[str, int, i
     stage = mock.create_autospec(PipelineStage, instance=True)
     stage.group_rank, stage.group_size, stage.num_stages, stage.submod = 0, p, p * v, None
     order = ScheduleInterleaved1F1B([stage] * v, n_microbatches=m).pipeline_order
-    return [[("F" if a.computation_type.name == "FORWARD" else "B", a.stage_index, a.microbatch_index)
-             for a in order[rank] if a is not None] for rank in range(p)]
+    return [
+        [
+            ("F" if a.computation_type.name == "FORWARD" else "B", a.stage_index, a.microbatch_index)
+            for a in order[rank]
+            if a is not None
+        ]
+        for rank in range(p)
+    ]
 
 
 @pytest.mark.parametrize("pp, v", [(8, 1), (16, 1), (8, 2), (8, 4), (16, 2), (16, 4)])
@@ -658,8 +820,9 @@ def test_pipeline_bubble_is_the_trainers_schedule(pp, v):
 
     work = Workload(model_config("llama2-70b"), 4096, 2 * pp * 8, "bf16_mixed")
     schedule = "interleaved_1f1b" if v > 1 else "1f1b"
-    layout = Layout.of(tp=8, pp=pp, dp_replicate=8, pp_schedule=schedule, virtual_stages=v,
-                       activation_checkpoint="selective")
+    layout = Layout.of(
+        tp=8, pp=pp, dp_replicate=8, pp_schedule=schedule, virtual_stages=v, activation_checkpoint="selective"
+    )
     m = layout.microbatches(work.global_batch)
     t, mb = step_time(work, layout, TRN1), micro_batch(work, layout, TRN1, TRN1.fit)
     stage = mb.compute - mb.output + mb.tp + pipeline_send_time(work, layout, TRN1, TRN1.fit)
@@ -703,7 +866,10 @@ def test_shipped_gpu_profiles_carry_hlats_measurements_and_say_where_each_figure
     # p5e: the H100's rates, memory-bound ones scaled by the HBM ratio (4.8 / 3.35 TB/s), compute ones not
     ratio = p5e.hbm_gbs / p5.hbm_gbs
     assert (p5e.peak_tflops, p5e.measured.matmul_bf16, p5e.measured.attention_bf16) == (
-        p5.peak_tflops, p5.measured.matmul_bf16, p5.measured.attention_bf16)
+        p5.peak_tflops,
+        p5.measured.matmul_bf16,
+        p5.measured.attention_bf16,
+    )
     for name in ("norm_gbs", "activation_gbs", "rotary_gbs", "residual_gbs", "loss_gbs", "optimizer_gbs"):
         assert getattr(p5e.measured, name) == pytest.approx(getattr(p5.measured, name) * ratio, abs=0.06)
     assert "4.8/3.35" in p5e.measured.derived_from and p5e.sources().startswith("derived")
@@ -719,12 +885,17 @@ def test_the_pure_bf16_update_is_priced_at_its_own_measured_rate():
     from hlat.planner.costs import optimizer_bytes
 
     p5 = load_profile("p5.48xlarge")
-    both = replace(p5, measured=replace(p5.measured, optimizer_gbs=800.0, optimizer_measured_bytes=0.0,
-                                        bf16_optimizer_gbs=400.0))
+    both = replace(
+        p5, measured=replace(p5.measured, optimizer_gbs=800.0, optimizer_measured_bytes=0.0, bf16_optimizer_gbs=400.0)
+    )
     adamw_only = replace(both, measured=replace(both.measured, bf16_optimizer_gbs=0.0))
     layout, params = Layout.of(micro_batch=1), model_config("llama2-7b").num_params()
-    for mode, profile, rate in (("bf16_sr", both, 400.0), ("bf16_kahan", both, 400.0), ("bf16_mixed", both, 800.0),
-                                ("bf16_sr", adamw_only, 800.0)):
+    for mode, profile, rate in (
+        ("bf16_sr", both, 400.0),
+        ("bf16_kahan", both, 400.0),
+        ("bf16_mixed", both, 800.0),
+        ("bf16_sr", adamw_only, 800.0),
+    ):
         m = MODES[mode]
         work = Workload(model_config("llama2-7b"), 4096, 1, mode)
         expected = optimizer_bytes(params, m.weight_bytes, m.grad_bytes, m.optimizer_bytes) / (rate * 1e9)
@@ -778,16 +949,21 @@ def test_a_plan_of_a_recipe_prices_its_cluster_precision_and_token_budget(tmp_pa
     p5 = load_profile("p5.48xlarge")
     bf16_only = tmp_path / "bf16_only.toml"
     bf16_only.write_text(replace(p5, measured=replace(p5.measured, matmul_fp32=[])).to_toml())
-    out = _flag_plan(["--config", "neox-20b", "--precision.mode", "fp32", "--hardware", str(bf16_only),
-                      "--nodes", "2", "--search"], capsys)
+    out = _flag_plan(
+        ["--config", "neox-20b", "--precision.mode", "fp32", "--hardware", str(bf16_only), "--nodes", "2", "--search"],
+        capsys,
+    )
     assert out["notes"] == ["the profile measured no fp32 operations: fp32 is priced from its fitted factors"]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--model", "hlat-7b", "--hardware", "cpu"], "--model names a model preset .*use --config hlat-7b"),
-    (["--model", "llama2-7b", "--hardware", "cpu", "--train.steps", "5"], "overrides apply to a --config"),
-    (["--config", "neox-20b", "--price-per-node-hour", "-1"], "--price-per-node-hour: must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "hlat-7b", "--hardware", "cpu"], "--model names a model preset .*use --config hlat-7b"),
+        (["--model", "llama2-7b", "--hardware", "cpu", "--train.steps", "5"], "overrides apply to a --config"),
+        (["--config", "neox-20b", "--price-per-node-hour", "-1"], "--price-per-node-hour: must be >= 0"),
+    ],
+)
 def test_plan_names_a_preset_with_model_and_a_config_with_config(argv, message, capsys):
     from hlat.cli import main
 
@@ -831,7 +1007,8 @@ def test_an_fp8_plan_prices_the_block_linears_at_the_measured_fp8_rates():
     # full recomputation runs the forward again: a fourth pass at the same measured rate
     full = layout.replaced(activation_checkpoint="full")
     assert step_time(fp8, full, hw).compute - step_time(bf16, full, hw).compute == pytest.approx(
-        8 * 16 * 4 * (linears_fp8 - linears_bf16 / 3), rel=1e-9)
+        8 * 16 * 4 * (linears_fp8 - linears_bf16 / 3), rel=1e-9
+    )
 
 
 def test_fsdp_gathers_the_block_linears_in_fp8_under_tensorwise_scaling():
@@ -843,33 +1020,71 @@ def test_fsdp_gathers_the_block_linears_in_fp8_under_tensorwise_scaling():
     model = model_config("small")
     d, f = model.dim, model.ffn_dim
     linear_weights = 4 * d * d + 3 * d * f  # wq, wk, wv, wo (no GQA), w1, w3, w2
-    flat = [[1.0, 1.0], [2.0 ** 40, 1.0]]
-    hw = replace(load_profile("p5.48xlarge"), devices_per_node=2, measured=Measured(
-        matmul_bf16=[[1.0, 400.0]], matmul_fp8_tensorwise=[[1.0, 800.0]], matmul_fp8_rowwise=[[1.0, 800.0]],
-        all_reduce=flat, all_gather=flat, reduce_scatter=flat, overlap=0.0, copy_gbs=1e15))  # copies ~free
+    flat = [[1.0, 1.0], [2.0**40, 1.0]]
+    hw = replace(
+        load_profile("p5.48xlarge"),
+        devices_per_node=2,
+        measured=Measured(
+            matmul_bf16=[[1.0, 400.0]],
+            matmul_fp8_tensorwise=[[1.0, 800.0]],
+            matmul_fp8_rowwise=[[1.0, 800.0]],
+            all_reduce=flat,
+            all_gather=flat,
+            reduce_scatter=flat,
+            overlap=0.0,
+            copy_gbs=1e15,
+        ),
+    )  # copies ~free
     work = Workload(model, 1024, 8, "bf16_sr")  # 4 micro-batches per rank
     layout = Layout.of(dp_shard=2)
     dp = {fp8: step_time(replace(work, fp8=fp8), layout, hw).dp_comm for fp8 in ("none", "tensorwise", "rowwise")}
-    assert dp["none"] - dp["tensorwise"] == pytest.approx(4 * 2 * model.n_layers * linear_weights * (2 - 1) / 2e9,
-                                                          rel=1e-6)
+    assert dp["none"] - dp["tensorwise"] == pytest.approx(
+        4 * 2 * model.n_layers * linear_weights * (2 - 1) / 2e9, rel=1e-6
+    )
     assert dp["rowwise"] == dp["none"]
 
 
 def test_a_profile_without_the_recipes_fp8_rates_refuses_the_plan_in_one_line(tmp_path, capsys):
     from hlat.cli import main
 
-    argv = ["plan", "--model", "llama2-7b", "--hardware", "p5e.48xlarge", "--seq-len", "4096", "--precision",
-            "bf16_sr", "--nodes", "1"]
+    argv = [
+        "plan",
+        "--model",
+        "llama2-7b",
+        "--hardware",
+        "p5e.48xlarge",
+        "--seq-len",
+        "4096",
+        "--precision",
+        "bf16_sr",
+        "--nodes",
+        "1",
+    ]
     assert main([*argv, "--fp8", "tensorwise"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(
-        "hlat: error: precision.fp8: p5e.48xlarge has no measured FP8 matmul rate (tensorwise); run `hlat preflight")
+        "hlat: error: precision.fp8: p5e.48xlarge has no measured FP8 matmul rate (tensorwise); run `hlat preflight"
+    )
     assert "--hardware measured.toml" in err
     # the config's precision.fp8 asks for it the same way; a profile with only the other recipe's table refuses too
     only_tensorwise = tmp_path / "tensorwise.toml"
     only_tensorwise.write_text(fp8_profile([[1.0, 800.0]], [[1.0, 400.0]]).to_toml())
-    assert main(["plan", "--config", "hlat-7b", "--precision.fp8", "rowwise", "--hardware", str(only_tensorwise),
-                 "--nodes", "1"]) == 2
+    assert (
+        main(
+            [
+                "plan",
+                "--config",
+                "hlat-7b",
+                "--precision.fp8",
+                "rowwise",
+                "--hardware",
+                str(only_tensorwise),
+                "--nodes",
+                "1",
+            ]
+        )
+        == 2
+    )
     assert "test-fp8 has no measured FP8 matmul rate (rowwise)" in capsys.readouterr().err
     assert main([*argv, "--fp8", "tensorwise", "--precision", "fp32"]) == 2  # the config's own rule
     assert "precision.fp8: FP8 matmuls need a bf16 mode" in capsys.readouterr().err
@@ -883,8 +1098,22 @@ def test_an_fp8_plan_is_capped_only_by_a_measured_fp8_best_and_its_emitted_confi
     uncapped.write_text(fp8_profile(fast, [[1.0, 600.0]]).to_toml())
     capped.write_text(fp8_profile(fast, [[1.0, 600.0]], fp8=0.6).to_toml())
     emit = tmp_path / "plan.toml"
-    argv = ["--model", "llama2-7b", "--seq-len", "4096", "--precision", "bf16_sr", "--fp8", "tensorwise",
-            "--dp-shard", "8", "--recompute", "selective", "--global-batch", "64"]
+    argv = [
+        "--model",
+        "llama2-7b",
+        "--seq-len",
+        "4096",
+        "--precision",
+        "bf16_sr",
+        "--fp8",
+        "tensorwise",
+        "--dp-shard",
+        "8",
+        "--recompute",
+        "selective",
+        "--global-batch",
+        "64",
+    ]
     out = _flag_plan([*argv, "--hardware", str(uncapped), "--emit", str(emit)], capsys)
     (plan,) = out["plans"]
     assert out["fp8"] == "tensorwise" and out["measured_best_mfu"] is None
@@ -899,11 +1128,14 @@ def test_an_fp8_plan_is_capped_only_by_a_measured_fp8_best_and_its_emitted_confi
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    (run_dir / "config.toml").write_text('[model]\npreset = "tiny"\n[train]\nseq_len = 256\nglobal_batch = 8\n'
-                                         'micro_batch = 8\n[precision]\nmode = "bf16_sr"\nfp8 = "rowwise"\n'
-                                         '[parallel]\ndp_shard = 1\n')
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "step_time_s": 1.0}) + "\n"
-                                                   for i in range(1, 6)))
+    (run_dir / "config.toml").write_text(
+        '[model]\npreset = "tiny"\n[train]\nseq_len = 256\nglobal_batch = 8\n'
+        'micro_batch = 8\n[precision]\nmode = "bf16_sr"\nfp8 = "rowwise"\n'
+        "[parallel]\ndp_shard = 1\n"
+    )
+    (run_dir / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": i, "step_time_s": 1.0}) + "\n" for i in range(1, 6))
+    )
     assert run_sample(str(run_dir), load_profile("cpu")).workload.fp8 == "rowwise"
     with pytest.raises(HlatError, match="precision.fp8: cpu has no measured FP8 matmul rate"):
         run(plan_args("--hardware", "cpu", "--calibrate", str(run_dir)), [])
@@ -924,8 +1156,14 @@ def test_a_rehearsal_of_another_fp8_recipe_is_another_job():
     from hlat.planner.rehearsal import rehearsal_mismatch
 
     work, layout = Workload(model_config("tiny"), 32, 8, "bf16_sr", fp8="tensorwise"), Layout.of()
-    data = {"model_config": asdict(work.model), "seq_len": 32, "global_batch": 8, "precision": "bf16_sr",
-            "micro_batch": 1, "parallel": asdict(layout.parallel)}
+    data = {
+        "model_config": asdict(work.model),
+        "seq_len": 32,
+        "global_batch": 8,
+        "precision": "bf16_sr",
+        "micro_batch": 1,
+        "parallel": asdict(layout.parallel),
+    }
     assert rehearsal_mismatch(data, work, layout) == "fp8 'none' (planned: 'tensorwise')"  # written before fp8
     assert rehearsal_mismatch({**data, "fp8": "tensorwise"}, work, layout) is None
 
@@ -936,17 +1174,27 @@ def test_a_rehearsal_of_another_job_names_only_the_fields_that_differ(tmp_path):
     from hlat.config.job import load_config
 
     cfg = load_config(["hlat-70b"], [])
-    rehearsal = {"model_config": asdict(replace(cfg.model, n_layers=8)), "seq_len": 4096, "global_batch": 1024,
-                 "precision": "bf16_mixed", "micro_batch": 2, "parallel": asdict(cfg.resolved_parallel(8192)),
-                 "ranks": [], "world_size": 8192, "hardware": "cpu"}
+    rehearsal = {
+        "model_config": asdict(replace(cfg.model, n_layers=8)),
+        "seq_len": 4096,
+        "global_batch": 1024,
+        "precision": "bf16_mixed",
+        "micro_batch": 2,
+        "parallel": asdict(cfg.resolved_parallel(8192)),
+        "ranks": [],
+        "world_size": 8192,
+        "hardware": "cpu",
+    }
     (tmp_path / "r.json").write_text(json.dumps(rehearsal))
     with pytest.raises(HlatError) as refused:
         run(plan_args("--config", "hlat-70b", "--rehearsal", str(tmp_path / "r.json")), [])
-    assert str(refused.value).endswith("rehearsed a different job: model.n_layers 8 (planned: 80); micro_batch 2 "
-                                       "(planned: 1)")
+    assert str(refused.value).endswith(
+        "rehearsed a different job: model.n_layers 8 (planned: 80); micro_batch 2 (planned: 1)"
+    )
 
 
 # --- context parallelism -----------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("recipe, cp", [("hlat-7b-long", 2), ("hlat-70b-long", 8)])
 def test_search_proposes_context_parallelism_for_the_long_context_stages(recipe, cp, capsys):

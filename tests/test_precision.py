@@ -15,8 +15,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from hlat.config import ConfigError
 from hlat.models import build_model, materialize
 from hlat.models.config import model_config
-from hlat.optim import OptimConfig, build_optimizer
-from hlat.optim import bf16
+from hlat.optim import OptimConfig, bf16, build_optimizer
 from hlat.optim.bf16 import BF16AdamW, rounding_noise, rounding_noises, rounding_seed, stochastic_round
 from hlat.optim.modes import MODES
 from hlat.optim.precision import autocast, prepare_model
@@ -25,8 +24,9 @@ from hlat.train.step import clipped_update
 
 BF16 = torch.bfloat16
 # Across magnitudes and signs, between bf16 neighbours at different fractions, fp32 subnormals (bf16 has them too).
-VALUES = torch.tensor([1.0 + 2**-9, 1.0 + 3 * 2**-10, -0.1, 3.3e-5, -123.456, 6.02e23, -1e-30, 2**-130, -3e-39,
-                       1.0, 0.0])
+VALUES = torch.tensor(
+    [1.0 + 2**-9, 1.0 + 3 * 2**-10, -0.1, 3.3e-5, -123.456, 6.02e23, -1e-30, 2**-130, -3e-39, 1.0, 0.0]
+)
 
 
 def gen(seed: int) -> torch.Generator:
@@ -116,11 +116,16 @@ def test_rounding_bits_are_independent_across_elements_streams_steps_parameters_
     u = noise(key, n + 1024)
     for lag in (1, 2, 3, 1024):  # neighbouring elements of a tensor
         assert_independent_uniform(u[:n], u[lag : n + lag], f"elements {lag} apart")
-    others = {"the next stream (the first moment)": noise(key, n, 1), "stream 2 (the second moment)": noise(key, n, 2),
-              "the next step": noise(rounding_seed(0, 2, 0), n), "the next parameter": noise(rounding_seed(0, 1, 1), n),
-              "another seed": noise(rounding_seed(1, 1, 0), n),
-              "another shard (rank)": noise(rounding_seed(0, 1, 0, (1,)), n),
-              "a key one bit away, low half": noise(key ^ 1, n), "a key one bit away, high half": noise(key ^ 2**32, n)}
+    others = {
+        "the next stream (the first moment)": noise(key, n, 1),
+        "stream 2 (the second moment)": noise(key, n, 2),
+        "the next step": noise(rounding_seed(0, 2, 0), n),
+        "the next parameter": noise(rounding_seed(0, 1, 1), n),
+        "another seed": noise(rounding_seed(1, 1, 0), n),
+        "another shard (rank)": noise(rounding_seed(0, 1, 0, (1,)), n),
+        "a key one bit away, low half": noise(key ^ 1, n),
+        "a key one bit away, high half": noise(key ^ 2**32, n),
+    }
     for what, v in others.items():
         assert_independent_uniform(u[:n], v, what)
     assert torch.equal(noise(rounding_seed(0, 1, 0, (1,)), n), noise(rounding_seed(0, 1, 0, (1,)), n))  # replicas
@@ -189,8 +194,11 @@ def rounded_copies(x: torch.Tensor, n: int, copies: str) -> torch.Tensor:
     element in its place under the keys of `n` steps, `n` seeds or `n` data-parallel shards (ranks)."""
     if copies == "elements":
         return stochastic_round(x.expand(n, -1), rounding_seed(0, 1, 0))
-    keys = {"steps": lambda i: rounding_seed(0, i + 1, 0), "seeds": lambda i: rounding_seed(i, 1, 0),
-            "ranks": lambda i: rounding_seed(0, 1, 0, (i,))}[copies]
+    keys = {
+        "steps": lambda i: rounding_seed(0, i + 1, 0),
+        "seeds": lambda i: rounding_seed(i, 1, 0),
+        "ranks": lambda i: rounding_seed(0, 1, 0, (i,)),
+    }[copies]
     return torch.stack([stochastic_round(x, keys(i)) for i in range(n)])
 
 
@@ -237,8 +245,11 @@ def test_update_matches_torch_adamw(rounding, grad_scale):
             theirs.state[ref].update({k: ours.state[w][k].float().clone() for k in ("exp_avg", "exp_avg_sq")})
         ours.step(grad_scale=scale)
         theirs.step()
-        for mine, exact in ((w, ref), (ours.state[w]["exp_avg"], theirs.state[ref]["exp_avg"]),
-                            (ours.state[w]["exp_avg_sq"], theirs.state[ref]["exp_avg_sq"])):
+        for mine, exact in (
+            (w, ref),
+            (ours.state[w]["exp_avg"], theirs.state[ref]["exp_avg"]),
+            (ours.state[w]["exp_avg_sq"], theirs.state[ref]["exp_avg_sq"]),
+        ):
             if rounding == "nearest":
                 assert torch.equal(mine.detach(), exact.detach().to(BF16))
             else:
@@ -248,6 +259,7 @@ def test_update_matches_torch_adamw(rounding, grad_scale):
 
 def bf16_steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """How many bf16 values lie between a and b, elementwise, counting through zero."""
+
     def ordinal(t: torch.Tensor) -> torch.Tensor:
         bits = t.view(torch.int16).int()
         return torch.where(bits < 0, -(bits & 0x7FFF), bits)
@@ -285,8 +297,9 @@ def test_clipping_folded_into_the_update_matches_clipping_first():
 
     (folded, opt_folded), (first, opt_first) = one_step(True), one_step(False)
     for a, b in zip(folded, first):
-        m_a, v_a, m_b, v_b = (opt.state[p][k] for opt, p in ((opt_folded, a), (opt_first, b))
-                              for k in ("exp_avg", "exp_avg_sq"))
+        m_a, v_a, m_b, v_b = (
+            opt.state[p][k] for opt, p in ((opt_folded, a), (opt_first, b)) for k in ("exp_avg", "exp_avg_sq")
+        )
         assert bf16_steps(m_a, m_b).max() <= 2 and bf16_steps(v_a, v_b).max() <= 3
         assert bf16_steps(a.detach(), b.detach()).max() <= 1
         assert not torch.equal(m_a, m_b)  # the runs did differ: bf16's rounding of g * c was left out of one
@@ -299,6 +312,7 @@ def test_compiled_update_equals_eager(monkeypatch):
     arithmetic as eager, so the same weights and moments to the bit, over two steps of two parameters of odd sizes.
     It fails where the compiled path departs from eager: generated code that hashes or rounds otherwise, or keys,
     scalars or the clip coefficient handed to the kernel wrongly."""
+
     def two_steps(compiled: bool) -> list[torch.Tensor]:
         monkeypatch.setattr(bf16, "COMPILED_UPDATE_DEVICES", ("cpu",) if compiled else ())
         g = gen(0)
@@ -319,7 +333,7 @@ def toy_descent(rounding: str | None, steps: int = 150) -> float:
     (2^-9), so round-to-nearest never moves. Returns the mean weight."""
     w = torch.nn.Parameter(torch.ones(4096, dtype=torch.float32 if rounding is None else BF16))
     hparams = dict(lr=1e-3, weight_decay=0.0)
-    opt = (torch.optim.AdamW([w], **hparams) if rounding is None else BF16AdamW([w], **hparams, rounding=rounding))
+    opt = torch.optim.AdamW([w], **hparams) if rounding is None else BF16AdamW([w], **hparams, rounding=rounding)
     for _ in range(steps):
         w.grad = (w.detach().float() - 0.8).to(w.dtype)
         opt.step()
@@ -423,7 +437,10 @@ def test_bytes_per_parameter_match_what_is_stored(mode):
     states = [t for p in params for t in opt.state[p].values() if t.ndim > 0]  # not the scalar step counters
     table = MODES[mode]
     assert (nbytes(params), nbytes(p.grad for p in params), nbytes(states)) == (
-        table.weight_bytes, table.grad_bytes, table.optimizer_bytes)
+        table.weight_bytes,
+        table.grad_bytes,
+        table.optimizer_bytes,
+    )
 
 
 def data_parallel_worker(out: str) -> None:  # one rank of a job of tests/warm_torchrun.py
@@ -432,8 +449,11 @@ def data_parallel_worker(out: str) -> None:  # one rank of a job of tests/warm_t
     half = torch.randn(16, 24, generator=gen(0))
     full = torch.cat([half, half]).to(BF16)  # two identical halves: one per shard in the sharded case
     results = {}
-    for name, placements, seed in (("replicated", [Replicate()], 5), ("rank_seeded", [Replicate()], rank),
-                                   ("sharded", [Shard(0)], 5)):
+    for name, placements, seed in (
+        ("replicated", [Replicate()], 5),
+        ("rank_seeded", [Replicate()], rank),
+        ("sharded", [Shard(0)], 5),
+    ):
         p = torch.nn.Parameter(distribute_tensor(full.clone(), mesh, placements))
         opt = BF16AdamW([p], lr=1e-3, weight_decay=0.1, seed=seed)
         data = gen(100 + rank)  # each rank's own batch

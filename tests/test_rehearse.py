@@ -21,50 +21,83 @@ from hlat.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 JOBS = {  # small models, full-size worlds: dims chosen so that FSDP pads nothing (dim 0 of every shard divides)
-    1024: dict(dim=256, n_layers=8, n_heads=8, kv_heads=8, ffn_dim=512, vocab_size=1024, seq_len=64, tp=8, pp=4,
-               virtual_stages=2, schedule="interleaved_1f1b", global_batch=128, nodes=128, nproc_per_node=8),
-    8192: dict(dim=1024, n_layers=8, n_heads=32, kv_heads=8, ffn_dim=1024, vocab_size=2048, seq_len=64, tp=32,
-               pp=8, virtual_stages=1, schedule="1f1b", global_batch=256, nodes=256, nproc_per_node=32),
+    1024: dict(
+        dim=256,
+        n_layers=8,
+        n_heads=8,
+        kv_heads=8,
+        ffn_dim=512,
+        vocab_size=1024,
+        seq_len=64,
+        tp=8,
+        pp=4,
+        virtual_stages=2,
+        schedule="interleaved_1f1b",
+        global_batch=128,
+        nodes=128,
+        nproc_per_node=8,
+    ),
+    8192: dict(
+        dim=1024,
+        n_layers=8,
+        n_heads=32,
+        kv_heads=8,
+        ffn_dim=1024,
+        vocab_size=2048,
+        seq_len=64,
+        tp=32,
+        pp=8,
+        virtual_stages=1,
+        schedule="1f1b",
+        global_batch=256,
+        nodes=256,
+        nproc_per_node=32,
+    ),
 }
 
 
 def config_text(job: dict) -> str:
     return f"""
 [model]
-dim = {job['dim']}
-n_layers = {job['n_layers']}
-n_heads = {job['n_heads']}
-n_kv_heads = {job['kv_heads']}
-ffn_dim = {job['ffn_dim']}
-vocab_size = {job['vocab_size']}
-max_seq_len = {job['seq_len']}
+dim = {job["dim"]}
+n_layers = {job["n_layers"]}
+n_heads = {job["n_heads"]}
+n_kv_heads = {job["kv_heads"]}
+ffn_dim = {job["ffn_dim"]}
+vocab_size = {job["vocab_size"]}
+max_seq_len = {job["seq_len"]}
 
 [precision]
 mode = "fp32"
 
 [parallel]
-tp = {job['tp']}
-pp = {job['pp']}
-pp_schedule = "{job['schedule']}"
-virtual_stages = {max(2, job['virtual_stages'])}
+tp = {job["tp"]}
+pp = {job["pp"]}
+pp_schedule = "{job["schedule"]}"
+virtual_stages = {max(2, job["virtual_stages"])}
 dp_replicate = 1
 dp_shard = -1
 
 [train]
-seq_len = {job['seq_len']}
-global_batch = {job['global_batch']}
+seq_len = {job["seq_len"]}
+global_batch = {job["global_batch"]}
 micro_batch = 1
 device = "cpu"
 
 [cluster]
-nodes = {job['nodes']}
-nproc_per_node = {job['nproc_per_node']}
+nodes = {job["nodes"]}
+nproc_per_node = {job["nproc_per_node"]}
 """
 
 
 def hlat(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hlat", *args], capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "hlat", *args],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})},
+    )
 
 
 def refused(capsys, *args: str) -> tuple[int, str]:
@@ -101,8 +134,9 @@ def tp_rank_params(job: dict, stages: list[int]) -> int:
     per_stage = job["n_layers"] // (job["pp"] * job["virtual_stages"])
     last = job["pp"] * job["virtual_stages"] - 1
     vocab_rows = job["vocab_size"] // tp * d
-    return len(stages) * per_stage * block + (vocab_rows if 0 in stages else 0) + (
-        d + vocab_rows if last in stages else 0)
+    return (
+        len(stages) * per_stage * block + (vocab_rows if 0 in stages else 0) + (d + vocab_rows if last in stages else 0)
+    )
 
 
 def expected_collectives(job: dict, stages: list[int]) -> dict[tuple[str, str], tuple[float | None, float]]:
@@ -130,9 +164,11 @@ def expected_collectives(job: dict, stages: list[int]) -> dict[tuple[str, str], 
     return {
         ("all_gather", "tp"): (gathers + loss_gathers, gathers * activation + loss_gathered),
         ("reduce_scatter", "tp"): (gathers, gathers * activation),
-        ("send", "pp"): (sends, sends * seq // tp * d * 4), ("recv", "pp"): (sends, sends * seq // tp * d * 4),
+        ("send", "pp"): (sends, sends * seq // tp * d * 4),
+        ("recv", "pp"): (sends, sends * seq // tp * d * 4),
         # FSDP over dp_shard alone: no replicas, so no all-reduce of the gradient shards across them
-        ("all_gather", "dp_shard"): (units, params * 4), ("reduce_scatter", "dp_shard"): (units, params * 4),
+        ("all_gather", "dp_shard"): (units, params * 4),
+        ("reduce_scatter", "dp_shard"): (units, params * 4),
         # the norms' weight gradients (partial over tp under sequence parallelism), the replicated K and V
         # weights' gradients, and clipping: one norm per gradient tp splits
         ("all_reduce", "tp"): (None, 4 * ((2 * blocks + last) * d + kv_grads + tp_sharded)),
@@ -169,8 +205,9 @@ def test_collectives_per_step_are_what_the_layout_implies(rehearsed):
     world = job["nodes"] * job["nproc_per_node"]
     assert [r["rank"] for r in out["ranks"]] == [0, world - world // job["pp"]]
     for rank in out["ranks"]:
-        recorded = {(row["kind"], row["dim"]): (row["count"], row["bytes"]) for row in rank["collectives"]
-                    if row["count"]}  # (rows of kinds the planner prices and the rank did not issue have none)
+        recorded = {
+            (row["kind"], row["dim"]): (row["count"], row["bytes"]) for row in rank["collectives"] if row["count"]
+        }  # (rows of kinds the planner prices and the rank did not issue have none)
         expected = expected_collectives(job, rank["stages"])
         assert set(recorded) == set(expected), rank["rank"]
         for key, (count, nbytes) in expected.items():
@@ -184,28 +221,54 @@ def test_the_planner_takes_a_rehearsal(rehearsed):
     if job["tp"] != 8:
         pytest.skip("one rehearsal is enough")
     nodes = str(job["nodes"] * job["nproc_per_node"])
-    done = hlat("plan", "--config", str(config), "--hardware", "cpu", "--nodes", nodes, "--json", "--rehearsal",
-                str(config.parent / "rehearsal.json"))
+    done = hlat(
+        "plan",
+        "--config",
+        str(config),
+        "--hardware",
+        "cpu",
+        "--nodes",
+        nodes,
+        "--json",
+        "--rehearsal",
+        str(config.parent / "rehearsal.json"),
+    )
     assert done.returncode == 0, done.stderr
     plan = json.loads(done.stdout)
-    fullest = max(out["ranks"], key=lambda r: sum(
-        v.get("step", v)["measured"] for k, v in r["memory"].items()))
+    fullest = max(out["ranks"], key=lambda r: sum(v.get("step", v)["measured"] for k, v in r["memory"].items()))
     assert f"memory rehearsed (ranks 0, 768 of 1,024; the fullest, rank {fullest['rank']})" in plan["note"]
     assert "compute rehearsed on cpu" in plan["note"] and plan["plans"][0]["layer"] == "rehearsed"
     gib = plan["plans"][0]["memory_gib"]
     assert gib["weights"] == round(fullest["memory"]["params"]["measured"] / 2**30, 3)
-    assert plan["plans"][0]["step_time_s"]["compute"] == round(max(
-        r["time"]["step_compute_s"]["measured"] for r in out["ranks"]), 4)
-    other = hlat("plan", "--config", str(config), "--hardware", "cpu", "--nodes", nodes, "--rehearsal",
-                 str(config.parent / "rehearsal.json"), "--global-batch", "256")
+    assert plan["plans"][0]["step_time_s"]["compute"] == round(
+        max(r["time"]["step_compute_s"]["measured"] for r in out["ranks"]), 4
+    )
+    other = hlat(
+        "plan",
+        "--config",
+        str(config),
+        "--hardware",
+        "cpu",
+        "--nodes",
+        nodes,
+        "--rehearsal",
+        str(config.parent / "rehearsal.json"),
+        "--global-batch",
+        "256",
+    )
     assert other.returncode == 2 and "rehearsed a different job: global_batch 128 (planned: 256)" in other.stderr
 
 
-@pytest.mark.parametrize("override, line", [
-    (("--train.global_batch", "100"), "train.global_batch: 100 is not divisible by micro_batch 1 x data-parallel "
-                                      "size 32"),
-    (("--model.n_layers", "4"), "parallel.pp: 8 pipeline stages but only 4 layers"),
-])
+@pytest.mark.parametrize(
+    "override, line",
+    [
+        (
+            ("--train.global_batch", "100"),
+            "train.global_batch: 100 is not divisible by micro_batch 1 x data-parallel size 32",
+        ),
+        (("--model.n_layers", "4"), "parallel.pp: 8 pipeline stages but only 4 layers"),
+    ],
+)
 def test_a_layout_train_refuses_is_refused_in_the_same_line(tmp_path, override, line, capsys, monkeypatch):
     config = tmp_path / "job.toml"
     config.write_text(config_text(JOBS[1024]))
@@ -225,14 +288,21 @@ def test_a_rank_that_cannot_fit_here_fails_before_allocating(tmp_path):
     assert error.startswith("hlat: error: rank 0 needs ") and error.endswith(" GiB available")
 
 
-@pytest.mark.parametrize("flags, line", [
-    (("--micro-batches", "2"), "--micro-batches: the interleaved_1f1b schedule needs at least pp = 4 micro-batches, "
-                               "got 2"),
-    (("--micro-batches", "6", "--train.global_batch", "256"),
-     "--micro-batches: interleaved_1f1b needs a multiple of pp = 4, got 6"),
-    (("--micro-batches", "8"), "--micro-batches: 8 is not between 1 and the step's 4"),
-    (("--rank", "1024"), "--rank: 1024 is not a rank of a world of 1024"),
-])
+@pytest.mark.parametrize(
+    "flags, line",
+    [
+        (
+            ("--micro-batches", "2"),
+            "--micro-batches: the interleaved_1f1b schedule needs at least pp = 4 micro-batches, got 2",
+        ),
+        (
+            ("--micro-batches", "6", "--train.global_batch", "256"),
+            "--micro-batches: interleaved_1f1b needs a multiple of pp = 4, got 6",
+        ),
+        (("--micro-batches", "8"), "--micro-batches: 8 is not between 1 and the step's 4"),
+        (("--rank", "1024"), "--rank: 1024 is not a rank of a world of 1024"),
+    ],
+)
 def test_what_cannot_be_rehearsed_is_said_in_one_line(tmp_path, flags, line, capsys):
     config = tmp_path / "job.toml"
     config.write_text(config_text(JOBS[1024]))
@@ -247,8 +317,11 @@ def test_the_planner_says_when_hlats_own_trainer_would_not_fit_a_recipe():
         done = hlat("plan", "--config", recipe, "--json")
         assert done.returncode == 0, done.stderr
         notes[recipe] = json.loads(done.stdout)["note"]
-    own = re.search(r"memory as trn1.32xlarge's stack keeps it \(megatron\); hlat's own trainer needs ([\d.]+) GiB "
-                    r"of 16 GiB per device \(activations ([\d.]+) GiB\)", notes["hlat-70b"])
+    own = re.search(
+        r"memory as trn1.32xlarge's stack keeps it \(megatron\); hlat's own trainer needs ([\d.]+) GiB "
+        r"of 16 GiB per device \(activations ([\d.]+) GiB\)",
+        notes["hlat-70b"],
+    )
     assert own and float(own[1]) > 16 and float(own[2]) > 16, notes["hlat-70b"]
     assert "hlat's own trainer" not in notes["hlat-7b"]
 
@@ -257,8 +330,18 @@ def test_the_planner_says_when_hlats_own_trainer_would_not_fit_a_recipe():
 def test_mixed_precision_activations_and_weight_casts_as_the_planner_says(tmp_path):
     """bf16_mixed with selective recomputation over replicated kv heads: an fp32 residual stream beside bf16
     matmuls, and autocast's bf16 copies of the weights kept through the pipeline's step."""
-    job = dict(JOBS[1024], n_heads=8, kv_heads=2, seq_len=128, pp=2, virtual_stages=1, schedule="1f1b",
-               global_batch=16, nodes=8, nproc_per_node=8)
+    job = dict(
+        JOBS[1024],
+        n_heads=8,
+        kv_heads=2,
+        seq_len=128,
+        pp=2,
+        virtual_stages=1,
+        schedule="1f1b",
+        global_batch=16,
+        nodes=8,
+        nproc_per_node=8,
+    )
     config = tmp_path / "job.toml"
     config.write_text(config_text(job).replace('"fp32"', '"bf16_mixed"'))
     done = hlat("rehearse", "--config", str(config), "--json", "--parallel.activation_checkpoint", "selective")
@@ -275,10 +358,14 @@ def test_fp8_weights_gathered_by_fsdp_are_counted_where_their_data_is(tmp_path):
     rehearsal counts the tensors inside them (it failed on the wrapper's storage) and its model states are still
     the planner's to the byte, its activations within 10%."""
     config = tmp_path / "job.toml"
-    config.write_text(config_text(dict(JOBS[1024], tp=1, pp=1, virtual_stages=1, schedule="1f1b", global_batch=16,
-                                       nodes=2, nproc_per_node=4)).replace('"fp32"', '"bf16_mixed"'))
-    done = hlat("rehearse", "--config", str(config), "--rank", "0", "--steps", "1", "--precision.fp8", "tensorwise",
-                "--json")
+    config.write_text(
+        config_text(
+            dict(JOBS[1024], tp=1, pp=1, virtual_stages=1, schedule="1f1b", global_batch=16, nodes=2, nproc_per_node=4)
+        ).replace('"fp32"', '"bf16_mixed"')
+    )
+    done = hlat(
+        "rehearse", "--config", str(config), "--rank", "0", "--steps", "1", "--precision.fp8", "tensorwise", "--json"
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     (rank,) = json.loads(done.stdout)["ranks"]
     memory = rank["memory"]
@@ -303,8 +390,22 @@ def shortened(tmp_path_factory) -> tuple[dict, list[str], Path]:
     """Rank 0 of the 16-layer job rehearsed at 8 layers, its numbers made NaN (train.debug_nan_step) before its only
     update: `hlat rehearse --json`, its stderr lines, the config."""
     config = shortened_job(tmp_path_factory.mktemp("shortened"))
-    done = hlat("rehearse", "--config", str(config), "--rank", "0", "--steps", "1", "--micro-batches", "4",
-                "--model.n_layers", "8", "--train.debug_nan_step", "1", "--json")
+    done = hlat(
+        "rehearse",
+        "--config",
+        str(config),
+        "--rank",
+        "0",
+        "--steps",
+        "1",
+        "--micro-batches",
+        "4",
+        "--model.n_layers",
+        "8",
+        "--train.debug_nan_step",
+        "1",
+        "--json",
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout), done.stderr.splitlines(), config
 
@@ -346,7 +447,7 @@ def test_a_shortened_rehearsals_fit_extrapolates_to_the_full_job(shortened):
     done = hlat("rehearse", "--config", str(config), "--rank", "0", "--steps", "1", "--micro-batches", "4", "--json")
     assert done.returncode == 0, done.stderr[-3000:]
     (full,), (short,) = json.loads(done.stdout)["ranks"], out["ranks"]
-    added = (full["memory"]["activations"]["step"]["planned"] - short["memory"]["activations"]["step"]["planned"])
+    added = full["memory"]["activations"]["step"]["planned"] - short["memory"]["activations"]["step"]["planned"]
     assert short["full_job_fits"]["needed"] == pytest.approx(full["fits"]["needed"], abs=0.10 * added)
     assert short["memory"]["gathered"]["measured"] == full["memory"]["gathered"]["measured"] == 0
 
@@ -366,9 +467,13 @@ def test_progress_counts_each_micro_batchs_forward_and_backward(monkeypatch, cap
         for loss in losses:
             loss.backward()
     lines = [line.split(" (")[0] for line in capsys.readouterr().err.splitlines()]
-    assert lines == ["hlat rehearse: rank 3 of 64: step 1 of 1",
-                     *(f"hlat rehearse: rank 3 of 64: step 1 of 1: micro-batch {f} of 2 forward, {b} backward"
-                       for f, b in ((1, 0), (2, 0), (2, 1), (2, 2)))]
+    assert lines == [
+        "hlat rehearse: rank 3 of 64: step 1 of 1",
+        *(
+            f"hlat rehearse: rank 3 of 64: step 1 of 1: micro-batch {f} of 2 forward, {b} backward"
+            for f, b in ((1, 0), (2, 0), (2, 1), (2, 2))
+        ),
+    ]
 
 
 @pytest.mark.slow
@@ -381,8 +486,24 @@ def test_one_rank_of_the_70b_long_context_stage_matches_the_planner():
     are the planner's to the byte, what it keeps for backward within 10% (the all-gathered keys and values, the
     mask, fp32 RMSNorm tensors on this CPU included)."""
     seq_len = 4096
-    done = hlat("rehearse", "--config", "hlat-70b-long", "--rank", "0", "--steps", "1", "--micro-batches", "1",
-                "--model.n_layers", "1", "--train.device", "cpu", "--train.seq_len", str(seq_len), "--json")
+    done = hlat(
+        "rehearse",
+        "--config",
+        "hlat-70b-long",
+        "--rank",
+        "0",
+        "--steps",
+        "1",
+        "--micro-batches",
+        "1",
+        "--model.n_layers",
+        "1",
+        "--train.device",
+        "cpu",
+        "--train.seq_len",
+        str(seq_len),
+        "--json",
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout)
     assert (out["seq_len"], out["parallel"]["cp"], out["world_size"]) == (seq_len, 8, 128)

@@ -4,11 +4,11 @@ what it changes, refusing a changed learning-rate schedule unless asked."""
 import pytest
 
 from hlat import HlatError
-from hlat.config.job import build_config
-from hlat.models import build_model, materialize
+from hlat.checkpoint.resume import check_model_shapes, check_resume, config_changes, schedule_changes
 from hlat.checkpoint.state import model_state
 from hlat.checkpoint.store import write_checkpoint
-from hlat.checkpoint.resume import check_model_shapes, check_resume, config_changes, schedule_changes
+from hlat.config.job import build_config
+from hlat.models import build_model, materialize
 
 TINY = {"preset": "tiny", "dim": 64, "n_layers": 2, "n_heads": 4, "ffn_dim": 128, "vocab_size": 128}
 
@@ -32,8 +32,12 @@ def test_other_shape_is_one_line_naming_the_tensor(checkpoint):
     with pytest.raises(HlatError) as err:
         check_model_shapes(checkpoint, build_model(config({"ffn_dim": 96}).model))
     message = str(err.value)
-    assert "\n" not in message and "tensor 'layers.0.feed_forward.w1.weight' has shape [128, 64] in the checkpoint " \
-                                   "but [96, 64] in this model" in message and "model.ffn_dim = 128" in message
+    assert (
+        "\n" not in message
+        and "tensor 'layers.0.feed_forward.w1.weight' has shape [128, 64] in the checkpoint but [96, 64] in this model"
+        in message
+        and "model.ffn_dim = 128" in message
+    )
     with pytest.raises(HlatError, match="has no tensor 'layers.2.attention.wq.weight'"):
         check_model_shapes(checkpoint, build_model(config({"n_layers": 3}).model))
 
@@ -42,14 +46,17 @@ def test_changes_are_listed_and_where_they_run_is_not():
     saved = config()
     assert config_changes(saved, config(train={"run_dir": "elsewhere", "log_every": 3}, parallel={"tp": 2})) == []
     assert config_changes(saved, config(train={"global_batch": 16, "micro_batch": 8}, model={"dim": 128})) == [
-        "model.dim: 64 -> 128", "train.global_batch: 8 -> 16"]
+        "model.dim: 64 -> 128",
+        "train.global_batch: 8 -> 16",
+    ]
 
 
 def test_longer_run_reshapes_the_schedule_unless_its_length_is_fixed():
     saved = config()  # decay_steps 0: the cosine ends at train.steps
     assert schedule_changes(saved, config(train={"steps": 12}), step=4)
-    assert not schedule_changes(config(optim={"decay_steps": 8}), config(train={"steps": 12},
-                                                                         optim={"decay_steps": 8}), step=4)
+    assert not schedule_changes(
+        config(optim={"decay_steps": 8}), config(train={"steps": 12}, optim={"decay_steps": 8}), step=4
+    )
     assert schedule_changes(saved, config(optim={"lr": 1e-3}), step=4)
     assert schedule_changes(saved, config(optim={"warmup_steps": 3}), step=4)  # the cosine starts later
     assert not schedule_changes(saved, config(optim={"beta2": 0.99}), step=4)  # a change, but not of the lr
@@ -62,7 +69,8 @@ def test_resume_refuses_a_schedule_change_without_the_flag(checkpoint):
     assert "\n" not in str(err.value) and "train.steps: 8 -> 12" in str(err.value)
     assert "--train.allow_schedule_change true" in str(err.value)
     assert check_resume(checkpoint, config(train={"steps": 12, "allow_schedule_change": True})) == [
-        "train.steps: 8 -> 12"]
+        "train.steps: 8 -> 12"
+    ]
 
 
 def test_trainer_refuses_before_starting(tmp_path, capsys):
@@ -74,11 +82,35 @@ def test_trainer_refuses_before_starting(tmp_path, capsys):
     from hlat.cli import main
 
     run = tmp_path / "run"
-    args = ["train", "--model.preset", "tiny", "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4",
-            "--model.ffn_dim", "128", "--model.vocab_size", "384", "--data.paths",
-            str(Path(json.__file__).parent / "*.py"), "--data.workers", "0", "--train.global_batch", "2",
-            "--train.micro_batch", "2", "--train.seq_len", "32", "--optim.warmup_steps", "1",
-            "--train.run_dir", str(run)]
+    args = [
+        "train",
+        "--model.preset",
+        "tiny",
+        "--model.dim",
+        "64",
+        "--model.n_layers",
+        "2",
+        "--model.n_heads",
+        "4",
+        "--model.ffn_dim",
+        "128",
+        "--model.vocab_size",
+        "384",
+        "--data.paths",
+        str(Path(json.__file__).parent / "*.py"),
+        "--data.workers",
+        "0",
+        "--train.global_batch",
+        "2",
+        "--train.micro_batch",
+        "2",
+        "--train.seq_len",
+        "32",
+        "--optim.warmup_steps",
+        "1",
+        "--train.run_dir",
+        str(run),
+    ]
     assert main([*args, "--train.steps", "2"]) == 0
     capsys.readouterr()
     assert main([*args, "--train.steps", "4", "--resume", "auto"]) == 2
@@ -87,7 +119,8 @@ def test_trainer_refuses_before_starting(tmp_path, capsys):
     assert main([*args, "--train.steps", "3", "--resume", "auto", "--train.allow_schedule_change", "true"]) == 0
     assert "train.steps: 2 -> 3" in capsys.readouterr().out
     other = [a if a != "64" else "32" for a in args]  # model.dim 32
-    assert main([*other, "--train.steps", "1", "--train.run_dir", str(tmp_path / "b"), "--train.init_from",
-                 str(run)]) == 2
+    assert (
+        main([*other, "--train.steps", "1", "--train.run_dir", str(tmp_path / "b"), "--train.init_from", str(run)]) == 2
+    )
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "tensor 'tok_embeddings.weight' has shape [384, 64] in the checkpoint" in err

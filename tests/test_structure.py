@@ -13,8 +13,16 @@ PACKAGE = ROOT / "hlat"
 # (hlat/config/__init__.py), where the shipped files are (resources.py), hardware profiles (profiles.py), the run
 # directory's files (files.py) and its checkpoints' names (checkpoint/layout.py), the console, and a DTensor's local
 # and full views (dtensor.py).
-SHARED = {"hlat", "hlat.config", "hlat.resources", "hlat.profiles", "hlat.files", "hlat.checkpoint.layout",
-          "hlat.console", "hlat.dtensor"}
+SHARED = {
+    "hlat",
+    "hlat.config",
+    "hlat.resources",
+    "hlat.profiles",
+    "hlat.files",
+    "hlat.checkpoint.layout",
+    "hlat.console",
+    "hlat.dtensor",
+}
 # What each package may import of hlat's other packages. Commands -> tools, measurement, job control, planner ->
 # train -> the job config (hlat.config.job, made of each package's own config section) -> {models, parallel, data,
 # optim} -> shared vocabulary; checkpoints (the train state, its tiers and files) sit between train and the four. A
@@ -33,11 +41,22 @@ ALLOWED = {
     "jobs": {"config"},
 }
 COMMANDS = set(ALLOWED)
-TORCH_FREE = ["hlat.config", "hlat.config.job", "hlat.checkpoint.layout", "hlat.resources", "hlat.profiles",
-              "hlat.files", "hlat.cli",
-              "hlat.models.config", "hlat.data.config", "hlat.optim.config", "hlat.optim.modes", "hlat.parallel.config",
-              # the planner, so that `hlat plan` starts at once (docs/architecture.md)
-              *(f"hlat.planner.{p.stem}" for p in sorted((PACKAGE / "planner").glob("*.py")) if p.stem != "__init__")]
+TORCH_FREE = [
+    "hlat.config",
+    "hlat.config.job",
+    "hlat.checkpoint.layout",
+    "hlat.resources",
+    "hlat.profiles",
+    "hlat.files",
+    "hlat.cli",
+    "hlat.models.config",
+    "hlat.data.config",
+    "hlat.optim.config",
+    "hlat.optim.modes",
+    "hlat.parallel.config",
+    # the planner, so that `hlat plan` starts at once (docs/architecture.md)
+    *(f"hlat.planner.{p.stem}" for p in sorted((PACKAGE / "planner").glob("*.py")) if p.stem != "__init__"),
+]
 MAX_LINES = 60
 LONG_FUNCTIONS: dict[str, str] = {}  # "module:function": why it stays long
 
@@ -62,7 +81,9 @@ def imports(path: Path, known: set[str]) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
             # `from hlat.data import packing` imports the submodule; `from hlat.parallel import Topology` the package
             found |= {f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names}
     return {m for m in found if m in known and m != name}
@@ -139,15 +160,23 @@ def test_shared_vocabulary_imports_only_shared_vocabulary():
 def test_training_imports_no_measurement_tools_or_job_control():
     """The run itself (not `hlat train`'s command, which may supervise it)."""
     train = {m: i for m, i in graph().items() if package_of(m) == "train" and not m.endswith(".cli")}
-    assert train and all(package_of(i) not in ("measure", "tools", "jobs") for imported in train.values()
-                         for i in imported)
+    assert train and all(
+        package_of(i) not in ("measure", "tools", "jobs") for imported in train.values() for i in imported
+    )
 
 
 def test_config_and_planner_modules_import_no_torch():
-    code = (f"import sys, importlib; [importlib.import_module(m) for m in {TORCH_FREE!r}]; "
-            "assert 'torch' not in sys.modules, [m for m in sys.modules if m.startswith('hlat')]")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                          env={"PYTHONPATH": str(ROOT), "PATH": ""})
+    code = (
+        f"import sys, importlib; [importlib.import_module(m) for m in {TORCH_FREE!r}]; "
+        "assert 'torch' not in sys.modules, [m for m in sys.modules if m.startswith('hlat')]"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT), "PATH": ""},
+    )
     assert done.returncode == 0, done.stderr
 
 

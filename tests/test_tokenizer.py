@@ -20,9 +20,9 @@ TEXTS = [
     "   leading spaces and trailing ones   ",
     "Ça va? Ελληνικά, русский, عربى.\r\n\n\n",
 ]
-TRAIN = [
-    f"def function_{i}(value):\n    return value * {i} + {i * i}  # comment number {i}\n" for i in range(300)
-] + ["The quick brown fox jumps over the lazy dog. " * 20]
+TRAIN = [f"def function_{i}(value):\n    return value * {i} + {i * i}  # comment number {i}\n" for i in range(300)] + [
+    "The quick brown fox jumps over the lazy dog. " * 20
+]
 
 
 def test_training_is_deterministic_and_lossless():
@@ -94,12 +94,15 @@ def test_get_tokenizer_copies_a_given_tokenizer_and_checks_vocab(tmp_path):
     assert not (tmp_path / "run2" / "tokenizer.json").exists()
 
 
-@pytest.mark.parametrize("name, message", [
-    ("missing.json", "file not found"),
-    ("bad.json", "not a tokenizers tokenizer.json"),
-    ("bad.model", "not a SentencePiece model"),
-    ("vocab.txt", "unsupported format"),
-])
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("missing.json", "file not found"),
+        ("bad.json", "not a tokenizers tokenizer.json"),
+        ("bad.model", "not a SentencePiece model"),
+        ("vocab.txt", "unsupported format"),
+    ],
+)
 def test_load_errors(tmp_path, name, message):
     if name != "missing.json":
         (tmp_path / name).write_text("{}" if name.endswith(".json") else "junk")
@@ -192,8 +195,12 @@ def test_a_pickled_tokenizer_encodes_alike():
 @needs_reference
 def test_pickled_reference_tokenizers_encode_alike(tmp_path):
     texts = TEXTS + ["a <|endoftext|> b </s>"]
-    for tok in (load_tokenizer(REFERENCE / "gpt2"), load_tokenizer(_gpt2_tiktoken_file(tmp_path)),
-                load_tokenizer(REFERENCE / "gpt-neox-20b"), load_tokenizer(REFERENCE / "llama-sp-32k")):
+    for tok in (
+        load_tokenizer(REFERENCE / "gpt2"),
+        load_tokenizer(_gpt2_tiktoken_file(tmp_path)),
+        load_tokenizer(REFERENCE / "gpt-neox-20b"),
+        load_tokenizer(REFERENCE / "llama-sp-32k"),
+    ):
         copy = pickle.loads(pickle.dumps(tok))
         assert (copy.kind, copy.eos_id, copy.vocab_size) == (tok.kind, tok.eos_id, tok.vocab_size)
         assert copy.encode_batch(texts) == tok.encode_batch(texts), tok.kind

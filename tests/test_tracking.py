@@ -20,14 +20,29 @@ TINY = {"preset": "tiny", "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 
 
 def tracked_run(run_dir: Path, backend: str) -> dict[int, dict]:
     """A 4-step run with validation at steps 2 and 4, tracked by `backend`; metrics.jsonl's numbers by step."""
-    train(build_config({"model": TINY, "data": {"paths": [CORPUS]},
-                        "train": {"steps": 4, "global_batch": 4, "micro_batch": 2, "seq_len": 32, "log_every": 1,
-                                  "run_dir": str(run_dir)},
-                        "eval": {"holdout": 0.3, "every": 2, "batches": 2},
-                        "tracking": {"backends": [backend], "project": "tests", "run_name": "tiny"}}))
+    train(
+        build_config(
+            {
+                "model": TINY,
+                "data": {"paths": [CORPUS]},
+                "train": {
+                    "steps": 4,
+                    "global_batch": 4,
+                    "micro_batch": 2,
+                    "seq_len": 32,
+                    "log_every": 1,
+                    "run_dir": str(run_dir),
+                },
+                "eval": {"holdout": 0.3, "every": 2, "batches": 2},
+                "tracking": {"backends": [backend], "project": "tests", "run_name": "tiny"},
+            }
+        )
+    )
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: {k: v for k, v in r.items() if k not in ("step", "time") and type(v) in (int, float)}
-            for r in records}
+    return {
+        r["step"]: {k: v for k, v in r.items() if k not in ("step", "time") and type(v) in (int, float)}
+        for r in records
+    }
 
 
 def wandb_records(path: Path) -> list[bytes]:
@@ -88,8 +103,22 @@ def test_tracking_gets_the_records_of_metrics_jsonl(backend, tmp_path, monkeypat
 
 def test_a_missing_tracking_package_is_one_line_before_any_work(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed: importing it fails
-    code = main(["train", "--data.paths", CORPUS, "--train.run_dir", str(tmp_path / "run"), "--tracking.backends",
-                 "wandb", "--model.n_layers", "1", "--train.steps", "1"])
-    assert code == 2 and capsys.readouterr().err == ("hlat: error: tracking.backends = ['wandb'] needs the optional "
-                                                     "package 'wandb': pip install 'hlat[tracking]'\n")
+    code = main(
+        [
+            "train",
+            "--data.paths",
+            CORPUS,
+            "--train.run_dir",
+            str(tmp_path / "run"),
+            "--tracking.backends",
+            "wandb",
+            "--model.n_layers",
+            "1",
+            "--train.steps",
+            "1",
+        ]
+    )
+    assert code == 2 and capsys.readouterr().err == (
+        "hlat: error: tracking.backends = ['wandb'] needs the optional package 'wandb': pip install 'hlat[tracking]'\n"
+    )
     assert not (tmp_path / "run").exists()

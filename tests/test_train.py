@@ -7,25 +7,35 @@ from pathlib import Path
 import pytest
 import torch
 
+from hlat.checkpoint.layout import complete_checkpoints
+from hlat.checkpoint.state import load_weights
 from hlat.cli import main
 from hlat.config.job import build_config
 from hlat.models import build_model, layers, materialize
-from hlat.checkpoint.layout import complete_checkpoints
-from hlat.checkpoint.state import load_weights
 from hlat.train.loop import train
 from hlat.train.step import TrainStep
 
 CORPUS = os.path.join(os.path.dirname(json.__file__), "*.py")  # a few real files, on every machine
-TINY = {"preset": "tiny", "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128,
-        "vocab_size": 512}
+TINY = {"preset": "tiny", "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128, "vocab_size": 512}
 
 
 def config(run_dir: Path, decay_steps=8, **train):
     """A tiny run in `run_dir`, its memory tier's snapshots beside it (not in /dev/shm, which outlives the test)."""
-    data = {"model": dict(TINY), "data": {"paths": [CORPUS]},
-            "optim": {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 2, "decay_steps": decay_steps},
-            "train": {"steps": 8, "global_batch": 4, "micro_batch": 2, "seq_len": 32, "log_every": 1,
-                      "run_dir": str(run_dir), "snapshot_dir": str(run_dir.parent / "snapshots"), **train}}
+    data = {
+        "model": dict(TINY),
+        "data": {"paths": [CORPUS]},
+        "optim": {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 2, "decay_steps": decay_steps},
+        "train": {
+            "steps": 8,
+            "global_batch": 4,
+            "micro_batch": 2,
+            "seq_len": 32,
+            "log_every": 1,
+            "run_dir": str(run_dir),
+            "snapshot_dir": str(run_dir.parent / "snapshots"),
+            **train,
+        },
+    }
     return build_config(data)
 
 
@@ -44,8 +54,9 @@ def test_resume_is_bit_exact(tmp_path, precision, monkeypatch):
     """...and a resume draws no initial weights (the checkpoint's are loaded over them: each rank would draw every
     parameter's full value, seconds per billion parameters, only to overwrite it)."""
     drawn = []
-    monkeypatch.setattr(layers, "initial_value", lambda *args, real=layers.initial_value: drawn.append(args[1])
-                        or real(*args))
+    monkeypatch.setattr(
+        layers, "initial_value", lambda *args, real=layers.initial_value: drawn.append(args[1]) or real(*args)
+    )
 
     def run(name, **train_fields):
         cfg = config(tmp_path / name, **train_fields)
@@ -66,8 +77,16 @@ def test_resume_is_bit_exact(tmp_path, precision, monkeypatch):
 
 
 def test_metrics_and_learning(tmp_path):
-    cfg = config(tmp_path / "run", decay_steps=30, steps=30, ckpt_every=10, keep_checkpoints=2,
-                 global_batch=16, micro_batch=8, seq_len=64)
+    cfg = config(
+        tmp_path / "run",
+        decay_steps=30,
+        steps=30,
+        ckpt_every=10,
+        keep_checkpoints=2,
+        global_batch=16,
+        micro_batch=8,
+        seq_len=64,
+    )
     summary = train(cfg)
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 31))
@@ -106,10 +125,12 @@ class HostReads:
 
     def counted(self, real):
         def read(tensor, *args, **kwargs):
-            if self.stepping and not any(tensor is state.get("step") for optimizer in self.optimizers
-                                         for state in optimizer.state.values()):
+            if self.stepping and not any(
+                tensor is state.get("step") for optimizer in self.optimizers for state in optimizer.state.values()
+            ):
                 self.per_step[-1] += 1
             return real(tensor, *args, **kwargs)
+
         return read
 
 
@@ -140,11 +161,14 @@ def test_fresh_start_never_overwrites_checkpoints(tmp_path, capsys):
     assert "already holds checkpoints" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("override, message", [
-    (["--data.paths", "/no/such/dir/*.txt"], "data.paths: no files match"),
-    (["--train.resume", "{empty}"], "holds no complete checkpoint"),
-    (["--train.init_from", "{empty}"], "holds no complete checkpoint"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (["--data.paths", "/no/such/dir/*.txt"], "data.paths: no files match"),
+        (["--train.resume", "{empty}"], "holds no complete checkpoint"),
+        (["--train.init_from", "{empty}"], "holds no complete checkpoint"),
+    ],
+)
 def test_bad_input_is_one_line(tmp_path, capsys, override, message):
     (tmp_path / "empty").mkdir()
     cfg_file = tmp_path / "c.toml"
@@ -176,8 +200,13 @@ def test_sigterm_to_the_whole_job_checkpoints_and_resumes(tmp_path):
     cfg = config(tmp_path / "run", steps=10_000, decay_steps=10_000)
     cfg.data.workers = 1
     cfg_file.write_text(cfg.to_toml())
-    job = subprocess.Popen([sys.executable, "-m", "hlat", "train", "--config", str(cfg_file)],
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    job = subprocess.Popen(
+        [sys.executable, "-m", "hlat", "train", "--config", str(cfg_file)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.time() + 120
     while (not metrics.exists() or len(metrics.read_text().splitlines()) < 3) and time.time() < deadline:
@@ -186,7 +215,7 @@ def test_sigterm_to_the_whole_job_checkpoints_and_resumes(tmp_path):
     out, _ = job.communicate(timeout=120)
     assert job.returncode == 0, out
     assert "stopped by signal" in out
-    (stopped_at, _), = complete_checkpoints(tmp_path / "run")
+    ((stopped_at, _),) = complete_checkpoints(tmp_path / "run")
     assert stopped_at >= 3 and len(losses(tmp_path / "run")) == stopped_at
     assert main(["train", "--config", str(cfg_file), "--resume", "auto", "--train.steps", str(stopped_at + 2)]) == 0
     assert len(losses(tmp_path / "run")) == stopped_at + 2

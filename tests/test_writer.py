@@ -13,22 +13,29 @@ import time
 from pathlib import Path
 
 import pytest
+from test_faults import alive, children, stat_of, write_config
+from test_train import config
 
 from hlat import HlatError
 from hlat.jobs import writer
 from hlat.jobs.writer import LOCK_FILE, RunDirLock, writing_run_dir
-from test_faults import alive, children, stat_of, write_config
-from test_train import config
 
 ROOT = Path(__file__).resolve().parents[1]
 # a job that holds the run directory until its stdin closes
-HOLDER = ("import sys; from hlat.jobs.writer import RunDirLock; lock = RunDirLock(sys.argv[1]); lock.acquire(); "
-          "print('held', flush=True); sys.stdin.read()")
+HOLDER = (
+    "import sys; from hlat.jobs.writer import RunDirLock; lock = RunDirLock(sys.argv[1]); lock.acquire(); "
+    "print('held', flush=True); sys.stdin.read()"
+)
 
 
 def holder(run_dir: Path, **env) -> subprocess.Popen:
-    job = subprocess.Popen([sys.executable, "-c", HOLDER, str(run_dir)], stdin=subprocess.PIPE,
-                           stdout=subprocess.PIPE, text=True, env={**os.environ, **env, "PYTHONPATH": str(ROOT)})
+    job = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(run_dir)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **env, "PYTHONPATH": str(ROOT)},
+    )
     assert job.stdout.readline() == "held\n"
     return job
 
@@ -120,8 +127,10 @@ def test_ranks_other_than_0_leave_the_run_dir_to_rank_0(tmp_path, monkeypatch):
 
 def test_node_local_locks_read_from_the_mount_table(tmp_path, monkeypatch):
     table = tmp_path / "mounts"
-    table.write_text("fsx@tcp:/abc /fsx lustre rw,localflock 0 0\nnfs:/x /home nfs4 rw,local_lock=flock 0 0\n"
-                     "fsx@tcp:/d /data lustre rw,flock 0 0\n/dev/sda1 / ext4 rw 0 0\n")
+    table.write_text(
+        "fsx@tcp:/abc /fsx lustre rw,localflock 0 0\nnfs:/x /home nfs4 rw,local_lock=flock 0 0\n"
+        "fsx@tcp:/d /data lustre rw,flock 0 0\n/dev/sda1 / ext4 rw 0 0\n"
+    )
     real = Path
 
     def reading(path):
@@ -162,27 +171,39 @@ def test_a_second_train_is_refused_writing_nothing_and_resumes_once_the_first_is
     cfg.data.workers = 0
     cfg.train.snapshot_every = 0  # the durable tier's resume: a newer memory snapshot would race the kill below
     c = write_config(tmp_path / "c.toml", cfg)
-    first = subprocess.Popen([sys.executable, "-m", "hlat", "train", "--config", str(c)], stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    first = subprocess.Popen(
+        [sys.executable, "-m", "hlat", "train", "--config", str(c)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         wait_for_checkpoint(tmp_path / "run", first)
         os.kill(first.pid, signal.SIGSTOP)  # alive, holding the run directory, writing nothing while we look
         stopped(first.pid)
         before = tree(tmp_path / "run")
-        second = subprocess.run([sys.executable, "-m", "hlat", "train", "--config", str(c), "--resume", "auto"],
-                                capture_output=True, text=True)
+        second = subprocess.run(
+            [sys.executable, "-m", "hlat", "train", "--config", str(c), "--resume", "auto"],
+            capture_output=True,
+            text=True,
+        )
         assert second.returncode == 2 and tree(tmp_path / "run") == before
-        line, = second.stderr.strip().splitlines()
-        assert line.startswith(f"hlat: error: train.run_dir: {tmp_path / 'run'} is in use by another job (pid "
-                               f"{first.pid} on ")
+        (line,) = second.stderr.strip().splitlines()
+        assert line.startswith(
+            f"hlat: error: train.run_dir: {tmp_path / 'run'} is in use by another job (pid {first.pid} on "
+        )
         os.kill(first.pid, signal.SIGKILL)
         first.wait()
     finally:
         if first.poll() is None:
             os.killpg(first.pid, signal.SIGKILL)
     step = max(int(p.name[5:]) for p in (tmp_path / "run" / "checkpoints").glob("step_*[0-9]"))
-    resumed = subprocess.run([sys.executable, "-m", "hlat", "train", "--config", str(c), "--resume", "auto",
-                              "--train.steps", str(step + 1)], capture_output=True, text=True)
+    resumed = subprocess.run(
+        [sys.executable, "-m", "hlat", "train", "--config", str(c), "--resume", "auto", "--train.steps", str(step + 1)],
+        capture_output=True,
+        text=True,
+    )
     assert resumed.returncode == 0, resumed.stderr
     assert f"resumed from {tmp_path / 'run' / 'checkpoints'}/step_{step:08d} at step {step}" in resumed.stdout
 
@@ -196,9 +217,26 @@ def test_a_killed_torchrun_job_blocks_nothing_and_two_ranks_are_one_writer(tmp_p
     cfg.data.workers = 0
     cfg.train.snapshot_every = 0  # the durable tier's resume: a newer memory snapshot would race the kill below
     c = write_config(tmp_path / "c.toml", cfg)
-    job = subprocess.Popen([sys.executable, "-m", "hlat", "torchrun", "--standalone", "--nproc-per-node=2", "-m",
-                            "hlat", "train", "--config", str(c)], env={**os.environ, "TMPDIR": str(tmp_path)},
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    job = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hlat",
+            "torchrun",
+            "--standalone",
+            "--nproc-per-node=2",
+            "-m",
+            "hlat",
+            "train",
+            "--config",
+            str(c),
+        ],
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         wait_for_checkpoint(tmp_path / "run", job)
         record = json.loads((tmp_path / "run" / LOCK_FILE).read_text())

@@ -41,14 +41,16 @@ class WarmTorchrun:
         self.jobs = itertools.count()
         self.directory = root
 
-    def run(self, nproc: int, argv: list[str], cwd: Path | None = None,
-            timeout: float = 600) -> subprocess.CompletedProcess:
+    def run(
+        self, nproc: int, argv: list[str], cwd: Path | None = None, timeout: float = 600
+    ) -> subprocess.CompletedProcess:
         """`hlat <argv>` on `nproc` ranks, in `cwd`: its exit status (the first rank's that failed) and every
         rank's output, rank by rank."""
         return self.call(nproc, "hlat.cli:main", argv, cwd=cwd, timeout=timeout)
 
-    def call(self, nproc: int, function: str, *args, cwd: Path | None = None,
-             timeout: float = 600) -> subprocess.CompletedProcess:
+    def call(
+        self, nproc: int, function: str, *args, cwd: Path | None = None, timeout: float = 600
+    ) -> subprocess.CompletedProcess:
         """`module:function`(*args) (JSON arguments) on `nproc` ranks; it returns an exit status or None."""
         assert 1 <= nproc <= RANKS, nproc
         if self.launch is None or self.launch.poll() is not None:
@@ -58,8 +60,9 @@ class WarmTorchrun:
         (self.directory / f"job{n}.tmp").write_text(json.dumps(spec))
         (self.directory / f"job{n}.tmp").rename(self.directory / f"job{n}.json")
         codes = self.wait(n, nproc, timeout)
-        out, err = ("".join(read(self.directory / f"job{n}.rank{r}.{kind}") for r in range(nproc))
-                    for kind in ("out", "err"))
+        out, err = (
+            "".join(read(self.directory / f"job{n}.rank{r}.{kind}") for r in range(nproc)) for kind in ("out", "err")
+        )
         if None in codes:  # hung or crashed: the launch's own output says more
             self.close(wait_s=0)
             err += read(self.directory / "launch.log")[-3000:]
@@ -71,13 +74,28 @@ class WarmTorchrun:
         self.directory = self.root / f"launch{len(list(self.root.glob('launch*')))}"
         self.directory.mkdir(parents=True)
         # this checkout's hlat, and one thread per rank (torchrun's default for several ranks)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-               "OMP_NUM_THREADS": "1"}
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+            "OMP_NUM_THREADS": "1",
+        }
         with open(self.directory / "launch.log", "w") as log:
             self.launch = subprocess.Popen(
-                [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}",
-                 __file__, str(self.directory), str(os.getpid())],
-                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--standalone",
+                    f"--nproc-per-node={RANKS}",
+                    __file__,
+                    str(self.directory),
+                    str(os.getpid()),
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
         self.jobs = itertools.count()
 
     def wait(self, n: int, nproc: int, timeout: float) -> list[int | None]:
@@ -119,8 +137,9 @@ def serve(directory: Path, parent: int) -> None:
     import hlat.cli  # noqa: F401 (imported once here rather than in the first job)
     import hlat.train.loop  # noqa: F401
 
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=timedelta(hours=2))
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(hours=2)
+    )
     rank = int(os.environ["RANK"])
     for n in itertools.count():
         spec = next_job(directory / f"job{n}.json", parent)
@@ -152,7 +171,6 @@ def alive(pid: int) -> bool:
 def run_job(store, rank: int, spec: dict, output: Path) -> int:
     """The job on this rank of a fresh group of spec["nproc"] ranks, its output in `output`.out and .err."""
     import torch.distributed as dist
-
     from process_groups import end_process_group
 
     environ, cwd = dict(os.environ), os.getcwd()

@@ -52,8 +52,10 @@ def checkpoints_in(path: str | Path) -> list[Path]:
     if _is_checkpoint(path):
         return [path]
     best = sorted(checkpoint_root(path).glob("best_step_" + "[0-9]" * 8))
-    found = sorted([*(p for _, p in complete_checkpoints(path)), *best],
-                   key=lambda p: (checkpoint_step(p), p.name.startswith("best_")))
+    found = sorted(
+        [*(p for _, p in complete_checkpoints(path)), *best],
+        key=lambda p: (checkpoint_step(p), p.name.startswith("best_")),
+    )
     if not found:
         raise _holds_none(path)
     return found

@@ -62,8 +62,9 @@ class Node:
     @classmethod
     def of_this_process(cls, world: int) -> Node:
         env = os.environ
-        return cls(int(env.get("GROUP_RANK", 0)), int(env.get("LOCAL_RANK", 0)),
-                   int(env.get("LOCAL_WORLD_SIZE", world)), world)
+        return cls(
+            int(env.get("GROUP_RANK", 0)), int(env.get("LOCAL_RANK", 0)), int(env.get("LOCAL_WORLD_SIZE", world)), world
+        )
 
     @property
     def count(self) -> int:
@@ -115,15 +116,17 @@ class MemoryTier:
     the same step, drops the older snapshot; where the all-reduce did not find all written, `settle` waits for
     them after the step. At most one is in flight."""
 
-    def __init__(self, root: Path, every: int, token: str, rank: int, node: Node, group, config_toml: str,
-                 device: torch.device):
+    def __init__(
+        self, root: Path, every: int, token: str, rank: int, node: Node, group, config_toml: str, device: torch.device
+    ):
         """`group`: a CPU process group of every rank, for the background writes (None in one process); `device`:
         the training's (pinned host memory for a GPU's copies; on the CPU, the writes take the step's cores)."""
         pinned = device.type == "cuda"
         self.root, self.token, self.rank, self.node = root, token, rank, node
         self.group, self.config_toml = group, config_toml
-        self.staging = StagingOptions(use_pinned_memory=pinned, use_shared_memory=False, use_async_staging=False,
-                                      use_non_blocking_copy=pinned)
+        self.staging = StagingOptions(
+            use_pinned_memory=pinned, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=pinned
+        )
         self.stager = DefaultStager(self.staging) if STAGER_KEEPS_BUFFERS else None
         self.in_flight: _Flight | None = None
         self.saves = 0
@@ -382,8 +385,10 @@ def fetch(target: Path, held: set[str], wanted: set[str], node: Node, rank: int,
             if (index, name) not in claimed and name in holders:
                 claimed.add((index, name))
                 transfers.append((holders[name], other, name))
-    received, now = 0, node_files[node.index] | {name for _, receiver, name in transfers
-                                                 if gathered[receiver][1] == node.index}
+    received, now = (
+        0,
+        node_files[node.index] | {name for _, receiver, name in transfers if gathered[receiver][1] == node.index},
+    )
     for sender, receiver, name in transfers:
         if rank == sender:
             for request in send_object((target / name).read_bytes(), receiver, group):

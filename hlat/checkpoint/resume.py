@@ -9,16 +9,31 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from hlat import HlatError
-from hlat.config import to_dict
-from hlat.config.job import Config, load_config
 from hlat.checkpoint.layout import CONFIG_FILE, checkpoint_step, latest_checkpoint
 from hlat.checkpoint.store import DamagedCheckpoint, newest_good_checkpoint, verified_checkpoint
+from hlat.config import to_dict
+from hlat.config.job import Config, load_config
 from hlat.parallel.mesh import continues_run
 
 # What a resume may change without a word: where and how it runs, not what it computes.
-_UNWATCHED = {"data", "parallel", "cluster", "eval", "cost", "health", "tracking", "train.run_dir", "train.resume",
-              "train.init_from", "train.log_every", "train.ckpt_every", "train.keep_checkpoints", "train.device",
-              "train.peak_flops", "train.allow_schedule_change"}
+_UNWATCHED = {
+    "data",
+    "parallel",
+    "cluster",
+    "eval",
+    "cost",
+    "health",
+    "tracking",
+    "train.run_dir",
+    "train.resume",
+    "train.init_from",
+    "train.log_every",
+    "train.ckpt_every",
+    "train.keep_checkpoints",
+    "train.device",
+    "train.peak_flops",
+    "train.allow_schedule_change",
+}
 
 
 def check_model_shapes(path: Path, model: nn.Module) -> None:
@@ -30,8 +45,10 @@ def check_model_shapes(path: Path, model: nn.Module) -> None:
         if meta is None:
             raise HlatError(f"{path}: has no tensor {name!r}: it holds another model{_model_hint(path)}")
         if tuple(meta.size) != tuple(tensor.shape):
-            raise HlatError(f"{path}: tensor {name!r} has shape {list(meta.size)} in the checkpoint but "
-                            f"{list(tensor.shape)} in this model{_model_hint(path)}")
+            raise HlatError(
+                f"{path}: tensor {name!r} has shape {list(meta.size)} in the checkpoint but "
+                f"{list(tensor.shape)} in this model{_model_hint(path)}"
+            )
 
 
 def _model_hint(path: Path) -> str:
@@ -47,9 +64,13 @@ def config_changes(saved: Config, current: Config, unwatched: set[str] = _UNWATC
     """'section.field: old -> new' for every field that changes what the run computes (of the sections and fields
     not in `unwatched`)."""
     old, new = to_dict(saved), to_dict(current)
-    return [f"{section}.{key}: {value!r} -> {new[section][key]!r}" for section, table in old.items()
-            if section not in unwatched for key, value in table.items()
-            if f"{section}.{key}" not in unwatched and new[section][key] != value]
+    return [
+        f"{section}.{key}: {value!r} -> {new[section][key]!r}"
+        for section, table in old.items()
+        if section not in unwatched
+        for key, value in table.items()
+        if f"{section}.{key}" not in unwatched and new[section][key] != value
+    ]
 
 
 def schedule_changes(saved: Config, current: Config, step: int) -> bool:
@@ -69,15 +90,18 @@ def find_resume_checkpoint(cfg: Config) -> tuple[Path | None, list[DamagedCheckp
     resume = cfg.train.resume or ("auto" if continues_run() else "")
     if not resume:
         if latest_checkpoint(cfg.train.run_dir):  # never overwrite a run's checkpoints by starting afresh
-            raise HlatError(f"train.run_dir: {cfg.train.run_dir} already holds checkpoints; continue it with "
-                            "--resume auto or choose another --train.run_dir")
+            raise HlatError(
+                f"train.run_dir: {cfg.train.run_dir} already holds checkpoints; continue it with "
+                "--resume auto or choose another --train.run_dir"
+            )
         return None, []
     if resume != "auto":
         try:
             return verified_checkpoint(resume), []
         except DamagedCheckpoint as e:
-            raise HlatError(f"{e}; refusing to resume from it (--resume auto falls back to the previous good "
-                            "checkpoint)") from None
+            raise HlatError(
+                f"{e}; refusing to resume from it (--resume auto falls back to the previous good checkpoint)"
+            ) from None
     found, passed_over = newest_good_checkpoint(cfg.train.run_dir)
     if found is None and passed_over:
         raise HlatError(f"train.run_dir: {cfg.train.run_dir}: every checkpoint is damaged ({passed_over[0]})")
@@ -104,7 +128,9 @@ def check_resume(path: Path, cfg: Config) -> list[str]:
     saved = load_config(path / CONFIG_FILE)
     changes = config_changes(saved, cfg)
     if changes and schedule_changes(saved, cfg, step) and not cfg.train.allow_schedule_change:
-        raise HlatError(f"resuming {path} changes the learning-rate schedule from step {step} on "
-                        f"({'; '.join(changes)}); pass --train.allow_schedule_change true to accept that, or keep the "
-                        "old values (set optim.decay_steps to fix the schedule's length while changing train.steps)")
+        raise HlatError(
+            f"resuming {path} changes the learning-rate schedule from step {step} on "
+            f"({'; '.join(changes)}); pass --train.allow_schedule_change true to accept that, or keep the "
+            "old values (set optim.decay_steps to fix the schedule's length while changing train.steps)"
+        )
     return changes

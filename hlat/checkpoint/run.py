@@ -54,21 +54,46 @@ class Checkpoints:
     its part (which the trainer learns from the step's all-reduce: `writes`, then `commit_written` on every rank at
     that step). `saved` is the newest committed durable checkpoint of this process."""
 
-    def __init__(self, cfg: Config, topo: Topology, device: torch.device, state: TrainState, goodput, console: Console,
-                 start: Start):
+    def __init__(
+        self,
+        cfg: Config,
+        topo: Topology,
+        device: torch.device,
+        state: TrainState,
+        goodput,
+        console: Console,
+        start: Start,
+    ):
         """`goodput`: the run's `hlat.train.goodput.Goodput`, told of each save's stall and commit; `start`: where
         the ranks agreed to start (`hlat.checkpoint.start.agree_on_start`)."""
         settings = cfg.train
         self.state, self.console, self.init_from, self.is_main = state, console, settings.init_from, topo.is_main
         self.start, self.rank, self.mode = start, topo.rank, cfg.precision.mode
-        self.memory = MemoryTier(snapshot_root(settings.snapshot_dir, settings.run_dir), settings.snapshot_every,
-                                 start.token, topo.rank, start.node, start.group, cfg.to_toml(),
-                                 device) if settings.snapshot_every else None
+        self.memory = (
+            MemoryTier(
+                snapshot_root(settings.snapshot_dir, settings.run_dir),
+                settings.snapshot_every,
+                start.token,
+                topo.rank,
+                start.node,
+                start.group,
+                cfg.to_toml(),
+                device,
+            )
+            if settings.snapshot_every
+            else None
+        )
         self.every, self.last, self.run_dir = settings.ckpt_every, settings.steps, Path(settings.run_dir)
         self.keep = settings.keep_checkpoints
         self.goodput, self.config_toml = goodput, cfg.to_toml()
-        self.writer = Checkpointer(self.run_dir, settings.keep_checkpoints, topo.rank, settings.async_checkpoint,
-                                   pinned=device.type == "cuda", timeout_s=settings.collective_timeout_s)
+        self.writer = Checkpointer(
+            self.run_dir,
+            settings.keep_checkpoints,
+            topo.rank,
+            settings.async_checkpoint,
+            pinned=device.type == "cuda",
+            timeout_s=settings.collective_timeout_s,
+        )
         self.saved: Path | None = None
         self.best = BestCheckpoint(cfg.eval.keep_best, self.run_dir, topo.rank, device) if cfg.eval.keep_best else None
 
@@ -81,8 +106,10 @@ class Checkpoints:
         replace a good checkpoint)."""
         started, step = time.perf_counter(), self.state.step
         if not weights_finite([p for part in self.state.parts for p in part.parameters()]):
-            raise HlatError(f"step {step}: the weights are not finite; not checkpointing them; last good checkpoint: "
-                            f"{self.latest() or 'none'}")
+            raise HlatError(
+                f"step {step}: the weights are not finite; not checkpointing them; last good checkpoint: "
+                f"{self.latest() or 'none'}"
+            )
         self.goodput.saving(step)
         saved = self.writer.save(step, self.state.state_dict(), self.config_toml)
         self.goodput.checkpointed(time.perf_counter() - started)
@@ -106,15 +133,21 @@ class Checkpoints:
         before = self.memory.every
         every, cost, step_s = self.memory.tune()
         if every != before:
-            self.console.print(f"memory tier: a snapshot every {every} step{'s' if every > 1 else ''} "
-                               f"(train.snapshot_every = -1: one costs {cost * 1e3:.0f} ms, {cost / step_s:.1%} of a "
-                               f"{step_s * 1e3:.0f} ms step; the goal is under {STALL_SHARE:.0%})", highlight=False)
+            self.console.print(
+                f"memory tier: a snapshot every {every} step{'s' if every > 1 else ''} "
+                f"(train.snapshot_every = -1: one costs {cost * 1e3:.0f} ms, {cost / step_s:.1%} of a "
+                f"{step_s * 1e3:.0f} ms step; the goal is under {STALL_SHARE:.0%})",
+                highlight=False,
+            )
 
     def writes(self) -> Writes:
         """This rank's part of the background writes in flight: done or not."""
         memory = self.memory
-        return Writes(self.writer.written(), memory is not None and memory.written(),
-                      memory is not None and memory.written() and memory.in_flight.failure is not None)
+        return Writes(
+            self.writer.written(),
+            memory is not None and memory.written(),
+            memory is not None and memory.written() and memory.in_flight.failure is not None,
+        )
 
     def commit_written(self, agreed: Writes, step_s: float) -> None:
         """After a step (of `step_s` seconds), commit what every rank has written (a collective: every rank at the
@@ -136,9 +169,13 @@ class Checkpoints:
     def memory_failed(self, failure: str | None) -> bool:
         """Turn the memory tier off after a failed snapshot write (`failure`, on every rank alike); True if so."""
         if failure:
-            self.console.print(f"warning: the memory tier is off for the rest of this process: a snapshot write "
-                               f"failed ({failure}); checkpoints go on every train.ckpt_every steps", soft_wrap=True,
-                               highlight=False, markup=False)
+            self.console.print(
+                f"warning: the memory tier is off for the rest of this process: a snapshot write "
+                f"failed ({failure}); checkpoints go on every train.ckpt_every steps",
+                soft_wrap=True,
+                highlight=False,
+                markup=False,
+            )
             self.memory.close()
             self.memory = None
         return bool(failure)
@@ -176,13 +213,15 @@ class Checkpoints:
             wanted = files_to_read(start.path, self.state.state_dict(packed=True))
             _, fetched = fetch(start.path, start.held, wanted, start.node, self.rank, start.group)
             self.state.load(start.path, packed=True)
-            self.console.print(f"resumed from the memory tier's snapshot {start.path} at step {self.state.step}"
-                               f"{f' ({size_text(fetched)} fetched from other nodes)' if fetched else ''}",
-                               soft_wrap=True, highlight=False)
+            self.console.print(
+                f"resumed from the memory tier's snapshot {start.path} at step {self.state.step}"
+                f"{f' ({size_text(fetched)} fetched from other nodes)' if fetched else ''}",
+                soft_wrap=True,
+                highlight=False,
+            )
         elif start.path is not None:
             self.state.load(start.path)
-            self.console.print(f"resumed from {start.path} at step {self.state.step}", soft_wrap=True,
-                               highlight=False)
+            self.console.print(f"resumed from {start.path} at step {self.state.step}", soft_wrap=True, highlight=False)
         elif self.init_from:
             load_weights(resolve_checkpoint(self.init_from), self.state.parts)
             self.console.print(f"initialised weights from {self.init_from}")
@@ -229,18 +268,24 @@ class Checkpoints:
             unwritable = f"cannot write {e.filename or root}: {e.strerror}"
         gathered = gather_objects((node.index, free_bytes(root), kept, unwritable))
         if problem := next((p for *_, p in gathered if p), None):
-            raise HlatError(f"train.snapshot_dir: {problem}; point it at a directory of yours in node-local memory "
-                            "(a tmpfs), or set train.snapshot_every = 0 (off)")
+            raise HlatError(
+                f"train.snapshot_dir: {problem}; point it at a directory of yours in node-local memory "
+                "(a tmpfs), or set train.snapshot_every = 0 (off)"
+            )
         for index in sorted({i for i, *_ in gathered}):
             free = next(f for i, f, *_ in gathered if i == index)
             needed = sum(k for i, _, k, _ in gathered if i == index)
             if free is not None and free < needed:
-                raise HlatError(f"train.snapshot_dir: {root.parent} on node {index} has {size_text(free)} free; the "
-                                f"memory tier needs {size_text(needed)} there; free some, point train.snapshot_dir "
-                                "at a larger tmpfs, or set train.snapshot_every = 0 (off)")
+                raise HlatError(
+                    f"train.snapshot_dir: {root.parent} on node {index} has {size_text(free)} free; the "
+                    f"memory tier needs {size_text(needed)} there; free some, point train.snapshot_dir "
+                    "at a larger tmpfs, or set train.snapshot_every = 0 (off)"
+                )
         copies = "2 snapshots of its state" + (" and 2 of its buddy's" if node.count > 1 else "")
-        return (f"memory tier: {size_text(kept)} per rank in {root.parent} ({copies}), and {size_text(size['held'])} "
-                "of host memory for the copy each snapshot is written from")
+        return (
+            f"memory tier: {size_text(kept)} per rank in {root.parent} ({copies}), and {size_text(size['held'])} "
+            "of host memory for the copy each snapshot is written from"
+        )
 
     def check_room(self, step: int, size: int, local_params: int) -> str | None:
         """Refuse, on every rank alike (one gather), a run whose checkpoints of `size` bytes do not fit: the rotation
@@ -254,14 +299,18 @@ class Checkpoints:
         for rank, (params, free) in enumerate(gathered):
             share = size if rank == 0 else size * params / max(everyone, 1)
             if free is not None and free < slots * share:
-                raise HlatError(f"not enough free space for the checkpoints of {self.run_dir}"
-                                f"{f' (rank {rank})' if rank else ''}: {size_text(free)} free, {slots} x "
-                                f"{size_text(share)} needed ({self.rotation_text()}); free some space or lower "
-                                "train.keep_checkpoints")
+                raise HlatError(
+                    f"not enough free space for the checkpoints of {self.run_dir}"
+                    f"{f' (rank {rank})' if rank else ''}: {size_text(free)} free, {slots} x "
+                    f"{size_text(share)} needed ({self.rotation_text()}); free some space or lower "
+                    "train.keep_checkpoints"
+                )
         free = gathered[0][1]
         if free is not None and free < wanted * size:
-            return (f"warning: {self.run_dir} has room for {int(free // size)} of the {wanted} checkpoints of "
-                    f"{size_text(size)} this run will keep ({self.rotation_text()}); move or delete old ones as it runs")
+            return (
+                f"warning: {self.run_dir} has room for {int(free // size)} of the {wanted} checkpoints of "
+                f"{size_text(size)} this run will keep ({self.rotation_text()}); move or delete old ones as it runs"
+            )
         return None
 
     def slots(self, step: int) -> tuple[int, int]:
@@ -275,8 +324,11 @@ class Checkpoints:
         return 1 + best, max(1, ahead)
 
     def rotation_text(self) -> str:
-        return ((f"train.keep_checkpoints = {self.keep}, and the one being written" if self.keep else
-                 "train.keep_checkpoints = 0 keeps every checkpoint") + ("; the best" if self.best is not None else ""))
+        return (
+            f"train.keep_checkpoints = {self.keep}, and the one being written"
+            if self.keep
+            else "train.keep_checkpoints = 0 keeps every checkpoint"
+        ) + ("; the best" if self.best is not None else "")
 
 
 def checkpoint_bytes(resume_from: Path | None, n_params: int, mode: str) -> int:
@@ -292,8 +344,10 @@ def checkpoint_bytes(resume_from: Path | None, n_params: int, mode: str) -> int:
 def weights_finite(params: list[torch.Tensor]) -> bool:
     """Whether every rank's weights are finite (one all-reduce; run before each checkpoint). Each rank checks its
     own shards: a check of a sharded tensor as a whole would cost a collective per parameter."""
-    flag = torch.tensor(float(all(bool(torch.isfinite(local(p).detach()).all()) for p in params)),
-                        device=params[0].device if params else "cpu")
+    flag = torch.tensor(
+        float(all(bool(torch.isfinite(local(p).detach()).all()) for p in params)),
+        device=params[0].device if params else "cpu",
+    )
     if dist.is_initialized():
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())

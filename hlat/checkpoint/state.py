@@ -14,9 +14,13 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.tensor import DTensor
 
 from hlat.checkpoint.store import read_checkpoint
@@ -28,8 +32,14 @@ SETTINGS = "optim_settings"  # a packed state dict's optimizer settings, pickled
 
 
 class TrainState:
-    def __init__(self, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], stream: DataStream | None,
-                 state_key: str = "trainer", step: int = 0):
+    def __init__(
+        self,
+        parts: list[nn.Module],
+        optimizers: list[torch.optim.Optimizer],
+        stream: DataStream | None,
+        state_key: str = "trainer",
+        step: int = 0,
+    ):
         self.parts, self.optimizers, self.stream, self.state_key = parts, optimizers, stream, state_key
         self.step = step  # optimizer steps done
 
@@ -96,8 +106,11 @@ def model_state(parts: list[nn.Module]) -> dict:
 
 def optimizer_state(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> dict:
     """Optimizer states keyed by parameter name (flattened), so they load into any other layout."""
-    return {k: plain_tensor(v) for part, opt in zip(parts, optimizers)
-            for k, v in get_optimizer_state_dict(part, opt, options=_FLAT).items()}
+    return {
+        k: plain_tensor(v)
+        for part, opt in zip(parts, optimizers)
+        for k, v in get_optimizer_state_dict(part, opt, options=_FLAT).items()
+    }
 
 
 def load_weights(path: Path, parts: list[nn.Module]) -> None:
@@ -116,9 +129,13 @@ def plain_tensor(value):
     if isinstance(value, DTensor):
         local = value.to_local()
         inner = plain_tensor(local)
-        return value if inner is local else DTensor.from_local(inner, value.device_mesh, value.placements,
-                                                               run_check=False, shape=value.shape,
-                                                               stride=value.stride())
+        return (
+            value
+            if inner is local
+            else DTensor.from_local(
+                inner, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
+            )
+        )
     if isinstance(value, torch.Tensor) and type(value) is not torch.Tensor and hasattr(value, "__tensor_flatten__"):
         inner = getattr(value, value.__tensor_flatten__()[0][0])
         if inner.shape == value.shape and inner.dtype == value.dtype:
@@ -127,8 +144,10 @@ def plain_tensor(value):
 
 
 def rng_state() -> dict:
-    return {"cpu": torch.get_rng_state().tolist(),
-            "cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else []}
+    return {
+        "cpu": torch.get_rng_state().tolist(),
+        "cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else [],
+    }
 
 
 def set_rng_state(state: dict) -> None:

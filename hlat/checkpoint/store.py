@@ -30,8 +30,15 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.torch_version import TorchVersion
 
 from hlat import HlatError
-from hlat.checkpoint.layout import (CONFIG_FILE, MANIFEST, checkpoint_root, checkpoint_step, complete_checkpoints,
-                                   latest_checkpoint, resolve_checkpoint)
+from hlat.checkpoint.layout import (
+    CONFIG_FILE,
+    MANIFEST,
+    checkpoint_root,
+    checkpoint_step,
+    complete_checkpoints,
+    latest_checkpoint,
+    resolve_checkpoint,
+)
 from hlat.files import refused_write
 from hlat.parallel.mesh import gather_objects
 
@@ -185,8 +192,10 @@ def _writing(final: Path, rank: int):
         if not refused:
             raise
         previous = latest_checkpoint(final.parent.parent) if final.parent.name == "checkpoints" else None
-        raise HlatError(f"cannot write checkpoint {partial}: {_reason(e)}"
-                        f"{f'; the previous checkpoint {previous} is intact' if previous else ''}") from None
+        raise HlatError(
+            f"cannot write checkpoint {partial}: {_reason(e)}"
+            f"{f'; the previous checkpoint {previous} is intact' if previous else ''}"
+        ) from None
 
 
 def _begin(partial: Path, rank: int) -> None:
@@ -234,20 +243,29 @@ class Checkpointer:
     same step, once all ranks report `written` (riding on the step's all-reduce), or before the next save and
     at the end. At most one save is in flight; until committed it is only a `.partial` directory."""
 
-    def __init__(self, run_dir: str | Path, keep: int, rank: int, asynchronous: bool, pinned: bool,
-                 timeout_s: float = 600.0):
+    def __init__(
+        self, run_dir: str | Path, keep: int, rank: int, asynchronous: bool, pinned: bool, timeout_s: float = 600.0
+    ):
         """`timeout_s`: how long a collective of the background write may wait (train.collective_timeout_s)."""
         self.root, self.keep, self.rank = checkpoint_root(run_dir), keep, rank
-        self.staging = StagingOptions(use_pinned_memory=pinned, use_shared_memory=False, use_async_staging=False,
-                                      use_non_blocking_copy=pinned) if asynchronous else None
+        self.staging = (
+            StagingOptions(
+                use_pinned_memory=pinned, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=pinned
+            )
+            if asynchronous
+            else None
+        )
         # one stager for the run keeps its host buffers, so a save stalls only for the copy; torch < 2.13 empties
         # a stager's copy tables after each stage (the next stage on it fails), so there each save gets its own
         self.stager = DefaultStager(self.staging) if asynchronous and STAGER_KEEPS_BUFFERS else None
         self.in_flight: _InFlight | None = None
         # the background write runs collectives of its own: on a group of its own, never interleaved with the
         # training loop's collectives on the default group
-        self.group = (dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-                      if asynchronous and dist.is_initialized() else None)
+        self.group = (
+            dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+            if asynchronous and dist.is_initialized()
+            else None
+        )
 
     def save(self, step: int, state: dict, config_toml: str) -> Path | None:
         """Save `state` (a state dict) as step `step`'s checkpoint. Returns it, or None while an asynchronous save
@@ -261,8 +279,7 @@ class Checkpointer:
         stager = self.stager or DefaultStager(self.staging)
         with _writing(final, self.rank):
             _begin(_partial(final), self.rank)
-            future = dcp.async_save(state, checkpoint_id=_partial(final), async_stager=stager,
-                                    process_group=self.group)
+            future = dcp.async_save(state, checkpoint_id=_partial(final), async_stager=stager, process_group=self.group)
         flight = self.in_flight = _InFlight(final, config_toml, None if self.stager else stager)
         future.add_done_callback(lambda f: self._written(f, flight))
         return None
@@ -326,8 +343,10 @@ def read_checkpoint(path: Path, state: dict) -> None:
         raise DamagedCheckpoint(path, f"cannot read its .metadata: {_reason(e)}") from None
     for key in state:
         if key.startswith("trainer") and key not in saved:
-            raise HlatError(f"{path}: has no trainer state {key!r}: it was saved by a different number of ranks "
-                            "with per-rank data positions (parallel.data_sharding = 'files')")
+            raise HlatError(
+                f"{path}: has no trainer state {key!r}: it was saved by a different number of ranks "
+                "with per-rank data positions (parallel.data_sharding = 'files')"
+            )
     try:
         dcp.load(state, checkpoint_id=path)
     except (Exception, CheckpointException) as e:  # DCP's errors are long and nested (and BaseExceptions)

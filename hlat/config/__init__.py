@@ -26,9 +26,11 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 
 # How overrides are written, for the commands' --help
-OVERRIDES_HELP = ("Any config field can be overridden: --section.key value (or --section.key=value). A list is "
-                  "comma-separated (--data.paths a.jsonl,b.jsonl) or, when it starts with [, a TOML array "
-                  "(--data.paths '[\"a b.jsonl\", \"c.jsonl\"]'; '[]' is the empty list).")
+OVERRIDES_HELP = (
+    "Any config field can be overridden: --section.key value (or --section.key=value). A list is "
+    "comma-separated (--data.paths a.jsonl,b.jsonl) or, when it starts with [, a TOML array "
+    "(--data.paths '[\"a b.jsonl\", \"c.jsonl\"]'; '[]' is the empty list)."
+)
 
 
 class ConfigError(HlatError):
@@ -71,8 +73,10 @@ def _toml_array(text: str, name: str) -> list:
     try:
         return tomllib.loads(f"value = {text}")["value"]
     except tomllib.TOMLDecodeError:
-        raise ConfigError(f"{name}: {text!r} is not a TOML array (a value starting with [ is read as one): quote "
-                          "each string, e.g. '[\"a.jsonl\", \"b c.jsonl\"]'") from None
+        raise ConfigError(
+            f"{name}: {text!r} is not a TOML array (a value starting with [ is read as one): quote "
+            'each string, e.g. \'["a.jsonl", "b c.jsonl"]\''
+        ) from None
 
 
 def _coerce(tp: Any, value: Any, name: str, from_text: bool) -> Any:
@@ -214,8 +218,14 @@ def describe_fields(obj: Any, prefix: str = "") -> list[tuple[str, str, str, str
         if dataclasses.is_dataclass(tp):
             rows += describe_fields(value, f"{prefix}{name}.")
         else:
-            rows.append((f"{prefix}{name}", _type_name(tp), to_toml({"v": value}).strip().removeprefix("v = "),
-                         comments.get(name, "")))
+            rows.append(
+                (
+                    f"{prefix}{name}",
+                    _type_name(tp),
+                    to_toml({"v": value}).strip().removeprefix("v = "),
+                    comments.get(name, ""),
+                )
+            )
     return rows
 
 

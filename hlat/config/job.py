@@ -53,22 +53,31 @@ class TrainConfig:
     collective_timeout_s: float = 600.0  # the process group's timeout for one collective
     debug_nan_step: int = 0  # > 0: poison this step's gradients with NaN once (tests the bad-step policy)
 
-    def validate(self, model: ModelConfig) -> "TrainConfig":
+    def validate(self, model: ModelConfig) -> TrainConfig:
         for name in ("steps", "global_batch", "micro_batch", "seq_len", "log_every"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"train.{name}: must be positive, got {getattr(self, name)}")
-        for name in ("ckpt_every", "keep_checkpoints", "peak_flops", "spike_sigmas", "hang_timeout_s",
-                     "debug_nan_step"):
+        for name in (
+            "ckpt_every",
+            "keep_checkpoints",
+            "peak_flops",
+            "spike_sigmas",
+            "hang_timeout_s",
+            "debug_nan_step",
+        ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name}: must be >= 0, got {getattr(self, name)}")
         if self.global_batch % self.micro_batch:
-            raise ConfigError(f"train.global_batch: {self.global_batch} is not a multiple of train.micro_batch "
-                              f"{self.micro_batch}")
+            raise ConfigError(
+                f"train.global_batch: {self.global_batch} is not a multiple of train.micro_batch {self.micro_batch}"
+            )
         if self.seq_len > model.max_seq_len:
             raise ConfigError(f"train.seq_len: {self.seq_len} exceeds model.max_seq_len {model.max_seq_len}")
         if self.snapshot_every < -1:
-            raise ConfigError("train.snapshot_every: must be -1 (as often as the snapshots' measured cost allows), 0 "
-                              f"(off) or a number of steps, got {self.snapshot_every}")
+            raise ConfigError(
+                "train.snapshot_every: must be -1 (as often as the snapshots' measured cost allows), 0 "
+                f"(off) or a number of steps, got {self.snapshot_every}"
+            )
         for name in ("max_bad_steps", "collective_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"train.{name}: must be positive, got {getattr(self, name)}")
@@ -112,7 +121,9 @@ class ClusterConfig:
     # hundreds of nodes
     heartbeat_s: int = 2
     run_volume: str = "hlat-runs"  # Kubernetes: ReadWriteMany PersistentVolumeClaim that holds the run directories
-    data_volume: str = "hlat-data"  # Kubernetes: PersistentVolumeClaim of the data, mounted read-only at /data; "" = none
+    data_volume: str = (
+        "hlat-data"  # Kubernetes: PersistentVolumeClaim of the data, mounted read-only at /data; "" = none
+    )
     shm_gib: int = 64  # Kubernetes: memory-backed /dev/shm per pod (data workers, collectives)
     # Kubernetes: CPUs and memory (GiB) each pod requests; 0 = 90% of the hardware profile's node (none without one)
     cpus: int = 0
@@ -122,10 +133,12 @@ class ClusterConfig:
     # rather than torchrun restarting its workers)
     preflight_restarts: bool = False
 
-    def validate(self) -> "ClusterConfig":
+    def validate(self) -> ClusterConfig:
         if self.preflight_restarts and not self.preflight:
-            raise ConfigError("cluster.preflight_restarts: runs the preflight again before a restart; set "
-                              "cluster.preflight = true too")
+            raise ConfigError(
+                "cluster.preflight_restarts: runs the preflight again before a restart; set "
+                "cluster.preflight = true too"
+            )
         for name in ("nodes", "nproc_per_node", "stop_grace_s", "shm_gib", "last_call_s", "heartbeat_s"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"cluster.{name}: must be >= 1, got {getattr(self, name)}")
@@ -140,7 +153,7 @@ class ClusterConfig:
     def world_size(self) -> int:
         return self.nodes * self.nproc_per_node
 
-    def node_request(self) -> "NodeRequest":
+    def node_request(self) -> NodeRequest:
         """What each node's job asks its scheduler for, from the hardware profile when one is stated; a cluster
         that contradicts its profile, or hardware hlat cannot train on, is refused in one line."""
         if not self.hardware:
@@ -156,26 +169,40 @@ class ClusterConfig:
         else:  # a GPU per process; Neuron: the chips that hold the processes' cores
             devices = -(-self.nproc_per_node * (hw.scheduler_devices or hw.devices_per_node) // hw.devices_per_node)
         if self.devices_per_node and self.devices_per_node != devices:
-            raise ConfigError(f"cluster.devices_per_node: {self.devices_per_node}, but {self.nproc_per_node} "
-                              f"processes on {hw.name} need {devices}; leave it out (0) to follow the hardware")
-        return NodeRequest(hw.accelerator, devices, hw.fabric, hw.fabric_devices,
-                           self.cpus or int(0.9 * hw.vcpus), self.memory_gib or int(0.9 * hw.host_memory_gib))
+            raise ConfigError(
+                f"cluster.devices_per_node: {self.devices_per_node}, but {self.nproc_per_node} "
+                f"processes on {hw.name} need {devices}; leave it out (0) to follow the hardware"
+            )
+        return NodeRequest(
+            hw.accelerator,
+            devices,
+            hw.fabric,
+            hw.fabric_devices,
+            self.cpus or int(0.9 * hw.vcpus),
+            self.memory_gib or int(0.9 * hw.host_memory_gib),
+        )
 
     def check_against(self, hw: HardwareProfile, instead: HardwareProfile | None) -> None:
         """The cluster against its hardware profile `hw`; `instead`: the profile to propose when hlat cannot train
         on `hw`."""
         if hw.unsupported:
             nodes = -(-self.world_size // instead.devices_per_node)
-            raise ConfigError(f"cluster.hardware: {hw.name}: training needs other hardware: {hw.unsupported}; "
-                              f"`hlat plan` prices this cluster; to launch the same {self.world_size:,} processes use "
-                              f"--cluster.hardware {instead.name} --nodes {nodes} --nproc-per-node "
-                              f"{instead.devices_per_node}")
+            raise ConfigError(
+                f"cluster.hardware: {hw.name}: training needs other hardware: {hw.unsupported}; "
+                f"`hlat plan` prices this cluster; to launch the same {self.world_size:,} processes use "
+                f"--cluster.hardware {instead.name} --nodes {nodes} --nproc-per-node "
+                f"{instead.devices_per_node}"
+            )
         if self.accelerator and self.accelerator != hw.accelerator:
-            raise ConfigError(f"cluster.accelerator: {self.accelerator!r}, but cluster.hardware {hw.name} has "
-                              f"{hw.accelerator!r} devices; leave it out (it follows the hardware)")
+            raise ConfigError(
+                f"cluster.accelerator: {self.accelerator!r}, but cluster.hardware {hw.name} has "
+                f"{hw.accelerator!r} devices; leave it out (it follows the hardware)"
+            )
         if hw.accelerator != "cpu" and self.nproc_per_node > hw.devices_per_node:
-            raise ConfigError(f"cluster.nproc_per_node: {self.nproc_per_node} processes per node, but {hw.name} has "
-                              f"{hw.devices_per_node} devices per node (one process each)")
+            raise ConfigError(
+                f"cluster.nproc_per_node: {self.nproc_per_node} processes per node, but {hw.name} has "
+                f"{hw.devices_per_node} devices per node (one process each)"
+            )
 
 
 @dataclass
@@ -198,7 +225,7 @@ class CostConfig:
     pricing: Literal["on_demand", "reserved"] = "on_demand"  # which of the profile's prices
     price_per_device_hour: float = 0.0  # USD; overrides the profile's price; 0 = take it from the profile
 
-    def validate(self) -> "CostConfig":
+    def validate(self) -> CostConfig:
         if self.price_per_device_hour < 0:
             raise ConfigError(f"cost.price_per_device_hour: must be >= 0, got {self.price_per_device_hour}")
         if self.hardware and not self.price_per_device_hour:
@@ -207,8 +234,10 @@ class CostConfig:
             except HlatError as e:
                 raise ConfigError(f"cost.hardware: {e}") from None
             if not profile.price(self.pricing):
-                raise ConfigError(f"cost.hardware: profile {profile.name!r} has no {self.pricing} price; set "
-                                  "cost.price_per_device_hour")
+                raise ConfigError(
+                    f"cost.hardware: profile {profile.name!r} has no {self.pricing} price; set "
+                    "cost.price_per_device_hour"
+                )
         return self
 
 
@@ -232,19 +261,23 @@ class EvalConfig:
     # so far, the run saves checkpoints/best_step_N (apart from rotation; best.json says which); "" = not kept
     keep_best: str = ""
 
-    def validate(self) -> "EvalConfig":
+    def validate(self) -> EvalConfig:
         if not 0.0 <= self.holdout <= 0.5:
             raise ConfigError(f"eval.holdout: must be in [0, 0.5], got {self.holdout}")
         for name in ("every", "batches"):
             if getattr(self, name) < 0 or (name == "batches" and self.batches == 0):
-                raise ConfigError(f"eval.{name}: must be {'>= 0' if name == 'every' else 'positive'}, got "
-                                  f"{getattr(self, name)}")
+                raise ConfigError(
+                    f"eval.{name}: must be {'>= 0' if name == 'every' else 'positive'}, got {getattr(self, name)}"
+                )
         if self.every and not self.paths and not self.holdout and not self.sets:
-            raise ConfigError("eval.every: validation needs held-out data: set eval.paths, eval.sets, or eval.holdout "
-                              "to the fraction of training documents to set aside (e.g. 0.01)")
+            raise ConfigError(
+                "eval.every: validation needs held-out data: set eval.paths, eval.sets, or eval.holdout "
+                "to the fraction of training documents to set aside (e.g. 0.01)"
+            )
         if self.paths and self.holdout:
-            raise ConfigError("eval.holdout: set eval.paths (held-out files) or eval.holdout (a split of the "
-                              "training data), not both")
+            raise ConfigError(
+                "eval.holdout: set eval.paths (held-out files) or eval.holdout (a split of the training data), not both"
+            )
         self.named_sets()
         self.check_keep_best()
         return self
@@ -255,8 +288,10 @@ class EvalConfig:
         for i, entry in enumerate(self.sets):
             name, _, pattern = entry.partition(":")
             if not re.fullmatch(r"[a-z0-9_]+", name) or not pattern:
-                raise ConfigError(f"eval.sets[{i}]: {entry!r} is not NAME:PATTERN with a name of lowercase letters, "
-                                  "digits and _ (e.g. \"code:heldout/*.py\")")
+                raise ConfigError(
+                    f"eval.sets[{i}]: {entry!r} is not NAME:PATTERN with a name of lowercase letters, "
+                    'digits and _ (e.g. "code:heldout/*.py")'
+                )
             out.setdefault(name, []).append(pattern)
         return out
 
@@ -265,8 +300,10 @@ class EvalConfig:
             return
         known = ["val_loss"] * bool(self.paths or self.holdout) + [f"val_{n}_loss" for n in self.named_sets()]
         if self.keep_best not in known:
-            raise ConfigError(f"eval.keep_best: {self.keep_best!r} is not a validation loss of this run (it has: "
-                              f"{', '.join(known) or 'none'})")
+            raise ConfigError(
+                f"eval.keep_best: {self.keep_best!r} is not a validation loss of this run (it has: "
+                f"{', '.join(known) or 'none'})"
+            )
         if not self.every:
             raise ConfigError("eval.keep_best: needs validation during training (set eval.every)")
 
@@ -281,7 +318,7 @@ class HealthConfig:
     slow_intervals: int = 3  # ...in this many log intervals in a row is named (rank and host); 0 = no check
     debug_delay: str = ""  # "RANK:MS": rank RANK's forward takes MS ms longer each micro-batch (tests the check)
 
-    def validate(self) -> "HealthConfig":
+    def validate(self) -> HealthConfig:
         if self.slow_margin <= 0:
             raise ConfigError(f"health.slow_margin: must be positive, got {self.slow_margin}")
         if self.slow_intervals < 0:
@@ -299,7 +336,7 @@ class HealthConfig:
                 return int(rank), float(ms) / 1e3
         except ValueError:
             pass
-        raise ConfigError(f"health.debug_delay: expected RANK:MS (e.g. \"2:100\"), got {self.debug_delay!r}")
+        raise ConfigError(f'health.debug_delay: expected RANK:MS (e.g. "2:100"), got {self.debug_delay!r}')
 
 
 @dataclass
@@ -313,7 +350,7 @@ class TrackingConfig:
     wandb_mode: Literal["offline", "online"] = "offline"  # offline: files under <run>/wandb (`wandb sync` uploads)
     mlflow_uri: str = ""  # "" = a file store in <run>/mlruns (`mlflow ui --backend-store-uri` it); or a server's URI
 
-    def validate(self) -> "TrackingConfig":
+    def validate(self) -> TrackingConfig:
         for i, backend in enumerate(self.backends):
             if backend not in ("wandb", "mlflow"):
                 raise ConfigError(f"tracking.backends[{i}]: {backend!r} is not one of 'wandb', 'mlflow'")
@@ -336,7 +373,7 @@ class Config:
     health: HealthConfig = field(default_factory=HealthConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
-    def validate(self) -> "Config":
+    def validate(self) -> Config:
         """Check every section; the parallel layout is checked by `resolved_parallel` once the world size is
         known (a config can be written on one machine for a cluster of another size)."""
         self.model.validate()
@@ -354,12 +391,20 @@ class Config:
     def resolved_parallel(self, world_size: int | None = None) -> ParallelConfig:
         """The parallel layout with dp_shard filled in, checked against the model and the batch."""
         train = self.train
-        p = check_layout(self.parallel, self.model, world_size or world_size_from_env(), train.global_batch,
-                         train.micro_batch, train.seq_len)
+        p = check_layout(
+            self.parallel,
+            self.model,
+            world_size or world_size_from_env(),
+            train.global_batch,
+            train.micro_batch,
+            train.seq_len,
+        )
         for degree in ("pp", "cp"):
             if self.eval.every and getattr(p, degree) > 1:
-                raise ConfigError(f"eval.every: validation during training is not supported with parallel.{degree} "
-                                  "> 1; evaluate checkpoints with `hlat eval` instead")
+                raise ConfigError(
+                    f"eval.every: validation during training is not supported with parallel.{degree} "
+                    "> 1; evaluate checkpoints with `hlat eval` instead"
+                )
         return p
 
     def lr_at(self, step: int) -> float:

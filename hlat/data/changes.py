@@ -39,8 +39,10 @@ def fingerprint_changes(old: dict, new: dict) -> list[str]:
         if key.endswith(".files") and source in old_listing and source in new_listing:
             out.append(f"the files of source {source!r}: {listing_changes(old_listing[source], new_listing[source])}")
         elif key.endswith(".files") and key in before and key in after:
-            out.append(f"the files of source {source!r} (listing hash {before[key]!r} -> {after[key]!r}; the "
-                       "checkpoint predates file listings, so which files changed is unknown)")
+            out.append(
+                f"the files of source {source!r} (listing hash {before[key]!r} -> {after[key]!r}; the "
+                "checkpoint predates file listings, so which files changed is unknown)"
+            )
         else:
             out.append(f"{key} {before.get(key)!r} -> {after.get(key)!r}")
     return out
@@ -51,10 +53,12 @@ def listing_changes(before: dict[str, int], after: dict[str, int]) -> str:
     bytes); resized a.jsonl 1,000 -> 1,200 bytes'."""
     added = [f"{f} ({size:,} bytes)" for f, size in after.items() if f not in before]
     removed = [f"{f} ({size:,} bytes)" for f, size in before.items() if f not in after]
-    resized = [f"{f} {before[f]:,} -> {size:,} bytes" for f, size in after.items()
-               if f in before and before[f] != size]
-    kinds = [f"{verb} {_some(items)}" for verb, items in (("added", added), ("removed", removed),
-                                                           ("resized", resized)) if items]
+    resized = [f"{f} {before[f]:,} -> {size:,} bytes" for f, size in after.items() if f in before and before[f] != size]
+    kinds = [
+        f"{verb} {_some(items)}"
+        for verb, items in (("added", added), ("removed", removed), ("resized", resized))
+        if items
+    ]
     return "; ".join(kinds) or "the same files and sizes, split differently (another hlat version)"
 
 

@@ -36,7 +36,7 @@ class DataConfig:
     # resume even though the data settings or files changed; the data stream then starts afresh
     force_resume: bool = False
 
-    def validate(self) -> "DataConfig":
+    def validate(self) -> DataConfig:
         def bad(name: str, why: str) -> ConfigError:
             return ConfigError(f"data.{name}: {why}")
 

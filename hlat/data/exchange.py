@@ -53,9 +53,13 @@ def all_gather(obj, group: dist.ProcessGroup | None) -> list:
     return out
 
 
-def exchange_rows(rows: list[list[Segment]], takers: list[set[int]], holder: Callable[[Segment], int],
-                  tokens: dict[tuple[int, int], np.ndarray], group: dist.ProcessGroup | None
-                  ) -> tuple[list[np.ndarray], int]:
+def exchange_rows(
+    rows: list[list[Segment]],
+    takers: list[set[int]],
+    holder: Callable[[Segment], int],
+    tokens: dict[tuple[int, int], np.ndarray],
+    group: dist.ProcessGroup | None,
+) -> tuple[list[np.ndarray], int]:
     """The rows this rank takes, assembled from their segments, and the bytes it received from other ranks.
 
     rows[i] are row i's segments; takers[i] the ranks that take row i; holder(segment) the rank that holds a
@@ -80,8 +84,7 @@ def exchange_rows(rows: list[list[Segment]], takers: list[set[int]], holder: Cal
     return _assemble(wanted, inbox), 4 * (sum(receive) - receive[rank])
 
 
-def _all_to_all(send: list[list[np.ndarray]], receive: list[int], group: dist.ProcessGroup | None
-                ) -> list[np.ndarray]:
+def _all_to_all(send: list[list[np.ndarray]], receive: list[int], group: dist.ProcessGroup | None) -> list[np.ndarray]:
     """What every rank sent this one (send[r]: the pieces for rank r; receive[r]: the tokens from rank r)."""
     sent = [np.concatenate(pieces) if pieces else np.zeros(0, np.int32) for pieces in send]
     if group is None:

@@ -147,8 +147,10 @@ class SourceStream:
         records = self.state.docs + n_bad
         if n_bad > self.max_bad_fraction * records and (records >= 100 or epoch > 0):
             reasons = ", ".join(f"{count} {reason}" for reason, count in self.bad_log.counts.most_common())
-            raise HlatError(f"data source {self.spec.name!r}: {n_bad} of {records} records are bad ({reasons}), "
-                            f"more than data.max_bad_fraction = {self.max_bad_fraction}")
+            raise HlatError(
+                f"data source {self.spec.name!r}: {n_bad} of {records} records are bad ({reasons}), "
+                f"more than data.max_bad_fraction = {self.max_bad_fraction}"
+            )
 
     # --- rows ------------------------------------------------------------------------------------------------
 
@@ -161,8 +163,11 @@ class SourceStream:
         documents."""
         first = self._row_start()
         end = first + self.packing.width
-        segments = [Segment(self.index, placed.info.index, max(first, placed.at) - placed.at,
-                            min(end, placed.end) - placed.at) for placed in self.rounds if placed.overlaps(first, end)]
+        segments = [
+            Segment(self.index, placed.info.index, max(first, placed.at) - placed.at, min(end, placed.end) - placed.at)
+            for placed in self.rounds
+            if placed.overlaps(first, end)
+        ]
         if self.packing.mode == "best_fit":
             placed = next(placed for placed in self.rounds if placed.at <= first < placed.end)
             self.state.pad += int(placed.info.row_padding[(first - placed.at) // self.packing.width])
@@ -182,15 +187,25 @@ class SourceStream:
 
     def _eos_count(self, first: int, end: int) -> int:
         """How many EOS tokens (concat) the token stream has in [first, end)."""
-        return sum(int(np.searchsorted(placed.info.eos_at, end - placed.at)
-                       - np.searchsorted(placed.info.eos_at, first - placed.at))
-                   for placed in self.rounds if placed.overlaps(first, end))
+        return sum(
+            int(
+                np.searchsorted(placed.info.eos_at, end - placed.at)
+                - np.searchsorted(placed.info.eos_at, first - placed.at)
+            )
+            for placed in self.rounds
+            if placed.overlaps(first, end)
+        )
 
     def counters(self) -> dict[str, int]:
         """Counters of the rows cut so far, for DataStream.stats()."""
         state = self.state
-        return {"docs": state.docs, "bad": sum(state.bad.values()), "rows": state.rows, "pad": state.pad,
-                "split_docs": state.split_docs}
+        return {
+            "docs": state.docs,
+            "bad": sum(state.bad.values()),
+            "rows": state.rows,
+            "pad": state.pad,
+            "split_docs": state.split_docs,
+        }
 
 
 class _Inline:
@@ -225,8 +240,10 @@ class _Workers:
         self.n, self.offset, self.stride = n, offset, stride
         self.tasks = [ctx.Queue() for _ in range(n)]
         self.results = [ctx.Queue() for _ in range(n)]
-        self.procs = [ctx.Process(target=worker_main, args=(setup, tasks, results), daemon=True, name=f"hlat-data-{i}")
-                      for i, (tasks, results) in enumerate(zip(self.tasks, self.results))]
+        self.procs = [
+            ctx.Process(target=worker_main, args=(setup, tasks, results), daemon=True, name=f"hlat-data-{i}")
+            for i, (tasks, results) in enumerate(zip(self.tasks, self.results))
+        ]
         for proc in self.procs:
             proc.start()
         for tasks in self.tasks:
@@ -319,9 +336,18 @@ class DataStream:
     window, the rounds learnt but not yet placed, this rank's rounds' tokens and its micro-batches left of the
     step."""
 
-    def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, specs: list[SourceSpec], seq_len: int,
-                 batch_size: int, fingerprint: dict, doc_mask: bool = False, ranks: Ranks | None = None,
-                 shard: tuple[int, int] | None = None):
+    def __init__(
+        self,
+        cfg: DataConfig,
+        tokenizer: Tokenizer,
+        specs: list[SourceSpec],
+        seq_len: int,
+        batch_size: int,
+        fingerprint: dict,
+        doc_mask: bool = False,
+        ranks: Ranks | None = None,
+        shard: tuple[int, int] | None = None,
+    ):
         if seq_len < 2 or batch_size < 1:
             raise HlatError(f"data: seq_len must be >= 2 and batch_size >= 1, got {seq_len} and {batch_size}")
         self.cfg, self.tokenizer, self.specs = cfg, tokenizer, specs
@@ -347,8 +373,10 @@ class DataStream:
     def _reset(self) -> None:
         self.close()
         # every rank counts the same bad records: rank 0 warns of them
-        self.sources = [SourceStream(index, spec, self.packing, self.cfg.max_bad_fraction, warn=self.rank == 0)
-                        for index, spec in enumerate(self.specs)]
+        self.sources = [
+            SourceStream(index, spec, self.packing, self.cfg.max_bad_fraction, warn=self.rank == 0)
+            for index, spec in enumerate(self.specs)
+        ]
         self.rows_taken = 0  # rows of the global sequence taken (by all ranks together)
         self.taken = [0] * len(self.sources)  # of those, each source's
         self._window: Window | None = None
@@ -394,8 +422,9 @@ class DataStream:
     def _mixed_row(self) -> list[Segment]:
         """The next row of the source furthest behind its weight: exact proportions, by counting alone."""
         total = sum(source.state.rows for source in self.sources) + 1
-        behind = max(self.sources,
-                     key=lambda source: (self.weights[source.index] * total - source.state.rows, -source.index))
+        behind = max(
+            self.sources, key=lambda source: (self.weights[source.index] * total - source.state.rows, -source.index)
+        )
         return self._next_row(behind)
 
     def _start_window(self) -> None:
@@ -442,7 +471,7 @@ class DataStream:
         keep = in_use | self._learnt.keys()
         self._my_tokens = {key: tokens for key, tokens in self._my_tokens.items() if key in keep}
 
-    def __iter__(self) -> "DataStream":
+    def __iter__(self) -> DataStream:
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
@@ -460,8 +489,13 @@ class DataStream:
             raise RuntimeError("data: state_dict() in the middle of a step (this rank has micro-batches left)")
         if self._window is None or self._window.index != self.rows_taken // self.window_size:
             self._start_window()  # the next step starts a window: its state is the present one
-        state = {"version": STATE_VERSION, "fingerprint": self.fingerprint, "rows": self.rows_taken,
-                 "sources": [asdict(source.window_start) for source in self.sources], "taken": list(self.taken)}
+        state = {
+            "version": STATE_VERSION,
+            "fingerprint": self.fingerprint,
+            "rows": self.rows_taken,
+            "sources": [asdict(source.window_start) for source in self.sources],
+            "taken": list(self.taken),
+        }
         return {**state, "shard": list(self.shard)} if self.shard else state
 
     def load_state_dict(self, state: dict) -> None:
@@ -471,8 +505,10 @@ class DataStream:
             log.warning("data: %s; data.force_resume is set, so the data stream starts afresh", problem)
             return
         if problem:
-            raise HlatError(f"data: {problem}; resume with the same data settings, or set data.force_resume = true "
-                            "to start the data stream afresh")
+            raise HlatError(
+                f"data: {problem}; resume with the same data settings, or set data.force_resume = true "
+                "to start the data stream afresh"
+            )
         for source, saved in zip(self.sources, state["sources"]):
             source.restore(saved)
         self.rows_taken = state["rows"]
@@ -483,8 +519,10 @@ class DataStream:
             return f"the saved data state has format version {state.get('version')}, this hlat reads {STATE_VERSION}"
         saved = tuple(state.get("shard") or ())
         if saved != (self.shard or ()):
-            return (f"the checkpoint holds a position in {_stream_of(saved)}, and this run reads "
-                    f"{_stream_of(self.shard or ())}")
+            return (
+                f"the checkpoint holds a position in {_stream_of(saved)}, and this run reads "
+                f"{_stream_of(self.shard or ())}"
+            )
         changed = fingerprint_changes(state["fingerprint"], self.fingerprint)
         return f"the data settings changed since the checkpoint: {'; '.join(changed)}" if changed else ""
 
@@ -504,8 +542,9 @@ class DataStream:
         """{source: (its weight's share, the token positions of its rows taken so far)}: every row is seq_len
         positions, padding included (tokens_seen's unit; data_padding_fraction says how much is padding). The same
         on every rank of the global stream; with data_sharding = "files", this rank's own rows."""
-        return {spec.name: (weight, rows * self.seq_len)
-                for spec, weight, rows in zip(self.specs, self.weights, self.taken)}
+        return {
+            spec.name: (weight, rows * self.seq_len) for spec, weight, rows in zip(self.specs, self.weights, self.taken)
+        }
 
     def stats(self) -> dict[str, float]:
         """Counters of the rows cut so far (up to a shuffle window ahead of those taken), for inspecting a stream;
@@ -540,14 +579,24 @@ def check_token_files(tokenizer: Tokenizer, digest: str, files: list[Path | str]
     another."""
     for file in files:
         if file_format(str(file)) == "tokens" and (meta := token_meta(file))["tokenizer"] != digest:
-            raise HlatError(f"token file {file}: written by another tokenizer ({meta['tokenizer_kind']}, vocabulary "
-                            f"{meta['vocab_size']:,}) than this run's ({tokenizer.kind}, vocabulary "
-                            f"{tokenizer.vocab_size:,}); set data.tokenizer to the one it was written with")
+            raise HlatError(
+                f"token file {file}: written by another tokenizer ({meta['tokenizer_kind']}, vocabulary "
+                f"{meta['vocab_size']:,}) than this run's ({tokenizer.kind}, vocabulary "
+                f"{tokenizer.vocab_size:,}); set data.tokenizer to the one it was written with"
+            )
 
 
-def build_stream(cfg: DataConfig, tokenizer: Tokenizer, sources: list[Source], seq_len: int, batch_size: int,
-                 ranks: Ranks | None = None, shard: tuple[int, int] | None = None, doc_mask: bool = False,
-                 holdout: float = 0.0) -> DataStream:
+def build_stream(
+    cfg: DataConfig,
+    tokenizer: Tokenizer,
+    sources: list[Source],
+    seq_len: int,
+    batch_size: int,
+    ranks: Ranks | None = None,
+    shard: tuple[int, int] | None = None,
+    doc_mask: bool = False,
+    holdout: float = 0.0,
+) -> DataStream:
     """The configured stream over `sources` (`resolve_sources`: data.sources, or data.paths or the default corpus as
     one source); documents held out for validation (a `holdout` fraction, by hash) are skipped. The global
     stream, shared by `ranks` (a single process when None); or, with `shard` = (rank, world_size),
@@ -563,14 +612,36 @@ def build_stream(cfg: DataConfig, tokenizer: Tokenizer, sources: list[Source], s
         digest = hashlib.sha256(json.dumps(split_listing(splits)).encode()).hexdigest()[:16]
         fingerprint["sources"][source.name] = {"weight": source.weight, "files": digest}
         mine = share_of(splits, rank, world_size, f"data source {source.name!r}")
-        specs.append(SourceSpec(source.name, source.weight, mine, cfg.text_field, cfg.max_doc_bytes, cfg.seed,
-                                cfg.shuffle_files, holdout))
+        specs.append(
+            SourceSpec(
+                source.name,
+                source.weight,
+                mine,
+                cfg.text_field,
+                cfg.max_doc_bytes,
+                cfg.seed,
+                cfg.shuffle_files,
+                holdout,
+            )
+        )
     if holdout:  # absent when 0, so checkpoints from before eval.holdout existed still resume
         fingerprint["holdout"] = holdout
-    fingerprint.update(tokenizer=tokenizer_digest(tokenizer), seq_len=seq_len,
-                       **{name: getattr(cfg, name) for name in ("packing", "round_bytes", "text_field",
-                                                                "max_doc_bytes", "seed", "shuffle_files",
-                                                                "shuffle_rows")})
+    fingerprint.update(
+        tokenizer=tokenizer_digest(tokenizer),
+        seq_len=seq_len,
+        **{
+            name: getattr(cfg, name)
+            for name in (
+                "packing",
+                "round_bytes",
+                "text_field",
+                "max_doc_bytes",
+                "seed",
+                "shuffle_files",
+                "shuffle_rows",
+            )
+        },
+    )
     check_token_files(tokenizer, fingerprint["tokenizer"], [file for source in sources for file in source.files])
     for spec in specs:
         spec.check(f" on data-parallel rank {rank}" if world_size > 1 else "")

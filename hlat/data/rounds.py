@@ -19,9 +19,9 @@ import threading
 import traceback
 from collections import Counter
 from collections.abc import Iterator
-from multiprocessing.connection import wait
 from dataclasses import dataclass, field
 from itertools import chain
+from multiprocessing.connection import wait
 
 import numpy as np
 
@@ -69,8 +69,9 @@ class SourceSpec:
         for item in self.records(ORIGIN):
             if item is None:
                 counts = ", ".join(f"{n} {reason}" for reason, n in bad.most_common()) or "no records"
-                raise HlatError(f"data source {self.name!r}: no documents in its {len(self.splits)} files"
-                                f"{rank_note} ({counts})")
+                raise HlatError(
+                    f"data source {self.name!r}: no documents in its {len(self.splits)} files{rank_note} ({counts})"
+                )
             record, fmt, where, _ = item
             doc = decode(record, fmt, self.text_field)
             if not isinstance(doc, Bad):
@@ -109,15 +110,25 @@ class Round:
     split_docs: int = 0  # best_fit: documents longer than a row, cut into pieces
     bad: list[tuple[Bad, str]] = field(default_factory=list)
 
-    def info(self) -> "RoundInfo":
+    def info(self) -> RoundInfo:
         """What the other ranks need of this round to cut rows and count: its place, size and counters."""
         none = np.zeros(0, dtype=np.int32)
         if self.tokens.ndim == 2:  # best_fit rows
             eos_at, row_padding = none, (self.tokens[:, 1:] < 0).sum(1).astype(np.int32)
         else:
             eos_at, row_padding = np.flatnonzero(self.tokens == self.eos).astype(np.int32), none
-        return RoundInfo(self.source, self.index, self.start, self.end, self.tokens.size, eos_at, row_padding,
-                         self.docs, self.split_docs, self.bad)
+        return RoundInfo(
+            self.source,
+            self.index,
+            self.start,
+            self.end,
+            self.tokens.size,
+            eos_at,
+            row_padding,
+            self.docs,
+            self.split_docs,
+            self.bad,
+        )
 
 
 @dataclass
@@ -172,8 +183,11 @@ def encode_bounded(tokenizer, docs: list[str]) -> list:
             continue
         ids.extend(tokenizer.encode_batch(short) if short else [])
         short = []
-        ids.append(np.concatenate([np.asarray(tokenizer.encode_batch([piece])[0], dtype=np.int32)
-                                   for piece in text_pieces(doc)]))
+        ids.append(
+            np.concatenate(
+                [np.asarray(tokenizer.encode_batch([piece])[0], dtype=np.int32) for piece in text_pieces(doc)]
+            )
+        )
     return ids + (tokenizer.encode_batch(short) if short else [])
 
 
@@ -217,8 +231,9 @@ def encode(tokenizer, docs: list) -> list:
 class RoundMaker:
     """Produces the rounds of one source, in increasing order, skipping those asked of other workers."""
 
-    def __init__(self, source: int, spec: SourceSpec, packing: Packing, tokenizer, index: int = 0,
-                 position: Position = ORIGIN):
+    def __init__(
+        self, source: int, spec: SourceSpec, packing: Packing, tokenizer, index: int = 0, position: Position = ORIGIN
+    ):
         self.source, self.spec, self.packing, self.tokenizer = source, spec, packing, tokenizer
         self.index, self.position = index, list(position)
         self._records = spec.records(self.position)
@@ -273,8 +288,10 @@ class MakerSetup:
     starts: list[tuple[int, Position]]
 
     def makers(self) -> list[RoundMaker]:
-        return [RoundMaker(source, spec, self.packing, self.tokenizer, *self.starts[source])
-                for source, spec in enumerate(self.specs)]
+        return [
+            RoundMaker(source, spec, self.packing, self.tokenizer, *self.starts[source])
+            for source, spec in enumerate(self.specs)
+        ]
 
 
 def _exit_with_parent(parent) -> None:

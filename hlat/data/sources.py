@@ -51,7 +51,6 @@ File = Path | str  # a local path, or an fsspec URL kept as a string
 # --- finding files ---------------------------------------------------------------------------------------
 
 
-
 # the package each format needs (dependencies of hlat, imported only when a file of the format is read)
 READERS = {"parquet": "pyarrow.parquet", "arrow": "pyarrow.ipc", "jsonl.zst": "zstandard"}
 
@@ -62,7 +61,7 @@ def format_reader(fmt: str, what: str):
 
 
 def file_format(name: str) -> str | None:
-    """"text", "jsonl", "jsonl.gz", "jsonl.zst", "parquet", "arrow" or "tokens"; None for anything else."""
+    """ "text", "jsonl", "jsonl.gz", "jsonl.zst", "parquet", "arrow" or "tokens"; None for anything else."""
     for suffix in SUFFIXES:
         if name.endswith(suffix):
             return "text" if suffix in TEXT_SUFFIXES else "tokens" if suffix == ".tokens.bin" else suffix[1:]
@@ -114,8 +113,9 @@ def token_meta(file: File) -> dict:
         with open_file(meta) as f:
             return json.load(f)
     except (OSError, ValueError) as e:
-        raise HlatError(f"token file {file}: cannot read its description {meta} ({e}); write token files with "
-                        "`hlat data tokenize`") from None
+        raise HlatError(
+            f"token file {file}: cannot read its description {meta} ({e}); write token files with `hlat data tokenize`"
+        ) from None
 
 
 def _token_arrays(file: File):
@@ -292,17 +292,22 @@ def _token_file_splits(file: File, size: int, cuts: list[int]) -> list[Split]:
     firsts = np.searchsorted(ends, [cut // itemsize for cut in cuts[1:-1]], "right").tolist()  # ints, not numpy's
     docs = sorted({0, len(ends), *firsts})
     offsets = [int(ends[doc - 1]) * itemsize if doc else 0 for doc in docs]  # where each of those starts
-    return [Split(file, stop_byte - start_byte, first, stop)
-            for first, stop, start_byte, stop_byte in zip(docs, docs[1:], offsets, offsets[1:]) if stop > first]
+    return [
+        Split(file, stop_byte - start_byte, first, stop)
+        for first, stop, start_byte, stop_byte in zip(docs, docs[1:], offsets, offsets[1:])
+        if stop > first
+    ]
 
 
 def share_of(splits: list[Split], rank: int, world_size: int, what: str) -> list[Split]:
     """The splits of `rank`: largest first to the least loaded rank, so ranks get disjoint shares of nearly
     equal bytes; in file order."""
     if len(splits) < world_size:
-        raise HlatError(f"{what}: {len(splits)} files cannot be shared among {world_size} data-parallel ranks "
-                        "(only uncompressed JSONL files are split; others are read whole by one rank): split the data "
-                        "into more files")
+        raise HlatError(
+            f"{what}: {len(splits)} files cannot be shared among {world_size} data-parallel ranks "
+            "(only uncompressed JSONL files are split; others are read whole by one rank): split the data "
+            "into more files"
+        )
     loads = [(0, owner) for owner in range(world_size)]
     mine = []
     for split in sorted(splits, key=lambda s: (-s.size, str(s.file), s.start)):
@@ -446,8 +451,10 @@ def _column_rows(split: Split, schema, chunks, cursor: Cursor, text_field: str):
 def _parquet_rows(split: Split, f: io.BufferedIOBase, cursor: Cursor, text_field: str):
     pq = format_reader("parquet", f"Parquet file {split.file}")
     pf = pq.ParquetFile(f)
-    chunks = ((pf.metadata.row_group(g).num_rows, lambda g=g: pf.read_row_group(g, columns=[text_field]).column(0))
-              for g in range(pf.num_row_groups))
+    chunks = (
+        (pf.metadata.row_group(g).num_rows, lambda g=g: pf.read_row_group(g, columns=[text_field]).column(0))
+        for g in range(pf.num_row_groups)
+    )
     yield from _column_rows(split, pf.schema_arrow, chunks, cursor, text_field)
 
 
@@ -504,8 +511,11 @@ def read_split(split: Split, cursor: Cursor, text_field: str, max_bytes: int):
                     at = record[2]
                     yield record
             else:
-                stream = {"jsonl": lambda: f, "jsonl.gz": lambda: gzip.GzipFile(fileobj=f),
-                          "jsonl.zst": lambda: io.BufferedReader(_ZstdReader(f))}[fmt]()
+                stream = {
+                    "jsonl": lambda: f,
+                    "jsonl.gz": lambda: gzip.GzipFile(fileobj=f),
+                    "jsonl.zst": lambda: io.BufferedReader(_ZstdReader(f)),
+                }[fmt]()
                 for record in _jsonl_lines(split, stream, cursor, max_bytes):
                     at = record[2]
                     yield record
@@ -552,8 +562,14 @@ class BadLog:
         n = self.counts[bad.reason]
         if self.warn and str(n).rstrip("0") == "1":
             detail = f" ({bad.detail})" if bad.detail else ""
-            log.warning("%sskipped a bad record (%s%s) at %s; %d skipped for this reason so far",
-                        self.prefix, bad.reason, detail, place, n)
+            log.warning(
+                "%sskipped a bad record (%s%s) at %s; %d skipped for this reason so far",
+                self.prefix,
+                bad.reason,
+                detail,
+                place,
+                n,
+            )
 
 
 # Bad records met by iter_documents since the process started (tokenizer sampling, `hlat data inspect`).
@@ -566,8 +582,9 @@ def record_size(record: bytes | str | np.ndarray | Bad) -> int:
     return 1 if isinstance(record, Bad) else 4 * len(record) if isinstance(record, np.ndarray) else len(record)
 
 
-def iter_documents(file: File, text_field: str = "text", max_bytes: int = 100_000_000,
-                   bad: BadLog = skipped) -> Iterator[str | np.ndarray]:
+def iter_documents(
+    file: File, text_field: str = "text", max_bytes: int = 100_000_000, bad: BadLog = skipped
+) -> Iterator[str | np.ndarray]:
     """The documents of one file; bad records are skipped and counted in `bad`."""
     split = Split(file, 0)
     for record, place, _ in read_split(split, (START, 0), text_field, max_bytes):

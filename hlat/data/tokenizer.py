@@ -49,7 +49,6 @@ def tokenizer_digest(tokenizer: Tokenizer) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-
 class HFTokenizer:
     kind = "hf"
     file_name = "tokenizer.json"
@@ -83,7 +82,7 @@ class HFTokenizer:
 # tiktoken BPE files do not record their pre-tokenization regex, so it is chosen by the vocabulary size of
 # the OpenAI family the file most likely belongs to: GPT-2/r50k (~50k), cl100k (~100k, also Llama 3),
 # o200k (~200k).
-_CL100K_PATTERN = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
+_CL100K_PATTERN = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""  # noqa: E501
 _O200K_PATTERN = "|".join(
     [
         r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
@@ -110,9 +109,7 @@ class TiktokenTokenizer:
         pattern = r50k_pat_str if n < 90_000 else _CL100K_PATTERN if n < 190_000 else _O200K_PATTERN
         special = {} if EOS.encode() in ranks else {EOS: n}
         self.eos_id = ranks.get(EOS.encode(), n)
-        self._enc = tiktoken.Encoding(
-            Path(source).stem, pat_str=pattern, mergeable_ranks=ranks, special_tokens=special
-        )
+        self._enc = tiktoken.Encoding(Path(source).stem, pat_str=pattern, mergeable_ranks=ranks, special_tokens=special)
         self.vocab_size = self._enc.n_vocab
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:

@@ -33,15 +33,17 @@ DEVICE_RESOURCE = {"gpu": "nvidia.com/gpu", "neuron": "aws.amazon.com/neuron"}  
 FABRIC_RESOURCE = {"efa": "vpc.amazonaws.com/efa"}  # the AWS EFA Kubernetes device plugin
 # What a node's fabric needs in the environment, and where each setting comes from. EFA is reached through
 # libfabric: by NCCL via the aws-ofi-nccl plugin, by Neuron's collectives directly.
-FABRIC_ENV = {"efa": {
-    # libfabric offers its EFA provider only, not its TCP or sockets ones (libfabric fi_efa(7); AWS EFA guides)
-    "FI_PROVIDER": "efa",
-    # RDMA straight to and from device memory: GPUDirect RDMA on p4d/p5/p5e, Trainium's RDMA on trn (fi_efa(7);
-    # AWS "Get started with EFA and NCCL" and AWS Neuron's multi-node training examples)
-    "FI_EFA_USE_DEVICE_RDMA": "1",
-    # a fork after EFA has registered memory stays safe (fi_efa(7); set by AWS Neuron's multi-node examples)
-    "FI_EFA_FORK_SAFE": "1",
-}}
+FABRIC_ENV = {
+    "efa": {
+        # libfabric offers its EFA provider only, not its TCP or sockets ones (libfabric fi_efa(7); AWS EFA guides)
+        "FI_PROVIDER": "efa",
+        # RDMA straight to and from device memory: GPUDirect RDMA on p4d/p5/p5e, Trainium's RDMA on trn (fi_efa(7);
+        # AWS "Get started with EFA and NCCL" and AWS Neuron's multi-node training examples)
+        "FI_EFA_USE_DEVICE_RDMA": "1",
+        # a fork after EFA has registered memory stays safe (fi_efa(7); set by AWS Neuron's multi-node examples)
+        "FI_EFA_FORK_SAFE": "1",
+    }
+}
 
 
 def _job_name(configs: list[str]) -> str:
@@ -57,9 +59,17 @@ def _env(c: ClusterConfig) -> dict[str, str]:
 def _torchrun(c: ClusterConfig, rdzv_id: str, endpoint: str, restarts: int) -> list[str]:
     elastic = bool(c.min_nodes) and c.min_nodes < c.nodes
     nodes = f"{c.min_nodes}:{c.nodes}" if elastic else str(c.nodes)
-    return ["hlat", "torchrun", f"--nnodes={nodes}", f"--nproc-per-node={c.nproc_per_node}",
-            f"--max-restarts={restarts}", "--rdzv-backend=c10d", f"--rdzv-id={rdzv_id}", f"--rdzv-endpoint={endpoint}",
-            *([f"--rdzv-conf={rendezvous_conf(c)}"] if elastic else [])]
+    return [
+        "hlat",
+        "torchrun",
+        f"--nnodes={nodes}",
+        f"--nproc-per-node={c.nproc_per_node}",
+        f"--max-restarts={restarts}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-id={rdzv_id}",
+        f"--rdzv-endpoint={endpoint}",
+        *([f"--rdzv-conf={rendezvous_conf(c)}"] if elastic else []),
+    ]
 
 
 def rendezvous_conf(c: ClusterConfig) -> str:
@@ -96,8 +106,11 @@ def render_slurm(configs: list[str], cfg: Config, overrides: list[str], node: No
         "set -uo pipefail",
         'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         *(f"export {k}={v}" for k, v in _env(c).items()),
-        *([f"# {node.fabric.upper()} fabric settings (where each comes from: hlat/jobs/launch.py, FABRIC_ENV)"]
-          if node.fabric else []),
+        *(
+            [f"# {node.fabric.upper()} fabric settings (where each comes from: hlat/jobs/launch.py, FABRIC_ENV)"]
+            if node.fabric
+            else []
+        ),
         *(f"export {k}={v}" for k, v in fabric_env(node).items()),
         f"# world size: {c.nodes} nodes x {c.nproc_per_node} processes = {c.world_size}",
         *(f"# {line}" for line in elastic_range(cfg)),
@@ -122,17 +135,27 @@ def _slurm_training(c: ClusterConfig, preflight: str, train: list[str], endpoint
     1 + max_restarts times, with the preflight before each start."""
     if not c.preflight_restarts:
         torchrun = _torchrun(c, '"$SLURM_JOB_ID"', endpoint, c.max_restarts)
-        return [*([preflight] if c.preflight else []), f"srun {' '.join(torchrun)} {shlex.join(train)} &",
-                "train_pid=$!", 'wait "$train_pid"']
+        return [
+            *([preflight] if c.preflight else []),
+            f"srun {' '.join(torchrun)} {shlex.join(train)} &",
+            "train_pid=$!",
+            'wait "$train_pid"',
+        ]
     torchrun = _torchrun(c, '"$SLURM_JOB_ID-$attempt"', endpoint, 0)
-    return [f"for attempt in $(seq 0 {c.max_restarts}); do  # the preflight before each start", f"    {preflight}",
-            f"    srun {' '.join(torchrun)} {shlex.join(train)} &", "    train_pid=$!", '    wait "$train_pid"; code=$?',
-            '    [ "$code" -eq 0 ] && exit 0',
-            f'    [ "$code" -eq {ERROR_EXIT} ] && {{ echo "hlat: training failed with an hlat error (exit code '
-            f'{ERROR_EXIT}): not restarted"; exit {ERROR_EXIT}; }}  # a full disk, a bad config: the same start would '
-            'fail the same way',
-            f'    echo "hlat: training failed (start $((attempt + 1)) of {c.max_restarts + 1}): preflight, then resume"',
-            "done", "exit 1"]
+    return [
+        f"for attempt in $(seq 0 {c.max_restarts}); do  # the preflight before each start",
+        f"    {preflight}",
+        f"    srun {' '.join(torchrun)} {shlex.join(train)} &",
+        "    train_pid=$!",
+        '    wait "$train_pid"; code=$?',
+        '    [ "$code" -eq 0 ] && exit 0',
+        f'    [ "$code" -eq {ERROR_EXIT} ] && {{ echo "hlat: training failed with an hlat error (exit code '
+        f'{ERROR_EXIT}): not restarted"; exit {ERROR_EXIT}; }}  # a full disk, a bad config: the same start would '
+        "fail the same way",
+        f'    echo "hlat: training failed (start $((attempt + 1)) of {c.max_restarts + 1}): preflight, then resume"',
+        "done",
+        "exit 1",
+    ]
 
 
 def render_k8s(configs: list[str], cfg: Config, image: str, node: NodeRequest) -> str:
@@ -141,18 +164,29 @@ def render_k8s(configs: list[str], cfg: Config, image: str, node: NodeRequest) -
     c, name = cfg.cluster, _job_name(configs)
     run_dir = PurePosixPath(K8S_WORKDIR, cfg.train.run_dir)  # an absolute run_dir stays as it is
     if not run_dir.is_relative_to(K8S_RUNS):
-        raise ConfigError(f"train.run_dir: {cfg.train.run_dir} is outside the volume mounted at {K8S_RUNS}: a "
-                          f"restarted pod would not find its checkpoints; use a relative path such as runs/{name}")
+        raise ConfigError(
+            f"train.run_dir: {cfg.train.run_dir} is outside the volume mounted at {K8S_RUNS}: a "
+            f"restarted pod would not find its checkpoints; use a relative path such as runs/{name}"
+        )
     pod = k8s_pod(c, name, image, node)
-    config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{name}-config"},
-                  "data": {PurePosixPath(K8S_CONFIG).name: cfg.to_toml()}}
+    config_map = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": f"{name}-config"},
+        "data": {PurePosixPath(K8S_CONFIG).name: cfg.to_toml()},
+    }
     job = {
         "apiVersion": "kubeflow.org/v1",
         "kind": "PyTorchJob",
         "metadata": {"name": name},
-        "spec": {"nprocPerNode": str(c.nproc_per_node), "runPolicy": {"backoffLimit": c.max_restarts},
-                 "pytorchReplicaSpecs": {"Master": _replica(pod, 1),
-                                         **({"Worker": _replica(pod, c.nodes - 1)} if c.nodes > 1 else {})}},
+        "spec": {
+            "nprocPerNode": str(c.nproc_per_node),
+            "runPolicy": {"backoffLimit": c.max_restarts},
+            "pytorchReplicaSpecs": {
+                "Master": _replica(pod, 1),
+                **({"Worker": _replica(pod, c.nodes - 1)} if c.nodes > 1 else {}),
+            },
+        },
     }
     # JSON is valid YAML and needs no YAML library; a List applies both objects with one `kubectl apply -f`
     return json.dumps({"apiVersion": "v1", "kind": "List", "items": [config_map, job]}, indent=2) + "\n"
@@ -167,38 +201,58 @@ def k8s_pod(c: ClusterConfig, name: str, image: str, node: NodeRequest) -> dict:
     endpoint = "$(PET_MASTER_ADDR):$(PET_MASTER_PORT)"
     # with cluster.preflight_restarts the pods restart (runPolicy.backoffLimit), each start after its preflight
     restarts = 0 if c.preflight_restarts else c.max_restarts
-    command = [*_torchrun(c, name, endpoint, restarts), "-m", "hlat", "train", "--config", K8S_CONFIG,
-               "--resume", "auto"]
+    command = [
+        *_torchrun(c, name, endpoint, restarts),
+        "-m",
+        "hlat",
+        "train",
+        "--config",
+        K8S_CONFIG,
+        "--resume",
+        "auto",
+    ]
     if c.preflight:  # exec: the training torchrun stays PID 1 and receives the pod's SIGTERM
         preflight = [*_torchrun(c, f"{name}-preflight", endpoint, 0), "-m", "hlat", "preflight", "--config", K8S_CONFIG]
         # Kubernetes substitutes $(PET_...) inside this string too, before bash runs it
         command = ["bash", "-c", f"{shlex.join(preflight)} && exec {shlex.join(command)}"]
     data = bool(c.data_volume)
     container = {
-        "name": "pytorch", "image": image, "workingDir": K8S_WORKDIR, "command": command,
+        "name": "pytorch",
+        "image": image,
+        "workingDir": K8S_WORKDIR,
+        "command": command,
         "env": [{"name": k, "value": v} for k, v in (_env(c) | fabric_env(node)).items()],
         "resources": k8s_resources(node),
-        "volumeMounts": [{"name": "runs", "mountPath": K8S_RUNS}, {"name": "shm", "mountPath": "/dev/shm"},
-                         {"name": "config", "mountPath": str(PurePosixPath(K8S_CONFIG).parent), "readOnly": True}]
-                        + [{"name": "data", "mountPath": K8S_DATA, "readOnly": True}] * data,
+        "volumeMounts": [
+            {"name": "runs", "mountPath": K8S_RUNS},
+            {"name": "shm", "mountPath": "/dev/shm"},
+            {"name": "config", "mountPath": str(PurePosixPath(K8S_CONFIG).parent), "readOnly": True},
+        ]
+        + [{"name": "data", "mountPath": K8S_DATA, "readOnly": True}] * data,
     }
     return {
         "terminationGracePeriodSeconds": c.stop_grace_s,
         "containers": [container],
-        "volumes": [{"name": "runs", "persistentVolumeClaim": {"claimName": c.run_volume}},
-                    {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{c.shm_gib}Gi"}},
-                    {"name": "config", "configMap": {"name": f"{name}-config"}}]
-                   + [{"name": "data", "persistentVolumeClaim": {"claimName": c.data_volume, "readOnly": True}}] * data,
+        "volumes": [
+            {"name": "runs", "persistentVolumeClaim": {"claimName": c.run_volume}},
+            {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{c.shm_gib}Gi"}},
+            {"name": "config", "configMap": {"name": f"{name}-config"}},
+        ]
+        + [{"name": "data", "persistentVolumeClaim": {"claimName": c.data_volume, "readOnly": True}}] * data,
     }
 
 
 def k8s_resources(node: NodeRequest) -> dict:
     """A pod's devices and fabric devices (limits: extended resources are requested as limited) and its CPUs and
     memory (requests: what the scheduler reserves on the node; no limits, which would throttle data workers)."""
-    limits = {**({DEVICE_RESOURCE[node.accelerator]: node.devices} if node.devices else {}),
-              **({FABRIC_RESOURCE[node.fabric]: node.fabric_devices} if node.fabric else {})}
-    requests = {**({"cpu": str(node.cpus)} if node.cpus else {}),
-                **({"memory": f"{node.memory_gib}Gi"} if node.memory_gib else {})}
+    limits = {
+        **({DEVICE_RESOURCE[node.accelerator]: node.devices} if node.devices else {}),
+        **({FABRIC_RESOURCE[node.fabric]: node.fabric_devices} if node.fabric else {}),
+    }
+    requests = {
+        **({"cpu": str(node.cpus)} if node.cpus else {}),
+        **({"memory": f"{node.memory_gib}Gi"} if node.memory_gib else {}),
+    }
     return {**({"limits": limits} if limits else {}), **({"requests": requests} if requests else {})}
 
 
@@ -218,9 +272,12 @@ def elastic_range(cfg: Config) -> list[str]:
             if n == c.min_nodes:
                 raise ConfigError(f"cluster.min_nodes: {n} nodes do not fit the layout: {e}") from None
             not_fits.append(n)
-    return [f"elastic: after a lost node the job goes on with {_either(fits)} nodes, at a smaller data-parallel "
-            "size, from the newest snapshot (docs/fault-tolerance.md)"] + (
-        [f"with {_either(not_fits)} nodes the layout does not fit: the trainers refuse in one line"] if not_fits else [])
+    return [
+        f"elastic: after a lost node the job goes on with {_either(fits)} nodes, at a smaller data-parallel "
+        "size, from the newest snapshot (docs/fault-tolerance.md)"
+    ] + (
+        [f"with {_either(not_fits)} nodes the layout does not fit: the trainers refuse in one line"] if not_fits else []
+    )
 
 
 def _either(counts: list[int]) -> str:

@@ -21,7 +21,7 @@ from hlat.files import append_text, record_seen, writing
 
 
 def child_command(train_args: list[str], nproc: int) -> list[str]:
-    launcher = (["-m", "hlat", "torchrun", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else [])
+    launcher = ["-m", "hlat", "torchrun", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else []
     return [sys.executable, *launcher, "-m", "hlat", "train", *train_args]
 
 
@@ -50,8 +50,12 @@ def supervise(train_args: list[str], run_dir: Path, max_restarts: int, nproc: in
     try:
         for attempt in range(max_restarts + 1):
             started = time.time()
-            child = subprocess.Popen(child_command([*train_args, "--resume", "auto"], nproc),
-                                     stderr=subprocess.PIPE, text=True, errors="replace")
+            child = subprocess.Popen(
+                child_command([*train_args, "--resume", "auto"], nproc),
+                stderr=subprocess.PIPE,
+                text=True,
+                errors="replace",
+            )
             error = ""
             for line in child.stderr:  # shown as it comes; hlat's own error line (a hang, a crash) is the cause
                 sys.stderr.write(line)
@@ -62,17 +66,26 @@ def supervise(train_args: list[str], run_dir: Path, max_restarts: int, nproc: in
                 record_seen(run_dir, "supervisor", describe_exit(code))
             if code == 0 or stopping or code == ERROR_EXIT or attempt == max_restarts:
                 if code not in (0, ERROR_EXIT) and not stopping:
-                    print(f"hlat: error: gave up after {max_restarts} restarts ({describe_exit(code)})",
-                          file=sys.stderr)
+                    print(
+                        f"hlat: error: gave up after {max_restarts} restarts ({describe_exit(code)})", file=sys.stderr
+                    )
                 return code
-            record = {"restart": attempt + 1, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                      "ran_s": round(time.time() - started, 1), "exit": describe_exit(code), "error": error}
+            record = {
+                "restart": attempt + 1,
+                "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "ran_s": round(time.time() - started, 1),
+                "exit": describe_exit(code),
+                "error": error,
+            }
             with writing(run_dir, run_dir):
                 run_dir.mkdir(parents=True, exist_ok=True)
             append_text(run_dir / "restarts.jsonl", json.dumps(record) + "\n", run_dir)
-            print(f"hlat: restart {attempt + 1}/{max_restarts} after {describe_exit(code)}"
-                  f"{f' ({error})' if error else ''}; resuming from the newest good checkpoint",
-                  file=sys.stderr, flush=True)
+            print(
+                f"hlat: restart {attempt + 1}/{max_restarts} after {describe_exit(code)}"
+                f"{f' ({error})' if error else ''}; resuming from the newest good checkpoint",
+                file=sys.stderr,
+                flush=True,
+            )
         return code
     finally:
         for s, h in previous.items():

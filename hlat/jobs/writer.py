@@ -97,8 +97,10 @@ class Holder:
     def describe(self) -> str:
         job = f"job {self.job}, " if self.job else ""
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started))
-        return (f"{job}pid {self.pid} on {self.host}, started {since}, last heard from "
-                f"{max(0.0, time.time() - self.heartbeat):.0f} s ago")
+        return (
+            f"{job}pid {self.pid} on {self.host}, started {since}, last heard from "
+            f"{max(0.0, time.time() - self.heartbeat):.0f} s ago"
+        )
 
 
 class RunDirLock:
@@ -133,9 +135,11 @@ class RunDirLock:
         same_job = bool(holder and self.me.job and holder.job == self.me.job)
         if locked is False and same_job:
             if not self._wait_for_own(holder):  # this job's earlier start, dead, its lock not yet lapsed...
-                raise HlatError(f"train.run_dir: {self.run_dir} is still held by an earlier start of this job "
-                                f"({holder.describe()}) after {OWN_WAIT_S:.0f} s: it lives on; stop it, then start "
-                                "again")  # ...or alive after all (a requeue while the old job lingers)
+                raise HlatError(
+                    f"train.run_dir: {self.run_dir} is still held by an earlier start of this job "
+                    f"({holder.describe()}) after {OWN_WAIT_S:.0f} s: it lives on; stop it, then start "
+                    "again"
+                )  # ...or alive after all (a requeue while the old job lingers)
             return
         if locked is False:
             silent = holder and time.time() - holder.heartbeat > 2 * HEARTBEAT_S
@@ -145,8 +149,11 @@ class RunDirLock:
             return  # the kernel or the file server decided, for every host
         # no locks here, or node-local ones: the record decides (on this host, by the holder's pid)
         if holder and not same_job and (locked is None or holder.host != self.me.host) and holder.fresh():
-            raise self._refusal(holder, f" ({local or 'this file system has no file locks'}: the holder's record "
-                                        f"decides until it is {STALE_S:.0f} s old)")
+            raise self._refusal(
+                holder,
+                f" ({local or 'this file system has no file locks'}: the holder's record "
+                f"decides until it is {STALE_S:.0f} s old)",
+            )
 
     def _try_lock(self) -> bool | None:
         """True: locked; False: another process holds it; None: the file system has no flock."""
@@ -161,9 +168,12 @@ class RunDirLock:
             raise
 
     def _wait_for_own(self, holder: Holder) -> bool:
-        print(f"hlat: {self.run_dir} is still locked by this job's earlier start ({holder.describe()}); waiting up "
-              f"to {OWN_WAIT_S:.0f} s for the file system to release a dead process's lock", file=sys.stderr,
-              flush=True)
+        print(
+            f"hlat: {self.run_dir} is still locked by this job's earlier start ({holder.describe()}); waiting up "
+            f"to {OWN_WAIT_S:.0f} s for the file system to release a dead process's lock",
+            file=sys.stderr,
+            flush=True,
+        )
         deadline = time.monotonic() + OWN_WAIT_S
         while time.monotonic() < deadline:
             time.sleep(POLL_S)
@@ -173,8 +183,10 @@ class RunDirLock:
 
     def _refusal(self, holder: Holder | None, how: str) -> HlatError:
         who = holder.describe() if holder else "a process that has not written its record yet"
-        return HlatError(f"train.run_dir: {self.run_dir} is in use by another job ({who}){how}; one job writes a run "
-                         "directory at a time: wait for it to end or stop it, or choose another --train.run_dir")
+        return HlatError(
+            f"train.run_dir: {self.run_dir} is in use by another job ({who}){how}; one job writes a run "
+            "directory at a time: wait for it to end or stop it, or choose another --train.run_dir"
+        )
 
     def _read(self) -> Holder | None:
         """The record in the lock file (None: empty, as a clean release leaves it); one being rewritten is read

@@ -9,17 +9,25 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hlat.dtensor import local_elements
 from hlat.measure.options import Options
 from hlat.measure.report import ComputeRow
-from hlat.measure.timed_model import (TimedModel, block_mesh, block_step, build_timed_model, embedding_step,
-                                      ends_step, settle, time_steps)
+from hlat.measure.timed_model import (
+    TimedModel,
+    block_mesh,
+    block_step,
+    build_timed_model,
+    embedding_step,
+    ends_step,
+    settle,
+    time_steps,
+)
 from hlat.measure.timing import timed_on_every_rank
 from hlat.optim import build_optimizer
 from hlat.optim.modes import MODES
 from hlat.parallel.grads import global_grad_norm
 from hlat.planner.costs import block_shape, dp_block_shape, optimizer_bytes
 from hlat.train.step import clipped_update
-from hlat.dtensor import local_elements
 
 
 @dataclass
@@ -34,8 +42,10 @@ class BlockTiming:
     embedding_s: float = 0.0  # of which the embedding; 0: not timed apart
 
     def rows(self) -> list[ComputeRow]:
-        rows = [ComputeRow(f"block (fwd+bwd) {self.layout}", self.size, self.block_s),
-                ComputeRow(f"embedding, output layer, loss (fwd+bwd) {self.layout}", self.size, self.ends_s)]
+        rows = [
+            ComputeRow(f"block (fwd+bwd) {self.layout}", self.size, self.block_s),
+            ComputeRow(f"embedding, output layer, loss (fwd+bwd) {self.layout}", self.size, self.ends_s),
+        ]
         if self.embedding_s:
             rows.append(ComputeRow(f"of which the embedding (fwd+bwd) {self.layout}", self.size, self.embedding_s))
         return rows
@@ -52,8 +62,12 @@ class UpdateTiming:
     gbs: float  # of the precision mode's nominal AdamW bytes
 
     def row(self) -> ComputeRow:
-        return ComputeRow(f"update (clip, {self.optimizer}) {self.precision}", f"{self.params} params", self.seconds,
-                          f"{self.gbs:.3g} GB/s")
+        return ComputeRow(
+            f"update (clip, {self.optimizer}) {self.precision}",
+            f"{self.params} params",
+            self.seconds,
+            f"{self.gbs:.3g} GB/s",
+        )
 
 
 def block_rows(timings: list[BlockTiming], update: UpdateTiming | None) -> list[ComputeRow]:
@@ -63,15 +77,18 @@ def block_rows(timings: list[BlockTiming], update: UpdateTiming | None) -> list[
 
 def block_fields(timings: list[BlockTiming], update: UpdateTiming | None) -> dict:
     """The `Measured` fields of the timings: one entry per shape, in the order they were taken."""
-    fields = {"block_shapes": [t.shape for t in timings], "block_s": [t.block_s for t in timings],
-              "ends_s": [t.ends_s for t in timings], "embedding_s": [t.embedding_s for t in timings]}
+    fields = {
+        "block_shapes": [t.shape for t in timings],
+        "block_s": [t.block_s for t in timings],
+        "ends_s": [t.ends_s for t in timings],
+        "embedding_s": [t.embedding_s for t in timings],
+    }
     if update is None:
         return fields
     return {**fields, "bf16_optimizer_gbs" if update.optimizer == "BF16AdamW" else "optimizer_gbs": update.gbs}
 
 
-def measure_blocks(options: Options, device: torch.device,
-                   world: int) -> tuple[list[BlockTiming], UpdateTiming | None]:
+def measure_blocks(options: Options, device: torch.device, world: int) -> tuple[list[BlockTiming], UpdateTiming | None]:
     """Whole blocks of the real model, forward + backward, and the rest of a micro-batch (embedding, final
     norm, output layer and loss), run as the trainer runs them (`build_timed_model`), for each tensor-parallel
     degree that divides the ranks (over groups of neighbouring ranks, as the trainer's mesh puts tp innermost) and
@@ -106,8 +123,7 @@ def plain_timing(options: Options, timed_model: TimedModel, world: int) -> Block
     return BlockTiming(shape, layout, size, *time_steps(timed_model, steps, world, options.repeats))
 
 
-def data_parallel_timings(options: Options, timed_model: TimedModel, arrangement: str,
-                          world: int) -> list[BlockTiming]:
+def data_parallel_timings(options: Options, timed_model: TimedModel, arrangement: str, world: int) -> list[BlockTiming]:
     """Blocks and ends under `arrangement` as a step's last micro-batch runs them and, for ZeRO-1 and DDP (whose
     other micro-batches reduce nothing), as the others do; under `dp_block_shape`."""
     shape, layout, size = block_labels(options, timed_model)
@@ -125,10 +141,20 @@ def block_labels(options: Options, timed_model: TimedModel) -> tuple[str, str, s
     tp, micro_batch = timed_model.tp, timed_model.micro_batch
     sequence_parallel = options.sequence_parallel and tp > 1
     compiled = options.compiled_blocks(tp)
-    shape = block_shape(options.model, options.seq_len, micro_batch, options.precision, tp, sequence_parallel,
-                        options.recompute, compiled)
-    layout = (f"tp{tp}{' sp' if sequence_parallel else ''} ac:{options.recompute} {options.precision}"
-              f"{' compiled' if compiled else ''}")
+    shape = block_shape(
+        options.model,
+        options.seq_len,
+        micro_batch,
+        options.precision,
+        tp,
+        sequence_parallel,
+        options.recompute,
+        compiled,
+    )
+    layout = (
+        f"tp{tp}{' sp' if sequence_parallel else ''} ac:{options.recompute} {options.precision}"
+        f"{' compiled' if compiled else ''}"
+    )
     return shape, layout, f"{micro_batch}x{options.seq_len}"
 
 
@@ -143,8 +169,9 @@ def measure_update(options: Options, timed_model: TimedModel) -> UpdateTiming:
     parts = nn.ModuleList([timed_model.blocks, timed_model.rest])
     params = [p for p in parts.parameters() if p.grad is not None]
     optimizer = build_optimizer(parts, options.optim, options.precision)
-    seconds = timed_on_every_rank(lambda: update_step(params, optimizer, options.optim.clip_grad_norm),
-                                  timed_model.device, options.repeats)
+    seconds = timed_on_every_rank(
+        lambda: update_step(params, optimizer, options.optim.clip_grad_norm), timed_model.device, options.repeats
+    )
     count = local_elements(params)
     mode = MODES[options.precision]
     gbs = optimizer_bytes(count, mode.weight_bytes, mode.grad_bytes, mode.optimizer_bytes) / seconds / 1e9

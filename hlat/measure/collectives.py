@@ -30,13 +30,18 @@ class Communication:
     def fields(self) -> dict:
         """The `Measured` fields: [bytes, bus GB/s] per collective, the median link, the overlap."""
         fields = {op: [[r.bytes, r.busbw_gbs] for r in self.collectives if r.op == op] for op in COLLECTIVES}
-        return {**fields, "send_recv": [[statistics.median(r.bytes for r in self.links),
-                                         statistics.median(r.gbs for r in self.links)]],
-                "overlap": round(self.overlap, 3)}
+        return {
+            **fields,
+            "send_recv": [
+                [statistics.median(r.bytes for r in self.links), statistics.median(r.gbs for r in self.links)]
+            ],
+            "overlap": round(self.overlap, 3),
+        }
 
 
-def measure_communication(options: Options, device: torch.device, rank: int, world: int,
-                          hosts: list[str]) -> Communication:
+def measure_communication(
+    options: Options, device: torch.device, rank: int, world: int, hosts: list[str]
+) -> Communication:
     collectives, waited_s, collective_s = measure_collectives(options, device, rank, world)
     links = measure_links(options, device, rank, world, hosts)
     overlap = gather_objects(measure_overlap(options, device))[0]
@@ -48,8 +53,9 @@ def debug_delay(options: Options, rank: int) -> None:
         time.sleep(options.delay_ms / 1e3)
 
 
-def measure_collectives(options: Options, device: torch.device, rank: int,
-                        world: int) -> tuple[list[CollectiveRow], float, float]:
+def measure_collectives(
+    options: Options, device: torch.device, rank: int, world: int
+) -> tuple[list[CollectiveRow], float, float]:
     """Bus bandwidth of each collective at each size (nccl-tests' busbw: algbw x 2(n-1)/n for all-reduce,
     x (n-1)/n for all-gather and reduce-scatter), the seconds this rank spent before entering them, and the
     seconds the timed collectives took in all."""
@@ -66,8 +72,9 @@ def measure_collectives(options: Options, device: torch.device, rank: int,
     return rows, waited_s, collective_s
 
 
-def collective_times(op: str, full: torch.Tensor, shard: torch.Tensor, options: Options,
-                     rank: int) -> tuple[list[float], float]:
+def collective_times(
+    op: str, full: torch.Tensor, shard: torch.Tensor, options: Options, rank: int
+) -> tuple[list[float], float]:
     """Seconds of each timed repeat of `op` (after one untimed), every rank starting together, and the seconds
     this rank delayed before entering them all."""
     delays = []
@@ -90,7 +97,7 @@ def bulk_size(options: Options) -> int:
     """Bytes of the link and overlap checks: the largest size up to 16 MiB, about one block's gradients (the
     sweep may reach a 200 MB embedding; a message that long would measure how much of the overlap check's
     matmul hides behind it, not the reverse)."""
-    return min(max(options.sizes), 2 ** 24)
+    return min(max(options.sizes), 2**24)
 
 
 def measure_links(options: Options, device: torch.device, rank: int, world: int, hosts: list[str]) -> list[LinkRow]:
@@ -100,13 +107,23 @@ def measure_links(options: Options, device: torch.device, rank: int, world: int,
     own = [statistics.median(link_times(src, (src + 1) % world, message, options, rank)) for src in range(world)]
     # only the pair's two ranks timed the transfer: take the sender's figure
     timed_by = gather_objects(own)
-    return [LinkRow(src, (src + 1) % world, f"{hosts[src]} -> {hosts[(src + 1) % world]}", nbytes,
-                    timed_by[src][src], nbytes / timed_by[src][src] / 1e9) for src in range(world)]
+    return [
+        LinkRow(
+            src,
+            (src + 1) % world,
+            f"{hosts[src]} -> {hosts[(src + 1) % world]}",
+            nbytes,
+            timed_by[src][src],
+            nbytes / timed_by[src][src] / 1e9,
+        )
+        for src in range(world)
+    ]
 
 
 def link_times(src: int, dst: int, message: torch.Tensor, options: Options, rank: int) -> list[float]:
     """Seconds of each timed repeat of `message` sent from `src` to `dst` (after one untimed), as this rank saw
     them (meaningful on the pair's two ranks)."""
+
     def run() -> None:
         if rank == src:
             debug_delay(options, rank)

@@ -15,8 +15,7 @@ from hlat.measure.options import Options
 from hlat.measure.report import ComputeRow
 from hlat.measure.timing import timed
 from hlat.models.layers import apply_rope, rope_table
-from hlat.planner.costs import (attention_flops, layer_matmuls, loss_bytes, matmul_flops, memory_op_bytes,
-                                output_matmul)
+from hlat.planner.costs import attention_flops, layer_matmuls, loss_bytes, matmul_flops, memory_op_bytes, output_matmul
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -32,8 +31,9 @@ def measure_compute(options: Options, device: torch.device) -> tuple[list[Comput
     return rows + memory_rows, {**fields, **bandwidths}
 
 
-def measure_matmuls(options: Options, device: torch.device,
-                    dtype_name: str) -> tuple[list[ComputeRow], list[list[float]]]:
+def measure_matmuls(
+    options: Options, device: torch.device, dtype_name: str
+) -> tuple[list[ComputeRow], list[list[float]]]:
     """Every matmul of `matmul_shapes`; the rates as [FLOPs per call, TFLOP/s] sorted by FLOPs (one rate per FLOP
     count: the last shape timed with it)."""
     rows, tflops_at = [], {}
@@ -43,8 +43,14 @@ def measure_matmuls(options: Options, device: torch.device,
         seconds = timed(partial(torch.matmul, lhs, rhs), device, options.repeats)
         flops = matmul_flops((lhs_rows, inner, rhs_cols))
         tflops_at[flops] = flops / seconds / 1e12
-        rows.append(ComputeRow(f"matmul {name} {dtype_name}", f"{lhs_rows}x{inner}x{rhs_cols}", seconds,
-                               f"{tflops_at[flops]:.3g} TFLOP/s"))
+        rows.append(
+            ComputeRow(
+                f"matmul {name} {dtype_name}",
+                f"{lhs_rows}x{inner}x{rhs_cols}",
+                seconds,
+                f"{tflops_at[flops]:.3g} TFLOP/s",
+            )
+        )
     return rows, sorted([flops, tflops] for flops, tflops in tflops_at.items())
 
 
@@ -58,18 +64,21 @@ def matmul_shapes(options: Options) -> Iterator[tuple[str, tuple[int, int, int]]
             yield from ((f"{name} tp{tp}", shape) for name, shape in shapes.items())
 
 
-def measure_attention(options: Options, device: torch.device,
-                      dtype_name: str) -> tuple[ComputeRow, list[list[float]]]:
+def measure_attention(options: Options, device: torch.device, dtype_name: str) -> tuple[ComputeRow, list[list[float]]]:
     """Causal SDPA forward + backward at the micro-batch and sequence length, all heads on one device."""
     model = options.model
     shape = (options.micro_batch, model.n_heads, options.seq_len, model.head_dim)
     query = torch.randn(shape, device=device, dtype=DTYPES[dtype_name], requires_grad=True)
     key_value = torch.randn(shape, device=device, dtype=DTYPES[dtype_name], requires_grad=True)
-    seconds = timed(lambda: backward(F.scaled_dot_product_attention(query, key_value, key_value, is_causal=True)),
-                    device, options.repeats)
+    seconds = timed(
+        lambda: backward(F.scaled_dot_product_attention(query, key_value, key_value, is_causal=True)),
+        device,
+        options.repeats,
+    )
     tflops = attention_flops(model, options.micro_batch, options.seq_len, 1) / seconds / 1e12
-    row = ComputeRow(f"attention (SDPA causal, fwd+bwd) {dtype_name}", "x".join(map(str, shape)), seconds,
-                     f"{tflops:.3g} TFLOP/s")
+    row = ComputeRow(
+        f"attention (SDPA causal, fwd+bwd) {dtype_name}", "x".join(map(str, shape)), seconds, f"{tflops:.3g} TFLOP/s"
+    )
     return row, [[options.seq_len, tflops]]
 
 
@@ -99,14 +108,17 @@ def memory_bound_ops(options: Options, device: torch.device, dtype: torch.dtype)
     x = torch.randn(*shape, model.dim, device=device, dtype=dtype, requires_grad=True)
     gate = torch.randn(*shape, model.ffn_dim, device=device, dtype=dtype, requires_grad=True)
     up = torch.randn_like(gate, requires_grad=True)
-    qk = torch.randn(*shape, model.n_heads + model.kv_heads, model.head_dim, device=device, dtype=dtype,
-                     requires_grad=True)
+    qk = torch.randn(
+        *shape, model.n_heads + model.kv_heads, model.head_dim, device=device, dtype=dtype, requires_grad=True
+    )
     rope = rope_table(model, device)[: options.seq_len]
     weight = torch.ones(model.dim, device=device, dtype=dtype)
-    return {"norm": lambda: [backward(F.rms_norm(x, (model.dim,), weight)) for _ in range(2)],
-            "activation": lambda: backward(F.silu(gate) * up if model.family == "llama" else F.gelu(gate)),
-            "rotary": lambda: backward(apply_rope(qk, rope)),
-            "residual": lambda: [backward(x + x) for _ in range(2)]}
+    return {
+        "norm": lambda: [backward(F.rms_norm(x, (model.dim,), weight)) for _ in range(2)],
+        "activation": lambda: backward(F.silu(gate) * up if model.family == "llama" else F.gelu(gate)),
+        "rotary": lambda: backward(apply_rope(qk, rope)),
+        "residual": lambda: [backward(x + x) for _ in range(2)],
+    }
 
 
 def measure_loss(options: Options, device: torch.device) -> tuple[ComputeRow, float]:

@@ -48,8 +48,13 @@ def still(refs: dict[int, StorageWeakRef], ptr: int) -> bool:
 
 def optimizer_tensors(optimizers: list[torch.optim.Optimizer]) -> list[torch.Tensor]:
     """The optimizers' per-element states (not the scalar step counters)."""
-    return [t for opt in optimizers for state in opt.state.values() for t in state.values()
-            if isinstance(t, torch.Tensor) and t.ndim > 0]
+    return [
+        t
+        for opt in optimizers
+        for state in opt.state.values()
+        for t in state.values()
+        if isinstance(t, torch.Tensor) and t.ndim > 0
+    ]
 
 
 def meta_elements(parts: list[nn.Module]) -> int:
@@ -104,8 +109,9 @@ class KeptForBackward(TorchDispatchMode):
         if func in CASTS and isinstance(args[0], nn.Parameter):
             self.casts |= weak_storages([out])
         if func == ALL_GATHER and torch.distributed.ProcessGroup.unbox(args[2]).group_name in self.sharding:
-            self.buffers |= {ptr: (ref, args[0].untyped_storage().nbytes())
-                             for ptr, ref in weak_storages([args[0]]).items()}
+            self.buffers |= {
+                ptr: (ref, args[0].untyped_storage().nbytes()) for ptr, ref in weak_storages([args[0]]).items()
+            }
         return out
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -135,8 +141,9 @@ class KeptForBackward(TorchDispatchMode):
 
     def sample(self, gathered: dict[int, int]) -> None:
         gc.collect()
-        kept = {ptr: n for ptr, n in storages(live_tensors()).items()
-                if not still(self.before, ptr) and ptr not in gathered}
+        kept = {
+            ptr: n for ptr, n in storages(live_tensors()).items() if not still(self.before, ptr) and ptr not in gathered
+        }
         casts = sum(n for ptr, n in kept.items() if still(self.casts, ptr))
         self.peak["parameter_casts"] = max(self.peak["parameter_casts"], casts)
         self.peak["activations"] = max(self.peak["activations"], sum(kept.values()) - casts)

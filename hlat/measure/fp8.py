@@ -24,6 +24,7 @@ from hlat.optim.fp8 import fp8_unsupported as fp8_device_unsupported
 from hlat.optim.precision import autocast, dtypes
 from hlat.planner.costs import block_linears, matmul_flops
 
+
 def fp8_unsupported(device: torch.device) -> str:
     """Why FP8 matmuls cannot be measured on `device` ('' when they can)."""
     why = fp8_device_unsupported(device)
@@ -42,15 +43,23 @@ def measure_fp8(options: Options, device: torch.device) -> tuple[str, list[Compu
         return f"FP8 matmuls: not measured: {why}; emulation is no hardware figure", [], {}
     rows, fields = [], {}
     for recipe in options.fp8:
-        make_linear = partial(float8_linear, recipe=recipe, device=device, dtype=dtypes(fp8_mode(options))[0],
-                              compiled=True)
+        make_linear = partial(
+            float8_linear, recipe=recipe, device=device, dtype=dtypes(fp8_mode(options))[0], compiled=True
+        )
         recipe_rows, fields[f"matmul_fp8_{recipe}"] = linear_rates(options, device, make_linear, f"fp8 {recipe}")
         rows += recipe_rows
     return f"FP8 matmuls: measured ({', '.join(options.fp8)})", rows, fields
 
 
-def float8_linear(in_features: int, out_features: int, recipe: str, device: torch.device, dtype: torch.dtype,
-                  emulate: bool = False, compiled: bool = False) -> nn.Module:
+def float8_linear(
+    in_features: int,
+    out_features: int,
+    recipe: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    emulate: bool = False,
+    compiled: bool = False,
+) -> nn.Module:
     """A block's linear layer (no bias) as hlat's FP8 training converts it (torchao's `convert_to_float8_training`
     with hlat's `float8_config`); `emulate` computes in high precision what the FP8 kernels would (a CPU's only
     way). `compiled`: as the trainer runs it with parallel.compile, its casts and scaling fused (eager, each cast
@@ -62,8 +71,9 @@ def float8_linear(in_features: int, out_features: int, recipe: str, device: torc
     return torch.compile(linear) if compiled else linear
 
 
-def linear_rates(options: Options, device: torch.device, make_linear: Callable[[int, int], nn.Module],
-                 label: str) -> tuple[list[ComputeRow], list[list[float]]]:
+def linear_rates(
+    options: Options, device: torch.device, make_linear: Callable[[int, int], nn.Module], label: str
+) -> tuple[list[ComputeRow], list[list[float]]]:
     """Forward + backward of `make_linear(in_features, out_features)` at each distinct shape of a block's linear
     layers (per micro-batch and tensor-parallel degree), under `fp8_mode`'s autocast; the rates as [forward FLOPs
     per call, TFLOP/s] sorted by FLOPs. One rate per FLOP count: the 3 x forward FLOPs over the seconds of every
@@ -78,8 +88,14 @@ def linear_rates(options: Options, device: torch.device, make_linear: Callable[[
         flops = matmul_flops(shape)
         total = totals.setdefault(flops, [0.0, 0.0])
         total[0], total[1] = total[0] + 3 * flops * len(names), total[1] + seconds * len(names)
-        rows.append(ComputeRow(f"linear {'/'.join(names)} {label} (fwd+bwd)", f"{tokens}x{inner}x{columns}", seconds,
-                               f"{3 * flops / seconds / 1e12:.3g} TFLOP/s"))
+        rows.append(
+            ComputeRow(
+                f"linear {'/'.join(names)} {label} (fwd+bwd)",
+                f"{tokens}x{inner}x{columns}",
+                seconds,
+                f"{3 * flops / seconds / 1e12:.3g} TFLOP/s",
+            )
+        )
     return rows, sorted([flops, run / seconds / 1e12] for flops, (run, seconds) in totals.items())
 
 

@@ -35,11 +35,11 @@ def check_memory(options: Options, device: torch.device) -> dict:
     want, pieces, allocated = int(free * options.memory_fraction), [], 0
     try:
         while allocated < want:
-            pieces.append(torch.empty(min(2 ** 30, want - allocated), dtype=torch.uint8, device=device))
+            pieces.append(torch.empty(min(2**30, want - allocated), dtype=torch.uint8, device=device))
             allocated += pieces[-1].numel()
-        return {"checked": True, "allocated_gib": want / 2 ** 30, "total_gib": total / 2 ** 30}
+        return {"checked": True, "allocated_gib": want / 2**30, "total_gib": total / 2**30}
     except torch.OutOfMemoryError:
-        return {"checked": True, "failed": True, "allocated_gib": allocated / 2 ** 30, "wanted_gib": want / 2 ** 30}
+        return {"checked": True, "failed": True, "allocated_gib": allocated / 2**30, "wanted_gib": want / 2**30}
     finally:
         del pieces
 
@@ -53,24 +53,40 @@ def straggler_scores(timings: list[tuple[float, float, float]], hosts: list[str]
     compute = statistics.median(t[0] for t in timings)
     wait = statistics.median(t[1] for t in timings)
     collective = statistics.median(t[2] for t in timings)
-    return [StragglerRow(rank, hosts[rank], compute_s, wait_s,
-                         max(compute_s / compute if compute else 1.0,
-                             1 + (wait_s - wait) / collective if collective else 1.0))
-            for rank, (compute_s, wait_s, _) in enumerate(timings)]
+    return [
+        StragglerRow(
+            rank,
+            hosts[rank],
+            compute_s,
+            wait_s,
+            max(compute_s / compute if compute else 1.0, 1 + (wait_s - wait) / collective if collective else 1.0),
+        )
+        for rank, (compute_s, wait_s, _) in enumerate(timings)
+    ]
 
 
 def problems(report: Report, threshold: float) -> list[str]:
     """One line per device or link below the threshold, naming rank and host."""
-    lines = [f"rank {rank} ({report.hosts[rank]}): numerics differ from the other ranks for the same inputs"
-             for rank in report.mismatched]
-    lines += [f"rank {s.rank} ({s.host}): straggler, {s.score:.2f}x the median rank's time"
-              for s in report.stragglers if s.score > 1 / threshold]
+    lines = [
+        f"rank {rank} ({report.hosts[rank]}): numerics differ from the other ranks for the same inputs"
+        for rank in report.mismatched
+    ]
+    lines += [
+        f"rank {s.rank} ({s.host}): straggler, {s.score:.2f}x the median rank's time"
+        for s in report.stragglers
+        if s.score > 1 / threshold
+    ]
     if report.links:
         median = statistics.median(link.gbs for link in report.links)
-        lines += [f"link rank {link.src} -> rank {link.dst} ({link.hosts}): {link.gbs:.3g} GB/s, "
-                  f"{link.gbs / median:.0%} of the median link"
-                  for link in report.links if link.gbs < threshold * median]
+        lines += [
+            f"link rank {link.src} -> rank {link.dst} ({link.hosts}): {link.gbs:.3g} GB/s, "
+            f"{link.gbs / median:.0%} of the median link"
+            for link in report.links
+            if link.gbs < threshold * median
+        ]
     if report.memory.get("failed"):
-        lines.append(f"rank 0 ({report.hosts[0]}): could allocate only {report.memory['allocated_gib']:.1f} of "
-                     f"{report.memory['wanted_gib']:.1f} GiB")
+        lines.append(
+            f"rank 0 ({report.hosts[0]}): could allocate only {report.memory['allocated_gib']:.1f} of "
+            f"{report.memory['wanted_gib']:.1f} GiB"
+        )
     return lines

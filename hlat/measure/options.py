@@ -23,7 +23,7 @@ class Options:
     other_micro_batches: tuple[int, ...] = ()  # the matmul shapes of these micro-batches are measured too
     dtypes: tuple[str, ...] = ("fp32",)
     fp8: tuple[str, ...] = FP8_RECIPES  # recipes whose FP8 linears are timed, where the device has FP8 tensor cores
-    sizes: tuple[int, ...] = tuple(2 ** k for k in range(12, 25, 3))  # bytes per device: 4 KiB to 16 MiB
+    sizes: tuple[int, ...] = tuple(2**k for k in range(12, 25, 3))  # bytes per device: 4 KiB to 16 MiB
     repeats: int = 5
     threshold: float = 0.8  # a device or link below this share of the median (or of the profile) fails
     memory_fraction: float = 0.9
@@ -54,5 +54,5 @@ def default_sizes(model: ModelConfig) -> tuple[int, ...]:
     """4 KiB to 16 MiB by 8x, and the sizes of the model's own data-parallel messages (fp32, without tensor
     parallelism: one block, and the rest of the model), up to 1 GiB: the trainer reduces and gathers one
     `fully_shard` unit at a time, and the rate at 16 MiB need not hold at a 200 MB embedding."""
-    units = {min(int(params) * 4, 2 ** 30) for _, params in sharded_units(model, Layout.of())}
+    units = {min(int(params) * 4, 2**30) for _, params in sharded_units(model, Layout.of())}
     return tuple(sorted(set(Options.sizes) | {u for u in units if u > 0}))

@@ -92,5 +92,7 @@ def measure_and_check(options: Options, device: torch.device, rank: int, world: 
 
 
 def measured_source(options: Options, device: torch.device, hosts: list[str]) -> str:
-    return (f"hlat preflight, {len(hosts)} rank(s) on {', '.join(sorted(set(hosts)))} ({device.type}), "
-            f"{options.model.preset or options.model.family} seq {options.seq_len} micro-batch {options.micro_batch}")
+    return (
+        f"hlat preflight, {len(hosts)} rank(s) on {', '.join(sorted(set(hosts)))} ({device.type}), "
+        f"{options.model.preset or options.model.family} seq {options.seq_len} micro-batch {options.micro_batch}"
+    )

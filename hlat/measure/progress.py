@@ -31,10 +31,12 @@ class Progress:
     def watching(self, first_part: nn.Module, micro_batches: int):
         """Count the micro-batches through this rank's first part (pipelined or not, one forward each, and one
         backward, which begins when its output's gradient arrives)."""
+
         def due() -> None:
             if time.monotonic() - self.last >= EVERY_S:
-                self.say(f"{self.at}: micro-batch {self.forwards} of {micro_batches} forward, {self.backwards} "
-                         "backward")
+                self.say(
+                    f"{self.at}: micro-batch {self.forwards} of {micro_batches} forward, {self.backwards} backward"
+                )
 
         def forward(*_) -> None:
             self.forwards += 1

@@ -75,8 +75,14 @@ class Rehearsal:
         return Layout(self.layout, self.cfg.train.micro_batch)
 
 
-def prepare(cfg: Config, world_size: int | None, ranks: list[int] | None, steps: int, micro_batches: int | None,
-            hardware: str | None) -> Rehearsal:
+def prepare(
+    cfg: Config,
+    world_size: int | None,
+    ranks: list[int] | None,
+    steps: int,
+    micro_batches: int | None,
+    hardware: str | None,
+) -> Rehearsal:
     """The rehearsal's settings, every mistake a one-line error: the layout is refused exactly as `hlat train`
     refuses it at this world size."""
     world = world_size or cfg.cluster.world_size
@@ -101,8 +107,10 @@ def check_micro_batches(layout: ParallelConfig, micro: int, step: int) -> None:
     if not 1 <= micro <= step:
         raise HlatError(f"--micro-batches: {micro} is not between 1 and the step's {step}")
     if layout.pp > 1 and layout.pp_schedule != "gpipe" and micro < layout.pp:
-        raise HlatError(f"--micro-batches: the {layout.pp_schedule} schedule needs at least pp = {layout.pp} "
-                        f"micro-batches, got {micro}")
+        raise HlatError(
+            f"--micro-batches: the {layout.pp_schedule} schedule needs at least pp = {layout.pp} "
+            f"micro-batches, got {micro}"
+        )
     if layout.pp > 1 and layout.pp_schedule == "interleaved_1f1b" and micro % layout.pp:
         raise HlatError(f"--micro-batches: interleaved_1f1b needs a multiple of pp = {layout.pp}, got {micro}")
 
@@ -148,8 +156,9 @@ def run_rank(setup: Rehearsal, rank: int) -> dict:
     started = time.perf_counter()
     # weights drawn per shard: the trainer's full draws cost a full-size rank minutes, and need not be the same
     # whatever the layout here
-    parts = build_parts(cfg, model, topo, device, fp8_support(cfg.precision.fp8, device), stage_shapes(cfg),
-                        weights="per_shard")
+    parts = build_parts(
+        cfg, model, topo, device, fp8_support(cfg.precision.fp8, device), stage_shapes(cfg), weights="per_shard"
+    )
     startup_s = time.perf_counter() - started
     train_step = rehearsal_step(cfg, topo, device, parts)
     with progress.watching(parts.parts[0], train_step.batches.per_rank):  # a line per micro-batch on long steps
@@ -172,9 +181,11 @@ def check_fits(setup: Rehearsal, topo: Topology, model, plan: RankPlan, device: 
     states = meta_elements(parts) * setup.work.mode.bytes_per_param
     needed, free = states + plan.gathered + plan.activations + plan.casts + plan.rebuilt, available_bytes(device)
     if needed > free:
-        raise HlatError(f"rank {topo.rank} needs {needed / GIB:.1f} GiB ({states / GIB:.1f} GiB of model states "
-                        f"counted from its tensors, {(needed - states) / GIB:.1f} GiB gathered and kept for "
-                        f"backward as the planner predicts) but {device} has {free / GIB:.1f} GiB available")
+        raise HlatError(
+            f"rank {topo.rank} needs {needed / GIB:.1f} GiB ({states / GIB:.1f} GiB of model states "
+            f"counted from its tensors, {(needed - states) / GIB:.1f} GiB gathered and kept for "
+            f"backward as the planner predicts) but {device} has {free / GIB:.1f} GiB available"
+        )
 
 
 class SyntheticTokens:
@@ -186,8 +197,9 @@ class SyntheticTokens:
 
     def __next__(self) -> dict[str, torch.Tensor]:
         settings = self.cfg.train
-        rows = torch.randint(0, self.cfg.model.vocab_size, (settings.micro_batch, settings.seq_len + 1),
-                             generator=self.generator)
+        rows = torch.randint(
+            0, self.cfg.model.vocab_size, (settings.micro_batch, settings.seq_len + 1), generator=self.generator
+        )
         batch = {"inputs": rows[:, :-1].contiguous(), "targets": rows[:, 1:].contiguous()}
         if self.cfg.model.doc_mask:  # one document per row
             batch["doc_ids"] = torch.zeros_like(batch["inputs"])
@@ -229,12 +241,16 @@ class PhaseClock:
 
     def __init__(self, parts: ModelParts, device: torch.device):
         self.device, self.forward_s, self.update_s, self.grads, self.began = device, 0.0, 0.0, 0, 0.0
-        self.handles = [hook for part in parts.parts
-                        for hook in (part.register_forward_pre_hook(self.start),
-                                     part.register_forward_hook(self.stop_forward))]
-        self.handles += [hook for opt in parts.optimizers
-                         for hook in (opt.register_step_pre_hook(self.start_update),
-                                      opt.register_step_post_hook(self.stop_update))]
+        self.handles = [
+            hook
+            for part in parts.parts
+            for hook in (part.register_forward_pre_hook(self.start), part.register_forward_hook(self.stop_forward))
+        ]
+        self.handles += [
+            hook
+            for opt in parts.optimizers
+            for hook in (opt.register_step_pre_hook(self.start_update), opt.register_step_post_hook(self.stop_update))
+        ]
 
     def now(self) -> float:
         sync_device(self.device)
@@ -307,10 +323,20 @@ def rank_report(setup: Rehearsal, topo: Topology, train_step: TrainStep, steps: 
     """What the rank holds, computes and issues, beside the planner's figures for it."""
     model, m, M = train_step.parts, setup.step_micro_batches, setup.micro_batches
     params = [p for part in model.parts for p in part.parameters()]
-    measured = {"params": sum(storages(params).values()), "grads": steps.grads,
-                "optimizer": sum(storages(optimizer_tensors(model.optimizers)).values()), **steps.kept.peak}
-    planned = {"params": plan.params, "grads": plan.grads, "optimizer": plan.optimizer, "gathered": plan.gathered,
-               "activations": plan.activations, "parameter_casts": plan.casts}
+    measured = {
+        "params": sum(storages(params).values()),
+        "grads": steps.grads,
+        "optimizer": sum(storages(optimizer_tensors(model.optimizers)).values()),
+        **steps.kept.peak,
+    }
+    planned = {
+        "params": plan.params,
+        "grads": plan.grads,
+        "optimizer": plan.optimizer,
+        "gathered": plan.gathered,
+        "activations": plan.activations,
+        "parameter_casts": plan.casts,
+    }
     memory = {k: {"measured": measured[k], "planned": planned[k]} for k in planned}
     step_plan = rank_plan(setup.work, setup.planned_layout, setup.hardware, topo.pp_rank)
     in_flight = step_plan.activations / plan.activations if plan.activations else 1.0
@@ -318,18 +344,30 @@ def rank_report(setup: Rehearsal, topo: Topology, train_step: TrainStep, steps: 
     step_s = steps.seconds[-1]
     forward_backward = step_s - steps.update_s
     return {
-        "rank": topo.rank, "coordinates": {"pp": topo.pp_rank, "dp": topo.dp_rank, "cp": topo.cp_rank,
-                                           "tp": topo.tp_rank},
-        "stages": topo.cfg.rank_stages(topo.pp_rank), "layers": plan.layers,
-        "memory": memory, "fits": target_fit(setup, measured, in_flight),
+        "rank": topo.rank,
+        "coordinates": {"pp": topo.pp_rank, "dp": topo.dp_rank, "cp": topo.cp_rank, "tp": topo.tp_rank},
+        "stages": topo.cfg.rank_stages(topo.pp_rank),
+        "layers": plan.layers,
+        "memory": memory,
+        "fits": target_fit(setup, measured, in_flight),
         "full_job_fits": full_job_fit(setup, topo.pp_rank, measured, in_flight),
-        "time": {"steps_s": steps.seconds, "forward_s": steps.forward_s, "update_s": steps.update_s,
-                 "backward_and_rest_s": forward_backward - steps.forward_s,
-                 "compute_s": {"measured": forward_backward, "planned": plan.compute_s},
-                 "step_compute_s": {"measured": forward_backward * m / M, "planned": step_plan.compute_s}},
-        "collectives": scaled_collectives(steps.collectives.rows(), setup, rank_traffic(
-            setup.work, setup.planned_layout, setup.hardware, topo.pp_rank, m)),
-        "checkpoint": {**TrainState(train_step.parts.parts, train_step.parts.optimizers, None).nbytes(), "planned": plan.params + plan.optimizer},
+        "time": {
+            "steps_s": steps.seconds,
+            "forward_s": steps.forward_s,
+            "update_s": steps.update_s,
+            "backward_and_rest_s": forward_backward - steps.forward_s,
+            "compute_s": {"measured": forward_backward, "planned": plan.compute_s},
+            "step_compute_s": {"measured": forward_backward * m / M, "planned": step_plan.compute_s},
+        },
+        "collectives": scaled_collectives(
+            steps.collectives.rows(),
+            setup,
+            rank_traffic(setup.work, setup.planned_layout, setup.hardware, topo.pp_rank, m),
+        ),
+        "checkpoint": {
+            **TrainState(train_step.parts.parts, train_step.parts.optimizers, None).nbytes(),
+            "planned": plan.params + plan.optimizer,
+        },
         "non_finite": steps.non_finite,
     }
 
@@ -345,8 +383,14 @@ def target_fit(setup: Rehearsal, measured: dict, in_flight: float) -> dict | Non
 
 
 # a measured figure and the planner's `RankPlan` field that predicts it
-PLANNED = {"params": "params", "grads": "grads", "optimizer": "optimizer", "gathered": "gathered",
-           "activations": "activations", "parameter_casts": "casts"}
+PLANNED = {
+    "params": "params",
+    "grads": "grads",
+    "optimizer": "optimizer",
+    "gathered": "gathered",
+    "activations": "activations",
+    "parameter_casts": "casts",
+}
 
 
 def full_job_fit(setup: Rehearsal, pp_rank: int, measured: dict, in_flight: float) -> dict | None:
@@ -363,10 +407,16 @@ def full_job_fit(setup: Rehearsal, pp_rank: int, measured: dict, in_flight: floa
     ours, theirs = (rank_plan(w, layout, setup.hardware, pp_rank, setup.step_micro_batches) for w in (work, full))
     at_step = {**measured, "activations": measured["activations"] * in_flight}
     needed = setup.target.overhead_gib * GIB + sum(
-        value + getattr(theirs, PLANNED[k]) - getattr(ours, PLANNED[k]) for k, value in at_step.items())
+        value + getattr(theirs, PLANNED[k]) - getattr(ours, PLANNED[k]) for k, value in at_step.items()
+    )
     capacity = setup.target.memory_gib * GIB
-    return {"n_layers": setup.full_layers, "hardware": setup.target.name, "needed": needed, "capacity": capacity,
-            "fits": needed <= capacity}
+    return {
+        "n_layers": setup.full_layers,
+        "hardware": setup.target.name,
+        "needed": needed,
+        "capacity": capacity,
+        "fits": needed <= capacity,
+    }
 
 
 def scaled_collectives(rows: list[dict], setup: Rehearsal, planned: dict[tuple[str, str], float]) -> list[dict]:
@@ -378,18 +428,26 @@ def scaled_collectives(rows: list[dict], setup: Rehearsal, planned: dict[tuple[s
     pipeline; the rest once per step."""
     p = setup.layout
     fsdp_per_micro_batch = p.shards > 1 and not p.zero1 and p.pp == 1
-    per_micro_batch = {("all_gather", "tp"), ("reduce_scatter", "tp"), ("send", "pp"), ("recv", "pp"),
-                       ("all_gather", "cp"), ("reduce_scatter", "cp"), ("all_reduce", "cp")}
+    per_micro_batch = {
+        ("all_gather", "tp"),
+        ("reduce_scatter", "tp"),
+        ("send", "pp"),
+        ("recv", "pp"),
+        ("all_gather", "cp"),
+        ("reduce_scatter", "cp"),
+        ("all_reduce", "cp"),
+    }
     per_micro_batch |= set() if p.sequence_parallel else {("all_reduce", "tp")}
     per_micro_batch |= {("all_gather", p.fsdp_dim), ("reduce_scatter", p.fsdp_dim)} if fsdp_per_micro_batch else set()
     ratio = setup.step_micro_batches / setup.micro_batches
-    rows += [{"kind": kind, "dim": dim, "count": 0, "bytes": 0} for kind, dim in planned
-             if not any((row["kind"], row["dim"]) == (kind, dim) for row in rows)]
+    rows += [
+        {"kind": kind, "dim": dim, "count": 0, "bytes": 0}
+        for kind, dim in planned
+        if not any((row["kind"], row["dim"]) == (kind, dim) for row in rows)
+    ]
     for row in rows:
         repeats = (row["kind"], row["dim"]) in per_micro_batch
         row["step_count"] = row["count"] * (ratio if repeats else 1)
         row["step_bytes"] = row["bytes"] * (ratio if repeats else 1)
         row["planned_step_bytes"] = planned.get((row["kind"], row["dim"]), 0.0)
     return rows
-
-

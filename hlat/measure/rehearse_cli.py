@@ -15,17 +15,25 @@ WHERE_IT_RUNS = {"train.device", "train.run_dir"}  # overrides that move a rehea
 
 def register(commands) -> None:
     parser = commands.add_parser(
-        "rehearse", help="run one rank of the full-size job on this machine (collectives faked) and hold the planner "
-                         "to what it measures",
-        description="Config overrides (--section.key value) are accepted, as for hlat train.")
-    parser.add_argument("--config", action="append", required=True,
-                        help="TOML config or recipe name (repeatable, merged in order)")
-    parser.add_argument("--rank", default="", help="rank(s) to rehearse, e.g. 0 or 0,8191 (default: the first "
-                                                   "rank of the first and of the last pipeline stage)")
+        "rehearse",
+        help="run one rank of the full-size job on this machine (collectives faked) and hold the planner "
+        "to what it measures",
+        description="Config overrides (--section.key value) are accepted, as for hlat train.",
+    )
+    parser.add_argument(
+        "--config", action="append", required=True, help="TOML config or recipe name (repeatable, merged in order)"
+    )
+    parser.add_argument(
+        "--rank",
+        default="",
+        help="rank(s) to rehearse, e.g. 0 or 0,8191 (default: the first "
+        "rank of the first and of the last pipeline stage)",
+    )
     parser.add_argument("--world-size", type=int, help="ranks in the job (default: [cluster] nodes x nproc_per_node)")
     parser.add_argument("--steps", type=int, default=2, help="training steps (default 2; the last is measured)")
-    parser.add_argument("--micro-batches", type=int,
-                        help="micro-batches per step (default: the step's own; fewer are scaled to it)")
+    parser.add_argument(
+        "--micro-batches", type=int, help="micro-batches per step (default: the step's own; fewer are scaled to it)"
+    )
     parser.add_argument("--hardware", help="profile the planner prices this machine with (default: this device's)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.set_defaults(func=run, overrides=True)
@@ -39,8 +47,8 @@ def ranks(text: str) -> list[int] | None:
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
-    from hlat.measure.rehearse import prepare, rehearse
     from hlat.config.job import load_config
+    from hlat.measure.rehearse import prepare, rehearse
 
     cfg = load_config(args.config, overrides)
     setup = prepare(cfg, args.world_size, ranks(args.rank), args.steps, args.micro_batches, args.hardware)
@@ -53,14 +61,26 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     job = first_line(cfg, setup)
     print(f"hlat rehearse: {job}", file=sys.stderr, flush=True)  # before the progress lines, the job rehearsed
     results = rehearse(setup)
-    summary = {"job": job, "changes": setup.changes, "config": args.config,
-               "model": cfg.model.preset or cfg.model.family, "world_size": setup.world_size,
-               "layout": setup.planned_layout.describe(), "parallel": setup.layout.__dict__,
-               "model_config": cfg.model.__dict__, "micro_batch": cfg.train.micro_batch,
-               "seq_len": cfg.train.seq_len, "global_batch": cfg.train.global_batch, "precision": cfg.precision.mode,
-               "fp8": cfg.precision.fp8, "device": cfg.train.device, "hardware": setup.hardware.name,
-               "micro_batches": {"rehearsed": setup.micro_batches, "step": setup.step_micro_batches},
-               "notes": notes(setup), "ranks": results}
+    summary = {
+        "job": job,
+        "changes": setup.changes,
+        "config": args.config,
+        "model": cfg.model.preset or cfg.model.family,
+        "world_size": setup.world_size,
+        "layout": setup.planned_layout.describe(),
+        "parallel": setup.layout.__dict__,
+        "model_config": cfg.model.__dict__,
+        "micro_batch": cfg.train.micro_batch,
+        "seq_len": cfg.train.seq_len,
+        "global_batch": cfg.train.global_batch,
+        "precision": cfg.precision.mode,
+        "fp8": cfg.precision.fp8,
+        "device": cfg.train.device,
+        "hardware": setup.hardware.name,
+        "micro_batches": {"rehearsed": setup.micro_batches, "step": setup.step_micro_batches},
+        "notes": notes(setup),
+        "ranks": results,
+    }
     if args.json:
         print(json.dumps(summary, indent=1))
     else:
@@ -74,26 +94,34 @@ def job_changes(stated, cfg, world: int) -> list[str]:
     from hlat.checkpoint.resume import config_changes
 
     changes = config_changes(stated, cfg, WHERE_IT_RUNS)
-    return changes + ([f"world size: {stated.cluster.world_size:,} -> {world:,}"]
-                      if world != stated.cluster.world_size else [])
+    return changes + (
+        [f"world size: {stated.cluster.world_size:,} -> {world:,}"] if world != stated.cluster.world_size else []
+    )
 
 
 def first_line(cfg, setup) -> str:
     """The job rehearsed, and whether it is the one its config states (then its verdicts are that job's)."""
     layers = f" ({setup.full_layers} in the config: each fit is extrapolated to them)" if setup.full_layers else ""
-    changed = (f"a CHANGED job: {'; '.join(setup.changes)}{layers}" if setup.changes else
-               "the job as its config states it")
-    return (f"{cfg.model.preset or cfg.model.family}, {setup.planned_layout.describe()}, world "
-            f"{setup.world_size:,}, seq {cfg.train.seq_len}, {cfg.precision.mode}: {changed}")
+    changed = (
+        f"a CHANGED job: {'; '.join(setup.changes)}{layers}" if setup.changes else "the job as its config states it"
+    )
+    return (
+        f"{cfg.model.preset or cfg.model.family}, {setup.planned_layout.describe()}, world "
+        f"{setup.world_size:,}, seq {cfg.train.seq_len}, {cfg.precision.mode}: {changed}"
+    )
 
 
 def notes(setup) -> list[str]:
-    said = ["tokens are random (the data stream's exchange cannot run in a fake world)",
-            "collectives and sends complete at once: compute times exclude communication",
-            "the checkpoint is counted from its state dict, not written"]
+    said = [
+        "tokens are random (the data stream's exchange cannot run in a fake world)",
+        "collectives and sends complete at once: compute times exclude communication",
+        "the checkpoint is counted from its state dict, not written",
+    ]
     if setup.micro_batches < setup.step_micro_batches:
-        said.append(f"{setup.micro_batches} of the step's {setup.step_micro_batches} micro-batches rehearsed: step "
-                    "compute, per-micro-batch collectives and activations in flight are scaled to the step")
+        said.append(
+            f"{setup.micro_batches} of the step's {setup.step_micro_batches} micro-batches rehearsed: step "
+            "compute, per-micro-batch collectives and activations in flight are scaled to the step"
+        )
     return said
 
 
@@ -108,16 +136,21 @@ def show(summary: dict) -> None:
         if result["fits"]:
             console.print(verdict(result, summary["changes"]), highlight=False)
         if result["non_finite"]:
-            console.print(f"rank {result['rank']}: {result['non_finite']}, as numbers in a fake world may be (a "
-                          "faked collective delivers whatever its buffer held): the update ran all the same and its "
-                          "gradients and optimizer states are measured", highlight=False)
+            console.print(
+                f"rank {result['rank']}: {result['non_finite']}, as numbers in a fake world may be (a "
+                "faked collective delivers whatever its buffer held): the update ran all the same and its "
+                "gradients and optimizer states are measured",
+                highlight=False,
+            )
     for note in summary["notes"]:
         console.print(f"note: {note}", highlight=False)
 
 
 def fits(fit: dict) -> str:
-    return (f"{'fits' if fit['fits'] else 'does NOT fit'} one {fit['hardware']} device: {fit['needed'] / GIB:.2f} of "
-            f"{fit['capacity'] / GIB:.0f} GiB")
+    return (
+        f"{'fits' if fit['fits'] else 'does NOT fit'} one {fit['hardware']} device: {fit['needed'] / GIB:.2f} of "
+        f"{fit['capacity'] / GIB:.0f} GiB"
+    )
 
 
 def verdict(result: dict, changes: list[str]) -> str:
@@ -130,8 +163,10 @@ def verdict(result: dict, changes: list[str]) -> str:
     if full and "cannot" in full:
         return f"{line}; at the config's {full['n_layers']} layers it cannot be extrapolated: {full['cannot']}"
     if full:
-        return (f"{line}; at the config's {full['n_layers']} layers, extrapolated (each figure plus the planner's "
-                f"for the blocks added), it {fits(full)}")
+        return (
+            f"{line}; at the config's {full['n_layers']} layers, extrapolated (each figure plus the planner's "
+            f"for the blocks added), it {fits(full)}"
+        )
     return f"{line}; not extrapolated to the job its config states (only a shorter model.n_layers is)"
 
 
@@ -147,13 +182,19 @@ def rank_table(result: dict):
         if "step" in figure:
             table.add_row("  at the step's micro-batches", *compared(figure["step"], GIB))
     checkpoint = result["checkpoint"]
-    table.add_row("checkpoint state dict (GiB)", *compared({"measured": checkpoint["held"],
-                                                           "planned": checkpoint["planned"]}, GIB))
+    table.add_row(
+        "checkpoint state dict (GiB)",
+        *compared({"measured": checkpoint["held"], "planned": checkpoint["planned"]}, GIB),
+    )
     times = result["time"]
     table.add_row("start-up (s)", f"{times['startup_s']:.3g}", "", "")
     table.add_row("step compute, rehearsed (s)", *compared(times["compute_s"], 1))
-    table.add_row("  forward / backward and rest / update (s)",
-                  f"{times['forward_s']:.3g} / {times['backward_and_rest_s']:.3g} / {times['update_s']:.3g}", "", "")
+    table.add_row(
+        "  forward / backward and rest / update (s)",
+        f"{times['forward_s']:.3g} / {times['backward_and_rest_s']:.3g} / {times['update_s']:.3g}",
+        "",
+        "",
+    )
     table.add_row("step compute, the real step (s)", *compared(times["step_compute_s"], 1))
     peak = result["peak_memory"]
     table.add_row(f"{peak['kind']} (GiB)", f"{peak['bytes'] / GIB:.3f}", "", "")
@@ -174,6 +215,12 @@ def collective_table(result: dict):
         table.add_column(col, justify="left" if col in ("kind", "mesh dim") else "right")
     for row in result["collectives"]:
         figure = {"measured": row["step_bytes"], "planned": row["planned_step_bytes"]}
-        table.add_row(row["kind"], row["dim"], f"{row['count']:g}", f"{row['bytes'] / 2**20:.4g}",
-                      f"{row['step_count']:g}", *compared(figure, 2**20))
+        table.add_row(
+            row["kind"],
+            row["dim"],
+            f"{row['count']:g}",
+            f"{row['bytes'] / 2**20:.4g}",
+            f"{row['step_count']:g}",
+            *compared(figure, 2**20),
+        )
     return table

@@ -94,8 +94,13 @@ def measured_profile(report: Report, base: HardwareProfile, local_ranks: int) ->
     """`base` (public figures) with the measurements, for `hlat plan --hardware measured.toml`. On a CPU host
     each process is a device: a node holds the ranks preflight ran there."""
     per_node = local_ranks if report.device.startswith("cpu") else base.devices_per_node
-    return replace(base, name=f"{base.name}-measured", measured=report.measured, devices_per_node=per_node,
-                   description=f"{base.description}; measured by hlat preflight")
+    return replace(
+        base,
+        name=f"{base.name}-measured",
+        measured=report.measured,
+        devices_per_node=per_node,
+        description=f"{base.description}; measured by hlat preflight",
+    )
 
 
 def report_json(report: Report) -> str:
@@ -110,8 +115,10 @@ def show(report: Report) -> None:
     if report.collectives:
         console.print(collectives_table(report.collectives))
         console.print(links_table(report))
-    console.print("stragglers (slowdown against the median rank): " + ", ".join(
-        f"rank {s.rank} {s.score:.2f}" for s in report.stragglers))
+    console.print(
+        "stragglers (slowdown against the median rank): "
+        + ", ".join(f"rank {s.rank} {s.score:.2f}" for s in report.stragglers)
+    )
     numerics = f"differ on ranks {report.mismatched}" if report.mismatched else "identical on every rank"
     console.print(f"numerics: {numerics}; memory: {report.memory}")
     console.print(report.fp8)
@@ -131,8 +138,9 @@ def collectives_table(collectives: list[CollectiveRow]) -> Table:
     for column in ("op", "bytes", "ms", "algbw GB/s", "busbw GB/s"):
         table.add_column(column, justify="right")
     for row in collectives:
-        table.add_row(row.op, f"{row.bytes:,}", f"{row.seconds * 1e3:.3g}", f"{row.algbw_gbs:.3g}",
-                      f"{row.busbw_gbs:.3g}")
+        table.add_row(
+            row.op, f"{row.bytes:,}", f"{row.seconds * 1e3:.3g}", f"{row.algbw_gbs:.3g}", f"{row.busbw_gbs:.3g}"
+        )
     return table
 
 

@@ -91,8 +91,9 @@ class TimedModel:
             sync_gradients(unit, self.sharded_grads, last_micro_batch=not accumulate)
 
 
-def build_timed_model(options: Options, device: torch.device, mesh: DeviceMesh | None, micro_batch: int,
-                      arrangement: str | None) -> TimedModel:
+def build_timed_model(
+    options: Options, device: torch.device, mesh: DeviceMesh | None, micro_batch: int, arrangement: str | None
+) -> TimedModel:
     """Blocks and the rest, built and wrapped by the trainer's own code: the precision mode's parameters, tensor
     (and sequence) parallelism over the mesh's tp ranks, the recomputation mode, compiled blocks (parallel.compile)
     and under a data-parallel `arrangement` `fully_shard` over its dp ranks.
@@ -115,13 +116,29 @@ def build_timed_model(options: Options, device: torch.device, mesh: DeviceMesh |
         for unit in (blocks, model):
             dims = data_parallel_dims(mesh["dp_replicate"].size(), "dp_shard")
             apply_data_parallel(unit, mesh[dims], arrangement == "zero1", pipelined=False)
-    x = torch.randn(micro_batch, options.seq_len // tp if sequence_parallel else options.seq_len, model_config.dim,
-                    device=device, dtype=next(model.parameters()).dtype, requires_grad=True)
+    x = torch.randn(
+        micro_batch,
+        options.seq_len // tp if sequence_parallel else options.seq_len,
+        model_config.dim,
+        device=device,
+        dtype=next(model.parameters()).dtype,
+        requires_grad=True,
+    )
     tokens = torch.randint(model_config.vocab_size, (micro_batch, options.seq_len), device=device)
     # one document per sequence: the trainer's masked attention kernel, where the model masks documents
     doc_ids = torch.zeros_like(tokens) if model_config.doc_mask else None
-    return TimedModel(blocks, model, x, tokens, doc_ids, document_mask(doc_ids) if model_config.doc_mask else None,
-                      options.precision, device, tp, sharded_grads=arrangement == "fsdp")
+    return TimedModel(
+        blocks,
+        model,
+        x,
+        tokens,
+        doc_ids,
+        document_mask(doc_ids) if model_config.doc_mask else None,
+        options.precision,
+        device,
+        tp,
+        sharded_grads=arrangement == "fsdp",
+    )
 
 
 def block_step(timed_model: TimedModel) -> None:
@@ -143,8 +160,9 @@ def embedding_step(timed_model: TimedModel) -> None:
     h.backward(torch.ones_like(h))
 
 
-def time_steps(timed_model: TimedModel, steps: Sequence[Callable[[TimedModel], None]], world: int,
-               repeats: int) -> list[float]:
+def time_steps(
+    timed_model: TimedModel, steps: Sequence[Callable[[TimedModel], None]], world: int, repeats: int
+) -> list[float]:
     """Seconds of each step: per block for `block_step` (the stack's time over its blocks), whole for the others.
     Every rank runs at once, as in training. The statistic is each rank's fastest repeat (as for every preflight
     figure: on a shared host the least disturbed run is the one that reproduces), and of those the slowest

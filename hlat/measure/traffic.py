@@ -9,6 +9,7 @@ reduce-scatter or an all-to-all."""
 from __future__ import annotations
 
 from collections import Counter
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -17,27 +18,43 @@ from torch.utils._python_dispatch import TorchDispatchMode
 # op name -> (kind, the argument holding the whole buffer); functional all-gathers are given their input, times
 # the group's size
 C10D = {
-    "allreduce_": ("all_reduce", "tensors"), "allreduce_coalesced_": ("all_reduce", "tensors"),
-    "_allgather_base_": ("all_gather", "output_tensor"), "allgather_": ("all_gather", "output_tensors"),
+    "allreduce_": ("all_reduce", "tensors"),
+    "allreduce_coalesced_": ("all_reduce", "tensors"),
+    "_allgather_base_": ("all_gather", "output_tensor"),
+    "allgather_": ("all_gather", "output_tensors"),
     "allgather_coalesced_": ("all_gather", "output_lists"),
     "allgather_into_tensor_coalesced_": ("all_gather", "outputs"),
-    "_reduce_scatter_base_": ("reduce_scatter", "input_tensor"), "reduce_scatter_": ("reduce_scatter", "input_tensors"),
+    "_reduce_scatter_base_": ("reduce_scatter", "input_tensor"),
+    "reduce_scatter_": ("reduce_scatter", "input_tensors"),
     "reduce_scatter_tensor_coalesced_": ("reduce_scatter", "inputs"),
-    "broadcast_": ("broadcast", "tensors"), "reduce_": ("reduce", "tensors"),
-    "alltoall_base_": ("all_to_all", "input"), "alltoall_": ("all_to_all", "input_tensors"),
-    "gather_": ("gather", "input_tensors"), "scatter_": ("scatter", "output_tensors"),
-    "send": ("send", "tensors"), "recv_": ("recv", "tensors"), "recv_any_source_": ("recv", "tensors"),
-    "barrier": ("barrier", None), "monitored_barrier_": ("barrier", None),
+    "broadcast_": ("broadcast", "tensors"),
+    "reduce_": ("reduce", "tensors"),
+    "alltoall_base_": ("all_to_all", "input"),
+    "alltoall_": ("all_to_all", "input_tensors"),
+    "gather_": ("gather", "input_tensors"),
+    "scatter_": ("scatter", "output_tensors"),
+    "send": ("send", "tensors"),
+    "recv_": ("recv", "tensors"),
+    "recv_any_source_": ("recv", "tensors"),
+    "barrier": ("barrier", None),
+    "monitored_barrier_": ("barrier", None),
 }
 FUNCTIONAL = {
-    "all_reduce": ("all_reduce", "input"), "all_reduce_": ("all_reduce", "input"),
-    "all_reduce_coalesced": ("all_reduce", "inputs"), "all_reduce_coalesced_": ("all_reduce", "inputs"),
-    "all_gather_into_tensor": ("all_gather", "input"), "all_gather_into_tensor_out": ("all_gather", "input"),
+    "all_reduce": ("all_reduce", "input"),
+    "all_reduce_": ("all_reduce", "input"),
+    "all_reduce_coalesced": ("all_reduce", "inputs"),
+    "all_reduce_coalesced_": ("all_reduce", "inputs"),
+    "all_gather_into_tensor": ("all_gather", "input"),
+    "all_gather_into_tensor_out": ("all_gather", "input"),
     "all_gather_into_tensor_coalesced": ("all_gather", "inputs"),
-    "reduce_scatter_tensor": ("reduce_scatter", "input"), "reduce_scatter_tensor_out": ("reduce_scatter", "input"),
+    "reduce_scatter_tensor": ("reduce_scatter", "input"),
+    "reduce_scatter_tensor_out": ("reduce_scatter", "input"),
     "reduce_scatter_tensor_coalesced": ("reduce_scatter", "inputs"),
-    "broadcast": ("broadcast", "input"), "broadcast_": ("broadcast", "input"),
-    "all_to_all_single": ("all_to_all", "input"), "isend": ("send", "tensor"), "irecv": ("recv", "tensor"),
+    "broadcast": ("broadcast", "input"),
+    "broadcast_": ("broadcast", "input"),
+    "all_to_all_single": ("all_to_all", "input"),
+    "isend": ("send", "tensor"),
+    "irecv": ("recv", "tensor"),
 }
 
 
@@ -90,5 +107,7 @@ class Collectives(TorchDispatchMode):
 
     def rows(self) -> list[dict]:
         """[{kind, dim, count, bytes}] of what was recorded, largest volume first."""
-        return [{"kind": kind, "dim": dim, "count": self.issued[kind, dim], "bytes": self.volume[kind, dim]}
-                for kind, dim in sorted(self.issued, key=lambda k: -self.volume[k])]
+        return [
+            {"kind": kind, "dim": dim, "count": self.issued[kind, dim], "bytes": self.volume[kind, dim]}
+            for kind, dim in sorted(self.issued, key=lambda k: -self.volume[k])
+        ]

@@ -54,7 +54,7 @@ class ModelConfig:
     def has_bias(self) -> bool:
         return self.family == "neox"
 
-    def validate(self) -> "ModelConfig":
+    def validate(self) -> ModelConfig:
         def bad(field: str, why: str) -> ConfigError:
             return ConfigError(f"model.{field}: {why}")
 
@@ -110,25 +110,93 @@ class ModelConfig:
 PRESETS: dict[str, dict] = {
     # CPU sizes: `tiny` is the `make train` default, `small` (~110M) the benchmark size.
     "tiny": dict(family="llama", dim=256, n_layers=4, n_heads=4, ffn_dim=688, vocab_size=8192, max_seq_len=1024),
-    "small": dict(family="llama", dim=768, n_layers=12, n_heads=12, ffn_dim=2048, vocab_size=32000,
-                  max_seq_len=2048, tie_embeddings=True),
-    "tiny-neox": dict(family="neox", dim=256, n_layers=4, n_heads=4, ffn_dim=1024, vocab_size=8192,
-                      max_seq_len=1024, rotary_pct=0.25),
-    "small-neox": dict(family="neox", dim=768, n_layers=12, n_heads=12, ffn_dim=3072, vocab_size=32000,
-                       max_seq_len=2048, rotary_pct=0.25, tie_embeddings=True),
+    "small": dict(
+        family="llama",
+        dim=768,
+        n_layers=12,
+        n_heads=12,
+        ffn_dim=2048,
+        vocab_size=32000,
+        max_seq_len=2048,
+        tie_embeddings=True,
+    ),
+    "tiny-neox": dict(
+        family="neox", dim=256, n_layers=4, n_heads=4, ffn_dim=1024, vocab_size=8192, max_seq_len=1024, rotary_pct=0.25
+    ),
+    "small-neox": dict(
+        family="neox",
+        dim=768,
+        n_layers=12,
+        n_heads=12,
+        ffn_dim=3072,
+        vocab_size=32000,
+        max_seq_len=2048,
+        rotary_pct=0.25,
+        tie_embeddings=True,
+    ),
     # Published models; parameter counts are tested to equal the published ones exactly.
-    "llama2-7b": dict(family="llama", dim=4096, n_layers=32, n_heads=32, ffn_dim=11008, vocab_size=32000,
-                      max_seq_len=4096, init_std=0.021),
-    "llama2-13b": dict(family="llama", dim=5120, n_layers=40, n_heads=40, ffn_dim=13824, vocab_size=32000,
-                       max_seq_len=4096, init_std=0.021),
-    "llama2-70b": dict(family="llama", dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672,
-                       vocab_size=32000, max_seq_len=4096, init_std=0.021),
-    "llama3-8b": dict(family="llama", dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
-                      vocab_size=128256, max_seq_len=8192, rope_theta=500000.0),
-    "pythia-6.9b": dict(family="neox", dim=4096, n_layers=32, n_heads=32, ffn_dim=16384, vocab_size=50432,
-                        max_seq_len=2048, rotary_pct=0.25),
-    "neox-20b": dict(family="neox", dim=6144, n_layers=44, n_heads=64, ffn_dim=24576, vocab_size=50432,
-                     max_seq_len=2048, rotary_pct=0.25),
+    "llama2-7b": dict(
+        family="llama",
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        ffn_dim=11008,
+        vocab_size=32000,
+        max_seq_len=4096,
+        init_std=0.021,
+    ),
+    "llama2-13b": dict(
+        family="llama",
+        dim=5120,
+        n_layers=40,
+        n_heads=40,
+        ffn_dim=13824,
+        vocab_size=32000,
+        max_seq_len=4096,
+        init_std=0.021,
+    ),
+    "llama2-70b": dict(
+        family="llama",
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        ffn_dim=28672,
+        vocab_size=32000,
+        max_seq_len=4096,
+        init_std=0.021,
+    ),
+    "llama3-8b": dict(
+        family="llama",
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim=14336,
+        vocab_size=128256,
+        max_seq_len=8192,
+        rope_theta=500000.0,
+    ),
+    "pythia-6.9b": dict(
+        family="neox",
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        ffn_dim=16384,
+        vocab_size=50432,
+        max_seq_len=2048,
+        rotary_pct=0.25,
+    ),
+    "neox-20b": dict(
+        family="neox",
+        dim=6144,
+        n_layers=44,
+        n_heads=64,
+        ffn_dim=24576,
+        vocab_size=50432,
+        max_seq_len=2048,
+        rotary_pct=0.25,
+    ),
 }
 
 

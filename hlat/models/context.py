@@ -27,8 +27,9 @@ class SequenceSplit:
         """Every rank's `t` concatenated along `dim` in rank order (an all-gather). Each rank's queries use all of
         it, so its gradient is each rank's partial sum: declared so, DTensor's backward reduce-scatters it and
         every rank gets the whole gradient of its own part."""
-        gathered = DTensor.from_local(t, self.mesh, [Shard(dim)], run_check=False).redistribute(self.mesh,
-                                                                                               [Replicate()])
+        gathered = DTensor.from_local(t, self.mesh, [Shard(dim)], run_check=False).redistribute(
+            self.mesh, [Replicate()]
+        )
         return gathered.to_local(grad_placements=[Partial()])
 
     def total(self, t: torch.Tensor) -> torch.Tensor:

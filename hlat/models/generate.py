@@ -11,8 +11,9 @@ from torch import nn
 from hlat.models.kv_cache import KVCache
 
 
-def next_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None
-               ) -> torch.Tensor:
+def next_token(
+    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None
+) -> torch.Tensor:
     """The next token [batch] from the last position's logits [batch, vocab]: the argmax at temperature 0, else
     a sample from softmax(logits / temperature) restricted to the smallest set of tokens whose probability
     reaches top_p (the most likely token is always kept)."""
@@ -28,9 +29,16 @@ def next_token(logits: torch.Tensor, temperature: float, top_p: float, generator
 
 
 @torch.no_grad()
-def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
-             top_p: float = 1.0, eos_id: int | None = None, use_cache: bool = True,
-             generator: torch.Generator | None = None) -> list[list[int]]:
+def generate(
+    model: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    eos_id: int | None = None,
+    use_cache: bool = True,
+    generator: torch.Generator | None = None,
+) -> list[list[int]]:
     """The new tokens of each prompt (all prompts of one length), at most `max_new_tokens`, ending at EOS
     (included) when `eos_id` is given. The prompt plus the new tokens must fit in model.cfg.max_seq_len."""
     if not prompts or not prompts[0] or len({len(p) for p in prompts}) != 1:
@@ -40,8 +48,10 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens:
     tokens = torch.tensor([list(p) for p in prompts], device=device)
     total = tokens.shape[1] + max_new_tokens
     if total > cfg.max_seq_len:
-        raise ValueError(f"the prompt ({tokens.shape[1]} tokens) plus {max_new_tokens} new tokens exceed "
-                         f"model.max_seq_len {cfg.max_seq_len}")
+        raise ValueError(
+            f"the prompt ({tokens.shape[1]} tokens) plus {max_new_tokens} new tokens exceed "
+            f"model.max_seq_len {cfg.max_seq_len}"
+        )
     dtype = next(model.parameters()).dtype
     cache = KVCache(cfg, tokens.shape[0], total, device, dtype) if use_cache else None
     done = torch.zeros(tokens.shape[0], dtype=torch.bool, device=device)

@@ -43,18 +43,38 @@ class _Family:
 
 _FAMILIES = {
     "llama": _Family(
-        "llama", "LlamaForCausalLM", "model.", "embed_tokens", "norm", "lm_head.weight", (),
-        {"attention.wo": "self_attn.o_proj", "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj",
-         "feed_forward.w2": "mlp.down_proj", "attention_norm": "input_layernorm",
-         "ffn_norm": "post_attention_layernorm"},
+        "llama",
+        "LlamaForCausalLM",
+        "model.",
+        "embed_tokens",
+        "norm",
+        "lm_head.weight",
+        (),
+        {
+            "attention.wo": "self_attn.o_proj",
+            "feed_forward.w1": "mlp.gate_proj",
+            "feed_forward.w3": "mlp.up_proj",
+            "feed_forward.w2": "mlp.down_proj",
+            "attention_norm": "input_layernorm",
+            "ffn_norm": "post_attention_layernorm",
+        },
         {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False},
     ),
     "neox": _Family(
-        "gpt_neox", "GPTNeoXForCausalLM", "gpt_neox.", "embed_in", "final_layer_norm", "embed_out.weight",
+        "gpt_neox",
+        "GPTNeoXForCausalLM",
+        "gpt_neox.",
+        "embed_in",
+        "final_layer_norm",
+        "embed_out.weight",
         ("lm_head.weight",),  # transformers 5 names it lm_head in memory, embed_out on disk
-        {"attention.wo": "attention.dense", "feed_forward.w1": "mlp.dense_h_to_4h",
-         "feed_forward.w2": "mlp.dense_4h_to_h", "attention_norm": "input_layernorm",
-         "ffn_norm": "post_attention_layernorm"},
+        {
+            "attention.wo": "attention.dense",
+            "feed_forward.w1": "mlp.dense_h_to_4h",
+            "feed_forward.w2": "mlp.dense_4h_to_h",
+            "attention_norm": "input_layernorm",
+            "ffn_norm": "post_attention_layernorm",
+        },
         {"hidden_act": "gelu", "attention_bias": True},
     ),
 }
@@ -65,6 +85,7 @@ _IGNORED = re.compile(r"\.(attention\.bias|attention\.masked_bias|rotary_emb\.in
 
 
 # --- configs ---------------------------------------------------------------------------------------
+
 
 def hf_config_to_model_config(hf_cfg: dict) -> ModelConfig:
     """The ModelConfig of a HF config.json dict (transformers 4 or 5 spelling of the rotary fields)."""
@@ -96,10 +117,17 @@ def hf_config_to_model_config(hf_cfg: dict) -> ModelConfig:
 
     n_kv_heads = hf_cfg.get("num_key_value_heads") or n_heads
     fields = dict(
-        family=family, dim=dim, n_layers=need("num_hidden_layers"), n_heads=n_heads,
-        n_kv_heads=0 if n_kv_heads == n_heads else n_kv_heads, ffn_dim=need("intermediate_size"),
-        vocab_size=need("vocab_size"), max_seq_len=need("max_position_embeddings"),
-        norm_eps=need("layer_norm_eps" if has_bias else "rms_norm_eps"), rope_theta=theta, rotary_pct=rotary_pct,
+        family=family,
+        dim=dim,
+        n_layers=need("num_hidden_layers"),
+        n_heads=n_heads,
+        n_kv_heads=0 if n_kv_heads == n_heads else n_kv_heads,
+        ffn_dim=need("intermediate_size"),
+        vocab_size=need("vocab_size"),
+        max_seq_len=need("max_position_embeddings"),
+        norm_eps=need("layer_norm_eps" if has_bias else "rms_norm_eps"),
+        rope_theta=theta,
+        rotary_pct=rotary_pct,
         tie_embeddings=hf_cfg.get("tie_word_embeddings", False),
         init_std=hf_cfg.get("initializer_range", ModelConfig.init_std),
     )
@@ -114,23 +142,40 @@ def model_config_to_hf_config(cfg: ModelConfig) -> dict:
     spec = _FAMILIES[cfg.family]
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     hf = dict(
-        architectures=[spec.architecture], model_type=spec.model_type, hidden_size=cfg.dim,
-        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, intermediate_size=cfg.ffn_dim,
-        vocab_size=cfg.vocab_size, max_position_embeddings=cfg.max_seq_len,
-        tie_word_embeddings=cfg.tie_embeddings, initializer_range=cfg.init_std, rope_parameters=rope,
-        rope_scaling=None, **spec.fixed,
+        architectures=[spec.architecture],
+        model_type=spec.model_type,
+        hidden_size=cfg.dim,
+        num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads,
+        intermediate_size=cfg.ffn_dim,
+        vocab_size=cfg.vocab_size,
+        max_position_embeddings=cfg.max_seq_len,
+        tie_word_embeddings=cfg.tie_embeddings,
+        initializer_range=cfg.init_std,
+        rope_parameters=rope,
+        rope_scaling=None,
+        **spec.fixed,
     )
     if cfg.family == "llama":
-        hf.update(num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.norm_eps,
-                  rope_theta=cfg.rope_theta)
+        hf.update(
+            num_key_value_heads=cfg.kv_heads,
+            head_dim=cfg.head_dim,
+            rms_norm_eps=cfg.norm_eps,
+            rope_theta=cfg.rope_theta,
+        )
     else:
         rope["partial_rotary_factor"] = cfg.rotary_pct
-        hf.update(layer_norm_eps=cfg.norm_eps, use_parallel_residual=cfg.parallel_residual,
-                  rotary_pct=cfg.rotary_pct, rotary_emb_base=cfg.rope_theta)
+        hf.update(
+            layer_norm_eps=cfg.norm_eps,
+            use_parallel_residual=cfg.parallel_residual,
+            rotary_pct=cfg.rotary_pct,
+            rotary_emb_base=cfg.rope_theta,
+        )
     return hf
 
 
 # --- weights ---------------------------------------------------------------------------------------
+
 
 def _rotary_perm(cfg: ModelConfig) -> torch.Tensor:
     """hlat head dimension i holds HF head dimension perm[i] (see the module docstring)."""
@@ -153,8 +198,11 @@ def _renames(cfg: ModelConfig) -> list[tuple[str, str]]:
     spec, params = _FAMILIES[cfg.family], _params(cfg)
     pairs = [("tok_embeddings.weight", f"{spec.prefix}{spec.embedding}.weight")]
     for i in range(cfg.n_layers):
-        pairs += [(f"layers.{i}.{ours}.{p}", f"{spec.prefix}layers.{i}.{theirs}.{p}")
-                  for ours, theirs in spec.layer.items() for p in params]
+        pairs += [
+            (f"layers.{i}.{ours}.{p}", f"{spec.prefix}layers.{i}.{theirs}.{p}")
+            for ours, theirs in spec.layer.items()
+            for p in params
+        ]
     pairs += [(f"norm.{p}", f"{spec.prefix}{spec.final_norm}.{p}") for p in params]
     if not cfg.tie_embeddings:
         pairs.append(("output.weight", spec.output))
@@ -217,8 +265,13 @@ def hf_state_to_hlat(cfg: ModelConfig, hf_state: dict[str, torch.Tensor]) -> dic
             else:
                 fused = hf_state[f"{src}{_NEOX_QKV}.{p}"].unflatten(0, (cfg.n_heads, 3, cfg.head_dim))
                 q, k, v = (t.flatten(0, 1) for t in fused.unbind(1))
-            out.update({f"{dst}attention.wq.{p}": _permute_heads(q, perm),
-                        f"{dst}attention.wk.{p}": _permute_heads(k, perm), f"{dst}attention.wv.{p}": v})
+            out.update(
+                {
+                    f"{dst}attention.wq.{p}": _permute_heads(q, perm),
+                    f"{dst}attention.wk.{p}": _permute_heads(k, perm),
+                    f"{dst}attention.wv.{p}": v,
+                }
+            )
     if cfg.tie_embeddings:
         out["output.weight"] = out["tok_embeddings.weight"]
     return out
@@ -284,8 +337,13 @@ def _save_weights(tensors: dict[str, torch.Tensor], file: Path) -> None:
     shutil.copymode(file.parent / "config.json", file)
 
 
-def write_hf_dir(cfg: ModelConfig, state: dict[str, torch.Tensor], path: str | Path,
-                 max_shard_bytes: int = 5 * 10**9, special_tokens: dict[str, int] | None = None) -> None:
+def write_hf_dir(
+    cfg: ModelConfig,
+    state: dict[str, torch.Tensor],
+    path: str | Path,
+    max_shard_bytes: int = 5 * 10**9,
+    special_tokens: dict[str, int] | None = None,
+) -> None:
     """Write config.json, generation_config.json and the weights in HF layout; sharded with an index past
     `max_shard_bytes`. `special_tokens` ({"bos_token_id": .., "eos_token_id": ..}) go into both configs."""
     path = Path(path)

@@ -14,8 +14,7 @@ class KVCache:
     A forward with a cache takes the next `n` tokens of every sequence in the batch (all sequences are at the
     same position): each layer stores its new keys and values and attends to all `length + n` of them."""
 
-    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device: torch.device | str,
-                 dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device: torch.device | str, dtype: torch.dtype):
         if max_len > cfg.max_seq_len:
             raise ValueError(f"a cache of {max_len} positions exceeds model.max_seq_len {cfg.max_seq_len}")
         shape = (cfg.n_layers, batch, cfg.kv_heads, max_len, cfg.head_dim)

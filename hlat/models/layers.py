@@ -57,8 +57,12 @@ def row_positions(t: torch.Tensor) -> torch.Tensor:
     return torch.arange(t.shape[1], device=t.device).expand_as(t)
 
 
-def attention_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, query_docs: torch.Tensor | None = None,
-                   key_docs: torch.Tensor | None = None) -> torch.Tensor | BlockMask:
+def attention_mask(
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    query_docs: torch.Tensor | None = None,
+    key_docs: torch.Tensor | None = None,
+) -> torch.Tensor | BlockMask:
     """Where a query may attend a key, from their true positions [batch, queries] and [batch, keys] (in the row,
     or in the document with `*_docs`, the documents' ids): a key at or before the query's position, and with
     document ids in the query's document. On CUDA a FlexAttention BlockMask, so attention skips the blocks no query
@@ -69,8 +73,12 @@ def attention_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, q
     return dense_mask(query_positions, key_positions, query_docs, key_docs)
 
 
-def dense_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, query_docs: torch.Tensor | None = None,
-               key_docs: torch.Tensor | None = None) -> torch.Tensor:
+def dense_mask(
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    query_docs: torch.Tensor | None = None,
+    key_docs: torch.Tensor | None = None,
+) -> torch.Tensor:
     """`attention_mask` as a [batch, 1, queries, keys] bool tensor, True where a query may attend a key."""
     mask = key_positions[:, None, :] <= query_positions[:, :, None]
     if query_docs is not None:
@@ -78,10 +86,15 @@ def dense_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, query
     return mask.unsqueeze(1)
 
 
-def block_sparse_mask(query_positions: torch.Tensor, key_positions: torch.Tensor,
-                      query_docs: torch.Tensor | None = None, key_docs: torch.Tensor | None = None) -> BlockMask:
+def block_sparse_mask(
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    query_docs: torch.Tensor | None = None,
+    key_docs: torch.Tensor | None = None,
+) -> BlockMask:
     """`attention_mask` as FlexAttention's block-sparse mask, one for every head (so a tensor-parallel rank's local
     heads use it as it is)."""
+
     def visible(batch, head, query, key):
         seen = key_positions[batch, key] <= query_positions[batch, query]
         return seen if query_docs is None else seen & (query_docs[batch, query] == key_docs[batch, key])
@@ -121,8 +134,9 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=bias)
         self.split: SequenceSplit | None = None  # context parallelism (hlat.parallel.context)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None,
-                cache: LayerCache | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None, cache: LayerCache | None = None
+    ) -> torch.Tensor:
         # Head counts come from the weights' shapes, so a tensor-parallel shard sees its local heads.
         q = self.wq(x).unflatten(-1, (-1, self.head_dim))
         k = self.wk(x).unflatten(-1, (-1, self.head_dim))
@@ -194,7 +208,7 @@ def initial_value(param: torch.Tensor, name: str, std: float, seed: int) -> torc
 
     def draw_chunk(k: int) -> None:
         generator = torch.Generator().manual_seed((base + k * 0x85EBCA6B) % 2**32)
-        draw_into(flat[k * DRAW_CHUNK:(k + 1) * DRAW_CHUNK], std, generator)
+        draw_into(flat[k * DRAW_CHUNK : (k + 1) * DRAW_CHUNK], std, generator)
 
     with ThreadPoolExecutor(torch.get_num_threads()) as pool:  # torch releases the GIL while it draws
         list(pool.map(draw_chunk, range(math.ceil(flat.numel() / DRAW_CHUNK))))
@@ -244,8 +258,9 @@ class Block(nn.Module):
         self.ffn_norm = norm(cfg.dim, eps=cfg.norm_eps)
         self.parallel_residual = parallel_residual
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None,
-                cache: LayerCache | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None, cache: LayerCache | None = None
+    ) -> torch.Tensor:
         # the cache goes by keyword: tensor parallelism's input plan covers the positional arguments only
         h = x + self.attention(self.attention_norm(x), rope, mask, cache=cache)
         return h + self.feed_forward(self.ffn_norm(x if self.parallel_residual else h))
@@ -271,9 +286,15 @@ class Transformer(nn.Module):
         self.register_buffer("rope", rope_table(cfg), persistent=False)
         self.split: SequenceSplit | None = None  # context parallelism (hlat.parallel.context)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                doc_ids: torch.Tensor | None = None, cache: KVCache | None = None,
-                targets: torch.Tensor | None = None, reduction: str = "mean") -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        targets: torch.Tensor | None = None,
+        reduction: str = "mean",
+    ) -> torch.Tensor:
         """tokens [batch, seq] (or hidden states); `positions` [batch, seq] index the rotary table (packed
         documents restart at 0); with `doc_ids` [batch, seq] a token attends only within its document.
         With a `cache` (generation), tokens continue the sequence the cache holds (see hlat.models.generate).
@@ -299,8 +320,9 @@ class Transformer(nn.Module):
             return h
         return self.output(h) if targets is None else self.loss(h, targets, reduction)
 
-    def attention_mask(self, positions: torch.Tensor | None, doc_ids: torch.Tensor | None
-                       ) -> torch.Tensor | BlockMask | None:
+    def attention_mask(
+        self, positions: torch.Tensor | None, doc_ids: torch.Tensor | None
+    ) -> torch.Tensor | BlockMask | None:
         """None (causal attention) for whole rows without documents, else `attention_mask`; under context
         parallelism this rank's queries against every rank's keys, their positions and documents gathered."""
         if self.split is None:

@@ -42,8 +42,9 @@ class Chunking:
     vocab_start: int = 0
 
 
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                         reduction: str = "mean", chunk: int = 2048) -> torch.Tensor:
+def linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, reduction: str = "mean", chunk: int = 2048
+) -> torch.Tensor:
     """The loss of `cross_entropy(hidden @ weight.T, targets)` (bias-free output layer), `chunk` tokens at a
     time: per chunk the logits in the compute dtype (autocast's, else the weight's), their log-softmax and loss
     in fp32 and, when a gradient is wanted, the gradients for the chunk's hidden states and (summed over chunks
@@ -75,15 +76,17 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     return chunked_loss(hidden, weight, targets, scale, spec, grads=False)[0]
 
 
-def vocabulary_parallel(hidden: torch.Tensor, weight: DTensor
-                        ) -> tuple[torch.Tensor, torch.Tensor, dist.ProcessGroup, int]:
+def vocabulary_parallel(
+    hidden: torch.Tensor, weight: DTensor
+) -> tuple[torch.Tensor, torch.Tensor, dist.ProcessGroup, int]:
     """This rank's local view of a vocabulary-parallel output layer: every token's hidden states (gathered from
     the sequence shards, or replicated already: a plain tensor), whose gradient is declared a partial sum over the
     ranks, the local rows of the weight, the tensor-parallel group and the first vocabulary row held here."""
     mesh = weight.device_mesh
     if tuple(weight.placements) != (Shard(0),):
-        raise ValueError(f"a vocabulary-parallel output weight is Shard(0) over one mesh dimension, got "
-                         f"{weight.placements}")
+        raise ValueError(
+            f"a vocabulary-parallel output weight is Shard(0) over one mesh dimension, got {weight.placements}"
+        )
     if not isinstance(hidden, DTensor):
         hidden = DTensor.from_local(hidden, mesh, [Replicate()], run_check=False)
     local_hidden = hidden.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
@@ -105,8 +108,13 @@ class LinearCrossEntropy(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_loss):
         grad_hidden, grad_weight = ctx.saved_tensors
-        return (scaled(grad_hidden, grad_loss, grad_hidden.dtype), scaled(grad_weight, grad_loss, ctx.weight_dtype),
-                None, None, None)
+        return (
+            scaled(grad_hidden, grad_loss, grad_hidden.dtype),
+            scaled(grad_weight, grad_loss, ctx.weight_dtype),
+            None,
+            None,
+            None,
+        )
 
 
 def scaled(t: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -114,8 +122,9 @@ def scaled(t: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype) -> torch.T
     return t.mul_(factor) if t.dtype == dtype else torch.mul(t, factor, out=torch.empty_like(t, dtype=dtype))
 
 
-def chunked_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor,
-                 spec: Chunking, grads: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+def chunked_loss(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor, spec: Chunking, grads: bool
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The loss (summed over the targets, times `scale`) of hidden [tokens, dim] against targets [tokens], and with
     `grads` its gradients for `hidden` (in hidden's dtype) and for `weight` (in the accumulation dtype)."""
     w = weight.to(spec.compute)
@@ -143,8 +152,9 @@ def chunked_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tens
     return loss * scale, grad_hidden, grad_weight
 
 
-def log_probabilities(logits: torch.Tensor, index: torch.Tensor, here: torch.Tensor, spec: Chunking
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def log_probabilities(
+    logits: torch.Tensor, index: torch.Tensor, here: torch.Tensor, spec: Chunking
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per token of a chunk: the loss -log p(target) and the log-probabilities of this rank's vocabulary rows
     [tokens, rows] (in the accumulation dtype, from one fused log-softmax of the compute-dtype logits). Under
     tensor parallelism (`spec.group`) the ranks exchange their rows' log-sum-exp and the target's logit (0 on the

@@ -23,8 +23,10 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
     params = [p for p in model.parameters() if p.requires_grad]
     if cfg.decay_norms_and_biases:
         return [{"params": params, "weight_decay": cfg.weight_decay}]
-    return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
-            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    return [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, mode: str = "fp32", seed: int = 0) -> torch.optim.Optimizer:

@@ -135,8 +135,17 @@ class BF16AdamW(torch.optim.Optimizer):
     are in the state dict, so a resumed run rounds exactly as the uninterrupted one would.
     """
 
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.01, *, rounding: str = "stochastic", seed: int = 0):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        *,
+        rounding: str = "stochastic",
+        seed: int = 0,
+    ):
         if rounding not in ROUNDINGS:
             raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, seed=seed))
@@ -144,11 +153,14 @@ class BF16AdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 if p.dtype != torch.bfloat16:
-                    raise ValueError(f"BF16AdamW needs bf16 parameters, got {p.dtype} {tuple(p.shape)} "
-                                     "(cast the model with hlat.optim.precision.prepare_model first)")
+                    raise ValueError(
+                        f"BF16AdamW needs bf16 parameters, got {p.dtype} {tuple(p.shape)} "
+                        "(cast the model with hlat.optim.precision.prepare_model first)"
+                    )
                 if local(p).numel() > MAX_NUMEL:  # each rank rounds its own shard, indexed in int32
-                    raise ValueError(f"BF16AdamW rounds tensors of at most {MAX_NUMEL} elements a rank, got "
-                                     f"{tuple(local(p).shape)}")
+                    raise ValueError(
+                        f"BF16AdamW rounds tensors of at most {MAX_NUMEL} elements a rank, got {tuple(local(p).shape)}"
+                    )
 
     def _init_state(self, p: Tensor) -> dict:
         state = self.state[p]
@@ -182,11 +194,26 @@ class BF16AdamW(torch.optim.Optimizer):
                 state["step"] += 1
                 step = int(state["step"])
                 key = rounding_seed(group["seed"], step, index, _shard(p))
-                updates.append((p, state, (_int32(key & _MASK32), _int32(key >> 32)),
-                                (lr / (1 - beta1**step), math.sqrt(1 - beta2**step))))
+                updates.append(
+                    (
+                        p,
+                        state,
+                        (_int32(key & _MASK32), _int32(key >> 32)),
+                        (lr / (1 - beta1**step), math.sqrt(1 - beta2**step)),
+                    )
+                )
             if updates:
-                self._update(updates, grad_scale, {"one_minus_beta1": 1 - beta1, "beta2": beta2,
-                                                   "one_minus_beta2": 1 - beta2, "eps": eps, "decay": 1 - lr * wd})
+                self._update(
+                    updates,
+                    grad_scale,
+                    {
+                        "one_minus_beta1": 1 - beta1,
+                        "beta2": beta2,
+                        "one_minus_beta2": 1 - beta2,
+                        "eps": eps,
+                        "decay": 1 - lr * wd,
+                    },
+                )
         return loss
 
     def _update(self, updates: list, grad_scale, scalars: dict) -> None:
@@ -197,8 +224,7 @@ class BF16AdamW(torch.optim.Optimizer):
             keys = torch.tensor([key for _, _, key, _ in updates], dtype=torch.int32, device=device)
             corrections = torch.tensor([c for *_, c in updates], dtype=torch.float32, device=device)
             scalars = dict(zip(scalars, torch.tensor(list(scalars.values()), dtype=torch.float32, device=device)))
-            grad_scale = torch.as_tensor(1.0 if grad_scale is None else grad_scale, dtype=torch.float32,
-                                         device=device)
+            grad_scale = torch.as_tensor(1.0 if grad_scale is None else grad_scale, dtype=torch.float32, device=device)
         update = _compiled_update() if compiled else adamw_update
         for i, (p, state, (key_lo, key_hi), (step_size, bias_correction2_sqrt)) in enumerate(updates):
             if compiled:
@@ -206,9 +232,17 @@ class BF16AdamW(torch.optim.Optimizer):
             compensation = state.get("compensation")
             grad = _like_param(p.grad, p)
             tensors = [local(t).view(-1) for t in (p, grad, state["exp_avg"], state["exp_avg_sq"])]
-            update(*tensors, None if compensation is None else local(compensation).view(-1), grad_scale=grad_scale,
-                   **scalars, neg_step_size=-step_size, bias_correction2_sqrt=bias_correction2_sqrt,
-                   key_lo=key_lo, key_hi=key_hi, rounding=self.rounding)
+            update(
+                *tensors,
+                None if compensation is None else local(compensation).view(-1),
+                grad_scale=grad_scale,
+                **scalars,
+                neg_step_size=-step_size,
+                bias_correction2_sqrt=bias_correction2_sqrt,
+                key_lo=key_lo,
+                key_hi=key_hi,
+                rounding=self.rounding,
+            )
 
 
 # Devices where the update runs compiled: one fused kernel per parameter (read 8 bytes, write 6 or 8 per element)
@@ -219,9 +253,25 @@ class BF16AdamW(torch.optim.Optimizer):
 COMPILED_UPDATE_DEVICES = ("cuda",)
 
 
-def adamw_update(weight: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, compensation: Tensor | None, *,
-                 grad_scale, one_minus_beta1, beta2, one_minus_beta2, eps, decay, neg_step_size,
-                 bias_correction2_sqrt, key_lo, key_hi, rounding: str) -> None:
+def adamw_update(
+    weight: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    compensation: Tensor | None,
+    *,
+    grad_scale,
+    one_minus_beta1,
+    beta2,
+    one_minus_beta2,
+    eps,
+    decay,
+    neg_step_size,
+    bias_correction2_sqrt,
+    key_lo,
+    key_hi,
+    rounding: str,
+) -> None:
     """One AdamW step of one bf16 tensor, in place: torch.optim.AdamW's single-tensor arithmetic in fp32 (the
     same operations, so the same bits) on the gradient times `grad_scale` (None: 1), then written back with
     `rounding` (see BF16AdamW). The key halves are int32."""

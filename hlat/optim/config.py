@@ -22,7 +22,7 @@ class OptimConfig:
     decay_norms_and_biases: bool = True  # HLAT decays every parameter, norms included
     clip_grad_norm: float = 1.0  # 0 disables clipping
 
-    def validate(self) -> "OptimConfig":
+    def validate(self) -> OptimConfig:
         for field in ("lr", "eps"):
             if getattr(self, field) <= 0:
                 raise ConfigError(f"optim.{field}: must be positive, got {getattr(self, field)}")
@@ -44,12 +44,14 @@ class PrecisionConfig:
     # a bf16 mode: "none", "tensorwise" or "rowwise" (the scaling granularity); emulated on a CPU
     fp8: Literal["none", "tensorwise", "rowwise"] = "none"
 
-    def validate(self) -> "PrecisionConfig":
+    def validate(self) -> PrecisionConfig:
         if self.mode not in IMPLEMENTED_MODES:
             raise ConfigError(f"precision.mode: {self.mode!r} is not one of {', '.join(IMPLEMENTED_MODES)}")
         if self.fp8 != "none" and self.mode == "fp32":
-            raise ConfigError("precision.fp8: FP8 matmuls need a bf16 mode (bf16_mixed, bf16_sr or bf16_kahan); "
-                              "precision.mode is fp32")
+            raise ConfigError(
+                "precision.fp8: FP8 matmuls need a bf16 mode (bf16_mixed, bf16_sr or bf16_kahan); "
+                "precision.mode is fp32"
+            )
         return self
 
 

@@ -37,7 +37,7 @@ def fp8_support(recipe: str, device: torch.device) -> str:
         return "emulated"
     why = fp8_unsupported(device)
     if why:
-        raise HlatError(f"precision.fp8: {why}; set precision.fp8 = \"none\"")
+        raise HlatError(f'precision.fp8: {why}; set precision.fp8 = "none"')
     return "native"
 
 
@@ -45,12 +45,13 @@ def fp8_unsupported(device: torch.device) -> str:
     """Why `device` cannot run FP8 matmuls natively ("" when it can): FP8 tensor cores are CUDA compute capability
     8.9 and newer (Ada, Hopper, Blackwell); a CPU only emulates them."""
     if device.type != "cuda":
-        return (f"{device.type} has no FP8 tensor cores (torchao's float8 training runs on CUDA GPUs, emulated on a "
-                "CPU)")
+        return f"{device.type} has no FP8 tensor cores (torchao's float8 training runs on CUDA GPUs, emulated on a CPU)"
     capability = torch.cuda.get_device_capability(device)
     if capability < FP8_CAPABILITY:
-        return (f"{torch.cuda.get_device_name(device)} (compute capability {capability[0]}.{capability[1]}) has no "
-                "FP8 tensor cores (8.9 or newer: Ada, Hopper, Blackwell)")
+        return (
+            f"{torch.cuda.get_device_name(device)} (compute capability {capability[0]}.{capability[1]}) has no "
+            "FP8 tensor cores (8.9 or newer: Ada, Hopper, Blackwell)"
+        )
     return ""
 
 
@@ -81,24 +82,32 @@ def quiet_loggers(*names: str):
 def is_block_linear(module: nn.Module, fqn: str) -> bool:
     """The linear layers FP8 converts: those inside the transformer blocks whose dimensions FP8 matmuls accept
     (multiples of 16); the output projection and anything outside the blocks stay as they are."""
-    return (isinstance(module, nn.Linear) and fqn.startswith("layers.")
-            and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+    return (
+        isinstance(module, nn.Linear)
+        and fqn.startswith("layers.")
+        and module.in_features % 16 == 0
+        and module.out_features % 16 == 0
+    )
 
 
 def convert_blocks(model: nn.Module, recipe: str, emulate: bool, fsdp_fp8_all_gather: bool) -> None:
     """Swap the blocks' linear layers of a (meta) model for torchao Float8Linears, in place, before any parallel
     wrapping. `fsdp_fp8_all_gather` (tensorwise under FSDP): the sharded weights are cast to FP8 before they are
     all-gathered, half the bytes of bf16, with one scale per weight computed over all its shards."""
-    load_torchao().convert_to_float8_training(model, config=float8_config(recipe, emulate, fsdp_fp8_all_gather),
-                                              module_filter_fn=is_block_linear)
+    load_torchao().convert_to_float8_training(
+        model, config=float8_config(recipe, emulate, fsdp_fp8_all_gather), module_filter_fn=is_block_linear
+    )
 
 
 def float8_config(recipe: str, emulate: bool, fsdp_fp8_all_gather: bool = False):
     """torchao's Float8LinearConfig of `recipe`, as hlat trains with it (and preflight times it)."""
     if recipe == "rowwise":  # compiled rowwise casts must round as eager ones do (pytorch/pytorch#150859)
         torch._inductor.config.emulate_precision_casts = True
-    return dataclasses.replace(load_torchao().Float8LinearConfig.from_recipe_name(recipe), emulate=emulate,
-                               enable_fsdp_float8_all_gather=fsdp_fp8_all_gather)
+    return dataclasses.replace(
+        load_torchao().Float8LinearConfig.from_recipe_name(recipe),
+        emulate=emulate,
+        enable_fsdp_float8_all_gather=fsdp_fp8_all_gather,
+    )
 
 
 def converted(model: nn.Module) -> int:

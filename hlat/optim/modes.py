@@ -31,9 +31,17 @@ MODES: dict[str, PrecisionMode] = {
     for m in (
         PrecisionMode("fp32", "fp32 weights, gradients, optimizer states and compute", 4, 4, 8),
         PrecisionMode("bf16_mixed", "bf16 compute; fp32 master weights, gradients and optimizer states", 4, 4, 8),
-        PrecisionMode("bf16_sr", "pure bf16 weights, gradients and states; stochastic rounding on update", 2, 2, 4,
-                      "stochastic"),
-        PrecisionMode("bf16_kahan", "pure bf16 weights, gradients and states; a bf16 Kahan compensation buffer "
-                      "keeps what rounding the weights loses", 2, 2, 6, "kahan"),
+        PrecisionMode(
+            "bf16_sr", "pure bf16 weights, gradients and states; stochastic rounding on update", 2, 2, 4, "stochastic"
+        ),
+        PrecisionMode(
+            "bf16_kahan",
+            "pure bf16 weights, gradients and states; a bf16 Kahan compensation buffer "
+            "keeps what rounding the weights loses",
+            2,
+            2,
+            6,
+            "kahan",
+        ),
     )
 }

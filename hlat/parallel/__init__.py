@@ -29,8 +29,9 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'hlat.parallel' has no attribute {name!r}")
 
 
-def parallelize(model: nn.Module, topo: Topology, device: torch.device, seed: int,
-                weights: str = "drawn") -> list[tuple[int, nn.Module]]:
+def parallelize(
+    model: nn.Module, topo: Topology, device: torch.device, seed: int, weights: str = "drawn"
+) -> list[tuple[int, nn.Module]]:
     """(stage id, module) for the parts of a meta-device `model` this rank runs, parallelised and initialised
     (`hlat.models.materialize`). Without pipeline parallelism that is [(0, model)]; a single process (no mesh)
     still gets activation checkpointing and compilation."""

@@ -58,7 +58,7 @@ class ParallelConfig:
         rank r holds stages r, r + pp, r + 2 pp, ...)."""
         return [pp_rank + k * self.pp for k in range(self.stages() // self.pp)]
 
-    def resolved(self, world_size: int) -> "ParallelConfig":
+    def resolved(self, world_size: int) -> ParallelConfig:
         """A copy with dp_shard (or dp_replicate) filled in, checked against the world size."""
         for name in ("tp", "pp", "cp", "virtual_stages"):
             if getattr(self, name) < 1:
@@ -75,13 +75,16 @@ class ParallelConfig:
             fixed = self.tp * self.pp * self.cp * (dp["dp_shard"] if fill == "dp_replicate" else dp["dp_replicate"])
             if world_size % fixed:
                 other = "dp_shard" if fill == "dp_replicate" else "dp_replicate"
-                raise ConfigError(f"parallel: {other} x tp x pp x cp = {fixed} does not divide the world size "
-                                  f"{world_size}")
+                raise ConfigError(
+                    f"parallel: {other} x tp x pp x cp = {fixed} does not divide the world size {world_size}"
+                )
             dp[fill] = world_size // fixed
         total = dp["dp_replicate"] * dp["dp_shard"] * self.tp * self.pp * self.cp
         if dp["dp_shard"] < 1 or total != world_size:
-            raise ConfigError(f"parallel: dp_replicate {dp['dp_replicate']} x dp_shard {dp['dp_shard']} x tp "
-                              f"{self.tp} x pp {self.pp} x cp {self.cp} = {total}, but the world size is {world_size}")
+            raise ConfigError(
+                f"parallel: dp_replicate {dp['dp_replicate']} x dp_shard {dp['dp_shard']} x tp "
+                f"{self.tp} x pp {self.pp} x cp {self.cp} = {total}, but the world size is {world_size}"
+            )
         return ParallelConfig(**{**self.__dict__, **dp})
 
     @property
@@ -103,11 +106,13 @@ class ParallelConfig:
     def microbatches(self, global_batch: int, micro_batch: int) -> int:
         """Micro-batches each data-parallel rank (each pipeline) runs per optimizer step."""
         if global_batch % (micro_batch * self.dp):
-            raise ConfigError(f"train.global_batch: {global_batch} is not divisible by micro_batch {micro_batch} x "
-                              f"data-parallel size {self.dp}")
+            raise ConfigError(
+                f"train.global_batch: {global_batch} is not divisible by micro_batch {micro_batch} x "
+                f"data-parallel size {self.dp}"
+            )
         return global_batch // (micro_batch * self.dp)
 
-    def validate(self, model: ModelConfig, world_size: int) -> "ParallelConfig":
+    def validate(self, model: ModelConfig, world_size: int) -> ParallelConfig:
         """Everything about the model and the world size that can be checked before any process group exists;
         returns the resolved config. `check_layout` adds the batch."""
         p = self.resolved(world_size)
@@ -119,34 +124,46 @@ class ParallelConfig:
         if model.n_layers < p.stages():
             raise ConfigError(f"parallel.pp: {p.stages()} pipeline stages but only {model.n_layers} layers")
         if p.pp > 1 and model.tie_embeddings:
-            raise ConfigError("parallel.pp: tied embeddings cannot be split across pipeline stages; set "
-                              "model.tie_embeddings = false")
+            raise ConfigError(
+                "parallel.pp: tied embeddings cannot be split across pipeline stages; set model.tie_embeddings = false"
+            )
         if p.compile and not p.compile_backend:
             raise ConfigError("parallel.compile_backend: empty; 'inductor' is torch's default")
         if p.zero1 and p.shards == 1:
             raise ConfigError("parallel.zero1: shards optimizer states over dp_shard x cp, which is 1")
         if p.compile and not compilable(p.tp, p.activation_checkpoint):
-            raise ConfigError(f"parallel.compile: not supported with tp > 1 and activation_checkpoint = "
-                              f"{p.activation_checkpoint!r} in this torch; turn compile or recomputation off")
+            raise ConfigError(
+                f"parallel.compile: not supported with tp > 1 and activation_checkpoint = "
+                f"{p.activation_checkpoint!r} in this torch; turn compile or recomputation off"
+            )
         return p
 
 
-def check_layout(parallel: ParallelConfig, model: ModelConfig, world_size: int, global_batch: int, micro_batch: int,
-                 seq_len: int) -> ParallelConfig:
+def check_layout(
+    parallel: ParallelConfig, model: ModelConfig, world_size: int, global_batch: int, micro_batch: int, seq_len: int
+) -> ParallelConfig:
     """The one check of a layout, for the trainer (before any process group starts) and for the planner (for
     every candidate): raises ConfigError naming the field, or returns the resolved config."""
     p = parallel.validate(model, world_size)
     accum = p.microbatches(global_batch, micro_batch)
     if p.cp > 1 and seq_len % (2 * p.cp):
-        raise ConfigError(f"parallel.cp: train.seq_len {seq_len} is not divisible by 2 x cp = {2 * p.cp} (each "
-                          "context-parallel rank holds 2 of 2 x cp equal chunks of every sequence)")
+        raise ConfigError(
+            f"parallel.cp: train.seq_len {seq_len} is not divisible by 2 x cp = {2 * p.cp} (each "
+            "context-parallel rank holds 2 of 2 x cp equal chunks of every sequence)"
+        )
     if p.sequence_parallel and p.tp > 1 and (seq_len // p.cp) % p.tp:
-        raise ConfigError(f"parallel.sequence_parallel: tp {p.tp} does not divide the {seq_len // p.cp} tokens of "
-                          f"each sequence a rank holds (train.seq_len {seq_len} / cp {p.cp})")
+        raise ConfigError(
+            f"parallel.sequence_parallel: tp {p.tp} does not divide the {seq_len // p.cp} tokens of "
+            f"each sequence a rank holds (train.seq_len {seq_len} / cp {p.cp})"
+        )
     if p.pp > 1 and accum < p.pp:
-        raise ConfigError(f"parallel.pp: {accum} micro-batches per step (global_batch / (micro_batch x dp)) "
-                          f"cannot fill {p.pp} pipeline stages; use a smaller train.micro_batch")
+        raise ConfigError(
+            f"parallel.pp: {accum} micro-batches per step (global_batch / (micro_batch x dp)) "
+            f"cannot fill {p.pp} pipeline stages; use a smaller train.micro_batch"
+        )
     if p.pp_schedule == "interleaved_1f1b" and p.pp > 1 and accum % p.pp:
-        raise ConfigError(f"parallel.pp_schedule: interleaved_1f1b needs the {accum} micro-batches per step "
-                          f"to be a multiple of pp {p.pp}")
+        raise ConfigError(
+            f"parallel.pp_schedule: interleaved_1f1b needs the {accum} micro-batches per step "
+            f"to be a multiple of pp {p.pp}"
+        )
     return p

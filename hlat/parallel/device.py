@@ -41,5 +41,7 @@ def backend_for(device: torch.device) -> str:
     try:
         return dist.get_default_backend_for_device(device)
     except (ValueError, RuntimeError):
-        raise HlatError(f"train.device: no torch.distributed backend is registered for {device.type!r} devices; "
-                        "its PyTorch plugin must register one (torch.distributed.Backend.register_backend)") from None
+        raise HlatError(
+            f"train.device: no torch.distributed backend is registered for {device.type!r} devices; "
+            "its PyTorch plugin must register one (torch.distributed.Backend.register_backend)"
+        ) from None

@@ -83,9 +83,16 @@ def init_topology(cfg: ParallelConfig, device: torch.device, timeout_s: float = 
     shape = tuple(getattr(cfg, d) for d in MESH_DIMS)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
     coord = dict(zip(MESH_DIMS, mesh.get_coordinate()))
-    return Topology(cfg, mesh, mesh if cfg.cp == 1 else sharding_mesh(mesh, cfg), rank=dist.get_rank(),
-                    pp_rank=coord["pp"], cp_rank=coord["cp"], tp_rank=coord["tp"],
-                    dp_rank=coord["dp_replicate"] * cfg.dp_shard + coord["dp_shard"])
+    return Topology(
+        cfg,
+        mesh,
+        mesh if cfg.cp == 1 else sharding_mesh(mesh, cfg),
+        rank=dist.get_rank(),
+        pp_rank=coord["pp"],
+        cp_rank=coord["cp"],
+        tp_rank=coord["tp"],
+        dp_rank=coord["dp_replicate"] * cfg.dp_shard + coord["dp_shard"],
+    )
 
 
 def restart_attempt() -> int:
@@ -121,8 +128,14 @@ def start_process_group(device: torch.device, timeout_s: float, bind_device: boo
     store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
     if shares_agent_store():
         store = dist.PrefixStore(f"hlat/attempt{restart_attempt()}", store)
-    dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=world_size, timeout=timeout,
-                            device_id=device if bind_device and device.type != "cpu" else None)
+    dist.init_process_group(
+        backend_for(device),
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+        device_id=device if bind_device and device.type != "cpu" else None,
+    )
 
 
 def sharding_mesh(mesh: DeviceMesh, cfg: ParallelConfig) -> DeviceMesh:
@@ -136,8 +149,9 @@ def sharding_mesh(mesh: DeviceMesh, cfg: ParallelConfig) -> DeviceMesh:
         if dist.get_rank() in block:
             mine = group
     groups = [mesh.get_group("pp"), mesh.get_group("dp_replicate"), mine, mesh.get_group("tp")]
-    return DeviceMesh.from_group(groups, mesh.device_type, mesh=ranks,
-                                 mesh_dim_names=("pp", "dp_replicate", cfg.fsdp_dim, "tp"))
+    return DeviceMesh.from_group(
+        groups, mesh.device_type, mesh=ranks, mesh_dim_names=("pp", "dp_replicate", cfg.fsdp_dim, "tp")
+    )
 
 
 def gather_objects(obj) -> list:

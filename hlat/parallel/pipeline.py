@@ -50,8 +50,9 @@ def stage_examples(topo: Topology, model_cfg, sid: int, shapes: StageShapes) -> 
     cfg, last = topo.cfg, sid == topo.cfg.stages() - 1
     held = shapes.seq_len // cfg.cp  # the tokens of each sequence this rank holds
     seq = held // cfg.tp if cfg.sequence_parallel and cfg.tp > 1 else held
-    hidden = torch.empty(shapes.micro_batch, seq, model_cfg.dim, dtype=shapes.hidden_dtype, device="meta",
-                         requires_grad=True)
+    hidden = torch.empty(
+        shapes.micro_batch, seq, model_cfg.dim, dtype=shapes.hidden_dtype, device="meta", requires_grad=True
+    )
     tokens = torch.empty(shapes.micro_batch, held, dtype=torch.long, device="meta")
     loss = torch.empty((), dtype=torch.float32, device="meta")
     return {"input_args": tokens if sid == 0 else hidden, "output_args": loss if last else hidden}
@@ -63,14 +64,27 @@ def stage_loss(loss: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return loss
 
 
-def build_schedule(parts: list[tuple[int, nn.Module]], topo: Topology, device: torch.device,
-                   n_microbatches: int, shapes: StageShapes | None = None):
+def build_schedule(
+    parts: list[tuple[int, nn.Module]],
+    topo: Topology,
+    device: torch.device,
+    n_microbatches: int,
+    shapes: StageShapes | None = None,
+):
     """The layout's schedule over this rank's stages (the last computing the loss: `stage_loss`); with `shapes`
     the stages are given their boundaries instead of inferring them from the first micro-batch."""
     cfg = topo.cfg
-    stages = [PipelineStage(module, sid, cfg.stages(), device, group=topo.group("pp"),
-                            **(stage_examples(topo, module.cfg, sid, shapes) if shapes else {}))
-              for sid, module in parts]
+    stages = [
+        PipelineStage(
+            module,
+            sid,
+            cfg.stages(),
+            device,
+            group=topo.group("pp"),
+            **(stage_examples(topo, module.cfg, sid, shapes) if shapes else {}),
+        )
+        for sid, module in parts
+    ]
     if cfg.pp_schedule == "interleaved_1f1b":
         return ScheduleInterleaved1F1B(stages, n_microbatches=n_microbatches, loss_fn=stage_loss)
     schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[cfg.pp_schedule]

@@ -54,8 +54,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
 
     for block in model.layers.values():
         plan = {
-            "attention": PrepareModuleInput(input_layouts=(between, None, None),  # (x, rope, document mask)
-                                            desired_input_layouts=(Replicate(), None, None)),
+            "attention": PrepareModuleInput(
+                input_layouts=(between, None, None),  # (x, rope, document mask)
+                desired_input_layouts=(Replicate(), None, None),
+            ),
             "attention.wq": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=between),
             "feed_forward": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),

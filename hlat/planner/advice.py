@@ -14,9 +14,9 @@ from dataclasses import dataclass, replace
 from hlat import HlatError
 from hlat.config import ConfigError
 from hlat.planner.layout import Layout, Workload
-from hlat.profiles import HardwareProfile, load_profile
 from hlat.planner.report import budget_text, si
 from hlat.planner.search import Plan, evaluate, search
+from hlat.profiles import HardwareProfile, load_profile
 
 COMM_SHARE = 0.25
 SLOWER = 1.25
@@ -36,12 +36,21 @@ def spans_nodes(tp: int, per_node: int) -> bool:
 def summary(plan: Plan, tokens: float, communicating: str = "") -> str:
     """'2.79 s/step, 33.0% MFU, 14.5 days, $8.78M' (`communicating`: what of the step goes to communication)."""
     days, dollars = plan.budget(tokens)
-    return (f"{plan.step_s:.3g} s/step{communicating}, {plan.mfu:.1%} MFU, {days:,.1f} days"
-            f"{f', ${si(dollars)}' if dollars else ''}")
+    return (
+        f"{plan.step_s:.3g} s/step{communicating}, {plan.mfu:.1%} MFU, {days:,.1f} days"
+        f"{f', ${si(dollars)}' if dollars else ''}"
+    )
 
 
-def advise(work: Workload, layout: Layout, hw: HardwareProfile, nodes: int, price: float, tokens: float,
-           per_node: int | None = None) -> Advice | None:
+def advise(
+    work: Workload,
+    layout: Layout,
+    hw: HardwareProfile,
+    nodes: int,
+    price: float,
+    tokens: float,
+    per_node: int | None = None,
+) -> Advice | None:
     """The line for `layout` on `nodes` x `hw`, or None when the layout suits the hardware. `per_node`: the processes
     a launch places on each node, when not one per device of the profile: the layout is priced on nodes that use
     that many devices, and the search's layout on the same nodes used whole (what `hlat plan --search` prints)."""
@@ -60,14 +69,19 @@ def advise(work: Workload, layout: Layout, hw: HardwareProfile, nodes: int, pric
         return None
     where = f"{nodes} x {hw.name}"
     if crosses:
-        what = (f"tensor parallelism across nodes: {layout.describe()} puts each TP{layout.tp} group on "
-                f"{-(-layout.tp // per_node)} {hw.name} nodes of {per_node} processes, its collectives over the "
-                f"inter-node fabric: predicted {summary(mine, tokens, f' ({comm:.3g} s communicating)')}")
+        what = (
+            f"tensor parallelism across nodes: {layout.describe()} puts each TP{layout.tp} group on "
+            f"{-(-layout.tp // per_node)} {hw.name} nodes of {per_node} processes, its collectives over the "
+            f"inter-node fabric: predicted {summary(mine, tokens, f' ({comm:.3g} s communicating)')}"
+        )
     else:
         split = f" ({comm:.3g} s communicating: TP {t.tp_comm:.3g}, PP {t.pp_comm:.3g}, DP {t.dp_comm:.3g})"
         what = f"{layout.describe()} is needlessly slow on {hw.name}'s links: predicted {summary(mine, tokens, split)}"
-    choice = (f"; `hlat plan --search` on {where} chooses {best.layout.describe()}: {summary(best, tokens)}" if best
-              else f"; no layout of the model fits {where}")
+    choice = (
+        f"; `hlat plan --search` on {where} chooses {best.layout.describe()}: {summary(best, tokens)}"
+        if best
+        else f"; no layout of the model fits {where}"
+    )
     return Advice(f"{what}{choice} (for {budget_text(tokens)} tokens)", best)
 
 
@@ -81,16 +95,24 @@ def config_advice(cfg, nodes: int, per_node: int) -> str | None:
         return None  # refused where the layout is checked, in its own line
     if not cfg.cluster.hardware:
         if nodes > 1 and spans_nodes(parallel.tp, per_node):
-            return (f"tensor parallelism across nodes: parallel.tp {parallel.tp} spans nodes of {per_node} processes "
-                    "(its collectives cross the inter-node network every layer); set cluster.hardware for the "
-                    "layout `hlat plan --search` would choose")
+            return (
+                f"tensor parallelism across nodes: parallel.tp {parallel.tp} spans nodes of {per_node} processes "
+                "(its collectives cross the inter-node network every layer); set cluster.hardware for the "
+                "layout `hlat plan --search` would choose"
+            )
         return None
     try:
         hw = load_profile(cfg.cluster.hardware)
         other = "reserved" if cfg.cost.pricing == "on_demand" else "on_demand"
         price = cfg.cost.price_per_device_hour * hw.devices_per_node or hw.price(cfg.cost.pricing) or hw.price(other)
-        work = Workload(cfg.model, cfg.train.seq_len, cfg.train.global_batch, cfg.precision.mode,
-                        cfg.parallel.compile, cfg.precision.fp8)
+        work = Workload(
+            cfg.model,
+            cfg.train.seq_len,
+            cfg.train.global_batch,
+            cfg.precision.mode,
+            cfg.parallel.compile,
+            cfg.precision.fp8,
+        )
         layout = Layout(replace(parallel, compile=work.compile), cfg.train.micro_batch)
         advice = advise(work, layout, hw, nodes, price, cfg.train.steps * work.tokens_per_step, per_node)
     except HlatError:  # hardware the planner cannot price (an unmeasured FP8 recipe): nothing to compare

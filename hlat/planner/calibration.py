@@ -72,8 +72,14 @@ def nnls(rows: list[list[float]], targets: list[float]) -> list[float]:
 FLOORS = {"flops_factor": 1.0, "intra_factor": 1.0, "inter_factor": 1.0}
 
 
-def fit_factors(samples: list[Sample], free: tuple[str, ...], base: Fit, source: str,
-                weights: list[float] | None = None, rounds: int = 30) -> Fit:
+def fit_factors(
+    samples: list[Sample],
+    free: tuple[str, ...],
+    base: Fit,
+    source: str,
+    weights: list[float] | None = None,
+    rounds: int = 30,
+) -> Fit:
     """Fit the `free` factors of `base` to the samples, minimising the (weighted) squared relative error of the
     step time; the other factors keep their values from `base`. The model is linear in the factors wherever each
     layer stays host- or device-bound, so each round solves the linear problem around the current factors and
@@ -87,24 +93,16 @@ def fit_factors(samples: list[Sample], free: tuple[str, ...], base: Fit, source:
 
     def objective(x: dict[str, float]) -> float:
         current = replace(base, **x)
-        return sum(w * (step_time(s.workload, s.layout, s.hardware, current).total / s.step_s - 1) ** 2
-                   for s, w in zip(samples, weights))
+        return sum(
+            w * (step_time(s.workload, s.layout, s.hardware, current).total / s.step_s - 1) ** 2
+            for s, w in zip(samples, weights)
+        )
 
     def descend(x: dict[str, float]) -> tuple[float, dict[str, float]]:
         best = objective(x)
         for _ in range(rounds):
             current = replace(base, **x)
-            rows, targets = [], []
-            for s, w in zip(samples, weights):
-                t0 = step_time(s.workload, s.layout, s.hardware, current).total
-                # Slopes by finite differences: exact within a linear piece.
-                slopes = [(step_time(s.workload, s.layout, s.hardware, replace(current, **{k: x[k] + 1e-3})).total
-                           - t0) / 1e-3 for k in free]
-                scale = w ** 0.5 / s.step_s
-                rows.append([c * scale for c in slopes])
-                # t = t0 + slopes . (x' - x), solved for the excess x' - floor >= 0.
-                rest = t0 - sum(c * (x[k] - FLOORS.get(k, 0.0)) for c, k in zip(slopes, free))
-                targets.append((s.step_s - rest) * scale)
+            rows, targets = _linearised(samples, weights, free, current, x)
             step = {k: FLOORS.get(k, 0.0) + e - x[k] for k, e in zip(free, nnls(rows, targets))}
             for _ in range(20):  # the linear model holds only near x: halve the step until the error falls
                 new = {k: x[k] + step[k] for k in free}
@@ -122,9 +120,31 @@ def fit_factors(samples: list[Sample], free: tuple[str, ...], base: Fit, source:
 
     # Each start has every factor positive (at a zero overhead no layer is host-bound and its slope would stay 0);
     # a start far above and one near the floors reach the pieces of either regime.
-    _, x = min((descend({k: FLOORS.get(k, 0.0) + start for k in free}) for start in (1.0, 10.0)),
-               key=lambda result: result[0])
+    _, x = min(
+        (descend({k: FLOORS.get(k, 0.0) + start for k in free}) for start in (1.0, 10.0)), key=lambda result: result[0]
+    )
     return replace(base, source=source, **{k: round(v, 4) for k, v in x.items()})
+
+
+def _linearised(
+    samples: list[Sample], weights: list[float], free: tuple[str, ...], current: Fit, x: dict[str, float]
+) -> tuple[list[list[float]], list[float]]:
+    """The step times around the factors `x` (of `current`) as a linear least-squares problem in the factors'
+    excess over their floors: one weighted, relative row and target per sample."""
+    rows, targets = [], []
+    for s, w in zip(samples, weights):
+        t0 = step_time(s.workload, s.layout, s.hardware, current).total
+        # Slopes by finite differences: exact within a linear piece.
+        slopes = [
+            (step_time(s.workload, s.layout, s.hardware, replace(current, **{k: x[k] + 1e-3})).total - t0) / 1e-3
+            for k in free
+        ]
+        scale = w**0.5 / s.step_s
+        rows.append([c * scale for c in slopes])
+        # t = t0 + slopes . (x' - x), solved for the excess x' - floor >= 0.
+        rest = t0 - sum(c * (x[k] - FLOORS.get(k, 0.0)) for c, k in zip(slopes, free))
+        targets.append((s.step_s - rest) * scale)
+    return rows, targets
 
 
 def read_run(run_dir: str | Path, skip: int = 1) -> tuple[dict, float]:

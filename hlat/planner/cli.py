@@ -27,8 +27,7 @@ from hlat.profiles import HardwareProfile, load_profile, profile_names
 from hlat.resources import recipe_names
 
 HLAT_TOKENS = 1.8e12  # HLAT's training budget: the default for a preset
-LAYOUT_FLAGS = ("tp", "pp", "cp", "dp_shard", "microbatch", "schedule", "virtual_stages", "recompute", "zero1",
-                "no_sp")
+LAYOUT_FLAGS = ("tp", "pp", "cp", "dp_shard", "microbatch", "schedule", "virtual_stages", "recompute", "zero1", "no_sp")
 
 
 def register(commands) -> None:
@@ -38,48 +37,94 @@ def register(commands) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", action="append",
-                        help="a recipe (e.g. hlat-7b) or TOML config, as `hlat train --config` takes it (repeatable, "
-                             "merged in order; then --section.key value overrides): the plan prices what it would "
-                             "train, on its [cluster], with its [parallel] layout unless --search")
-    parser.add_argument("--model", help=f"a model preset ({', '.join(PRESETS)}); with --config it replaces the "
-                                        "config's model")
-    parser.add_argument("--hardware", help=f"profile name ({', '.join(profile_names())}) or a profile TOML path "
-                                           "(default: the config's [cluster] hardware)")
+    parser.add_argument(
+        "--config",
+        action="append",
+        help="a recipe (e.g. hlat-7b) or TOML config, as `hlat train --config` takes it (repeatable, "
+        "merged in order; then --section.key value overrides): the plan prices what it would "
+        "train, on its [cluster], with its [parallel] layout unless --search",
+    )
+    parser.add_argument(
+        "--model", help=f"a model preset ({', '.join(PRESETS)}); with --config it replaces the config's model"
+    )
+    parser.add_argument(
+        "--hardware",
+        help=f"profile name ({', '.join(profile_names())}) or a profile TOML path "
+        "(default: the config's [cluster] hardware)",
+    )
     parser.add_argument("--nodes", type=int, help="number of nodes (default: the config's [cluster] nodes, or 1)")
     parser.add_argument("--search", action="store_true", help="rank layouts even when the config states one")
-    parser.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: the config's, "
-                                                         "else 1024)")
-    parser.add_argument("--seq-len", type=int, help="sequence length (default: the config's, else the model's "
-                                                    "max_seq_len, as `hlat describe`; the output says which)")
-    parser.add_argument("--precision", choices=sorted(MODES), help="training precision mode (default: the "
-                                                                   "config's, else bf16_mixed)")
-    parser.add_argument("--fp8", choices=("none", *FP8_RECIPES),
-                        help="FP8 matmuls in the blocks' linear layers with this scaling recipe (precision.fp8; "
-                             "default: the config's, else none), priced at the rates preflight measured for it")
-    parser.add_argument("--compile", action="store_true", help="compiled blocks (parallel.compile; default: the "
-                                                               "config's)")
-    parser.add_argument("--objective", choices=OBJECTIVES, default="tokens_per_s",
-                        help="rank by throughput, or by tokens per dollar (then smaller clusters are tried too)")
-    parser.add_argument("--price", choices=("on_demand", "reserved"),
-                        help="which of the profile's node-hour prices (default: the config's cost.pricing, else "
-                             "on_demand; a profile without it takes its other price and says so)")
-    parser.add_argument("--price-per-node-hour", type=float, help="USD per node-hour, instead of the profile's")
-    parser.add_argument("--tokens", type=float, help="token budget to cost (default: the config's train.steps x "
-                                                     "global_batch x seq_len, else 1.8e12)")
-    parser.add_argument("--top", type=int, default=5, help="how many layouts to show (default 5)")
-    parser.add_argument("--tolerance", type=float, default=TOLERANCE,
-                        help=f"predictions this close to the best count as equal, and the simplest of them ranks "
-                             f"first (default {TOLERANCE})")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument("--emit", metavar="PATH", help="write the best layout as [parallel]/[train] TOML; with "
-                                                       "--calibrate, write the fitted profile")
-    parser.add_argument("--calibrate", nargs="+", metavar="RUN_DIR",
-                        help="fit the profile's factors to hlat runs (config.toml + metrics.jsonl)")
-    parser.add_argument("--rehearsal", metavar="FILE",
-                        help="hlat rehearse --json of this layout: its measured memory (and compute, if rehearsed "
-                             "on this hardware) in place of the composed figures")
+    parser.add_argument(
+        "--global-batch", type=int, help="sequences per optimizer step (default: the config's, else 1024)"
+    )
+    parser.add_argument(
+        "--seq-len",
+        type=int,
+        help="sequence length (default: the config's, else the model's "
+        "max_seq_len, as `hlat describe`; the output says which)",
+    )
+    parser.add_argument(
+        "--precision", choices=sorted(MODES), help="training precision mode (default: the config's, else bf16_mixed)"
+    )
+    parser.add_argument(
+        "--fp8",
+        choices=("none", *FP8_RECIPES),
+        help="FP8 matmuls in the blocks' linear layers with this scaling recipe (precision.fp8; "
+        "default: the config's, else none), priced at the rates preflight measured for it",
+    )
+    parser.add_argument(
+        "--compile", action="store_true", help="compiled blocks (parallel.compile; default: the config's)"
+    )
+    add_ranking_arguments(parser)
     add_layout_arguments(parser)
+
+
+def add_ranking_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the plan ranks, prices and reports layouts."""
+    parser.add_argument(
+        "--objective",
+        choices=OBJECTIVES,
+        default="tokens_per_s",
+        help="rank by throughput, or by tokens per dollar (then smaller clusters are tried too)",
+    )
+    parser.add_argument(
+        "--price",
+        choices=("on_demand", "reserved"),
+        help="which of the profile's node-hour prices (default: the config's cost.pricing, else "
+        "on_demand; a profile without it takes its other price and says so)",
+    )
+    parser.add_argument("--price-per-node-hour", type=float, help="USD per node-hour, instead of the profile's")
+    parser.add_argument(
+        "--tokens",
+        type=float,
+        help="token budget to cost (default: the config's train.steps x global_batch x seq_len, else 1.8e12)",
+    )
+    parser.add_argument("--top", type=int, default=5, help="how many layouts to show (default 5)")
+    parser.add_argument(
+        "--tolerance",
+        type=float,
+        default=TOLERANCE,
+        help=f"predictions this close to the best count as equal, and the simplest of them ranks "
+        f"first (default {TOLERANCE})",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument(
+        "--emit",
+        metavar="PATH",
+        help="write the best layout as [parallel]/[train] TOML; with --calibrate, write the fitted profile",
+    )
+    parser.add_argument(
+        "--calibrate",
+        nargs="+",
+        metavar="RUN_DIR",
+        help="fit the profile's factors to hlat runs (config.toml + metrics.jsonl)",
+    )
+    parser.add_argument(
+        "--rehearsal",
+        metavar="FILE",
+        help="hlat rehearse --json of this layout: its measured memory (and compute, if rehearsed "
+        "on this hardware) in place of the composed figures",
+    )
 
 
 def add_layout_arguments(parser: argparse.ArgumentParser) -> None:
@@ -100,8 +145,9 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = _load_config(args, overrides)
     hardware = args.hardware or (cfg.cluster.hardware if cfg else "")
     if not hardware:
-        raise HlatError("hlat plan: --hardware is required" + (" (the config states no [cluster] hardware)"
-                                                               if cfg else ""))
+        raise HlatError(
+            "hlat plan: --hardware is required" + (" (the config states no [cluster] hardware)" if cfg else "")
+        )
     hw = load_profile(hardware)
     nodes = args.nodes if args.nodes is not None else cfg.cluster.nodes if cfg else 1
     if nodes < 1:
@@ -124,8 +170,13 @@ def _predict(args: argparse.Namespace, req: Request) -> int:
         req.notes.append(advice.line)
         said += ["#2: what --search chooses"] if advice.best else []
     origin = "given" if _layout_flags_given(args) else "of the config"
-    show(req, plans, f"layout {origin}, {plan.layout.describe()}" + "".join(f"; {line}" for line in said),
-         args.json, args.emit if plan.memory.fits else None)
+    show(
+        req,
+        plans,
+        f"layout {origin}, {plan.layout.describe()}" + "".join(f"; {line}" for line in said),
+        args.json,
+        args.emit if plan.memory.fits else None,
+    )
     if not plan.memory.fits:
         print(f"does not fit: {plan.memory.shortfall()}")
         return 1
@@ -143,9 +194,14 @@ def _search(args: argparse.Namespace, req: Request) -> int:
         nearest = result.nearest
         why = f"; the closest, {nearest.layout.describe()}, {nearest.memory.shortfall()}" if nearest else ""
         raise HlatError(f"no layout of {work.model.preset or 'the model'} fits {req.nodes} x {hw.name}{why}")
-    show(req, result.plans[:args.top],
-         f"{result.considered:,} layouts considered in {result.seconds:.2f} s, {len(result.plans):,} fit; "
-         f"within {args.tolerance:.0%} of the best counts as equal, simplest first", args.json, args.emit)
+    show(
+        req,
+        result.plans[: args.top],
+        f"{result.considered:,} layouts considered in {result.seconds:.2f} s, {len(result.plans):,} fit; "
+        f"within {args.tolerance:.0%} of the best counts as equal, simplest first",
+        args.json,
+        args.emit,
+    )
     return 0
 
 
@@ -153,8 +209,10 @@ def _load_config(args: argparse.Namespace, overrides: list[str]):
     """The config `hlat train --config` would run (None without --config); `--model` must name a preset."""
     if args.model and args.model not in PRESETS:
         if args.model in recipe_names() or args.model.endswith(".toml") or Path(args.model).is_file():
-            raise HlatError(f"--model {args.model}: --model names a model preset ({', '.join(PRESETS)}); for a "
-                            f"recipe or config file use --config {args.model}")
+            raise HlatError(
+                f"--model {args.model}: --model names a model preset ({', '.join(PRESETS)}); for a "
+                f"recipe or config file use --config {args.model}"
+            )
         model_config(args.model)  # the unknown-preset error, listing the presets
     if not args.config:
         if overrides:
@@ -172,8 +230,17 @@ def _request(args: argparse.Namespace, cfg, hw: HardwareProfile, nodes: int) -> 
     if tokens <= 0:
         raise HlatError(f"--tokens: must be positive, got {tokens}")
     notes = [line for line in (hw.measured.mismatch(work.precision), fp8_note(work, hw)) if line]
-    return Request(work, hw, nodes, price, price_note, tokens, _layout(args, cfg, work, nodes * hw.devices_per_node),
-                   notes, seq_len_from)
+    return Request(
+        work,
+        hw,
+        nodes,
+        price,
+        price_note,
+        tokens,
+        _layout(args, cfg, work, nodes * hw.devices_per_node),
+        notes,
+        seq_len_from,
+    )
 
 
 def _workload(args: argparse.Namespace, cfg) -> tuple[Workload, str]:
@@ -192,8 +259,9 @@ def _workload(args: argparse.Namespace, cfg) -> tuple[Workload, str]:
     batch = args.global_batch or batch
     if seq_len < 1 or batch < 1:
         raise HlatError(f"--seq-len and --global-batch must be positive, got {seq_len} and {batch}")
-    return Workload(model, seq_len, batch, args.precision or precision.mode, args.compile or compiled,
-                    args.fp8 or precision.fp8), seq_len_from
+    return Workload(
+        model, seq_len, batch, args.precision or precision.mode, args.compile or compiled, args.fp8 or precision.fp8
+    ), seq_len_from
 
 
 def _price(args: argparse.Namespace, cfg, hw: HardwareProfile) -> tuple[float, str]:
@@ -211,8 +279,9 @@ def _price(args: argparse.Namespace, cfg, hw: HardwareProfile) -> tuple[float, s
     if hw.price(kind):
         return hw.price(kind), f"{hw.name} {kind.replace('_', '-')}{source}"
     if hw.price(other):
-        return hw.price(other), (f"{hw.name} has no {kind.replace('_', '-')} price: its "
-                                 f"{other.replace('_', '-')} price{source}")
+        return hw.price(other), (
+            f"{hw.name} has no {kind.replace('_', '-')} price: its {other.replace('_', '-')} price{source}"
+        )
     return 0.0, f"{hw.name} states no price{source}: pass --price-per-node-hour"
 
 
@@ -240,10 +309,20 @@ def _given_layout(args: argparse.Namespace, work: Workload, devices: int) -> Lay
     dp = devices // (tp * pp * cp)
     if args.zero1 and not args.dp_shard:  # ZeRO-1 shards over dp_shard: all of data parallelism by default
         shard = dp
-    return Layout.of(tp=tp, pp=pp, cp=cp, dp_replicate=dp // shard, dp_shard=shard,
-                     micro_batch=args.microbatch or 1, pp_schedule=schedule, virtual_stages=v,
-                     sequence_parallel=not args.no_sp, zero1=args.zero1,
-                     activation_checkpoint=args.recompute or "selective", compile=work.compile)
+    return Layout.of(
+        tp=tp,
+        pp=pp,
+        cp=cp,
+        dp_replicate=dp // shard,
+        dp_shard=shard,
+        micro_batch=args.microbatch or 1,
+        pp_schedule=schedule,
+        virtual_stages=v,
+        sequence_parallel=not args.no_sp,
+        zero1=args.zero1,
+        activation_checkpoint=args.recompute or "selective",
+        compile=work.compile,
+    )
 
 
 def run_sample(run_dir: str, hw: HardwareProfile) -> Sample:
@@ -256,13 +335,14 @@ def run_sample(run_dir: str, hw: HardwareProfile) -> Sample:
         parallel = update(ParallelConfig(), config.get("parallel", {}), "parallel.")
         train = config["train"]
         precision = update(PrecisionConfig(), config["precision"], "precision.")
-        work = Workload(model, train["seq_len"], train["global_batch"], precision.mode, parallel.compile,
-                        precision.fp8)
+        work = Workload(model, train["seq_len"], train["global_batch"], precision.mode, parallel.compile, precision.fp8)
     except (ConfigError, KeyError, TypeError) as e:
         raise HlatError(f"--calibrate {run_dir}: config.toml: {e}") from None
     if parallel.dp_shard == -1:
-        raise HlatError(f"--calibrate {run_dir}: config.toml has parallel.dp_shard = -1 (written by an older hlat): "
-                        "the run's world size is unknown")
+        raise HlatError(
+            f"--calibrate {run_dir}: config.toml has parallel.dp_shard = -1 (written by an older hlat): "
+            "the run's world size is unknown"
+        )
     layout = Layout(parallel, train["micro_batch"])
     problem = layout_problem(work, layout, layout.devices)
     if problem:
@@ -272,14 +352,16 @@ def run_sample(run_dir: str, hw: HardwareProfile) -> Sample:
 
 def _calibrate(args: argparse.Namespace, hw: HardwareProfile) -> int:
     samples = [run_sample(run_dir, hw) for run_dir in args.calibrate]
-    free = ("flops_factor", "layer_overhead_ms")[:len(samples)]
+    free = ("flops_factor", "layer_overhead_ms")[: len(samples)]
     fit = fit_factors(samples, free, hw.fit, f"calibrated on {len(samples)} hlat run(s): {', '.join(args.calibrate)}")
     fitted = replace(hw, fit=fit)
     from hlat.planner.timing import step_time
 
     for s in samples:
         predicted = step_time(s.workload, s.layout, fitted).total
-        print(f"{s.name}: measured {s.step_s:.4g} s/step, predicted {predicted:.4g} s ({predicted / s.step_s - 1:+.1%})")
+        print(
+            f"{s.name}: measured {s.step_s:.4g} s/step, predicted {predicted:.4g} s ({predicted / s.step_s - 1:+.1%})"
+        )
     text = fitted.to_toml()
     if args.emit:
         Path(args.emit).write_text(text)

@@ -10,9 +10,9 @@ are charged in full, and so are context parallelism's gathers of keys and values
 Pipeline sends are charged per micro-batch (and in the bubble), except under the trainer's interleaved schedule,
 which posts its receives early (`sends_overlap`; see `hlat.planner.timing`). FSDP
 prefetches the next block's gather and reduce-scatters during backward, every micro-batch; replicated layouts and
-ZeRO-1 reduce during the last micro-batch's backward (ZeRO-1 gathers once, during the first forward). The share of that traffic which
-hides behind the compute it runs beside is the overlap preflight measured; with cited collectives it is the
-whole of it, up to that compute (the trainer issues them on their own stream); with neither, FSDP hides fully and
+ZeRO-1 reduce during the last micro-batch's backward (ZeRO-1 gathers once, during the first forward). The share of that
+traffic which hides behind the compute it runs beside is the overlap preflight measured; with cited collectives it is
+the whole of it, up to that compute (the trainer issues them on their own stream); with neither, FSDP hides fully and
 the rest is priced by the fitted `dp_factor`.
 """
 
@@ -124,8 +124,10 @@ def context_parallel_time(work: Workload, layout: Layout, hw: HardwareProfile, f
     each = gathered_kv_elements(work, layout) / 2 * work.compute_bytes  # K's, then V's
     per_node = max(1, hw.devices_per_node // layout.tp)
     gathers = 2 if layout.activation_checkpoint == "full" else 1
-    return 2 * (gathers * link_time(hw, fit, "all_gather", each, layout.cp, per_node)
-                + link_time(hw, fit, "reduce_scatter", each, layout.cp, per_node))
+    return 2 * (
+        gathers * link_time(hw, fit, "all_gather", each, layout.cp, per_node)
+        + link_time(hw, fit, "reduce_scatter", each, layout.cp, per_node)
+    )
 
 
 def pipeline_send_time(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit) -> float:
@@ -155,9 +157,18 @@ def gathered_bytes(work: Workload, layout: Layout) -> tuple[float, float]:
     return (linear + (block - linear) * stored) / block, stored
 
 
-def dp_collective(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit, op: str,
-                  bytes_per_param: tuple[float, float], group: int, per_node: int, blocks: int = 1,
-                  rest: int = 1) -> float:
+def dp_collective(
+    work: Workload,
+    layout: Layout,
+    hw: HardwareProfile,
+    fit: Fit,
+    op: str,
+    bytes_per_param: tuple[float, float],
+    group: int,
+    per_node: int,
+    blocks: int = 1,
+    rest: int = 1,
+) -> float:
     """Seconds of the data-parallel collectives `op` over the stage's parameters as the trainer issues them
     (`bytes_per_param` of each block and of the rest), the blocks' `blocks` times and the rest of the stage's
     `rest` times. With measured or cited bandwidths, one collective per `fully_shard` unit (each block, then the
@@ -166,19 +177,23 @@ def dp_collective(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit,
     units = unit_bytes(work, layout, bytes_per_param)
     if not (getattr(hw.measured, op) or hw.links.source):
         return blocks * link_time(hw, fit, op, sum(count * size for count, size in units), group, per_node)
-    return sum(times * count * link_time(hw, fit, op, size, group, per_node)
-               for times, (count, size) in zip((blocks, rest), units))
+    return sum(
+        times * count * link_time(hw, fit, op, size, group, per_node)
+        for times, (count, size) in zip((blocks, rest), units)
+    )
 
 
 def unit_bytes(work: Workload, layout: Layout, bytes_per_param: tuple[float, float]) -> list[tuple[int, float]]:
     """(count, bytes per device) of the `fully_shard` units of the stage (`sharded_units`: each block, then the
     rest) at `bytes_per_param` of each."""
-    return [(count, params * nbytes)
-            for (count, params), nbytes in zip(sharded_units(work.model, layout), bytes_per_param)]
+    return [
+        (count, params * nbytes) for (count, params), nbytes in zip(sharded_units(work.model, layout), bytes_per_param)
+    ]
 
 
-def fsdp_copies(work: Workload, layout: Layout, hw: HardwareProfile, gathers: tuple[int, int],
-                reductions: int) -> float:
+def fsdp_copies(
+    work: Workload, layout: Layout, hw: HardwareProfile, gathers: tuple[int, int], reductions: int
+) -> float:
     """Seconds `fully_shard` spends copying into and out of its flat communication buffers, at the measured
     bandwidth of a copy into a new buffer (else HBM's: the buffers are large): a gather (`gathers`: of each
     block, and of the rest) copies the shard in (when there is more than one) and the whole unit out, in the bytes
@@ -188,14 +203,16 @@ def fsdp_copies(work: Workload, layout: Layout, hw: HardwareProfile, gathers: tu
     mode, ds = work.mode, layout.shards
     gather = 2 * (1 + (1 / ds if ds > 1 else 0))  # passes (read + write) over each gathered byte
     reduce = 2 * (1 + 1 / ds) * mode.grad_bytes
-    moved = sum(count * params * (times * gather * nbytes + reductions * reduce)
-                for times, nbytes, (count, params) in zip(gathers, gathered_bytes(work, layout),
-                                                           sharded_units(work.model, layout)))
+    moved = sum(
+        count * params * (times * gather * nbytes + reductions * reduce)
+        for times, nbytes, (count, params) in zip(
+            gathers, gathered_bytes(work, layout), sharded_units(work.model, layout)
+        )
+    )
     return moved / ((hw.measured.copy_gbs or hw.hbm_gbs) * 1e9)
 
 
-def measured_data_parallel(work: Workload, layout: Layout, hw: HardwareProfile, compute: float,
-                           m: int) -> float | None:
+def measured_data_parallel(work: Workload, layout: Layout, hw: HardwareProfile, compute: float, m: int) -> float | None:
     """Exposed data-parallel time per step from blocks `hlat preflight` timed under the layout's own data
     parallelism (the same block shape, arrangement and data-parallel size, without a pipeline): the step's `m`
     micro-batches so wrapped (FSDP: each gathers and reduces; ZeRO-1 and DDP: the last reduces, the others
@@ -229,8 +246,7 @@ def sends_overlap(hw: HardwareProfile) -> bool:
     return (dp_overlap(hw) or 0.0) > 0
 
 
-def data_parallel_time(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit, compute: float,
-                       m: int) -> float:
+def data_parallel_time(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit, compute: float, m: int) -> float:
     """Exposed data-parallel communication per step (see the module's docstring for what overlaps). `compute`:
     one micro-batch's compute on the stage; `m`: micro-batches per step."""
     mode, dpn, ds = work.mode, hw.devices_per_node, layout.shards
@@ -255,8 +271,9 @@ def data_parallel_time(work: Workload, layout: Layout, hw: HardwareProfile, fit:
     # forward but not after a backward that does not reduce, so the next forward finds them gathered.
     time, copies = 0.0, 0.0
     if layout.param_shard > 1 and layout.pp == 1:  # FSDP: gathered and reduced every micro-batch
-        per_mb = (dp_collective(work, layout, hw, fit, "all_gather", gathered, ds, dp_per_node, 2, 1)
-                  + dp_collective(work, layout, hw, fit, "reduce_scatter", grads, ds, dp_per_node))
+        per_mb = dp_collective(work, layout, hw, fit, "all_gather", gathered, ds, dp_per_node, 2, 1) + dp_collective(
+            work, layout, hw, fit, "reduce_scatter", grads, ds, dp_per_node
+        )
         time = m * (exposed(per_mb, compute) if overlap is not None else max(0.0, per_mb - compute))
         copies = fsdp_copies(work, layout, hw, (2 * m, m), m)
     elif ds > 1:  # gathered once per step and kept (ZeRO-1, and FSDP under a pipeline schedule)

@@ -17,8 +17,13 @@ def layer_matmuls(model: ModelConfig, tokens: int, tp: int) -> dict[str, tuple[i
     """Forward matmuls of one layer on one tensor-parallel rank, as (rows, inner, columns)."""
     d, hd, f = model.dim, model.head_dim, model.ffn_dim
     heads, kv = model.n_heads // tp, max(1, model.kv_heads // tp)
-    shapes = {"q": (tokens, d, heads * hd), "kv": (tokens, d, 2 * kv * hd), "attn_out": (tokens, heads * hd, d),
-              "mlp_in": (tokens, d, (2 if model.family == "llama" else 1) * f // tp), "mlp_out": (tokens, f // tp, d)}
+    shapes = {
+        "q": (tokens, d, heads * hd),
+        "kv": (tokens, d, 2 * kv * hd),
+        "attn_out": (tokens, heads * hd, d),
+        "mlp_in": (tokens, d, (2 if model.family == "llama" else 1) * f // tp),
+        "mlp_out": (tokens, f // tp, d),
+    }
     return shapes
 
 
@@ -29,8 +34,14 @@ def block_linears(model: ModelConfig, tokens: int, tp: int) -> dict[str, tuple[i
     d, hd, f = model.dim, model.head_dim, model.ffn_dim // tp
     heads, kv = model.n_heads // tp, max(1, model.kv_heads // tp)
     mlp = {"w1": (tokens, d, f), "w3": (tokens, d, f)} if model.family == "llama" else {"w1": (tokens, d, f)}
-    return {"wq": (tokens, d, heads * hd), "wk": (tokens, d, kv * hd), "wv": (tokens, d, kv * hd),
-            "wo": (tokens, heads * hd, d), **mlp, "w2": (tokens, f, d)}
+    return {
+        "wq": (tokens, d, heads * hd),
+        "wk": (tokens, d, kv * hd),
+        "wv": (tokens, d, kv * hd),
+        "wo": (tokens, heads * hd, d),
+        **mlp,
+        "w2": (tokens, f, d),
+    }
 
 
 def output_matmul(model: ModelConfig, tokens: int, tp: int) -> tuple[int, int, int]:
@@ -57,8 +68,12 @@ def memory_op_bytes(model: ModelConfig, tokens: int, tp: int, sp: bool, act_byte
     outside = tokens * d / (tp if sp else 1)  # norms and residuals run on a sequence shard under SP
     rotated = tokens * (model.n_heads + model.kv_heads) * model.head_dim / tp
     act_passes = 8 if model.family == "llama" else 5
-    return {"norm": 2 * 5 * outside * act_bytes, "activation": act_passes * tokens * f * act_bytes,
-            "rotary": 4 * rotated * act_bytes, "residual": 2 * 6 * outside * act_bytes}
+    return {
+        "norm": 2 * 5 * outside * act_bytes,
+        "activation": act_passes * tokens * f * act_bytes,
+        "rotary": 4 * rotated * act_bytes,
+        "residual": 2 * 6 * outside * act_bytes,
+    }
 
 
 def loss_bytes(model: ModelConfig, tokens: int, tp: int) -> float:
@@ -71,19 +86,31 @@ def optimizer_bytes(params: float, weight_bytes: int, grad_bytes: int, optimizer
     return params * (2 * weight_bytes + grad_bytes + 2 * optimizer_bytes)
 
 
-def block_shape(model: ModelConfig, seq_len: int, micro_batch: int, precision: str, tp: int, sp: bool,
-                recompute: str, compiled: bool = False, fp8: str = "none", cp: int = 1) -> str:
+def block_shape(
+    model: ModelConfig,
+    seq_len: int,
+    micro_batch: int,
+    precision: str,
+    tp: int,
+    sp: bool,
+    recompute: str,
+    compiled: bool = False,
+    fp8: str = "none",
+    cp: int = 1,
+) -> str:
     """What a whole-block measurement depends on, as one string: the model's shape, the tensor-parallel degree
     (and sequence parallelism), the recomputation mode, the micro-batch, the sequence (and its split over cp
     ranks), the precision mode (and its FP8 recipe, `precision.fp8`) and whether the block was compiled
     (`parallel.compile`). Preflight records a block's time under this key and the planner uses it only for a
     workload with the same key."""
     m = model
-    return (f"{m.family} dim{m.dim} layers{m.n_layers} heads{m.n_heads}/{m.kv_heads} ffn{m.ffn_dim} "
-            f"vocab{m.vocab_size} rotary{m.rotary_pct:g} tied{int(m.tie_embeddings)} docmask{int(m.doc_mask)} "
-            f"parallel_residual{int(m.parallel_residual and m.family == 'neox')} | tp{tp} sp{int(sp and tp > 1)} "
-            f"ac:{recompute} mb{micro_batch} seq{seq_len}{f' cp{cp}' if cp > 1 else ''} {precision}"
-            f"{f' fp8:{fp8}' if fp8 != 'none' else ''}{' compiled' if compiled else ''}")
+    return (
+        f"{m.family} dim{m.dim} layers{m.n_layers} heads{m.n_heads}/{m.kv_heads} ffn{m.ffn_dim} "
+        f"vocab{m.vocab_size} rotary{m.rotary_pct:g} tied{int(m.tie_embeddings)} docmask{int(m.doc_mask)} "
+        f"parallel_residual{int(m.parallel_residual and m.family == 'neox')} | tp{tp} sp{int(sp and tp > 1)} "
+        f"ac:{recompute} mb{micro_batch} seq{seq_len}{f' cp{cp}' if cp > 1 else ''} {precision}"
+        f"{f' fp8:{fp8}' if fp8 != 'none' else ''}{' compiled' if compiled else ''}"
+    )
 
 
 def dp_block_shape(shape: str, sharding: str, dp: int, accumulate: bool) -> str:

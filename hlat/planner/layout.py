@@ -64,7 +64,7 @@ class Layout:
     micro_batch: int = 1
 
     @classmethod
-    def of(cls, micro_batch: int = 1, **parallel) -> "Layout":
+    def of(cls, micro_batch: int = 1, **parallel) -> Layout:
         """A layout from `[parallel]` fields; unlike the trainer's config, dp_shard defaults to 1 (the planner
         states every degree) and interleaving needs virtual_stages."""
         parallel.setdefault("dp_shard", 1)
@@ -73,7 +73,7 @@ class Layout:
         parallel.setdefault("virtual_stages", 1)
         return cls(ParallelConfig(**parallel), micro_batch)
 
-    def replaced(self, micro_batch: int | None = None, **parallel) -> "Layout":
+    def replaced(self, micro_batch: int | None = None, **parallel) -> Layout:
         """A copy with some `[parallel]` fields (or the micro-batch) changed."""
         return Layout(replace(self.parallel, **parallel), micro_batch or self.micro_batch)
 
@@ -163,11 +163,19 @@ class Layout:
 
     def describe(self) -> str:
         """Compact: 'TP8 PP4 DP64 mb1 1F1B vpp2 SP ZeRO-1 AC:sel' (and CP4 after DP with context parallelism)."""
-        parts = [f"TP{self.tp}", f"PP{self.pp}", f"DP{self.dp}", *([f"CP{self.cp}"] if self.cp > 1 else []),
-                 f"mb{self.micro_batch}"]
+        parts = [
+            f"TP{self.tp}",
+            f"PP{self.pp}",
+            f"DP{self.dp}",
+            *([f"CP{self.cp}"] if self.cp > 1 else []),
+            f"mb{self.micro_batch}",
+        ]
         if self.pp > 1:
-            parts.append({"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": f"1F1B vpp{self.virtual_stages}"}[
-                self.pp_schedule])
+            parts.append(
+                {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": f"1F1B vpp{self.virtual_stages}"}[
+                    self.pp_schedule
+                ]
+            )
         if self.sequence_parallel:
             parts.append("SP")
         parts.append({"ddp": "DDP", "zero1": "ZeRO-1", "fsdp": "FSDP", "hsdp": f"HSDP{self.shards}"}[self.sharding])
@@ -177,8 +185,18 @@ class Layout:
     def block_shape(self, work: Workload) -> str:
         """The key under which preflight records a whole block of `work` run in this layout
         (`hlat.planner.costs.block_shape`)."""
-        return block_shape(work.model, work.seq_len, self.micro_batch, work.precision, self.tp, self.sequence_parallel,
-                           self.activation_checkpoint, compiled=self.parallel.compile, fp8=work.fp8, cp=self.cp)
+        return block_shape(
+            work.model,
+            work.seq_len,
+            self.micro_batch,
+            work.precision,
+            self.tp,
+            self.sequence_parallel,
+            self.activation_checkpoint,
+            compiled=self.parallel.compile,
+            fp8=work.fp8,
+            cp=self.cp,
+        )
 
     def config_sections(self, work: Workload) -> dict:
         """The `[parallel]` and `[train]` config tables the trainer runs as they are: every layout field."""
@@ -188,8 +206,11 @@ class Layout:
 
     def run_config(self, work: Workload) -> dict:
         """A complete config `hlat train` runs: the model, the precision mode and this layout."""
-        return {"model": asdict(work.model), "precision": {"mode": work.precision, "fp8": work.fp8},
-                **self.config_sections(work)}
+        return {
+            "model": asdict(work.model),
+            "precision": {"mode": work.precision, "fp8": work.fp8},
+            **self.config_sections(work),
+        }
 
 
 def layout_problem(work: Workload, layout: Layout, devices: int) -> str | None:

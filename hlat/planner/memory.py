@@ -41,8 +41,10 @@ class Memory:
             return ""
         parts = {"model states": self.weights + self.grads + self.optimizer, "activations": self.activations}
         worst = max(parts, key=parts.get)
-        return (f"needs {self.total / GIB:.1f} GiB of {self.capacity / GIB:.0f} GiB per device "
-                f"({worst} {parts[worst] / GIB:.1f} GiB)")
+        return (
+            f"needs {self.total / GIB:.1f} GiB of {self.capacity / GIB:.0f} GiB per device "
+            f"({worst} {parts[worst] / GIB:.1f} GiB)"
+        )
 
 
 def layer_params_per_device(model: ModelConfig, tp: int) -> float:
@@ -84,8 +86,17 @@ def sharded_units(model: ModelConfig, layout: Layout) -> list[tuple[int, float]]
     return [(layers, block), (1, stage_params(model, layout) - layers * block)]
 
 
-def layer_activation_bytes(model: ModelConfig, seq_len: int, layout: Layout, recompute: str, act_bytes: int,
-                           flash: bool, stack: str = "hlat", stream_bytes: int = 0, norm_bytes: int = 0) -> float:
+def layer_activation_bytes(
+    model: ModelConfig,
+    seq_len: int,
+    layout: Layout,
+    recompute: str,
+    act_bytes: int,
+    flash: bool,
+    stack: str = "hlat",
+    stream_bytes: int = 0,
+    norm_bytes: int = 0,
+) -> float:
     """Bytes one layer keeps for the backward pass of one micro-batch on one device, in tensors of s x b x h
     elements (s: one of them; under context parallelism s counts the rank's share of the sequence, and attention
     keeps every rank's K and V: `kv_bytes`). Without fused (flash) attention the softmax output (s / h of them,
@@ -194,9 +205,17 @@ def head_bytes(work: Workload, layout: Layout, microbatches: int, stack: str = "
 def blocks_activation_bytes(work: Workload, layout: Layout, hw: HardwareProfile, layers: float) -> float:
     """What `layers` blocks' worth of micro-batches in flight keep for backward (`layer_activation_bytes` in
     the profile's stack)."""
-    return layers * layer_activation_bytes(work.model, work.seq_len, layout, layout.activation_checkpoint,
-                                           work.compute_bytes, hw.flash_attention, hw.activations,
-                                           work.mode.weight_bytes, norm_bytes(work, hw))
+    return layers * layer_activation_bytes(
+        work.model,
+        work.seq_len,
+        layout,
+        layout.activation_checkpoint,
+        work.compute_bytes,
+        hw.flash_attention,
+        hw.activations,
+        work.mode.weight_bytes,
+        norm_bytes(work, hw),
+    )
 
 
 def rebuilt_bytes(work: Workload, layout: Layout, hw: HardwareProfile) -> float:
@@ -204,8 +223,17 @@ def rebuilt_bytes(work: Workload, layout: Layout, hw: HardwareProfile) -> float:
     if layout.activation_checkpoint != "full":
         return 0.0
     rebuilt = "none" if hw.activations == "hlat" else "selective"  # Megatron recomputes without the scores
-    return layer_activation_bytes(work.model, work.seq_len, layout, rebuilt, work.compute_bytes, hw.flash_attention,
-                                  hw.activations, work.mode.weight_bytes, norm_bytes(work, hw))
+    return layer_activation_bytes(
+        work.model,
+        work.seq_len,
+        layout,
+        rebuilt,
+        work.compute_bytes,
+        hw.flash_attention,
+        hw.activations,
+        work.mode.weight_bytes,
+        norm_bytes(work, hw),
+    )
 
 
 def norm_bytes(work: Workload, hw: HardwareProfile) -> int:
@@ -262,6 +290,12 @@ def memory(work: Workload, layout: Layout, hw: HardwareProfile) -> Memory:
         buffers = params * (mode.weight_bytes + mode.grad_bytes * (1 - 1 / shard))
     elif shard > 1:  # the layer being computed and the one prefetched, gathered; one layer's full gradients
         buffers = (2 * mode.weight_bytes + mode.grad_bytes) * layer_params_per_device(model, layout.tp)
-    return Memory(weights=params * mode.weight_bytes / shard, grads=params * mode.grad_bytes / shard,
-                  optimizer=params * mode.optimizer_bytes / opt_shard, activations=activations, buffers=buffers,
-                  overhead=hw.overhead_gib * GIB, capacity=hw.memory_gib * GIB)
+    return Memory(
+        weights=params * mode.weight_bytes / shard,
+        grads=params * mode.grad_bytes / shard,
+        optimizer=params * mode.optimizer_bytes / opt_shard,
+        activations=activations,
+        buffers=buffers,
+        overhead=hw.overhead_gib * GIB,
+        capacity=hw.memory_gib * GIB,
+    )

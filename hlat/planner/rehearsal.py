@@ -19,8 +19,18 @@ from hlat.models.config import ModelConfig
 from hlat.parallel.config import stage_layers
 from hlat.planner.comms import gathered_kv_elements, message_bytes
 from hlat.planner.layout import Layout, Workload
-from hlat.planner.memory import (GIB, Memory, blocks_activation_bytes, cast_bytes, head_bytes,
-                                 layer_params_per_device, mask_bytes, memory, norm_bytes, rebuilt_bytes)
+from hlat.planner.memory import (
+    GIB,
+    Memory,
+    blocks_activation_bytes,
+    cast_bytes,
+    head_bytes,
+    layer_params_per_device,
+    mask_bytes,
+    memory,
+    norm_bytes,
+    rebuilt_bytes,
+)
 from hlat.planner.timing import micro_batch
 from hlat.profiles import HardwareProfile
 
@@ -102,21 +112,26 @@ def rank_gathered(work: Workload, layout: Layout, params: float, microbatches: i
     return max(0.0, params - blocks) * mode.weight_bytes
 
 
-def rank_plan(work: Workload, layout: Layout, hw: HardwareProfile, pp_rank: int,
-              microbatches: int | None = None) -> RankPlan:
+def rank_plan(
+    work: Workload, layout: Layout, hw: HardwareProfile, pp_rank: int, microbatches: int | None = None
+) -> RankPlan:
     """The planner's figures for pipeline rank `pp_rank` running `microbatches` micro-batches a step (default:
     the step's own)."""
     m = microbatches or layout.microbatches(work.global_batch)
     mode, shard = work.mode, layout.shards
     params, stages = rank_params(work.model, layout, pp_rank), rank_layers(work.model, layout, pp_rank)
     layers, last = sum(stages.values()), layout.parallel.stages() - 1 in stages
-    return RankPlan(params=params * mode.weight_bytes / shard, grads=params * mode.grad_bytes / shard,
-                    optimizer=params * mode.optimizer_bytes / shard,
-                    gathered=rank_gathered(work, layout, params, m),
-                    activations=rank_activations(work, layout, hw, pp_rank, m),
-                    casts=cast_bytes(work, layout, layers, last) if hw.activations == "hlat" else 0.0,
-                    rebuilt=rebuilt_bytes(work, layout, hw),
-                    compute_s=m * rank_compute(work, layout, hw, pp_rank), layers=layers)
+    return RankPlan(
+        params=params * mode.weight_bytes / shard,
+        grads=params * mode.grad_bytes / shard,
+        optimizer=params * mode.optimizer_bytes / shard,
+        gathered=rank_gathered(work, layout, params, m),
+        activations=rank_activations(work, layout, hw, pp_rank, m),
+        casts=cast_bytes(work, layout, layers, last) if hw.activations == "hlat" else 0.0,
+        rebuilt=rebuilt_bytes(work, layout, hw),
+        compute_s=m * rank_compute(work, layout, hw, pp_rank),
+        layers=layers,
+    )
 
 
 def rank_compute(work: Workload, layout: Layout, hw: HardwareProfile, pp_rank: int) -> float:
@@ -129,8 +144,9 @@ def rank_compute(work: Workload, layout: Layout, hw: HardwareProfile, pp_rank: i
     return sum(stages.values()) * layer + (mb.output if last in stages else 0) + (mb.embedding if 0 in stages else 0)
 
 
-def rank_traffic(work: Workload, layout: Layout, hw: HardwareProfile, pp_rank: int,
-                 microbatches: int) -> dict[tuple[str, str], float]:
+def rank_traffic(
+    work: Workload, layout: Layout, hw: HardwareProfile, pp_rank: int, microbatches: int
+) -> dict[tuple[str, str], float]:
     """The collectives `step_time` prices for pipeline rank `pp_rank` over `microbatches`, as bytes per step by
     (kind, mesh dimension), each the whole buffer (a gather's output, a reduction's input): per layer and
     micro-batch 4 (6 with full recomputation) all-reduces of the activation over tp, or as many all-gathers and
@@ -156,16 +172,19 @@ def rank_traffic(work: Workload, layout: Layout, hw: HardwareProfile, pp_rank: i
     return traffic | data_parallel_traffic(work, layout, rank_params(model, layout, pp_rank), layers, m)
 
 
-def data_parallel_traffic(work: Workload, layout: Layout, params: float, layers: int,
-                          m: int) -> dict[tuple[str, str], float]:
+def data_parallel_traffic(
+    work: Workload, layout: Layout, params: float, layers: int, m: int
+) -> dict[tuple[str, str], float]:
     """Data parallelism's bytes per step as `hlat.planner.comms.data_parallel_time` prices them: FSDP gathers
     each block twice and the rest once, and reduce-scatters everything, every micro-batch; ZeRO-1 and FSDP under
     a pipeline once a step; replicas all-reduce the gradients (HSDP: the shards') once a step."""
     mode, shard, dim = work.mode, layout.shards, layout.parallel.fsdp_dim
     if layout.param_shard > 1 and layout.pp == 1:
         block = layers * layer_params_per_device(work.model, layout.tp)
-        return {("all_gather", dim): m * (2 * block + params - block) * mode.weight_bytes,
-                ("reduce_scatter", dim): m * params * mode.grad_bytes}
+        return {
+            ("all_gather", dim): m * (2 * block + params - block) * mode.weight_bytes,
+            ("reduce_scatter", dim): m * params * mode.grad_bytes,
+        }
     traffic = {}
     if shard > 1:
         traffic = {("all_gather", dim): params * mode.weight_bytes, ("reduce_scatter", dim): params * mode.grad_bytes}
@@ -178,8 +197,9 @@ def own_trainer_memory(plan) -> Memory | None:
     """`plan`'s memory as hlat's own trainer keeps it, where its profile prices another stack's activations
     (NeuronX Distributed's on trn1, which recompute or shard what torch's tensor parallelism keeps whole); None
     where the profile's figures are hlat's own."""
-    return None if plan.hw.activations == "hlat" else memory(plan.work, plan.layout,
-                                                             replace(plan.hw, activations="hlat"))
+    return (
+        None if plan.hw.activations == "hlat" else memory(plan.work, plan.layout, replace(plan.hw, activations="hlat"))
+    )
 
 
 def own_trainer_note(plan) -> str | None:
@@ -187,8 +207,10 @@ def own_trainer_note(plan) -> str | None:
     own = own_trainer_memory(plan)
     if own is None or own.fits or not plan.memory.fits:
         return None
-    return (f"memory as {plan.hw.name}'s stack keeps it ({plan.hw.activations}); hlat's own trainer {own.shortfall()}"
-            " (docs/rehearsal.md)")
+    return (
+        f"memory as {plan.hw.name}'s stack keeps it ({plan.hw.activations}); hlat's own trainer {own.shortfall()}"
+        " (docs/rehearsal.md)"
+    )
 
 
 def load_rehearsal(path: str) -> dict:
@@ -205,16 +227,35 @@ def rehearsal_mismatch(data: dict, work: Workload, layout: Layout) -> str | None
     """The fields in which the rehearsal's job differs from the planned one (its model's, sequence, batch,
     precision, FP8 recipe or layout), each 'field rehearsed (planned: value)', or None (a rehearsal written before
     `precision.fp8` ran none)."""
+
     def fields(model: ModelConfig, job: dict) -> dict:
         return {**{f"model.{k}": v for k, v in asdict(model).items()}, **job}
 
-    theirs = fields(ModelConfig(**data["model_config"]), {
-        "seq_len": data["seq_len"], "global_batch": data["global_batch"], "precision": data["precision"],
-        "fp8": data.get("fp8", "none"), "micro_batch": data["micro_batch"], **data["parallel"]})
-    ours = fields(work.model, {
-        "seq_len": work.seq_len, "global_batch": work.global_batch, "precision": work.precision, "fp8": work.fp8,
-        "micro_batch": layout.micro_batch, **asdict(layout.parallel)})
-    differ = [f"{key} {value!r} (planned: {ours.get(key)!r})" for key, value in theirs.items() if ours.get(key) != value]
+    theirs = fields(
+        ModelConfig(**data["model_config"]),
+        {
+            "seq_len": data["seq_len"],
+            "global_batch": data["global_batch"],
+            "precision": data["precision"],
+            "fp8": data.get("fp8", "none"),
+            "micro_batch": data["micro_batch"],
+            **data["parallel"],
+        },
+    )
+    ours = fields(
+        work.model,
+        {
+            "seq_len": work.seq_len,
+            "global_batch": work.global_batch,
+            "precision": work.precision,
+            "fp8": work.fp8,
+            "micro_batch": layout.micro_batch,
+            **asdict(layout.parallel),
+        },
+    )
+    differ = [
+        f"{key} {value!r} (planned: {ours.get(key)!r})" for key, value in theirs.items() if ours.get(key) != value
+    ]
     return "; ".join(differ) or None
 
 
@@ -226,8 +267,9 @@ def busiest(data: dict) -> dict:
 def rank_bytes(rank: dict) -> float:
     memory = rank["memory"]
     activations = memory["activations"].get("step", memory["activations"])["measured"]
-    return activations + sum(memory[k]["measured"] for k in ("params", "grads", "optimizer", "gathered",
-                                                             "parameter_casts"))
+    return activations + sum(
+        memory[k]["measured"] for k in ("params", "grads", "optimizer", "gathered", "parameter_casts")
+    )
 
 
 def with_rehearsal(plan, path: str) -> tuple:
@@ -240,20 +282,29 @@ def with_rehearsal(plan, path: str) -> tuple:
         raise HlatError(f"--rehearsal {path}: rehearsed a different job: {problem}")
     rank, hw = busiest(data), plan.hw
     memory = rank["memory"]
-    measured = Memory(weights=memory["params"]["measured"], grads=memory["grads"]["measured"],
-                      optimizer=memory["optimizer"]["measured"], buffers=memory["gathered"]["measured"],
-                      activations=rank_bytes(rank) - sum(memory[k]["measured"] for k in
-                                                         ("params", "grads", "optimizer", "gathered")),
-                      overhead=hw.overhead_gib * GIB, capacity=hw.memory_gib * GIB)
+    measured = Memory(
+        weights=memory["params"]["measured"],
+        grads=memory["grads"]["measured"],
+        optimizer=memory["optimizer"]["measured"],
+        buffers=memory["gathered"]["measured"],
+        activations=rank_bytes(rank) - sum(memory[k]["measured"] for k in ("params", "grads", "optimizer", "gathered")),
+        overhead=hw.overhead_gib * GIB,
+        capacity=hw.memory_gib * GIB,
+    )
     ranks = ", ".join(str(r["rank"]) for r in data["ranks"])
     said = [f"memory rehearsed (ranks {ranks} of {data['world_size']:,}; the fullest, rank {rank['rank']})"]
     if data["hardware"] != hw.name:
         return replace(plan, memory=measured), said + [
-            f"compute composed (rehearsed on {data['hardware']}, planned for {hw.name})"]
+            f"compute composed (rehearsed on {data['hardware']}, planned for {hw.name})"
+        ]
     compute = max(r["time"]["step_compute_s"]["measured"] for r in data["ranks"])
     layout = plan.layout
     # the bubble runs (pp - 1) / v micro-batches' compute more: by the rehearsed figure, not the composed one
-    bubble = (layout.pp - 1) / layout.virtual_stages * (compute - plan.time.compute) / layout.microbatches(
-        plan.work.global_batch)
+    bubble = (
+        (layout.pp - 1)
+        / layout.virtual_stages
+        * (compute - plan.time.compute)
+        / layout.microbatches(plan.work.global_batch)
+    )
     time = replace(plan.time, compute=compute, bubble=plan.time.bubble + bubble, layer="rehearsed")
     return replace(plan, memory=measured, time=time), said + [f"compute rehearsed on {hw.name} (the slowest rank)"]

@@ -51,37 +51,51 @@ def fp8_note(work: Workload, hw: HardwareProfile) -> str:
     if work.fp8 == "none":
         return ""
     eager = "" if work.compile else "; without parallel.compile FP8's casts run as kernels of their own: slower"
-    cap = "" if hw.best_mfu.fp8 else (f"; hlat has measured no FP8 run on {hw.name} ([best_mfu] fp8 = 0), so no "
-                                      "measured best MFU caps this plan")
-    return (f"FP8 ({work.fp8}): the blocks' linear layers at the profile's measured FP8 rates (compiled, casts "
-            f"included; {hw.measured.source}){eager}; the output layer and attention in bf16; memory as "
-            f"{work.precision}{cap}")
+    cap = (
+        ""
+        if hw.best_mfu.fp8
+        else (
+            f"; hlat has measured no FP8 run on {hw.name} ([best_mfu] fp8 = 0), so no measured best MFU caps this plan"
+        )
+    )
+    return (
+        f"FP8 ({work.fp8}): the blocks' linear layers at the profile's measured FP8 rates (compiled, casts "
+        f"included; {hw.measured.source}){eager}; the output layer and attention in bf16; memory as "
+        f"{work.precision}{cap}"
+    )
 
 
 def ceiling_note(req: Request) -> str:
     """The line that explains the mark on an MFU above the best hlat has measured on the hardware."""
     best, hw = req.hw.best_mfu.of(req.work.precision, req.work.fp8), req.hw
     dtype = compute_dtype(req.work)
-    return (f"* predicted above the best MFU hlat has measured on {hw.name} in {dtype} ({best:.1%}, "
-            f"{hw.best_mfu.source}): no hlat run has reached more, so the plan promises that best (its step time, "
-            "days and cost follow from it; --json gives the uncapped prediction)")
+    return (
+        f"* predicted above the best MFU hlat has measured on {hw.name} in {dtype} ({best:.1%}, "
+        f"{hw.best_mfu.source}): no hlat run has reached more, so the plan promises that best (its step time, "
+        "days and cost follow from it; --json gives the uncapped prediction)"
+    )
 
 
 def plan_row(plan: Plan, tokens: float) -> dict:
     days, dollars = plan.budget(tokens)
     m, t = plan.memory, plan.time
     return {
-        "layout": plan.layout.describe(), "nodes": plan.nodes, **plan.layout.config_sections(plan.work),
-        "fits": m.fits, "memory_gib": {k: round(v / GIB, 3) for k, v in asdict(m).items()} | {
-            "total": round(m.total / GIB, 3)},
+        "layout": plan.layout.describe(),
+        "nodes": plan.nodes,
+        **plan.layout.config_sections(plan.work),
+        "fits": m.fits,
+        "memory_gib": {k: round(v / GIB, 3) for k, v in asdict(m).items()} | {"total": round(m.total / GIB, 3)},
         # where the profile prices another stack's activations (trn: NeuronX Distributed's), hlat's own trainer's
         "hlat_trainer_memory_gib": round(own.total / GIB, 3) if (own := own_trainer_memory(plan)) else None,
-        "step_time_s": {k: round(v, 4) for k, v in asdict(t).items() if k not in ("layer", "data_parallel")} | {
-            "total": round(t.total, 4)},
-        "layer": t.layer, "data_parallel": t.data_parallel,
-        "tokens_per_s": round(plan.tokens_per_s, 1), "mfu": round(plan.mfu, 4),
+        "step_time_s": {k: round(v, 4) for k, v in asdict(t).items() if k not in ("layer", "data_parallel")}
+        | {"total": round(t.total, 4)},
+        "layer": t.layer,
+        "data_parallel": t.data_parallel,
+        "tokens_per_s": round(plan.tokens_per_s, 1),
+        "mfu": round(plan.mfu, 4),
         "above_measured_best": plan.above_measured_best,  # then tokens_per_s and mfu are capped at that best
-        "predicted_tokens_per_s": round(plan.predicted_tokens_per_s, 1), "predicted_mfu": round(plan.predicted_mfu, 4),
+        "predicted_tokens_per_s": round(plan.predicted_tokens_per_s, 1),
+        "predicted_mfu": round(plan.predicted_mfu, 4),
         "tokens_per_dollar": round(plan.tokens_per_dollar) if plan.tokens_per_dollar else None,
         "budget": {"tokens": tokens, "days": round(days, 2), "dollars": round(dollars) if dollars else None},
     }
@@ -89,23 +103,42 @@ def plan_row(plan: Plan, tokens: float) -> dict:
 
 def print_json(req: Request, plans: list[Plan], note: str) -> None:
     work, hw = req.work, req.hw
-    print(json.dumps({"model": work.model.preset, "hardware": hw.name, "nodes": req.nodes, "seq_len": work.seq_len,
-                      "seq_len_from": req.seq_len_from,
-                      "global_batch": work.global_batch, "precision": work.precision, "fp8": work.fp8,
-                      "compile": work.compile, "tokens": req.tokens, "price_per_node_hour": req.price or None,
-                      "price_source": req.price_note,
-                      "measured_best_mfu": hw.best_mfu.of(work.precision, work.fp8) or None,
-                      "measured_best_source": hw.best_mfu.source, "fit": hw.fit.source, "figures": hw.sources(),
-                      "note": note, "notes": req.notes, "plans": [plan_row(p, req.tokens) for p in plans]},
-                     indent=2))
+    print(
+        json.dumps(
+            {
+                "model": work.model.preset,
+                "hardware": hw.name,
+                "nodes": req.nodes,
+                "seq_len": work.seq_len,
+                "seq_len_from": req.seq_len_from,
+                "global_batch": work.global_batch,
+                "precision": work.precision,
+                "fp8": work.fp8,
+                "compile": work.compile,
+                "tokens": req.tokens,
+                "price_per_node_hour": req.price or None,
+                "price_source": req.price_note,
+                "measured_best_mfu": hw.best_mfu.of(work.precision, work.fp8) or None,
+                "measured_best_source": hw.best_mfu.source,
+                "fit": hw.fit.source,
+                "figures": hw.sources(),
+                "note": note,
+                "notes": req.notes,
+                "plans": [plan_row(p, req.tokens) for p in plans],
+            },
+            indent=2,
+        )
+    )
 
 
 def emit_config(path: str, req: Request, best: Plan) -> None:
     """Write the plan's layout as the config tables `hlat train --config` runs as they are."""
     work = req.work
-    header = (f"# hlat plan: {work.model.preset or work.model.family} on {best.nodes} x {req.hw.name}: "
-              f"{best.layout.describe()}, predicted {best.time.total:.3g} s/step, "
-              f"{best.tokens_per_s:,.0f} tokens/s, {best.memory.total / GIB:.1f} GiB/device\n")
+    header = (
+        f"# hlat plan: {work.model.preset or work.model.family} on {best.nodes} x {req.hw.name}: "
+        f"{best.layout.describe()}, predicted {best.time.total:.3g} s/step, "
+        f"{best.tokens_per_s:,.0f} tokens/s, {best.memory.total / GIB:.1f} GiB/device\n"
+    )
     Path(path).write_text(header + to_toml(best.layout.run_config(work)))
 
 
@@ -122,24 +155,43 @@ def print_table(req: Request, plans: list[Plan], note: str) -> None:
     budget = budget_text(req.tokens)
     price = f"${req.price:g}/node-hour, {req.price_note}" if req.price else req.price_note
     marks = [ceiling_note(req)] if any(p.above_measured_best for p in plans) else []
-    table = Table(title=f"{work.model.preset or work.model.family} on {req.nodes} x {hw.name} ({devices:,} "
-                        f"device{'s' if devices > 1 else ''}): seq {work.seq_len} ({req.seq_len_from}), "
-                        f"batch {work.global_batch} "
-                        f"({si(work.tokens_per_step)} tokens), {work.precision}"
-                        f"{f', fp8 {work.fp8}' if work.fp8 != 'none' else ''}{', compiled' if work.compile else ''}",
-                  caption="\n".join([f"{note}. Price: {price}. Figures: {hw.sources()}.", *marks]),
-                  box=box.SIMPLE_HEAD)
+    table = Table(
+        title=f"{work.model.preset or work.model.family} on {req.nodes} x {hw.name} ({devices:,} "
+        f"device{'s' if devices > 1 else ''}): seq {work.seq_len} ({req.seq_len_from}), "
+        f"batch {work.global_batch} "
+        f"({si(work.tokens_per_step)} tokens), {work.precision}"
+        f"{f', fp8 {work.fp8}' if work.fp8 != 'none' else ''}{', compiled' if work.compile else ''}",
+        caption="\n".join([f"{note}. Price: {price}. Figures: {hw.sources()}.", *marks]),
+        box=box.SIMPLE_HEAD,
+    )
     show_nodes = any(p.nodes != req.nodes for p in plans)
-    for col in ("#", "layout", *(["nodes"] if show_nodes else []), "GiB", "s/step", "tok/s", "MFU", "tok/$",
-                f"days/{budget}", f"$/{budget}"):
+    for col in (
+        "#",
+        "layout",
+        *(["nodes"] if show_nodes else []),
+        "GiB",
+        "s/step",
+        "tok/s",
+        "MFU",
+        "tok/$",
+        f"days/{budget}",
+        f"$/{budget}",
+    ):
         table.add_column(col, justify="left" if col == "layout" else "right", no_wrap=True)
     for i, p in enumerate(plans, 1):
         days, dollars = p.budget(req.tokens)
-        table.add_row(str(i), p.layout.describe(), *([str(p.nodes)] if show_nodes else []),
-                      memory_cell(p), f"{p.step_s:.3g}", si(p.tokens_per_s),
-                      f"{p.mfu:.1%}{'*' if p.above_measured_best else ''}",
-                      si(p.tokens_per_dollar) if p.tokens_per_dollar else "-", f"{days:,.1f}",
-                      f"${si(dollars)}" if dollars else "-")
+        table.add_row(
+            str(i),
+            p.layout.describe(),
+            *([str(p.nodes)] if show_nodes else []),
+            memory_cell(p),
+            f"{p.step_s:.3g}",
+            si(p.tokens_per_s),
+            f"{p.mfu:.1%}{'*' if p.above_measured_best else ''}",
+            si(p.tokens_per_dollar) if p.tokens_per_dollar else "-",
+            f"{days:,.1f}",
+            f"${si(dollars)}" if dollars else "-",
+        )
     console.print(table)
     print_breakdown(console, plans[0], req.notes)
 
@@ -154,14 +206,22 @@ def print_breakdown(console, plan: Plan, notes: list[str]) -> None:
     """Where the first plan's step time and memory go, then the request's remarks."""
     t, m = plan.time, plan.memory
     cp = f" + CP {t.cp_comm:.3g}" if plan.layout.cp > 1 else ""
-    console.print(f"#1 step {t.total:.3g} s = compute {t.compute:.3g} + TP {t.tp_comm:.3g}{cp} + PP {t.pp_comm:.3g} "
-                  f"+ bubble {t.bubble:.3g} + DP {t.dp_comm:.3g} + optimizer {t.optimizer:.2g} (layer: {t.layer}"
-                  f"{f'; data parallelism: {t.data_parallel}' if t.data_parallel else ''})")
-    console.print(f"#1 memory {m.total / GIB:.1f} of {m.capacity / GIB:.0f} GiB = weights {m.weights / GIB:.1f} "
-                  f"+ grads {m.grads / GIB:.1f} + optimizer {m.optimizer / GIB:.1f} + activations "
-                  f"{m.activations / GIB:.1f} + FSDP buffers {m.buffers / GIB:.1f} + overhead {m.overhead / GIB:.1f}"
-                  + (f" (as {plan.hw.name}'s stack keeps it, {plan.hw.activations}; hlat's own trainer: "
-                     f"{own.total / GIB:.1f} GiB)" if (own := own_trainer_memory(plan)) else ""))
+    console.print(
+        f"#1 step {t.total:.3g} s = compute {t.compute:.3g} + TP {t.tp_comm:.3g}{cp} + PP {t.pp_comm:.3g} "
+        f"+ bubble {t.bubble:.3g} + DP {t.dp_comm:.3g} + optimizer {t.optimizer:.2g} (layer: {t.layer}"
+        f"{f'; data parallelism: {t.data_parallel}' if t.data_parallel else ''})"
+    )
+    console.print(
+        f"#1 memory {m.total / GIB:.1f} of {m.capacity / GIB:.0f} GiB = weights {m.weights / GIB:.1f} "
+        f"+ grads {m.grads / GIB:.1f} + optimizer {m.optimizer / GIB:.1f} + activations "
+        f"{m.activations / GIB:.1f} + FSDP buffers {m.buffers / GIB:.1f} + overhead {m.overhead / GIB:.1f}"
+        + (
+            f" (as {plan.hw.name}'s stack keeps it, {plan.hw.activations}; hlat's own trainer: "
+            f"{own.total / GIB:.1f} GiB)"
+            if (own := own_trainer_memory(plan))
+            else ""
+        )
+    )
     for line in notes:
         console.print(line)
 

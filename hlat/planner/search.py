@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 from hlat import HlatError
 from hlat.planner.layout import Layout, Workload, layout_problem
@@ -129,8 +129,9 @@ def candidates(work: Workload, hw: HardwareProfile, nodes: int) -> Iterator[Layo
             continue
         if model.ffn_dim % tp or model.vocab_size % tp or work.seq_len % tp:
             continue
-        for cp, pp in ((c, p) for c in context_degrees(work.seq_len, devices // tp)
-                       for p in _divisors(devices // (tp * c))):
+        for cp, pp in (
+            (c, p) for c in context_degrees(work.seq_len, devices // tp) for p in _divisors(devices // (tp * c))
+        ):
             dp = devices // (tp * cp * pp)
             if model.n_layers % pp or work.global_batch % dp:
                 continue
@@ -141,10 +142,22 @@ def candidates(work: Workload, hw: HardwareProfile, nodes: int) -> Iterator[Layo
                 if pp > 1:  # the trainer's check refuses an interleaving its micro-batches cannot fill
                     schedules += [("interleaved_1f1b", v) for v in VIRTUAL_STAGES if model.n_layers % (pp * v) == 0]
                 for (schedule, v), (shard, zero1), recompute in (
-                        (s, z, r) for s in schedules for z in shardings(dp, cp, hw) for r in RECOMPUTE):
-                    layout = Layout.of(tp=tp, pp=pp, cp=cp, dp_replicate=dp // shard, dp_shard=shard, micro_batch=mb,
-                                       pp_schedule=schedule, virtual_stages=v, sequence_parallel=tp > 1,
-                                       zero1=zero1, activation_checkpoint=recompute, compile=work.compile)
+                    (s, z, r) for s in schedules for z in shardings(dp, cp, hw) for r in RECOMPUTE
+                ):
+                    layout = Layout.of(
+                        tp=tp,
+                        pp=pp,
+                        cp=cp,
+                        dp_replicate=dp // shard,
+                        dp_shard=shard,
+                        micro_batch=mb,
+                        pp_schedule=schedule,
+                        virtual_stages=v,
+                        sequence_parallel=tp > 1,
+                        zero1=zero1,
+                        activation_checkpoint=recompute,
+                        compile=work.compile,
+                    )
                     if layout_problem(work, layout, devices) is None:  # the trainer's own check
                         yield layout
 
@@ -164,8 +177,14 @@ def simplicity(plan: Plan) -> tuple:
     return layout.pp, layout.virtual_stages, RECOMPUTE.index(layout.activation_checkpoint), plan.memory.total
 
 
-def search(work: Workload, hw: HardwareProfile, nodes: int, objective: str = "tokens_per_s",
-           price: float = 0.0, tolerance: float = TOLERANCE) -> SearchResult:
+def search(
+    work: Workload,
+    hw: HardwareProfile,
+    nodes: int,
+    objective: str = "tokens_per_s",
+    price: float = 0.0,
+    tolerance: float = TOLERANCE,
+) -> SearchResult:
     """Rank every layout that fits in memory. With tokens_per_dollar the search also tries smaller clusters
     (halving the node count), since fewer nodes can cost less per token.
 
@@ -193,5 +212,5 @@ def search(work: Workload, hw: HardwareProfile, nodes: int, objective: str = "to
     if fitting:
         cutoff = fitting[0].score(objective) * (1 - tolerance)
         tied = sorted((p for p in fitting if p.score(objective) >= cutoff), key=simplicity)
-        fitting = tied + fitting[len(tied):]
+        fitting = tied + fitting[len(tied) :]
     return SearchResult(fitting, considered, None if fitting else nearest, time.perf_counter() - start)

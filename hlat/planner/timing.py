@@ -12,7 +12,7 @@ can fit them to measurements:
     per micro-batch  = layers x per layer + output layer
                      + pipeline sends of activations and gradients x intra/inter_factor + p2p_ms each
     step             = micro-batches x per micro-batch + pipeline bubble x per micro-batch of the other stages
-                     + data-parallel gradient reduction x dp_factor                 (ZeRO-1: reduce-scatter + all-gather)
+                     + data-parallel gradient reduction x dp_factor                (ZeRO-1: reduce-scatter + all-gather)
                      + optimizer step (memory-bound: state bytes / HBM bandwidth)
 
 Where `hlat preflight` timed a whole block of the real model at exactly this workload's shape (tensor parallelism,
@@ -47,10 +47,25 @@ from dataclasses import dataclass
 
 from hlat import HlatError
 from hlat.models.config import ModelConfig
-from hlat.planner.comms import (context_parallel_time, data_parallel_time, measured_data_parallel, pipeline_send_time,
-                                rate, sends_overlap, tensor_parallel_time)
-from hlat.planner.costs import (attention_flops, block_linears, layer_matmuls, loss_bytes, matmul_flops,
-                                memory_op_bytes, optimizer_bytes, output_matmul)
+from hlat.planner.comms import (
+    context_parallel_time,
+    data_parallel_time,
+    measured_data_parallel,
+    pipeline_send_time,
+    rate,
+    sends_overlap,
+    tensor_parallel_time,
+)
+from hlat.planner.costs import (
+    attention_flops,
+    block_linears,
+    layer_matmuls,
+    loss_bytes,
+    matmul_flops,
+    memory_op_bytes,
+    optimizer_bytes,
+    output_matmul,
+)
 from hlat.planner.layout import Layout, Workload
 from hlat.planner.memory import stage_params
 from hlat.profiles import Fit, HardwareProfile
@@ -104,9 +119,11 @@ def check_fp8(work: Workload, hw: HardwareProfile) -> None:
     if work.fp8 == "none" or (me.fp8_matmul(work.fp8) and me.matmul_bf16):
         return
     missing = "bf16 matmul rate beside its FP8 ones" if me.fp8_matmul(work.fp8) else "FP8 matmul rate"
-    raise HlatError(f"precision.fp8: {hw.name} has no measured {missing} ({work.fp8}); run `hlat preflight --config "
-                    "CONFIG --out measured.toml` on one of its GPUs (FP8 tensor cores, torchao installed) and pass "
-                    "the profile it writes with --hardware measured.toml")
+    raise HlatError(
+        f"precision.fp8: {hw.name} has no measured {missing} ({work.fp8}); run `hlat preflight --config "
+        "CONFIG --out measured.toml` on one of its GPUs (FP8 tensor cores, torchao installed) and pass "
+        "the profile it writes with --hardware measured.toml"
+    )
 
 
 def linears_forward(work: Workload, matmul: list[list[float]], tokens: int, tp: int, hw: HardwareProfile) -> float:
@@ -159,8 +176,11 @@ def fitted_layer(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit) 
     model, t = work.model, layout.tp
     tokens = layout.held(work.seq_len) * layout.micro_batch
     output_layer = 6.0 * model.vocab_size * model.dim
-    per_layer = (model.flops_per_token(work.seq_len) - output_layer
-                 + recompute_flops_per_token(model, work.seq_len, layout.activation_checkpoint)) / model.n_layers
+    per_layer = (
+        model.flops_per_token(work.seq_len)
+        - output_layer
+        + recompute_flops_per_token(model, work.seq_len, layout.activation_checkpoint)
+    ) / model.n_layers
     layer = per_layer * tokens / t / (hw.peak_tflops * 1e12) * fit.flops_factor
     if not hw.flash_attention:  # one nominal pass over the scores; the factor counts the passes
         scores = layout.micro_batch * model.n_heads / t * layout.held(work.seq_len) * work.seq_len
@@ -194,8 +214,14 @@ def micro_batch(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit) -
     tp = 0.0 if how == "measured block" else tensor_parallel_time(work, layout, hw, fit)
     cp = context_parallel_time(work, layout, hw, fit)
     host_excess = max(0.0, fit.layer_overhead_ms * 1e-3 - layer - tp - cp) if how == "fitted" else 0.0
-    return MicroBatch(compute=layers * (layer + host_excess) + output, output=output, embedding=embedding,
-                      tp=layers * tp, layer=how, cp=layers * cp)
+    return MicroBatch(
+        compute=layers * (layer + host_excess) + output,
+        output=output,
+        embedding=embedding,
+        tp=layers * tp,
+        layer=how,
+        cp=layers * cp,
+    )
 
 
 def optimizer_time(work: Workload, layout: Layout, hw: HardwareProfile) -> float:
@@ -232,7 +258,14 @@ def step_time(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit | No
         # transfers hide behind other chunks' work, and only the chain through every chunk, forward and back,
         # waits for them (vp - 1 hops each way)
         pp_comm, bubble_pp = pp / layout.virtual_stages * (layout.virtual_stages * layout.pp - 1), 0.0
-    return StepTime(compute=m * mb.compute, tp_comm=m * mb.tp, pp_comm=pp_comm,
-                    bubble=bubble * (mb.compute - mb.output + mb.embedding + mb.tp + mb.cp + bubble_pp),
-                    dp_comm=dp_comm, optimizer=optimizer_time(work, layout, hw), layer=mb.layer,
-                    data_parallel=dp_priced if layout.shards * layout.dp_replicate > 1 else "", cp_comm=m * mb.cp)
+    return StepTime(
+        compute=m * mb.compute,
+        tp_comm=m * mb.tp,
+        pp_comm=pp_comm,
+        bubble=bubble * (mb.compute - mb.output + mb.embedding + mb.tp + mb.cp + bubble_pp),
+        dp_comm=dp_comm,
+        optimizer=optimizer_time(work, layout, hw),
+        layer=mb.layer,
+        data_parallel=dp_priced if layout.shards * layout.dp_replicate > 1 else "",
+        cp_comm=m * mb.cp,
+    )

@@ -19,8 +19,11 @@ def register(commands) -> None:
 
     p = commands.add_parser("export-hf", help="convert an hlat checkpoint (or run dir) into a transformers directory")
     p.add_argument("ckpt_dir")
-    p.add_argument("--out", required=True, help="directory for config.json, generation_config.json, "
-                                                "model.safetensors and the tokenizer files")
+    p.add_argument(
+        "--out",
+        required=True,
+        help="directory for config.json, generation_config.json, model.safetensors and the tokenizer files",
+    )
     p.set_defaults(func=run_export_hf, overrides=False)
     register_eval(commands)
     register_generate(commands)
@@ -36,12 +39,19 @@ def register(commands) -> None:
 
 def register_eval(commands) -> None:
     p = commands.add_parser("eval", help="validation loss and perplexity of checkpoints on held-out text")
-    p.add_argument("checkpoints", nargs="+", metavar="CHECKPOINT",
-                   help="checkpoint directories, or run directories (each its latest checkpoint; with --all, "
-                        "every one)")
+    p.add_argument(
+        "checkpoints",
+        nargs="+",
+        metavar="CHECKPOINT",
+        help="checkpoint directories, or run directories (each its latest checkpoint; with --all, every one)",
+    )
     p.add_argument("--all", action="store_true", help="evaluate every checkpoint of each run directory, oldest first")
-    p.add_argument("--data", nargs="+", help="files, directories or globs (default: each validation set of the run's "
-                                            "[eval]: eval.paths or eval.holdout, and each named one of eval.sets)")
+    p.add_argument(
+        "--data",
+        nargs="+",
+        help="files, directories or globs (default: each validation set of the run's "
+        "[eval]: eval.paths or eval.holdout, and each named one of eval.sets)",
+    )
     p.add_argument("--max-batches", type=int, default=0, help="evaluate at most this many batches (0: all the data)")
     p.add_argument("--batch-size", type=int, help="sequences per batch (default: train.micro_batch)")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: train.seq_len)")
@@ -66,8 +76,11 @@ def register_generate(commands) -> None:
 def register_checkpoint(commands) -> None:
     p = commands.add_parser("checkpoint", help="check checkpoints against their manifests")
     sub = p.add_subparsers(dest="checkpoint_command", required=True)
-    verify = sub.add_parser("verify", help="check every file of each checkpoint (or each checkpoint of a run "
-                                           "directory) against its manifest; exit code 1 if any is damaged")
+    verify = sub.add_parser(
+        "verify",
+        help="check every file of each checkpoint (or each checkpoint of a run "
+        "directory) against its manifest; exit code 1 if any is damaged",
+    )
     verify.add_argument("paths", nargs="+", metavar="PATH", help="checkpoint or run directories")
     verify.add_argument("--json", action="store_true", help="print one JSON object per checkpoint, one per line")
     p.set_defaults(func=run_checkpoint_verify, overrides=False)
@@ -75,8 +88,11 @@ def register_checkpoint(commands) -> None:
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", help="tokenizer file or directory (default: the one saved in the run)")
-    p.add_argument("--device", default="auto", help="auto (the available accelerator, else cpu), cpu, or an "
-                                                    "accelerator type such as cuda")
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="auto (the available accelerator, else cpu), cpu, or an accelerator type such as cuda",
+    )
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float64"), default="float32")
 
 
@@ -97,16 +113,17 @@ def run_export_hf(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def run_eval(args: argparse.Namespace, overrides: list[str]) -> int:
-    from hlat.parallel.device import pick_device
     from hlat.checkpoint.layout import checkpoints_in, resolve_checkpoint
     from hlat.checkpoint.store import DamagedCheckpoint
+    from hlat.parallel.device import pick_device
 
     for name in ("max_batches", "batch_size", "seq_len"):
         if (getattr(args, name) or 0) < 0:
             raise HlatError(f"--{name.replace('_', '-')}: must be >= 0, got {getattr(args, name)}")
     device = pick_device(args.device, "--device")
-    checkpoints = [c for path in args.checkpoints for c in (checkpoints_in(path) if args.all
-                                                             else [resolve_checkpoint(path)])]
+    checkpoints = [
+        c for path in args.checkpoints for c in (checkpoints_in(path) if args.all else [resolve_checkpoint(path)])
+    ]
     if not args.json:
         print(f"{'step':>10}  {'loss':>8}  {'perplexity':>10}  {'tokens':>12}  {'set':<10}  checkpoint")
     made: dict = {}  # the evaluation batches, made once for the checkpoints that share their data and tokenizer
@@ -120,9 +137,13 @@ def run_eval(args: argparse.Namespace, overrides: list[str]) -> int:
             continue
         for row in rows:
             step = "-" if row["step"] is None else row["step"]
-            print(json.dumps(row) if args.json else f"{step:>10}  {row['loss']:>8.4f}  {row['perplexity']:>10.2f}  "
-                                                    f"{row['tokens']:>12,}  {row['set'] or '-':<10}  {checkpoint}",
-                  flush=True)
+            print(
+                json.dumps(row)
+                if args.json
+                else f"{step:>10}  {row['loss']:>8.4f}  {row['perplexity']:>10.2f}  "
+                f"{row['tokens']:>12,}  {row['set'] or '-':<10}  {checkpoint}",
+                flush=True,
+            )
     if damaged and len(checkpoints) > 1:
         print(f"hlat eval: {damaged} of {len(checkpoints)} checkpoints damaged, not evaluated", file=sys.stderr)
     return ERROR_EXIT if damaged else 0
@@ -134,15 +155,16 @@ def evaluate_checkpoint(checkpoint: Path, args: argparse.Namespace, device, made
     batches taken from `made` when an earlier checkpoint made the same."""
     from dataclasses import asdict
 
+    from hlat.checkpoint.layout import checkpoint_step
     from hlat.data.tokenizer import tokenizer_digest
     from hlat.tools.inference import load_trained
-    from hlat.checkpoint.layout import checkpoint_step
     from hlat.train.validation import evaluate, validation_batches, validation_documents, validation_sets
 
     cfg, model, tokenizer = load_trained(checkpoint, device, args.dtype, args.tokenizer)
     if not args.data and not cfg.eval.paths and not cfg.eval.holdout and not cfg.eval.sets:
-        raise HlatError(f"--data: give the files to evaluate {checkpoint} on (its run has no [eval] paths, sets or "
-                        "holdout)")
+        raise HlatError(
+            f"--data: give the files to evaluate {checkpoint} on (its run has no [eval] paths, sets or holdout)"
+        )
     seq_len = args.seq_len or cfg.train.seq_len
     if seq_len > cfg.model.max_seq_len:
         raise HlatError(f"--seq-len: {seq_len} exceeds the model's max_seq_len {cfg.model.max_seq_len}")
@@ -150,14 +172,34 @@ def evaluate_checkpoint(checkpoint: Path, args: argparse.Namespace, device, made
     sets = {"": validation_documents(cfg, paths=args.data)} if args.data else validation_sets(cfg, [])
     rows = []
     for name, documents in sets.items():
-        key = json.dumps([name, args.data, asdict(cfg.data), asdict(cfg.eval), tokenizer_digest(tokenizer), seq_len,
-                          batch_size, cfg.model.doc_mask], default=str)
+        key = json.dumps(
+            [
+                name,
+                args.data,
+                asdict(cfg.data),
+                asdict(cfg.eval),
+                tokenizer_digest(tokenizer),
+                seq_len,
+                batch_size,
+                cfg.model.doc_mask,
+            ],
+            default=str,
+        )
         if key not in made:
-            made[key] = validation_batches(documents, tokenizer, seq_len, batch_size, args.max_batches or 2**62,
-                                           cfg.model.doc_mask)
+            made[key] = validation_batches(
+                documents, tokenizer, seq_len, batch_size, args.max_batches or 2**62, cfg.model.doc_mask
+            )
         result = evaluate(model, made[key], device)
-        rows.append({"checkpoint": str(checkpoint), "step": checkpoint_step(checkpoint), "set": name,
-                     "loss": result.loss, "perplexity": result.perplexity, "tokens": result.tokens})
+        rows.append(
+            {
+                "checkpoint": str(checkpoint),
+                "step": checkpoint_step(checkpoint),
+                "set": name,
+                "loss": result.loss,
+                "perplexity": result.perplexity,
+                "tokens": result.tokens,
+            }
+        )
     return rows
 
 
@@ -170,8 +212,9 @@ def run_generate(args: argparse.Namespace, overrides: list[str]) -> int:
     device = pick_device(args.device, "--device")
     _, model, tokenizer = load_trained(args.checkpoint, device, args.dtype, args.tokenizer)
     for i in range(args.samples):
-        text = sample_text(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_p,
-                           args.seed + i)
+        text = sample_text(
+            model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed + i
+        )
         if args.samples > 1:  # a sample may span lines: each starts with a line of its own
             print(f"--- sample {i + 1} of {args.samples} (seed {args.seed + i})")
         print(args.prompt + text)
@@ -190,10 +233,18 @@ def run_checkpoint_verify(args: argparse.Namespace, overrides: list[str]) -> int
             problem = None
         except DamagedCheckpoint as e:
             problem, damaged = e.problem, damaged + 1
-        row = {"checkpoint": str(checkpoint), "step": checkpoint_step(checkpoint), "ok": problem is None,
-               "problem": problem}
-        print(json.dumps(row) if args.json else f"{'ok' if problem is None else 'DAMAGED':<8} {checkpoint}"
-                                                f"{f': {problem}' if problem else ''}", flush=True)
+        row = {
+            "checkpoint": str(checkpoint),
+            "step": checkpoint_step(checkpoint),
+            "ok": problem is None,
+            "problem": problem,
+        }
+        print(
+            json.dumps(row)
+            if args.json
+            else f"{'ok' if problem is None else 'DAMAGED':<8} {checkpoint}{f': {problem}' if problem else ''}",
+            flush=True,
+        )
     return 1 if damaged else 0
 
 
@@ -212,8 +263,9 @@ def run_compare(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.json:
         print(json.dumps({"runs": labels, "deviations": table, "figure": args.out}, indent=2))
         return 0
-    from hlat.console import make_console
     from rich.table import Table
+
+    from hlat.console import make_console
 
     shown = metrics(runs)  # the training metrics and every validation set the runs logged
     out = Table(title=f"relative deviation from {runs[0].label} over the steps both logged")

@@ -9,13 +9,13 @@ from pathlib import Path
 import tokenizers
 
 from hlat import HlatError
+from hlat.checkpoint.state import model_state
+from hlat.checkpoint.store import write_checkpoint
 from hlat.config.job import Config
 from hlat.data.tokenizer import Tokenizer, tokenizer_file_in
 from hlat.models import build_model
 from hlat.models.hf import read_hf_dir, write_hf_dir
 from hlat.tools.inference import load_trained_model, saved_tokenizer
-from hlat.checkpoint.state import model_state
-from hlat.checkpoint.store import write_checkpoint
 
 
 def import_hf(hf_dir: str | Path, out: str | Path) -> tuple[Path, str]:
@@ -63,15 +63,22 @@ def _write_tokenizer_files(tokenizer: Tokenizer | None, out: Path, max_len: int)
     if tokenizer is None:
         return "no tokenizer beside the checkpoint: none exported"
     if tokenizer.kind != "hf":
-        return (f"the run's {tokenizer.kind} tokenizer is not exported (only tokenizer.json has a form every "
-                f"transformers version loads); copy it beside the model yourself")
+        return (
+            f"the run's {tokenizer.kind} tokenizer is not exported (only tokenizer.json has a form every "
+            f"transformers version loads); copy it beside the model yourself"
+        )
     tokenizer.save(out)
     eos = tokenizers.Tokenizer.from_file(str(out / "tokenizer.json")).id_to_token(tokenizer.eos_id)
     special = {"bos_token": eos, "eos_token": eos}
     # model_input_names: transformers 4 would otherwise add token_type_ids, which generate() refuses
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", **special, "model_max_length": max_len,
-              "add_bos_token": False, "clean_up_tokenization_spaces": False,
-              "model_input_names": ["input_ids", "attention_mask"]}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **special,
+        "model_max_length": max_len,
+        "add_bos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_input_names": ["input_ids", "attention_mask"],
+    }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
     return f"tokenizer.json with bos = eos = {eos!r} (id {tokenizer.eos_id})"

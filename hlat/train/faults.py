@@ -42,8 +42,11 @@ class BadSteps:
             reason = f"loss is {loss}"
         elif not math.isfinite(grad_norm):
             reason = f"gradient norm is {grad_norm}"
-        elif (self.spike_sigmas and self.good >= self.WARMUP
-              and loss > self.mean + self.spike_sigmas * math.sqrt(self.var)):
+        elif (
+            self.spike_sigmas
+            and self.good >= self.WARMUP
+            and loss > self.mean + self.spike_sigmas * math.sqrt(self.var)
+        ):
             reason = f"loss spike: {loss:.4g} against a running mean of {self.mean:.4g} (sd {math.sqrt(self.var):.3g})"
         else:
             self._observe(loss)
@@ -63,18 +66,24 @@ class BadSteps:
         self.var = (1 - self.DECAY) * (self.var + self.DECAY * delta * delta)
 
 
-def bad_step_action(train: TrainConfig, bad: BadSteps, reason: str, step: int, last: Path | None
-                    ) -> Literal["skip", "rollback"]:
+def bad_step_action(
+    train: TrainConfig, bad: BadSteps, reason: str, step: int, last: Path | None
+) -> Literal["skip", "rollback"]:
     """What train.on_bad_step does with bad step `step` (its update already dropped): skip it, or roll back to
     checkpoint `last`; a one-line HlatError where the run stops (the policy says so, too many bad steps in a row,
     or nothing to roll back to)."""
     if train.on_bad_step == "stop" or bad.in_a_row >= train.max_bad_steps:
-        why = ("train.on_bad_step = 'stop'" if train.on_bad_step == "stop"
-               else f"{bad.in_a_row} bad steps in a row, train.max_bad_steps = {train.max_bad_steps}")
+        why = (
+            "train.on_bad_step = 'stop'"
+            if train.on_bad_step == "stop"
+            else f"{bad.in_a_row} bad steps in a row, train.max_bad_steps = {train.max_bad_steps}"
+        )
         raise HlatError(f"step {step}: {reason}; stopped ({why}); last good checkpoint: {last or 'none'}")
     if train.on_bad_step == "rollback" and last is None:
-        raise HlatError(f"step {step}: {reason}; no checkpoint to roll back to yet (train.on_bad_step = "
-                        "'rollback'; save one earlier with train.ckpt_every)")
+        raise HlatError(
+            f"step {step}: {reason}; no checkpoint to roll back to yet (train.on_bad_step = "
+            "'rollback'; save one earlier with train.ckpt_every)"
+        )
     return train.on_bad_step
 
 
@@ -117,7 +126,7 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="hlat-watchdog", daemon=True)
 
-    def __enter__(self) -> "Watchdog":
+    def __enter__(self) -> Watchdog:
         if self.timeout_s:
             with writing(self.dir, self.run_dir):
                 self.dir.mkdir(parents=True, exist_ok=True)
@@ -167,11 +176,13 @@ class Watchdog:
         stacks = self.dir / f"rank{self.rank}.txt"
         silent = self._silent_ranks() if self.world_size > 1 else {}
         killed = [r for r, seen in silent.items() if kill_stopped_sibling(seen)]
-        line = (f"hlat: error: hang: rank {self.rank} on {socket.gethostname()}: no step finished for "
-                f"{self.timeout_s:g} s (train.hang_timeout_s) after step {self.step}"
-                + (f"; ranks not responding: {', '.join(map(str, silent))}" if silent else "")
-                + (f" (killed on this node: {', '.join(map(str, killed))})" if killed else "")
-                + f"; stacks in {stacks}")
+        line = (
+            f"hlat: error: hang: rank {self.rank} on {socket.gethostname()}: no step finished for "
+            f"{self.timeout_s:g} s (train.hang_timeout_s) after step {self.step}"
+            + (f"; ranks not responding: {', '.join(map(str, silent))}" if silent else "")
+            + (f" (killed on this node: {', '.join(map(str, killed))})" if killed else "")
+            + f"; stacks in {stacks}"
+        )
         with contextlib.suppress(OSError), stacks.open("w") as f:  # the hang is the news, even on a full disk
             f.write(line + "\n\n")
             f.flush()

@@ -24,8 +24,16 @@ from pathlib import Path
 from hlat.files import write_text
 from hlat.train.recovery import ProgressFile, metric_fields, new_failure, read_progress, totals
 
-FIELDS = ("productive_s", "pending_s", "lost_s", "recomputed_s", "startup_s", "checkpoint_s", "data_wait_s",
-          "bad_step_s")
+FIELDS = (
+    "productive_s",
+    "pending_s",
+    "lost_s",
+    "recomputed_s",
+    "startup_s",
+    "checkpoint_s",
+    "data_wait_s",
+    "bad_step_s",
+)
 SAVES_KEPT = 64  # the saves remembered; a run resumed from an older checkpoint keeps its productive time as it was
 
 
@@ -37,9 +45,12 @@ class Goodput:
         self.run_dir, self.write, self.started = Path(run_dir), write, started
         self.path = self.run_dir / "goodput.json"
         saved, progress = self._last_account()
-        self.account = {"first_start": saved.get("first_start", self.started), "starts": saved.get("starts", 0) + 1,
-                        "high_water_step": saved.get("high_water_step", 0),
-                        **{k: saved.get(k, 0.0) for k in FIELDS}}
+        self.account = {
+            "first_start": saved.get("first_start", self.started),
+            "starts": saved.get("starts", 0) + 1,
+            "high_water_step": saved.get("high_water_step", 0),
+            **{k: saved.get(k, 0.0) for k in FIELDS},
+        }
         self.saves = {int(step): t for step, t in saved.get("saves", {}).items()}  # step -> step time up to it
         self.failures: list[dict] = saved.get("failures", [])
         self.failure = None  # the failure this start recovers from; its re-run steps are counted while `recovering`
@@ -108,8 +119,15 @@ class Goodput:
                 self.failure["recomputed_s"] += seconds - data_wait_s
             a["high_water_step"] = max(a["high_water_step"], step)
         if self.progress is not None:  # the last sign of progress, should this process die before its next save
-            self.progress.write({"attempt_started": self.started, "at": time.time(), "step": step,
-                                 "account": {k: a[k] for k in (*FIELDS, "high_water_step")}, "failure": self.failure})
+            self.progress.write(
+                {
+                    "attempt_started": self.started,
+                    "at": time.time(),
+                    "step": step,
+                    "account": {k: a[k] for k in (*FIELDS, "high_water_step")},
+                    "failure": self.failure,
+                }
+            )
 
     def saving(self, step: int) -> None:
         """A checkpoint of `step` is about to be written: what it will hold is recorded (and written) first."""
@@ -151,10 +169,15 @@ class Goodput:
         if not self.write:
             return
         now = time.time()
-        record = {**{k: round(v, 3) if isinstance(v, float) else v for k, v in self.account.items()},
-                  "wall_s": round(now - self.account["first_start"], 3), "ettr": round(self.ettr(), 4),
-                  "saves": {str(step): round(t, 6) for step, t in self.saves.items()},
-                  "attempt_started": self.started, "attempt_ended": self.ended, "saved_at": now,
-                  "failures": [{k: round(v, 3) if isinstance(v, float) else v for k, v in f.items()}
-                               for f in self.failures], "failure_totals": self.recovery()}
+        record = {
+            **{k: round(v, 3) if isinstance(v, float) else v for k, v in self.account.items()},
+            "wall_s": round(now - self.account["first_start"], 3),
+            "ettr": round(self.ettr(), 4),
+            "saves": {str(step): round(t, 6) for step, t in self.saves.items()},
+            "attempt_started": self.started,
+            "attempt_ended": self.ended,
+            "saved_at": now,
+            "failures": [{k: round(v, 3) if isinstance(v, float) else v for k, v in f.items()} for f in self.failures],
+            "failure_totals": self.recovery(),
+        }
         write_text(self.path, json.dumps(record, indent=1) + "\n", self.run_dir)

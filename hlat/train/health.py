@@ -80,17 +80,36 @@ class SlowRanks:
                 self.console.print(
                     f"health: rank {rank} ({self.hosts[rank]}) is slow: its forward takes {compute[rank]:.4g} s per "
                     f"step, {ratios[rank]:.2f}x the median of its peers, for {self.intervals} log intervals in a "
-                    "row; training goes on", soft_wrap=True, highlight=False)
+                    "row; training goes on",
+                    soft_wrap=True,
+                    highlight=False,
+                )
         for rank in set(named_before) - set(self.named()):
-            self.console.print(f"health: rank {rank} ({self.hosts[rank]}) is back within {self.margin:.0%} of its "
-                               "peers", soft_wrap=True, highlight=False)
+            self.console.print(
+                f"health: rank {rank} ({self.hosts[rank]}) is back within {self.margin:.0%} of its peers",
+                soft_wrap=True,
+                highlight=False,
+            )
         slowest = max(range(len(ratios)), key=ratios.__getitem__)
-        record = {"rank_compute_s": statistics.median(compute), "rank_compute_max_s": max(compute),
-                  "slowest_rank": slowest, "slowest_rank_ratio": round(ratios[slowest], 4),
-                  "collective_wait_s": statistics.median(wait), "collective_wait_max_s": max(wait)}
+        record = {
+            "rank_compute_s": statistics.median(compute),
+            "rank_compute_max_s": max(compute),
+            "slowest_rank": slowest,
+            "slowest_rank_ratio": round(ratios[slowest], 4),
+            "collective_wait_s": statistics.median(wait),
+            "collective_wait_max_s": max(wait),
+        }
         if self.named():
-            record["slow_ranks"] = [{"rank": r, "host": self.hosts[r], "ratio": round(ratios[r], 4),
-                                     "compute_s": compute[r], "wait_s": wait[r]} for r in self.named()]
+            record["slow_ranks"] = [
+                {
+                    "rank": r,
+                    "host": self.hosts[r],
+                    "ratio": round(ratios[r], 4),
+                    "compute_s": compute[r],
+                    "wait_s": wait[r],
+                }
+                for r in self.named()
+            ]
         return record
 
     def named(self) -> list[int]:
@@ -123,8 +142,9 @@ class Health:
     """This rank's side of the check: the block hooks that time its forward (and, on the rank health.debug_delay
     names, slow it down), its wait in the step's all-reduce, and the gather at each record (`check`)."""
 
-    def __init__(self, cfg: HealthConfig, topo: Topology, device: torch.device, parts: list[nn.Module],
-                 console: Console):
+    def __init__(
+        self, cfg: HealthConfig, topo: Topology, device: torch.device, parts: list[nn.Module], console: Console
+    ):
         self.topo, self.device, self.clock = topo, device, Stopwatch(device)
         delay_rank, delay_s = cfg.delay()
         self.delay_s = delay_s if delay_rank == topo.rank else 0.0
@@ -186,10 +206,10 @@ class Health:
         if not self.checking or not steps:  # no steps since the last record: the same on every rank
             return {}
         self.totals = [0.0, 0.0, 0]
-        mine = torch.tensor([compute / steps, wait / steps, float(self.topo.pp_rank)], dtype=torch.float64,
-                            device=self.device)
+        mine = torch.tensor(
+            [compute / steps, wait / steps, float(self.topo.pp_rank)], dtype=torch.float64, device=self.device
+        )
         rows = [torch.empty_like(mine) for _ in range(self.topo.world_size)]
         dist.all_gather(rows, mine)
         figures = torch.stack(rows).tolist()
         return self.slow.update([f[0] for f in figures], [f[1] for f in figures], [int(f[2]) for f in figures])
-

@@ -101,21 +101,32 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
         goodput = Goodput(Path(cfg.train.run_dir), topo.is_main, entered)  # this start counts from here
         tokenizer = load_tokenizer(cfg, topo, inputs.sources)
         # a resume (or train.init_from) loads every weight: drawing them first would only slow its start
-        parts = build_parts(cfg, inputs.model, topo, inputs.device, inputs.fp8,
-                            weights="loaded" if start.path is not None or cfg.train.init_from else "drawn")
+        parts = build_parts(
+            cfg,
+            inputs.model,
+            topo,
+            inputs.device,
+            inputs.fp8,
+            weights="loaded" if start.path is not None or cfg.train.init_from else "drawn",
+        )
         stream = open_stream(cfg, topo, tokenizer, inputs.sources)
         cleanup.callback(stream.close)  # stops the tokenizer workers
         per_rank = inputs.layout.microbatches(cfg.train.global_batch, cfg.train.micro_batch)
         batches = Batches(stream, topo, per_rank)
-        train_step = TrainStep(cfg, topo, inputs.device, parts, batches,
-                               Health(cfg.health, topo, inputs.device, parts.parts, console))
+        train_step = TrainStep(
+            cfg, topo, inputs.device, parts, batches, Health(cfg.health, topo, inputs.device, parts.parts, console)
+        )
         state = TrainState(parts.parts, parts.optimizers, stream, batches.state_key)
         trainer = Trainer(
-            cfg=cfg, console=console, train_step=train_step, goodput=goodput,
+            cfg=cfg,
+            console=console,
+            train_step=train_step,
+            goodput=goodput,
             checkpoints=Checkpoints(cfg, topo, inputs.device, state, goodput, console, start),
             report=StepReport(cfg, inputs.device, topo.world_size, topo.is_main, console),
             validation=Validation(cfg, tokenizer, inputs.sources),
-            watchdog=Watchdog(cfg.train.hang_timeout_s, Path(cfg.train.run_dir), topo.rank, topo.world_size))
+            watchdog=Watchdog(cfg.train.hang_timeout_s, Path(cfg.train.run_dir), topo.rank, topo.world_size),
+        )
         cleanup.callback(trainer.checkpoints.close)
         cleanup.callback(trainer.report.close)
         # entered last, so it exits first: a failure is recorded when seen, before the clean-up above runs
@@ -148,8 +159,10 @@ def report_inputs(inputs: RunInputs, topo: Topology, console: Console) -> None:
     """Say first that FP8 is emulated where it is, then what a resume changes, and set the damaged checkpoints
     passed over aside (so that rotation counts only good ones)."""
     if inputs.fp8 == "emulated":
-        console.print(f"precision.fp8: FP8 matmuls emulated on {inputs.device.type} (torchao: FP8's numerics, "
-                      "not its speed)", highlight=False)
+        console.print(
+            f"precision.fp8: FP8 matmuls emulated on {inputs.device.type} (torchao: FP8's numerics, not its speed)",
+            highlight=False,
+        )
     for change in inputs.changes:
         console.print(f"resuming with a changed config: {change}", highlight=False)
     set_aside(inputs.passed_over, topo.is_main, console)
@@ -194,8 +207,15 @@ def load_tokenizer(cfg: Config, topo: Topology, sources: list[Source]):
     return tokenizer
 
 
-def build_parts(cfg: Config, model: nn.Module, topo: Topology, device: torch.device, fp8: str,
-                shapes: StageShapes | None = None, weights: str = "drawn") -> ModelParts:
+def build_parts(
+    cfg: Config,
+    model: nn.Module,
+    topo: Topology,
+    device: torch.device,
+    fp8: str,
+    shapes: StageShapes | None = None,
+    weights: str = "drawn",
+) -> ModelParts:
     """This rank's parts of the meta-device `model`, in the precision mode's dtype (cast on meta, before sharding)
     with the blocks' linear layers in FP8 under precision.fp8 (`fp8`: "native" or "emulated" on `device`, as
     `hlat.optim.fp8.fp8_support` says), split, parallelised and initialised (`weights`: how, as
@@ -219,10 +239,12 @@ def build_parts(cfg: Config, model: nn.Module, topo: Topology, device: torch.dev
         parts=parts,
         optimizers=optimizers,
         schedule=build_schedule(stages, topo, device, per_rank, shapes) if layout.pp > 1 else None,
-        first_stage=any(sid == 0 for sid, _ in stages), last_stage=any(sid == n_stages - 1 for sid, _ in stages),
+        first_stage=any(sid == 0 for sid, _ in stages),
+        last_stage=any(sid == n_stages - 1 for sid, _ in stages),
         sharded_grads=layout.shards > 1 and not layout.zero1,
         autocast=autocast(cfg.precision.mode, device),
-        loss_context=loss_parallel if layout.tp > 1 else contextlib.nullcontext)
+        loss_context=loss_parallel if layout.tp > 1 else contextlib.nullcontext,
+    )
 
 
 def open_stream(cfg: Config, topo: Topology, tokenizer, sources: list[Source]) -> DataStream:
@@ -255,7 +277,10 @@ def announce(trainer: Trainer, inputs: RunInputs) -> None:
     trainer.console.print(
         f"training {cfg.model.preset or cfg.model.family} ({inputs.n_params:,} parameters) on {inputs.device}"
         f"{f' x {world} ranks' if dist.is_initialized() else ''}, {cfg.train.steps} steps of "
-        f"{cfg.train.tokens_per_step:,} tokens, run dir {cfg.train.run_dir}", soft_wrap=True, highlight=False)
+        f"{cfg.train.tokens_per_step:,} tokens, run dir {cfg.train.run_dir}",
+        soft_wrap=True,
+        highlight=False,
+    )
 
 
 def run_steps(trainer: Trainer) -> None:
@@ -265,8 +290,10 @@ def run_steps(trainer: Trainer) -> None:
             result = trainer.train_step(trainer.step, stop.requested, trainer.checkpoints.writes())
             trainer.after_step(result)
             if result.stopping:
-                trainer.console.print(f"stopped by signal at step {trainer.step}; checkpoint "
-                                      f"{trainer.checkpoints.saved}; resume with --resume auto")
+                trainer.console.print(
+                    f"stopped by signal at step {trainer.step}; checkpoint "
+                    f"{trainer.checkpoints.saved}; resume with --resume auto"
+                )
                 return
 
 
@@ -274,10 +301,15 @@ def summary(trainer: Trainer, resume_from: Path | None) -> Summary:
     settings, report = trainer.cfg.train, trainer.report
     elapsed = time.perf_counter() - report.run_start
     ran = trainer.step - trainer.start
-    return Summary(run_dir=str(Path(settings.run_dir)), steps=trainer.step,
-                   tokens_seen=trainer.step * settings.tokens_per_step,
-                   tokens_per_s=ran * settings.tokens_per_step / elapsed if elapsed > 0 else 0.0,
-                   first_loss=report.losses[0] if report.losses else float("nan"),
-                   last_loss=report.losses[-1] if report.losses else float("nan"),
-                   checkpoint=str(trainer.checkpoints.saved or resume_from or ""), ettr=trainer.goodput.ettr(),
-                   bad_steps=trainer.train_step.bad_steps.total, recovery=trainer.goodput.recovery())
+    return Summary(
+        run_dir=str(Path(settings.run_dir)),
+        steps=trainer.step,
+        tokens_seen=trainer.step * settings.tokens_per_step,
+        tokens_per_s=ran * settings.tokens_per_step / elapsed if elapsed > 0 else 0.0,
+        first_loss=report.losses[0] if report.losses else float("nan"),
+        last_loss=report.losses[-1] if report.losses else float("nan"),
+        checkpoint=str(trainer.checkpoints.saved or resume_from or ""),
+        ettr=trainer.goodput.ettr(),
+        bad_steps=trainer.train_step.bad_steps.total,
+        recovery=trainer.goodput.recovery(),
+    )

@@ -74,9 +74,15 @@ class Interval:
 
     def close(self, data_wait_s: float) -> dict:
         """{loss (mean), grad_norm (last step's), grad_norm_mean, grad_norm_max, seconds, data_wait_s}; resets."""
-        out = {"loss": self.loss_sum / self.steps, "grad_norm": self.norm_last,
-               "grad_norm_mean": self.norm_sum / self.steps, "grad_norm_max": self.norm_max, "seconds": self.seconds,
-               "steps": self.steps, "data_wait_s": data_wait_s - self.data_wait_s}
+        out = {
+            "loss": self.loss_sum / self.steps,
+            "grad_norm": self.norm_last,
+            "grad_norm_mean": self.norm_sum / self.steps,
+            "grad_norm_max": self.norm_max,
+            "seconds": self.seconds,
+            "steps": self.steps,
+            "data_wait_s": data_wait_s - self.data_wait_s,
+        }
         self.reset(data_wait_s)
         return out
 
@@ -92,8 +98,11 @@ class Cost:
     def figures(self, elapsed_s: float, tokens_seen: int, projected_s: float) -> dict:
         usd = self.usd_per_device_hour * self.devices / 3600.0
         spent = usd * elapsed_s
-        return {"cost_usd": round(spent, 6), "tokens_per_usd": round(tokens_seen / spent, 1) if spent > 0 else None,
-                "projected_cost_usd": round(usd * projected_s, 6)}
+        return {
+            "cost_usd": round(spent, 6),
+            "tokens_per_usd": round(tokens_seen / spent, 1) if spent > 0 else None,
+            "projected_cost_usd": round(usd * projected_s, 6),
+        }
 
 
 def resolve_cost(cfg: CostConfig, devices: int) -> Cost | None:
@@ -106,8 +115,11 @@ def resolve_cost(cfg: CostConfig, devices: int) -> Cost | None:
     profile = load_profile(cfg.hardware)
     node_price = profile.price(cfg.pricing)
     per_device = node_price / profile.devices_per_node
-    return Cost(per_device, devices, f"{profile.name} {cfg.pricing}: ${node_price}/node-hour over "
-                                     f"{profile.devices_per_node} devices")
+    return Cost(
+        per_device,
+        devices,
+        f"{profile.name} {cfg.pricing}: ${node_price}/node-hour over {profile.devices_per_node} devices",
+    )
 
 
 def projected_seconds(elapsed_s: float, step_time_s: float, step: int, total_steps: int) -> float:
@@ -191,17 +203,34 @@ def tensorboard_tag(key: str) -> str:
 
 # Grouped so TensorBoard shows related curves together.
 TENSORBOARD_TAGS = {
-    "loss": "train/loss", "grad_norm": "train/grad_norm", "grad_norm_mean": "train/grad_norm_mean",
-    "grad_norm_max": "train/grad_norm_max", "lr": "train/lr", "val_loss": "eval/loss",
-    "val_perplexity": "eval/perplexity", "val_tokens": "eval/tokens", "tokens_seen": "progress/tokens_seen",
-    "elapsed_s": "progress/elapsed_s", "projected_time_s": "progress/projected_time_s",
-    "tokens_per_s": "speed/tokens_per_s", "step_time_s": "speed/step_time_s", "mfu": "speed/mfu",
-    "data_wait_s": "speed/data_wait_s", "peak_memory_gb": "memory/peak_gb", "cost_usd": "cost/usd",
-    "tokens_per_usd": "cost/tokens_per_usd", "projected_cost_usd": "cost/projected_usd",
-    "rank_compute_s": "health/rank_compute_s", "rank_compute_max_s": "health/rank_compute_max_s",
-    "slowest_rank": "health/slowest_rank", "slowest_rank_ratio": "health/slowest_rank_ratio",
-    "collective_wait_s": "health/collective_wait_s", "collective_wait_max_s": "health/collective_wait_max_s",
-    "ettr": "goodput/ettr", "failures": "goodput/failures", "failures_not_observed": "goodput/failures_not_observed",
+    "loss": "train/loss",
+    "grad_norm": "train/grad_norm",
+    "grad_norm_mean": "train/grad_norm_mean",
+    "grad_norm_max": "train/grad_norm_max",
+    "lr": "train/lr",
+    "val_loss": "eval/loss",
+    "val_perplexity": "eval/perplexity",
+    "val_tokens": "eval/tokens",
+    "tokens_seen": "progress/tokens_seen",
+    "elapsed_s": "progress/elapsed_s",
+    "projected_time_s": "progress/projected_time_s",
+    "tokens_per_s": "speed/tokens_per_s",
+    "step_time_s": "speed/step_time_s",
+    "mfu": "speed/mfu",
+    "data_wait_s": "speed/data_wait_s",
+    "peak_memory_gb": "memory/peak_gb",
+    "cost_usd": "cost/usd",
+    "tokens_per_usd": "cost/tokens_per_usd",
+    "projected_cost_usd": "cost/projected_usd",
+    "rank_compute_s": "health/rank_compute_s",
+    "rank_compute_max_s": "health/rank_compute_max_s",
+    "slowest_rank": "health/slowest_rank",
+    "slowest_rank_ratio": "health/slowest_rank_ratio",
+    "collective_wait_s": "health/collective_wait_s",
+    "collective_wait_max_s": "health/collective_wait_max_s",
+    "ettr": "goodput/ettr",
+    "failures": "goodput/failures",
+    "failures_not_observed": "goodput/failures_not_observed",
     **{f"failure_{part}": f"goodput/failure_{part}" for part in PARTS},
 }
 
@@ -218,16 +247,20 @@ def mix_figures(mix: dict[str, tuple[float, int]], before: dict[str, int]) -> di
     run = sum(tokens for _, tokens in mix.values())
     out = {}
     for name, (target, tokens) in mix.items():
-        out |= {f"mix_{name}_target": round(target, 6), f"mix_{name}_tokens": tokens,
-                f"mix_{name}_interval": (tokens - before[name]) / interval if interval else None,
-                f"mix_{name}_run": tokens / run if run else None}
+        out |= {
+            f"mix_{name}_target": round(target, 6),
+            f"mix_{name}_tokens": tokens,
+            f"mix_{name}_interval": (tokens - before[name]) / interval if interval else None,
+            f"mix_{name}_run": tokens / run if run else None,
+        }
     return out
 
 
 def mix_text(record: dict) -> str:
     """'  mix run/target: kjv 30.2%/30.0%, shakespeare 69.8%/70.0%' from a record's mix fields ('' without)."""
-    names = [k.removeprefix("mix_").removesuffix("_target") for k in record if k.startswith("mix_") and
-             k.endswith("_target")]
+    names = [
+        k.removeprefix("mix_").removesuffix("_target") for k in record if k.startswith("mix_") and k.endswith("_target")
+    ]
     shares = ", ".join(f"{n} {record[f'mix_{n}_run'] or 0:.1%}/{record[f'mix_{n}_target']:.1%}" for n in names)
     return f"  mix run/target: {shares}" if names else ""
 
@@ -253,8 +286,11 @@ class StepReport:
         if self.is_main:
             self.metrics.truncate_after(step if resumed else -1)
         if self.cost:
-            self.console.print(f"cost: ${self.cost.usd_per_device_hour:.4g} per device-hour x {self.cost.devices} "
-                               f"devices ({self.cost.source})", highlight=False)
+            self.console.print(
+                f"cost: ${self.cost.usd_per_device_hour:.4g} per device-hour x {self.cost.devices} "
+                f"devices ({self.cost.source})",
+                highlight=False,
+            )
         records = self.metrics.records() if resumed else []
         self.elapsed_before = float(records[-1].get("elapsed_s") or 0.0) if records else 0.0
         self.start, self.stream = step, stream
@@ -293,16 +329,22 @@ class StepReport:
         elapsed = self.elapsed_before + time.perf_counter() - self.run_start
         projected = projected_seconds(elapsed, step_time, step, settings.steps)
         return {
-            "step": step, "time": round(time.time(), 3), "loss": stats["loss"],
-            "grad_norm": stats["grad_norm"], "grad_norm_mean": stats["grad_norm_mean"],
-            "grad_norm_max": stats["grad_norm_max"], "lr": lr,
-            "tokens_seen": step * self.tokens_per_step, "tokens_per_s": round(tokens_per_s, 1),
+            "step": step,
+            "time": round(time.time(), 3),
+            "loss": stats["loss"],
+            "grad_norm": stats["grad_norm"],
+            "grad_norm_mean": stats["grad_norm_mean"],
+            "grad_norm_max": stats["grad_norm_max"],
+            "lr": lr,
+            "tokens_seen": step * self.tokens_per_step,
+            "tokens_per_s": round(tokens_per_s, 1),
             "step_time_s": round(step_time, 4),
             "mfu": round(self.flops_per_token * tokens_per_s / self.peak, 5) if self.peak else None,
             "peak_memory_gb": round(peak_memory_bytes(self.device) / 1e9, 3),
             "data_wait_s": round(stats["data_wait_s"], 4),  # the steps waiting for data
             "bad_steps": bad_steps,  # dropped updates so far in this process (train.on_bad_step)
-            "elapsed_s": round(elapsed, 3), "projected_time_s": round(projected, 3),
+            "elapsed_s": round(elapsed, 3),
+            "projected_time_s": round(projected, 3),
             **(self.cost.figures(elapsed, step * self.tokens_per_step, projected) if self.cost else {}),
             **self.mix(),
         }
@@ -325,9 +367,11 @@ class StepReport:
         spent = f"  ${record['cost_usd']:,.2f}" if self.cost else ""
         val = "".join(f"  {k} {v:7.4f}" for k, v in record.items() if k.startswith("val_") and k.endswith("loss"))
         mix = mix_text(record) if (len(self.losses) - 1) % MIX_EVERY == 0 or step == settings.steps else ""
-        return (f"step {step:>6}/{settings.steps}  loss {stats['loss']:7.4f}  grad_norm {stats['grad_norm']:6.3f}  "
-                f"lr {record['lr']:.2e}  {tokens_per_s:>9,.0f} tok/s  mfu {record['mfu'] or 0:6.2%}  "
-                f"eta {eta}{spent}{val}{mix}")
+        return (
+            f"step {step:>6}/{settings.steps}  loss {stats['loss']:7.4f}  grad_norm {stats['grad_norm']:6.3f}  "
+            f"lr {record['lr']:.2e}  {tokens_per_s:>9,.0f} tok/s  mfu {record['mfu'] or 0:6.2%}  "
+            f"eta {eta}{spent}{val}{mix}"
+        )
 
     def close(self) -> None:
         self.metrics.close()

@@ -58,12 +58,21 @@ def new_failure(run_dir: Path, failed: dict, progress: dict | None, high_water_s
     started = failed["attempt_started"]
     progress_at = progress["at"] if progress else started
     seen = first_seen(run_dir, started, restart_at)
-    return {"after_step": progress["step"] if progress else None, "progress_at": round(progress_at, 3),
-            "seen_at": seen and seen["at"], "seen_by": seen and seen["by"], "restart_at": round(restart_at, 3),
-            "detection_s": seen and round(seen["at"] - progress_at, 3),
-            "restart_s": seen and round(restart_at - seen["at"], 3),
-            "downtime_s": round(restart_at - progress_at, 3), "load_s": None, "resumed_step": None,
-            "high_water_step": high_water_step, "recomputed_steps": None, "recomputed_s": 0.0}
+    return {
+        "after_step": progress["step"] if progress else None,
+        "progress_at": round(progress_at, 3),
+        "seen_at": seen and seen["at"],
+        "seen_by": seen and seen["by"],
+        "restart_at": round(restart_at, 3),
+        "detection_s": seen and round(seen["at"] - progress_at, 3),
+        "restart_s": seen and round(restart_at - seen["at"], 3),
+        "downtime_s": round(restart_at - progress_at, 3),
+        "load_s": None,
+        "resumed_step": None,
+        "high_water_step": high_water_step,
+        "recomputed_steps": None,
+        "recomputed_s": 0.0,
+    }
 
 
 def totals(failures: list[dict]) -> dict:
@@ -77,8 +86,11 @@ def totals(failures: list[dict]) -> dict:
 
 def metric_fields(total: dict) -> dict:
     """The totals as metrics.jsonl fields (`failures`, `failure_detection_s`, ...)."""
-    return {"failures": total["failures"], "failures_not_observed": total["not_observed"],
-            **{f"failure_{part}": total[part] for part in PARTS}}
+    return {
+        "failures": total["failures"],
+        "failures_not_observed": total["not_observed"],
+        **{f"failure_{part}": total[part] for part in PARTS},
+    }
 
 
 def read_progress(run_dir: Path) -> dict | None:

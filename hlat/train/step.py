@@ -116,7 +116,7 @@ class TrainStep:
         self.bad_steps = BadSteps(settings.spike_sigmas, settings.max_bad_steps)
         self.fault = InjectedNaN(settings.debug_nan_step)
 
-    def __call__(self, step: int, stop_requested: bool, written: Writes = Writes()) -> StepResult:
+    def __call__(self, step: int, stop_requested: bool, written: Writes = Writes()) -> StepResult:  # noqa: B008 (frozen)
         """Optimizer step `step` + 1 on every rank: forward and backward, the loss summed and the stop and save
         flags agreed in one all-reduce, the gradient norm, one read of those figures by the host, and the update
         (clipped by that norm) unless the step is bad. `written`: this rank's part of the background writes in
@@ -137,8 +137,16 @@ class TrainStep:
             clipped_update(self.parts.optimizers, grad_norm, self.cfg.optim.clip_grad_norm)
         for optimizer in self.parts.optimizers:
             optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss, norm, lr, bad, stopping, written, time.perf_counter() - started,
-                          self.batches.stream.wait_time_s - waited)
+        return StepResult(
+            loss,
+            norm,
+            lr,
+            bad,
+            stopping,
+            written,
+            time.perf_counter() - started,
+            self.batches.stream.wait_time_s - waited,
+        )
 
     @property
     def pp_group(self) -> dist.ProcessGroup | None:
@@ -161,8 +169,11 @@ def clipped_update(optimizers: list[torch.optim.Optimizer], grad_norm: torch.Ten
     folding = [optimizer for optimizer in optimizers if isinstance(optimizer, BF16AdamW)]
     others = [optimizer for optimizer in optimizers if not isinstance(optimizer, BF16AdamW)]
     if max_norm and others:
-        clip_in_place([p for optimizer in others for group in optimizer.param_groups for p in group["params"]],
-                      max_norm, grad_norm)
+        clip_in_place(
+            [p for optimizer in others for group in optimizer.param_groups for p in group["params"]],
+            max_norm,
+            grad_norm,
+        )
     for optimizer in others:
         optimizer.step()
     scale = clip_coefficient(grad_norm, max_norm) if max_norm and folding else None
@@ -195,8 +206,14 @@ def pipelined_forward_backward(model: ModelParts, micro: list[dict], device: tor
     every_stage = {key: torch.cat([b[key] for b in micro]) for key in ("positions", "doc_ids") if key in micro[0]}
     microbatch_losses: list[torch.Tensor] = []
     with model.autocast, model.loss_context():
-        model.schedule.step(*([inputs] if model.first_stage else []), target=targets, losses=microbatch_losses,
-                            return_outputs=False, **every_stage, **({"targets": targets} if model.last_stage else {}))
+        model.schedule.step(
+            *([inputs] if model.first_stage else []),
+            target=targets,
+            losses=microbatch_losses,
+            return_outputs=False,
+            **every_stage,
+            **({"targets": targets} if model.last_stage else {}),
+        )
     if not model.last_stage:
         return torch.zeros((), device=device)
     return torch.stack([loss.detach() for loss in microbatch_losses]).mean()
@@ -218,5 +235,9 @@ def read_figures(reduced: torch.Tensor, grad_norm: torch.Tensor, topo: Topology)
     whether any rank was asked to stop, and the background writes every rank is done with."""
     both = torch.cat([reduced, grad_norm.float().reshape(1).to(reduced.device)])
     loss_sum, stops, *written, norm = both.tolist()
-    return (loss_sum / (topo.cfg.dp * topo.cfg.cp * topo.cfg.tp), norm, stops > 0,
-            Writes.agreed(written, topo.world_size))
+    return (
+        loss_sum / (topo.cfg.dp * topo.cfg.cp * topo.cfg.tp),
+        norm,
+        stops > 0,
+        Writes.agreed(written, topo.world_size),
+    )

@@ -30,8 +30,11 @@ def require_backends(cfg: TrackingConfig) -> None:
 
 def numeric(record: dict) -> dict[str, float]:
     """The record's numbers (not its step and time, which every backend takes apart; not null or lists)."""
-    return {k: v for k, v in record.items() if k not in ("step", "time") and isinstance(v, (int, float))
-            and not isinstance(v, bool)}
+    return {
+        k: v
+        for k, v in record.items()
+        if k not in ("step", "time") and isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
 
 
 class WandbTracker:
@@ -39,9 +42,15 @@ class WandbTracker:
         wandb = optional_import("wandb", "tracking.backends = ['wandb']", INSTALL)
         name = cfg.tracking.run_name or run_dir.resolve().name
         # console="off": the run's own output is left alone (W&B would otherwise wrap stdout and stderr)
-        self.run = wandb.init(project=cfg.tracking.project, name=name, group=name, dir=str(run_dir),
-                              mode=cfg.tracking.wandb_mode, config=to_dict(cfg),
-                              settings=wandb.Settings(console="off", silent=True))
+        self.run = wandb.init(
+            project=cfg.tracking.project,
+            name=name,
+            group=name,
+            dir=str(run_dir),
+            mode=cfg.tracking.wandb_mode,
+            config=to_dict(cfg),
+            settings=wandb.Settings(console="off", silent=True),
+        )
 
     def log(self, record: dict) -> None:
         self.run.log(numeric(record), step=record["step"])

@@ -73,9 +73,13 @@ class Trainer:
         self.report.add(result.loss, result.grad_norm, result.seconds)
         validate = self.validation.due(self.step)
         if self.report.due(self.step, result.stopping) or validate:
-            self.report.log(self.step, result.lr, self.train_step.bad_steps.total,
-                            self.validate if validate else None,
-                            {**self.train_step.health.check(), **self.goodput.metric_fields()})
+            self.report.log(
+                self.step,
+                result.lr,
+                self.train_step.bad_steps.total,
+                self.validate if validate else None,
+                {**self.train_step.health.check(), **self.goodput.metric_fields()},
+            )
             self.goodput.save()
         if validate:
             self.checkpoints.keep_best(self.validation.latest)
@@ -90,19 +94,24 @@ class Trainer:
         self.checkpoints.commit()  # a save in flight holds good weights from before this step
         last, bad_steps = self.checkpoints.latest(), self.train_step.bad_steps
         if bad_step_action(self.cfg.train, bad_steps, reason, self.step + 1, last) == "skip":
-            self.console.print(f"step {self.step + 1}: {reason}: update skipped ({bad_steps.total} skipped so "
-                               "far)", highlight=False)
+            self.console.print(
+                f"step {self.step + 1}: {reason}: update skipped ({bad_steps.total} skipped so far)", highlight=False
+            )
             return False
         bad = self.step + 1
         last = self.checkpoints.rollback(bad, reason)
         at = self.step
-        self.console.print(f"step {bad}: {reason}: rolled back to {last} (step {at}); the data since then "
-                           "is skipped", soft_wrap=True, highlight=False)
+        self.console.print(
+            f"step {bad}: {reason}: rolled back to {last} (step {at}); the data since then is skipped",
+            soft_wrap=True,
+            highlight=False,
+        )
         self.report.rolled_back(at)
         self.goodput.resumed(at)
         self.watchdog.beat(at)
         return True
 
     def validate(self) -> dict:
-        return self.validation.run(self.model.parts[0], self.train_step.device, self.model.autocast,
-                                   self.model.loss_context)
+        return self.validation.run(
+            self.model.parts[0], self.train_step.device, self.model.autocast, self.model.loss_context
+        )

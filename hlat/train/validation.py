@@ -24,8 +24,9 @@ from hlat.data.sources import Source, held_out, iter_documents, resolve_paths, r
 from hlat.data.tokenizer import Tokenizer
 
 
-def validation_documents(cfg: Config, sources: list[Source] | None = None, paths: list[str] | None = None
-                         ) -> Iterator[str]:
+def validation_documents(
+    cfg: Config, sources: list[Source] | None = None, paths: list[str] | None = None
+) -> Iterator[str]:
     """`paths` (or eval.paths) in sorted order; without them, the documents of the run's data (`sources`, resolved
     here when not given) that eval.holdout sets aside."""
     paths = paths or cfg.eval.paths
@@ -39,8 +40,9 @@ def validation_documents(cfg: Config, sources: list[Source] | None = None, paths
                 yield doc
 
 
-def validation_batches(docs: Iterable[str], tokenizer: Tokenizer, seq_len: int, batch_size: int,
-                       max_batches: int, doc_mask: bool = False) -> list[dict[str, torch.Tensor]]:
+def validation_batches(
+    docs: Iterable[str], tokenizer: Tokenizer, seq_len: int, batch_size: int, max_batches: int, doc_mask: bool = False
+) -> list[dict[str, torch.Tensor]]:
     """Up to `max_batches` batches {"inputs", "targets"} ([batch, seq_len]; plus "positions" and "doc_ids" with
     doc_mask) from the documents in order; fewer when the documents run out."""
     width, wanted = seq_len + 1, max_batches * batch_size
@@ -58,8 +60,10 @@ def validation_batches(docs: Iterable[str], tokenizer: Tokenizer, seq_len: int, 
         rows.append(stream + [-1] * (width - len(stream)))  # the rest, padded
     if not rows:
         raise HlatError("validation data: no tokens (no documents, or every one held out for training)")
-    return [rows_to_batch(torch.tensor(rows[i : i + batch_size]), tokenizer.eos_id, doc_mask)
-            for i in range(0, len(rows), batch_size)]
+    return [
+        rows_to_batch(torch.tensor(rows[i : i + batch_size]), tokenizer.eos_id, doc_mask)
+        for i in range(0, len(rows), batch_size)
+    ]
 
 
 @dataclass
@@ -78,8 +82,13 @@ class Evaluation:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches: list[dict[str, torch.Tensor]], device: torch.device,
-             autocast=contextlib.nullcontext(), loss_context: Callable = contextlib.nullcontext) -> Evaluation:
+def evaluate(
+    model: nn.Module,
+    batches: list[dict[str, torch.Tensor]],
+    device: torch.device,
+    autocast=contextlib.nullcontext(),  # noqa: B008 (reusable)
+    loss_context: Callable = contextlib.nullcontext,
+) -> Evaluation:
     """The mean token loss of `model` (whole, or tensor-parallel: the same value on every rank) over `batches`."""
     total = torch.zeros((), device=device, dtype=torch.float64)
     count = 0
@@ -102,8 +111,9 @@ class Validation:
         self.latest: dict = {}
         for name, documents in (validation_sets(cfg, sources) if self.every else {}).items():
             try:
-                self.sets[name] = validation_batches(documents, tokenizer, cfg.train.seq_len,
-                                                     cfg.train.micro_batch, cfg.eval.batches, cfg.model.doc_mask)
+                self.sets[name] = validation_batches(
+                    documents, tokenizer, cfg.train.seq_len, cfg.train.micro_batch, cfg.eval.batches, cfg.model.doc_mask
+                )
             except HlatError as e:
                 raise HlatError(f"eval.sets: {name!r}: {e}" if name else str(e)) from None
 
