@@ -24,12 +24,12 @@ from pathlib import Path
 import torch
 import transformers
 
-from hlat.checkpoint.layout import latest_checkpoint
 from hlat.checkpoint.state import load_weights
 from hlat.cli import main as hlat
 from hlat.config.job import load_config
 from hlat.data.tokenizer import load_tokenizer
 from hlat.models import build_model, materialize
+from hlat.paths import latest_checkpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
 from results_io import markdown_table, write_results  # noqa: E402

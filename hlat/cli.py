@@ -1,5 +1,5 @@
-"""The `hlat` command. Each package that adds commands registers them from its own `cli.py` (`register`): the run,
-configs and models (`hlat.train`: train, config, describe), job control (`hlat.jobs`: torchrun, launch), data
+"""The `hlat` command. Each package that adds commands registers them from its own `cli.py` (`register`): running a
+job (`hlat.jobs`: train, torchrun, launch), configs and models (`hlat.config`: config fields, describe), data
 (`hlat.data`), hardware measurement (`hlat.measure`: preflight, rehearse), planning (`hlat.planner`: plan) and
 post-run tools (`hlat.tools`: eval, generate, compare, import-hf, export-hf, checkpoint verify).
 
@@ -16,8 +16,8 @@ import sys
 from hlat import ERROR_EXIT, HlatError, __version__
 
 COMMAND_MODULES = (
-    "hlat.train.cli",
     "hlat.jobs.cli",
+    "hlat.config.cli",
     "hlat.tools.cli",
     "hlat.data.cli",
     "hlat.measure.cli",

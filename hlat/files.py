@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from hlat import ERROR_EXIT, HlatError
-from hlat.checkpoint.layout import latest_checkpoint
+from hlat.paths import latest_checkpoint
 
 # errors a restart cannot cure: the same write fails again until a person frees space or fixes permissions
 REFUSED = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Literal
 
 from hlat import HlatError
-from hlat.config import ConfigError, load_toml, to_toml, update
+from hlat.fields import ConfigError, load_toml, to_toml, update
 from hlat.resources import HARDWARE_DIR
 
 

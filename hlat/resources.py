@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hlat.config import ConfigError
+from hlat.fields import ConfigError
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 

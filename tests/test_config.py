@@ -8,8 +8,8 @@ import re
 import pytest
 
 from hlat.cli import main
-from hlat.config import ConfigError
 from hlat.config.job import Config, build_config, load_config
+from hlat.fields import ConfigError
 from hlat.optim import lr_at
 from hlat.profiles import load_profile
 

@@ -20,7 +20,6 @@ import torch
 import zstandard
 
 from hlat import HlatError
-from hlat.config import ConfigError, update
 from hlat.data.cli import tokenize
 from hlat.data.config import DataConfig
 from hlat.data.packing import build_stream
@@ -42,6 +41,7 @@ from hlat.data.sources import (
     skipped,
 )
 from hlat.data.tokenizer import PROBE, train_bpe
+from hlat.fields import ConfigError, update
 
 EOS = 0
 

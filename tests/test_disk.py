@@ -20,9 +20,9 @@ from test_faults import write_config
 from test_train import config
 
 from hlat import files
-from hlat.checkpoint.layout import complete_checkpoints
 from hlat.checkpoint.store import verify_checkpoint
 from hlat.cli import main
+from hlat.paths import complete_checkpoints
 from hlat.train.metrics import MetricsLog
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")

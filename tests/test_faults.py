@@ -18,9 +18,9 @@ from test_train import config, final_weights, train
 from torch.distributed.checkpoint.api import CheckpointException
 
 from hlat.checkpoint import store as ckpt
-from hlat.checkpoint.layout import complete_checkpoints
 from hlat.checkpoint.store import verify_checkpoint
 from hlat.cli import main
+from hlat.paths import complete_checkpoints
 from hlat.train import trainer
 
 

@@ -157,7 +157,7 @@ def test_fp8_is_refused_where_it_cannot_run(monkeypatch):
 
 
 def test_fp8_over_fp32_is_refused_in_one_line(tmp_path):
-    from hlat.config import ConfigError
+    from hlat.fields import ConfigError
 
     data = fp8_job(tmp_path, "rowwise", mode="fp32")
     with pytest.raises(ConfigError, match="precision.fp8: FP8 matmuls need a bf16 mode"):

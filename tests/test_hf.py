@@ -300,12 +300,12 @@ def test_exported_run_generates_in_transformers(family, tmp_path, capsys):
     hlat's own greedy decoding does."""
     from transformers import AutoTokenizer
 
-    from hlat.checkpoint.layout import latest_checkpoint
     from hlat.checkpoint.state import load_weights
     from hlat.cli import main
     from hlat.config.job import load_config
     from hlat.data.tokenizer import load_tokenizer
     from hlat.models import materialize
+    from hlat.paths import latest_checkpoint
 
     corpus = str(Path(json.__file__).parent / "*.py")
     model = [

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hlat.config import ConfigError
+from hlat.fields import ConfigError
 from hlat.models import build_model, materialize
 from hlat.models.config import model_config
 from hlat.models.loss import IGNORE_INDEX, cross_entropy, linear_cross_entropy

@@ -14,7 +14,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 from test_train import config, final_weights, losses
 
-from hlat.checkpoint.layout import complete_checkpoints
 from hlat.checkpoint.memory import (
     AUTO,
     STALL_SHARE,
@@ -27,6 +26,7 @@ from hlat.checkpoint.memory import (
 )
 from hlat.cli import main
 from hlat.config.job import load_config
+from hlat.paths import complete_checkpoints
 from hlat.train.loop import train
 
 # Runs hlat train (argv[2:]) and SIGKILLs this process right after the memory tier committed its snapshot of step

@@ -13,18 +13,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hlat.checkpoint.layout import complete_checkpoints
 from hlat.checkpoint.store import verify_checkpoint
 from hlat.cli import main
-from hlat.config import ConfigError
 from hlat.config.job import build_config
 from hlat.data.sources import held_out, iter_documents
 from hlat.data.tokenizer import load_tokenizer
+from hlat.fields import ConfigError
 from hlat.models import build_model, materialize
 from hlat.models.config import model_config
 from hlat.models.generate import generate, next_token
 from hlat.models.hf import write_hf_dir
 from hlat.models.kv_cache import KVCache
+from hlat.paths import complete_checkpoints
 from hlat.tools.inference import load_trained
 from hlat.train.loop import train
 
@@ -321,7 +321,7 @@ def test_top_p_keeps_the_nucleus_only():
 
 
 def test_cost_needs_a_priced_profile(tmp_path):
-    from hlat.config import ConfigError
+    from hlat.fields import ConfigError
 
     with pytest.raises(ConfigError, match="cost.hardware: profile 'cpu' has no on_demand price"):
         build_config({"cost": {"hardware": "cpu"}})

@@ -10,8 +10,8 @@ import pytest
 import torch
 from warm_torchrun import WarmTorchrun
 
-from hlat.config import ConfigError, update
 from hlat.config.job import build_config, load_config
+from hlat.fields import ConfigError, update
 from hlat.train.loop import train
 
 CORPUS = os.path.join(os.path.dirname(json.__file__), "*.py")

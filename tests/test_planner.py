@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from hlat import HlatError
-from hlat.config import ConfigError, load_toml
 from hlat.config.job import build_config
+from hlat.fields import ConfigError, load_toml
 from hlat.models.config import model_config
 from hlat.planner.calibration import Sample, fit_factors, nnls
 from hlat.planner.cli import add_arguments, run

@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from hlat.config import load_toml
 from hlat.config.job import build_config
+from hlat.fields import load_toml
 from hlat.models.config import model_config
 from hlat.planner.cli import run_sample
 from hlat.planner.layout import Layout, Workload

@@ -12,7 +12,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from hlat.config import ConfigError
+from hlat.fields import ConfigError
 from hlat.models import build_model, materialize
 from hlat.models.config import model_config
 from hlat.optim import OptimConfig, bf16, build_optimizer

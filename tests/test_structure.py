@@ -9,17 +9,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "hlat"
 
-# Shared vocabulary, below every package and importing only itself: hlat/__init__.py, the config machinery
-# (hlat/config/__init__.py), where the shipped files are (resources.py), hardware profiles (profiles.py), the run
-# directory's files (files.py) and its checkpoints' names (checkpoint/layout.py), the console, and a DTensor's local
-# and full views (dtensor.py).
+# Shared vocabulary, below every package and importing only itself: hlat/__init__.py, the config field machinery
+# (fields.py), where the shipped files are (resources.py), hardware profiles (profiles.py), the run directory's files
+# (files.py) and where they are, its checkpoints' names included (paths.py), the console, and a DTensor's local and
+# full views (dtensor.py).
 SHARED = {
     "hlat",
-    "hlat.config",
+    "hlat.fields",
     "hlat.resources",
     "hlat.profiles",
     "hlat.files",
-    "hlat.checkpoint.layout",
+    "hlat.paths",
     "hlat.console",
     "hlat.dtensor",
 }
@@ -42,9 +42,11 @@ ALLOWED = {
 }
 COMMANDS = set(ALLOWED)
 TORCH_FREE = [
+    "hlat.fields",
     "hlat.config",
     "hlat.config.job",
-    "hlat.checkpoint.layout",
+    "hlat.config.cli",
+    "hlat.paths",
     "hlat.resources",
     "hlat.profiles",
     "hlat.files",
@@ -158,8 +160,8 @@ def test_shared_vocabulary_imports_only_shared_vocabulary():
 
 
 def test_training_imports_no_measurement_tools_or_job_control():
-    """The run itself (not `hlat train`'s command, which may supervise it)."""
-    train = {m: i for m, i in graph().items() if package_of(m) == "train" and not m.endswith(".cli")}
+    """The run itself, all of it: `hlat train`'s command, which supervises it, is job control's."""
+    train = {m: i for m, i in graph().items() if package_of(m) == "train"}
     assert train and all(
         package_of(i) not in ("measure", "tools", "jobs") for imported in train.values() for i in imported
     )
@@ -178,6 +180,23 @@ def test_config_and_planner_modules_import_no_torch():
         env={"PYTHONPATH": str(ROOT), "PATH": ""},
     )
     assert done.returncode == 0, done.stderr
+
+
+def room_of(module: str) -> str:
+    """The folder a module lies in (`hlat/<folder>/`), or the module itself when it is a file of `hlat/`."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and (PACKAGE / parts[1]).is_dir() else module
+
+
+def test_folders_stand_on_one_floor_each():
+    """Drawn folder by folder (a folder stands above what any of its modules imports), no import runs back up a floor
+    and none runs in a circle: the folders' import graph has no cycle."""
+    rooms: dict[str, set[str]] = {}
+    for module, imported in graph().items():
+        rooms.setdefault(room_of(module), set()).update(room_of(i) for i in imported if room_of(i) != room_of(module))
+    for room in {r for targets in rooms.values() for r in targets}:
+        rooms.setdefault(room, set())
+    assert cycles(rooms) == []
 
 
 def long_functions() -> list[str]:

@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from hlat.checkpoint.layout import complete_checkpoints
 from hlat.checkpoint.state import load_weights
 from hlat.cli import main
 from hlat.config.job import build_config
 from hlat.models import build_model, layers, materialize
+from hlat.paths import complete_checkpoints
 from hlat.train.loop import train
 from hlat.train.step import TrainStep
 

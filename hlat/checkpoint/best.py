@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hlat.checkpoint.layout import checkpoint_root
 from hlat.checkpoint.state import TrainState
 from hlat.checkpoint.store import write_checkpoint
 from hlat.files import write_text
+from hlat.paths import checkpoint_root
 
 BEST_FILE = "best.json"
 

@@ -37,9 +37,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from hlat.checkpoint.layout import CONFIG_FILE
 from hlat.checkpoint.store import STAGER_KEEPS_BUFFERS, RankWriteFailed, digests
 from hlat.parallel.mesh import gather_objects
+from hlat.paths import CONFIG_FILE
 
 AUTO = -1  # train.snapshot_every = -1: every step, unless that costs training more than STALL_SHARE
 STALL_SHARE = 0.05

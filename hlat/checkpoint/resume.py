@@ -9,11 +9,11 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from hlat import HlatError
-from hlat.checkpoint.layout import CONFIG_FILE, checkpoint_step, latest_checkpoint
 from hlat.checkpoint.store import DamagedCheckpoint, newest_good_checkpoint, verified_checkpoint
-from hlat.config import to_dict
 from hlat.config.job import Config, load_config
+from hlat.fields import to_dict
 from hlat.parallel.mesh import continues_run
+from hlat.paths import CONFIG_FILE, checkpoint_step, latest_checkpoint
 
 # What a resume may change without a word: where and how it runs, not what it computes.
 _UNWATCHED = {

@@ -18,7 +18,6 @@ from rich.console import Console
 
 from hlat import HlatError
 from hlat.checkpoint.best import BestCheckpoint
-from hlat.checkpoint.layout import MANIFEST, checkpoint_step, complete_checkpoints, latest_checkpoint
 from hlat.checkpoint.memory import STALL_SHARE, MemoryTier, fetch, files_to_read, snapshot_root
 from hlat.checkpoint.start import Start
 from hlat.checkpoint.state import TrainState, load_weights
@@ -29,6 +28,7 @@ from hlat.files import free_bytes, size_text
 from hlat.optim.modes import MODES
 from hlat.parallel import Topology
 from hlat.parallel.mesh import gather_objects
+from hlat.paths import MANIFEST, checkpoint_step, complete_checkpoints, latest_checkpoint
 
 
 @dataclass(frozen=True)

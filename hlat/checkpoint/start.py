@@ -19,12 +19,12 @@ from pathlib import Path
 import torch.distributed as dist
 from torch import nn
 
-from hlat.checkpoint.layout import CONFIG_FILE, checkpoint_root, checkpoint_step
 from hlat.checkpoint.memory import METADATA, Held, Node, fetch, holdings, newest_complete, snapshot_root, step_dir
 from hlat.checkpoint.resume import check_start
 from hlat.config.job import Config
 from hlat.parallel import Topology
 from hlat.parallel.mesh import continues_run, gather_objects
+from hlat.paths import CONFIG_FILE, checkpoint_root, checkpoint_step
 
 TOKEN_FILE = "run_token"  # in <run>/checkpoints: the run's identity, which its memory snapshots carry
 

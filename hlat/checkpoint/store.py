@@ -30,7 +30,9 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.torch_version import TorchVersion
 
 from hlat import HlatError
-from hlat.checkpoint.layout import (
+from hlat.files import refused_write
+from hlat.parallel.mesh import gather_objects
+from hlat.paths import (
     CONFIG_FILE,
     MANIFEST,
     checkpoint_root,
@@ -39,8 +41,6 @@ from hlat.checkpoint.layout import (
     latest_checkpoint,
     resolve_checkpoint,
 )
-from hlat.files import refused_write
-from hlat.parallel.mesh import gather_objects
 
 if TYPE_CHECKING:
     from rich.console import Console

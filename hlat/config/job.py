@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Literal
 
 from hlat import HlatError
-from hlat.config import ConfigError, load_toml, merge_tables, parse_overrides, set_path, to_dict, to_toml, update
 from hlat.data.config import DataConfig
+from hlat.fields import ConfigError, load_toml, merge_tables, parse_overrides, set_path, to_dict, to_toml, update
 from hlat.models.config import ModelConfig, preset_config
 from hlat.optim.config import OptimConfig, PrecisionConfig
 from hlat.optim.schedule import lr_at

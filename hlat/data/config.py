@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from hlat.config import ConfigError
+from hlat.fields import ConfigError
 
 
 @dataclass

@@ -21,8 +21,8 @@ import shlex
 from pathlib import PurePosixPath
 
 from hlat import ERROR_EXIT
-from hlat.config import ConfigError
 from hlat.config.job import ClusterConfig, Config, NodeRequest, load_config
+from hlat.fields import ConfigError
 
 RDZV_PORT = 29500
 K8S_WORKDIR = "/workspace"  # the container's working directory; relative run directories land on the volume

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from hlat.config import ConfigError, update
+from hlat.fields import ConfigError, update
 
 
 @dataclass

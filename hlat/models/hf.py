@@ -23,7 +23,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from hlat import HlatError
-from hlat.config import update
+from hlat.fields import update
 from hlat.models import build_model
 from hlat.models.config import ModelConfig
 

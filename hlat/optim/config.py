@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args, get_type_hints
 
-from hlat.config import ConfigError
+from hlat.fields import ConfigError
 from hlat.optim.modes import MODES
 
 

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
-from hlat.config import ConfigError
+from hlat.fields import ConfigError
 from hlat.models.config import ModelConfig
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from hlat import HlatError
-from hlat.config import ConfigError
+from hlat.fields import ConfigError
 from hlat.planner.layout import Layout, Workload
 from hlat.planner.report import budget_text, si
 from hlat.planner.search import Plan, evaluate, search

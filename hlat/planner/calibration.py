@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hlat import HlatError
-from hlat.config import load_toml
+from hlat.fields import load_toml
 from hlat.files import read_metrics
 from hlat.planner.layout import Layout, Workload
 from hlat.planner.timing import step_time

@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from hlat import HlatError
-from hlat.config import ConfigError, update
+from hlat.fields import ConfigError, update
 from hlat.models.config import PRESETS, model_config
 from hlat.optim.config import FP8_RECIPES, PrecisionConfig
 from hlat.optim.modes import MODES

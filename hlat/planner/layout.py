@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, astuple, dataclass, fields, replace
 
-from hlat.config import ConfigError
+from hlat.fields import ConfigError
 from hlat.models.config import ModelConfig
 from hlat.optim.config import PrecisionConfig
 from hlat.optim.modes import MODES

@@ -8,7 +8,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from hlat.config import to_toml
+from hlat.fields import to_toml
 from hlat.planner.layout import Layout, Workload
 from hlat.planner.memory import GIB
 from hlat.planner.rehearsal import own_trainer_memory

@@ -113,9 +113,9 @@ def run_export_hf(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def run_eval(args: argparse.Namespace, overrides: list[str]) -> int:
-    from hlat.checkpoint.layout import checkpoints_in, resolve_checkpoint
     from hlat.checkpoint.store import DamagedCheckpoint
     from hlat.parallel.device import pick_device
+    from hlat.paths import checkpoints_in, resolve_checkpoint
 
     for name in ("max_batches", "batch_size", "seq_len"):
         if (getattr(args, name) or 0) < 0:
@@ -155,8 +155,8 @@ def evaluate_checkpoint(checkpoint: Path, args: argparse.Namespace, device, made
     batches taken from `made` when an earlier checkpoint made the same."""
     from dataclasses import asdict
 
-    from hlat.checkpoint.layout import checkpoint_step
     from hlat.data.tokenizer import tokenizer_digest
+    from hlat.paths import checkpoint_step
     from hlat.tools.inference import load_trained
     from hlat.train.validation import evaluate, validation_batches, validation_documents, validation_sets
 
@@ -223,8 +223,8 @@ def run_generate(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def run_checkpoint_verify(args: argparse.Namespace, overrides: list[str]) -> int:
     """Each checkpoint named, or each of a run directory, checked against its manifest: 1 if any is damaged."""
-    from hlat.checkpoint.layout import checkpoint_step, checkpoints_in
     from hlat.checkpoint.store import DamagedCheckpoint, verify_checkpoint
+    from hlat.paths import checkpoint_step, checkpoints_in
 
     damaged = 0
     for checkpoint in [c for path in args.paths for c in checkpoints_in(path)]:

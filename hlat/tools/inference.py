@@ -9,13 +9,13 @@ import torch
 from torch import nn
 
 from hlat import HlatError
-from hlat.checkpoint.layout import CONFIG_FILE
 from hlat.checkpoint.state import load_weights
 from hlat.checkpoint.store import verified_checkpoint
 from hlat.config.job import Config, load_config
 from hlat.data.tokenizer import Tokenizer, load_tokenizer, tokenizer_file_in
 from hlat.models import build_model, materialize
 from hlat.models.generate import generate
+from hlat.paths import CONFIG_FILE
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 

@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 from hlat import optional_import
-from hlat.config import to_dict
 from hlat.config.job import Config, TrackingConfig
+from hlat.fields import to_dict
 
 PACKAGES = {"wandb": "wandb", "mlflow": "mlflow"}
 INSTALL = "'hlat[tracking]'"

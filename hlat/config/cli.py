@@ -1,0 +1,81 @@
+"""`hlat config fields` (every config field, its type, default and meaning) and `hlat describe` (a model's parameters,
+FLOPs and memory per precision mode, without building it): commands that read configs alone, torch-free."""
+
+from __future__ import annotations
+
+import argparse
+
+from hlat import HlatError
+from hlat.fields import OVERRIDES_HELP
+
+
+def register(commands) -> None:
+    p = commands.add_parser("config", help="list config sections, fields, types and defaults")
+    p.add_argument("what", choices=["fields"])
+    p.add_argument("section", nargs="?", help="only this section, e.g. train")
+    p.set_defaults(func=run_config, overrides=False)
+
+    p = commands.add_parser(
+        "describe",
+        help="parameter counts, FLOPs and memory of a model, without building it",
+        description=f"Parameter counts, FLOPs and memory of a model, without building it. {OVERRIDES_HELP}",
+    )
+    p.add_argument("--model", help="preset name, e.g. llama2-70b")
+    p.add_argument("--config", action="append", help="TOML config or recipe name (repeatable, merged in order)")
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        help="sequence length for FLOPs per token (default: the config's "
+        "train.seq_len, else the model's max_seq_len, as `hlat plan`)",
+    )
+    p.set_defaults(func=run_describe, overrides=True)
+
+
+def run_config(args: argparse.Namespace, overrides: list[str]) -> int:
+    from hlat.config.job import Config
+    from hlat.fields import describe_fields
+
+    rows = [r for r in describe_fields(Config()) if not args.section or r[0].startswith(f"{args.section}.")]
+    if not rows:
+        raise HlatError(f"config fields: no section {args.section!r} (sections: {', '.join(Config.__annotations__)})")
+    width = [max(len(r[i]) for r in rows) for i in range(3)]
+    for name, tp, default, comment in rows:
+        print(f"{name:<{width[0]}}  {tp:<{width[1]}}  {default:<{width[2]}}  {comment}".rstrip())
+    return 0
+
+
+def run_describe(args: argparse.Namespace, overrides: list[str]) -> int:
+    from rich.table import Table
+
+    from hlat.config.job import figures_seq_len, load_config
+    from hlat.console import make_console
+    from hlat.fields import parse_overrides
+    from hlat.optim.modes import MODES
+
+    configured = args.config or "train.seq_len" in dict(parse_overrides(overrides))  # else a bare preset
+    if args.model:
+        overrides = ["--model.preset", args.model] + overrides
+    cfg = load_config(args.config, overrides)
+    m = cfg.model
+    seq_len, seq_from = figures_seq_len(args.seq_len, cfg.train.seq_len if configured else None, m)
+    total = m.num_params()
+    table = Table(
+        title=f"{m.preset or m.family}: {m.n_layers} layers, dim {m.dim}, {m.n_heads} heads "
+        f"({m.kv_heads} kv), ffn {m.ffn_dim}, vocab {m.vocab_size}",
+        show_header=False,
+    )
+    table.add_row("parameters", f"{total:,}")
+    table.add_row("  embedding", f"{m.embedding_params():,}")
+    table.add_row("  non-embedding", f"{m.num_params(embedding=False):,}")
+    table.add_row(f"training FLOPs/token (seq {seq_len}: {seq_from})", f"{m.flops_per_token(seq_len):.4g}")
+    for mode in MODES.values():
+        table.add_row(
+            f"{mode.name}: weights / grads / optimizer ({mode.bytes_per_param} B/param)",
+            f"{gib(total, mode.weight_bytes)} / {gib(total, mode.grad_bytes)} / {gib(total, mode.optimizer_bytes)}",
+        )
+    make_console().print(table)
+    return 0
+
+
+def gib(params: int, bytes_per_param: int) -> str:
+    return f"{params * bytes_per_param / 2**30:,.1f} GiB"
