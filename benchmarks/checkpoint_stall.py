@@ -1,7 +1,7 @@
 """Training stall per checkpoint: synchronous save against asynchronous save (train.async_checkpoint).
 
 For each mode the same model and AdamW state (after one step) are saved `--repeats` times through the
-trainer's own Checkpointer. The stall is the time `save` holds the training loop: the whole write and commit
+trainer's own DurableTier. The stall is the time `save` holds the training loop: the whole write and commit
 when synchronous; the copy to host memory (pinned on CUDA) when asynchronous, whose write then overlaps
 `--work-s` seconds of stand-in training work (sleeping, as a device would while the host writes) before it is
 committed. Ratios are within one run: this machine is shared and absolute times are noisy.
@@ -21,8 +21,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from results_io import markdown_table, write_results  # noqa: E402
 
+from hlat.checkpoint.background import BackgroundWriter  # noqa: E402
+from hlat.checkpoint.durable import DurableTier  # noqa: E402
 from hlat.checkpoint.state import TrainState  # noqa: E402
-from hlat.checkpoint.store import Checkpointer  # noqa: E402
 from hlat.models import build_model, count_params, materialize  # noqa: E402
 from hlat.models.config import preset_config  # noqa: E402
 from hlat.optim import build_optimizer  # noqa: E402
@@ -44,13 +45,12 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for mode in ("sync", "async"):
-            ckpt = Checkpointer(
-                Path(tmp) / mode, keep=1, rank=0, asynchronous=mode == "async", pinned=device.type == "cuda"
-            )
+            writer = BackgroundWriter(device.type == "cuda", None) if mode == "async" else None
+            ckpt = DurableTier(Path(tmp) / mode, keep=1, rank=0, config_toml="", writer=writer)
             stalls, totals = [], []
             for i in range(args.repeats):
                 start = time.perf_counter()
-                ckpt.save(i + 1, TrainState([model], [optimizer], None, step=i + 1).state_dict(), "")
+                ckpt.save(i + 1, TrainState([model], [optimizer], None, step=i + 1).state_dict(), start)
                 stalls.append(time.perf_counter() - start)
                 if mode == "async":
                     time.sleep(args.work_s)

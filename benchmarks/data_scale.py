@@ -29,10 +29,10 @@ import torch.multiprocessing as mp
 from results_io import markdown_table, write_results
 
 from hlat.data.config import DataConfig
-from hlat.data.exchange import side_group
 from hlat.data.packing import Ranks, build_stream
 from hlat.data.sources import default_corpus, iter_documents, one_source
 from hlat.data.tokenizer import load_tokenizer, train_bpe, training_sample
+from hlat.groups import side_group
 
 GPT2 = Path(__file__).resolve().parents[2] / "shared" / "data" / "tokenizers" / "gpt2"
 SEQ_LEN, GLOBAL_BATCH = 4096, 8

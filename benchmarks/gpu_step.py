@@ -65,24 +65,21 @@ def hlat_step(setting: dict, compile_: bool, device: torch.device, weights: dict
     """hlat's single-process training step, built as `hlat train` builds it, from hlat's own initial weights or
     from `weights` (a state dict in hlat's names)."""
     from hlat.models import build_model
-    from hlat.optim import OptimConfig, build_optimizer
-    from hlat.optim.fp8 import convert_blocks
-    from hlat.optim.precision import autocast, prepare_model
-    from hlat.parallel import ParallelConfig, Topology, parallelize
+    from hlat.optim import OptimConfig
+    from hlat.parallel import ParallelConfig, Topology
     from hlat.parallel.grads import global_grad_norm
+    from hlat.train.assemble import Recipe, assemble
     from hlat.train.step import clipped_update
 
     cfg, mode = hlat_model_config(setting), setting["hlat_mode"]
     pcfg = ParallelConfig(activation_checkpoint=setting["ac"], compile=compile_).resolved(1)
-    model = prepare_model(build_model(cfg), mode)
-    if setting.get("fp8", "none") != "none":
-        convert_blocks(model, setting["fp8"], emulate=device.type == "cpu", fsdp_fp8_all_gather=False)
-    [(_, model)] = parallelize(model, Topology(pcfg, None), device, seed=0)
+    recipe = Recipe(mode, OptimConfig(), fp8=setting.get("fp8", "none"), fp8_emulated=device.type == "cpu")
+    parts = assemble(build_model(cfg), Topology(pcfg, None), device, recipe)
+    (model,), (optimizer,) = parts.parts, parts.optimizers
     if weights is not None:
         model.load_state_dict(weights)
-    optimizer = build_optimizer(model, OptimConfig(), mode, seed=0)
     params = list(model.parameters())
-    context = autocast(mode, device)
+    context = parts.autocast
 
     def step(inputs, targets):
         with context:
@@ -342,21 +339,22 @@ def trajectory(preset: str, mode: str, device: torch.device, steps: int, batch: 
     and its loss in float64."""
     from hlat.models import build_model
     from hlat.models.config import model_config
-    from hlat.optim import OptimConfig, build_optimizer
-    from hlat.optim.precision import autocast, prepare_model
-    from hlat.parallel import ParallelConfig, Topology, parallelize
+    from hlat.optim import OptimConfig
+    from hlat.optim.precision import autocast
+    from hlat.parallel import ParallelConfig, Topology
     from hlat.parallel.grads import global_grad_norm
+    from hlat.train.assemble import Recipe, assemble
     from hlat.train.step import clipped_update
 
     cfg, fp64 = model_config(preset), mode == "fp64"
     mode = "fp32" if fp64 else mode
     generator = torch.Generator().manual_seed(0)
     data = [torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=generator) for _ in range(4)]
-    model = prepare_model(build_model(cfg), mode)
-    [(_, model)] = parallelize(model, Topology(ParallelConfig().resolved(1), None), device, seed=0)
+    recipe = Recipe(mode, OptimConfig(lr=1e-3, warmup_steps=0))
+    parts = assemble(build_model(cfg), Topology(ParallelConfig().resolved(1), None), device, recipe)
+    (model,), (optimizer,) = parts.parts, parts.optimizers
     if fp64:
-        model.double()
-    optimizer = build_optimizer(model, OptimConfig(lr=1e-3, warmup_steps=0), mode, seed=0)
+        model.double()  # in place: the optimizer keeps the same parameters
     params = list(model.parameters())
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()

@@ -27,12 +27,13 @@ from hlat.data.sources import default_corpus, one_source
 from hlat.data.tokenizer import get_tokenizer
 from hlat.models import build_model, materialize
 from hlat.models.config import model_config
-from hlat.optim import OptimConfig, build_optimizer, lr_at, param_groups
+from hlat.optim import OptimConfig, lr_at, param_groups
 from hlat.optim.bf16 import BF16AdamW
-from hlat.optim.fp8 import convert_blocks
 from hlat.optim.modes import MODES
-from hlat.optim.precision import autocast, prepare_model
+from hlat.optim.precision import autocast
+from hlat.parallel import ParallelConfig, Topology
 from hlat.parallel.grads import global_grad_norm
+from hlat.train.assemble import Recipe, assemble
 from hlat.train.step import clipped_update
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,15 +56,11 @@ BYTES_PER_PARAM = {
 
 
 def build(mode: str, model_cfg, optim_cfg: OptimConfig, seed: int):
-    # identical initial weights in every mode (cast to bf16 after initialisation in the pure-bf16 ones; a Float8Linear
-    # keeps its weight's name, from which the weight is drawn)
-    model = build_model(model_cfg)
-    if mode == FP8:
-        convert_blocks(model, "tensorwise", emulate=True, fsdp_fp8_all_gather=False)
-        mode = "bf16_mixed"
-    model = materialize(model, "cpu", seed)
+    """The model and optimizer of a mode, from identical initial weights in every mode (the pure-bf16 modes round the
+    same draws; a Float8Linear keeps its weight's name, from which the weight is drawn): assembled as the trainer
+    assembles them, but for the plain-rounding baseline, which is no training mode."""
     if mode == PLAIN:
-        model.to(torch.bfloat16)
+        model = materialize(build_model(model_cfg), "cpu", seed).to(torch.bfloat16)
         opt = BF16AdamW(
             param_groups(model, optim_cfg),
             lr=optim_cfg.lr,
@@ -72,9 +69,11 @@ def build(mode: str, model_cfg, optim_cfg: OptimConfig, seed: int):
             rounding="nearest",
             seed=seed,
         )
-    else:
-        opt = build_optimizer(prepare_model(model, mode), optim_cfg, mode, seed)
-    return model, opt
+        return model, opt
+    fp8 = "tensorwise" if mode == FP8 else "none"
+    recipe = Recipe("bf16_mixed" if mode == FP8 else mode, optim_cfg, seed, fp8, fp8_emulated=True)
+    parts = assemble(build_model(model_cfg), Topology(ParallelConfig().resolved(1), None), torch.device("cpu"), recipe)
+    return parts.parts[0], parts.optimizers[0]
 
 
 def forward_backward(mode: str, model, batch: dict) -> tuple[float, torch.Tensor]:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
+from hlat.torch_private import wrapped_tensor
+
 
 def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
@@ -16,8 +18,8 @@ def held(t: torch.Tensor) -> torch.Tensor:
     """The plain tensor that holds this rank's data of `t`: its local part, taken out of a tensor subclass that wraps
     tensors of its own (torchao's FP8 weights under FSDP: a wrapper has no storage of its own)."""
     t = local(t)
-    while type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
-        t = getattr(t, t.__tensor_flatten__()[0][0])
+    while (inner := wrapped_tensor(t)) is not None:
+        t = inner
     return t
 
 

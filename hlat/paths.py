@@ -1,9 +1,11 @@
-"""Where a run's checkpoints are and what they are called: `<run>/checkpoints/step_XXXXXXXX` (complete: renamed
-from `.partial` only once committed), `best_step_XXXXXXXX` (eval.keep_best), each holding the job's config and a
-manifest. The one module that knows the durable tier's file layout; it imports no torch."""
+"""Where a run's files are and what they are called, the one module that knows: its checkpoints,
+`<run>/checkpoints/step_XXXXXXXX` (complete: renamed from `.partial` only once committed) and `best_step_XXXXXXXX`
+(eval.keep_best), each holding the job's config and a manifest; the run's token beside them; and its memory tier's
+directory in node-local memory, whose snapshots are named as checkpoints are. Torch-free."""
 
 from __future__ import annotations
 
+import hashlib
 import re
 from pathlib import Path
 
@@ -11,8 +13,28 @@ from hlat import HlatError
 
 CONFIG_FILE = "config.toml"  # the job's config, written into every checkpoint so it is self-describing
 MANIFEST = "manifest.json"  # {file name: [size, crc32]} of every other file; its presence marks a finished write
+TOKEN_FILE = "run_token"  # in <run>/checkpoints: the run's identity, which its memory snapshots carry
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _ANY_STEP_DIR = re.compile(r"^(?:best_)?step_(\d{8})$")  # the best checkpoint (eval.keep_best) too
+
+
+def step_name(step: int, best: bool = False) -> str:
+    """The directory name of a checkpoint or snapshot of `step` (`best`: eval.keep_best's)."""
+    return f"{'best_' if best else ''}step_{step:08d}"
+
+
+def step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """The `step_N` directories directly under `root`, by step."""
+    return (
+        sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name))) if root.is_dir() else []
+    )
+
+
+def snapshot_root(snapshot_dir: str | Path, run_dir: str | Path) -> Path:
+    """A run's directory in node-local memory (train.snapshot_dir): one per run directory (its name and a hash of its
+    path)."""
+    run = Path(run_dir).resolve()
+    return Path(snapshot_dir) / f"{run.name}-{hashlib.sha1(str(run).encode()).hexdigest()[:12]}"
 
 
 def checkpoint_root(run_dir: str | Path) -> Path:
@@ -20,9 +42,7 @@ def checkpoint_root(run_dir: str | Path) -> Path:
 
 
 def complete_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
-    root = checkpoint_root(run_dir)
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name))] if root.is_dir() else []
-    return sorted(found)
+    return step_dirs(checkpoint_root(run_dir))
 
 
 def checkpoint_step(path: Path) -> int | None:

@@ -10,9 +10,9 @@ from test_data import CharTokenizer, jsonl, same, take
 
 from hlat.data import packing as packing_module
 from hlat.data.config import DataConfig
-from hlat.data.exchange import side_group
 from hlat.data.packing import Ranks, build_stream
 from hlat.data.sources import one_source
+from hlat.groups import side_group
 
 WORLD, ACCUM, SEQ, MICRO = 4, 4, 12, 2  # 4 ranks; steps of 4 micro-batches of 2 rows of 12 tokens
 PACKINGS = ("concat", "best_fit")

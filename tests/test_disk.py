@@ -20,7 +20,7 @@ from test_faults import write_config
 from test_train import config
 
 from hlat import files
-from hlat.checkpoint.store import verify_checkpoint
+from hlat.checkpoint.durable import verify_checkpoint
 from hlat.cli import main
 from hlat.paths import complete_checkpoints
 from hlat.train.metrics import MetricsLog

@@ -17,8 +17,9 @@ import torch
 from test_train import config, final_weights, train
 from torch.distributed.checkpoint.api import CheckpointException
 
-from hlat.checkpoint import store as ckpt
-from hlat.checkpoint.store import verify_checkpoint
+from hlat.checkpoint import background
+from hlat.checkpoint import durable as ckpt
+from hlat.checkpoint.durable import verify_checkpoint
 from hlat.cli import main
 from hlat.paths import complete_checkpoints
 from hlat.train import trainer
@@ -611,7 +612,7 @@ def test_asynchronous_checkpoints_resume_like_synchronous_ones(one_stager, tmp_p
     """train.async_checkpoint: the checkpoints are committed (manifest verified, rotation applied) and a resume
     from them follows the same trajectory as synchronous saves, to the bit; with one stager for the run (its
     host buffers reused) and with a stager per save (torch < 2.13)."""
-    monkeypatch.setattr(ckpt, "STAGER_KEEPS_BUFFERS", one_stager)
+    monkeypatch.setattr(background, "STAGER_KEEPS_BUFFERS", one_stager)
 
     def run(name: str, **fields):
         cfg = config(tmp_path / name, keep_checkpoints=2, ckpt_every=2, **fields)
@@ -632,7 +633,7 @@ def test_asynchronous_checkpoints_resume_like_synchronous_ones(one_stager, tmp_p
 HOLD_THE_STEP_4_WRITE = """
 import sys, time
 from pathlib import Path
-import hlat.checkpoint.store as c
+import hlat.checkpoint.durable as c
 from hlat.cli import main
 own = c._own_digests
 def hold(partial, rank):  # in DCP's writer thread, once every file and the .metadata of the save are written

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 from test_disk import SUPERVISED
@@ -18,7 +19,7 @@ KILLED_THREE_TIMES = """
 import os, signal, sys, time
 from pathlib import Path
 from hlat.cli import main
-from hlat.checkpoint.store import Checkpointer
+from hlat.checkpoint.durable import DurableTier
 from hlat.train.trainer import Trainer
 
 def mark(name):
@@ -34,14 +35,14 @@ def after_step(self, result, real=Trainer.after_step):
     kill_once("after step 5", self.step == 5)
 
 def restore(self, real=Trainer.restore):
-    kill_once("during start-up", self.checkpoints.start.path is not None and mark("checkpoint 9 renamed").exists())
+    kill_once("during start-up", self.tiers.start.path is not None and mark("checkpoint 9 renamed").exists())
     real(self)
 
-def rotate(self, newest, real=Checkpointer._rotate):
+def rotate(self, newest, real=DurableTier._rotate):
     kill_once("checkpoint 9 renamed", newest == 9)
     real(self, newest)
 
-Trainer.after_step, Trainer.restore, Checkpointer._rotate = after_step, restore, rotate
+Trainer.after_step, Trainer.restore, DurableTier._rotate = after_step, restore, rotate
 sys.exit(main(["train", *sys.argv[1:]]))
 """
 
@@ -125,7 +126,7 @@ def test_each_failure_is_split_and_the_totals_are_the_sums_of_the_list(tmp_path,
     monkeypatch.setattr("time.time", lambda: clock[0])
 
     def attempt(resume_step: int, steps: range) -> Goodput:
-        g = Goodput(tmp_path, True, clock[0])
+        g = Goodput(tmp_path, True, clock[0], "run")
         g.resumed(resume_step)
         clock[0] += 3
         g.start_up_done()
@@ -145,7 +146,7 @@ def test_each_failure_is_split_and_the_totals_are_the_sums_of_the_list(tmp_path,
     clock[0] += 6
     attempt(3, range(4, 9)).finished()  # starts at 1025
     clock[0] += 100
-    Goodput(tmp_path, True, clock[0])
+    Goodput(tmp_path, True, clock[0], "run")
     account = json.loads((tmp_path / "goodput.json").read_text())
     first, second = account["failures"]
     assert first == {
@@ -189,3 +190,56 @@ def test_each_failure_is_split_and_the_totals_are_the_sums_of_the_list(tmp_path,
         "recomputed_s": 5.0,
     }
     assert account["starts"] == 4 and account["recomputed_s"] == 5.0
+
+
+def test_an_account_is_its_runs_and_a_refused_start_takes_its_own_back(tmp_path, monkeypatch):
+    """A start of another run (a fresh start, a new token) after an attempt that never ended (a run given up, killed)
+    begins an account of its own: no failure, its ETTR from its own start. A start refused before its first step (an
+    HlatError) leaves goodput.json byte for byte as it found it, so that the next start sees no failure in it; one
+    refused after a step is a failure like any other."""
+    from hlat import HlatError
+    from hlat.train.goodput import Goodput
+
+    clock = [1000.0]
+    monkeypatch.setattr("time.time", lambda: clock[0])
+    abandoned = Goodput(tmp_path, True, clock[0], "given up")
+    abandoned.step(1, 1.0, 0.0, bad=False)  # killed after a step, never resumed
+    clock[0] += 50
+    fresh = Goodput(tmp_path, True, clock[0], "fresh")
+    assert fresh.failures == [] and fresh["starts"] == 1 and fresh["first_start"] == clock[0]
+    fresh.step(1, 1.0, 0.0, bad=False)
+    fresh.saving(1)
+    fresh.committed(1)
+    fresh.finished()
+    written = (tmp_path / "goodput.json").read_bytes()
+    clock[0] += 10
+    refused = Goodput(tmp_path, True, clock[0], "fresh")  # a resume with a mistyped tokenizer path, say
+    assert refused.refused(HlatError("data.tokenizer: no such file")) and not refused.refused(RuntimeError("lost"))
+    refused.take_back_if_refused(HlatError, HlatError("data.tokenizer: no such file"), None)
+    assert (tmp_path / "goodput.json").read_bytes() == written
+    clock[0] += 10
+    resumed = Goodput(tmp_path, True, clock[0], "fresh")
+    assert resumed.failures == [] and resumed["starts"] == 2
+    resumed.step(2, 1.0, 0.0, bad=False)
+    assert not resumed.refused(HlatError("step 2: a full disk"))  # after a step: the run's own failure
+
+
+def test_a_refused_start_leaves_nothing_that_the_next_fresh_start_counts(tmp_path, capsys):
+    """A start refused before its first step (a mistyped tokenizer path) leaves no account behind, and the fresh start
+    that follows in the same run directory reports no failure, its ETTR from its own time."""
+    from hlat.cli import main
+
+    cfg = config(tmp_path / "run", steps=2)
+    good = tmp_path / "good.toml"
+    good.write_text(cfg.to_toml())
+    cfg.data.tokenizer = str(tmp_path / "no-such-tokenizer.json")
+    mistyped = tmp_path / "mistyped.toml"
+    mistyped.write_text(cfg.to_toml())
+    assert main(["train", "--config", str(mistyped)]) == 2
+    assert "no-such-tokenizer.json" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "goodput.json").exists() and not (tmp_path / "run" / "failures").exists()
+    started = time.time()
+    assert main(["train", "--config", str(good)]) == 0
+    account = json.loads((tmp_path / "run" / "goodput.json").read_text())
+    assert account["failures"] == [] and account["starts"] == 1 and account["first_start"] >= started
+    assert "failures" in capsys.readouterr().out and account["ettr"] > 0

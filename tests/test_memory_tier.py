@@ -3,6 +3,8 @@ most one snapshot interval; a damaged snapshot is refused for the next good copy
 a run ends; the default cadence keeps a snapshot's cost under the goal. A lost node's state found on its buddy,
 across hosts: tests/test_hosts.py."""
 
+import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,19 +16,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from test_train import config, final_weights, losses
 
-from hlat.checkpoint.memory import (
-    AUTO,
-    STALL_SHARE,
-    MemoryTier,
-    Node,
-    files_to_read,
-    snapshot_root,
-    snapshot_steps,
-    step_dir,
-)
+from hlat.checkpoint.background import BackgroundWriter
+from hlat.checkpoint.cadence import AUTO, STALL_SHARE, SnapshotCadence
+from hlat.checkpoint.memory import MemoryTier, Node
+from hlat.checkpoint.memory_restore import files_to_read
 from hlat.cli import main
 from hlat.config.job import load_config
-from hlat.paths import complete_checkpoints
+from hlat.paths import complete_checkpoints, snapshot_root, step_dirs, step_name
 from hlat.train.loop import train
 
 # Runs hlat train (argv[2:]) and SIGKILLs this process right after the memory tier committed its snapshot of step
@@ -37,7 +33,8 @@ import hlat.checkpoint.memory as memory
 from hlat.cli import main
 commit = memory.MemoryTier.commit
 def commit_then_die(self, failed):
-    step = self.in_flight.step if self.in_flight else None
+    flight = self.writer.in_flight
+    step = int(flight.target.name.removeprefix('step_')) if flight else None
     failure = commit(self, failed)
     if step == int(sys.argv[1]):
         os.kill(os.getpid(), signal.SIGKILL)
@@ -95,9 +92,9 @@ def test_a_killed_run_resumes_from_memory_exactly_or_from_disk_when_the_snapshot
     cfg_file = write_config(tmp_path / "job.toml", cfg)
     killed_after_snapshot(tmp_path, cfg_file, 2)
     root = snapshot_root(snapshots, tmp_path / "run")
-    assert snapshot_steps(root) == [2] and [s for s, _ in complete_checkpoints(tmp_path / "run")] == [2]
+    assert [s for s, _ in step_dirs(root)] == [2] and [s for s, _ in complete_checkpoints(tmp_path / "run")] == [2]
     if damaged:
-        data = step_dir(root, 2) / "__0_0.distcp"
+        data = (root / step_name(2)) / "__0_0.distcp"
         raw = bytearray(data.read_bytes())
         raw[len(raw) // 2] ^= 0xFF
         data.write_bytes(bytes(raw))
@@ -105,7 +102,7 @@ def test_a_killed_run_resumes_from_memory_exactly_or_from_disk_when_the_snapshot
     train(load_config(cfg_file, ["--train.resume", "auto"]))
     out = capsys.readouterr().out
     expected = "checkpoints/step_00000002 at step 2" if damaged else "memory tier's snapshot"
-    expected += "" if damaged else f" {step_dir(root, 2)} at step 2"
+    expected += "" if damaged else f" {(root / step_name(2))} at step 2"
     assert expected in " ".join(out.split()), out
     assert losses(tmp_path / "run") == losses(uninterrupted[0])
     a, b = final_weights(uninterrupted[0], uninterrupted[1]), final_weights(tmp_path / "run", cfg)
@@ -119,7 +116,7 @@ def test_a_fresh_start_clears_the_memory_of_a_run_directory_it_reuses(tmp_path):
     cfg_file = write_config(tmp_path / "job.toml", cfg)
     killed_after_snapshot(tmp_path, cfg_file, 2)
     root = snapshot_root(snapshots, tmp_path / "run")
-    assert snapshot_steps(root)
+    assert step_dirs(root)
     train(load_config(cfg_file))  # no checkpoint on disk: a fresh start, which must not pick up step 2
     assert len(losses(tmp_path / "run")) == 4 and not root.exists()
 
@@ -137,27 +134,68 @@ def test_the_default_cadence_measures_a_snapshots_cost_and_keeps_it_under_the_go
     measured once committed, is the copy the step waited for, the time the steps run while it was written took over
     the steady steps' median, and the wait after them; then a snapshot every K steps, the fewest that keep that cost
     under STALL_SHARE of their time, tuned again after the 2nd, 4th, 8th, ... measured snapshot."""
-    tier = MemoryTier(tmp_path, AUTO, "token", 0, Node(0, 0, 1, 1), None, "", torch.device("cpu"))
+    cadence = SnapshotCadence(AUTO)
+    tier = MemoryTier(tmp_path, "run", "token", 0, Node(0, 0, 1, 1), BackgroundWriter(False, None), "", cadence)
     due = []
     for step, step_s in enumerate((3.0, 1.0), 1):  # the first step, slow with its warm-up, is no steady one
-        tier.stepped(step_s)
-        due.append(tier.due(step))
-    assert due == [False, True] and list(tier.steady) == [1.0]
+        cadence.stepped(step_s)
+        due.append(cadence.due(step))
+    assert due == [False, True] and list(cadence.steady) == [1.0]
     tier.save(2, {"w": torch.zeros(4)}, time.perf_counter())
-    flight = tier.in_flight
-    tier.stepped(1.3)  # run while the snapshot was written: 0.3 s slower than the steady step
-    assert not tier.due(3)
-    assert tier.settle() is None and tier.tune_due()
-    every, cost, step_s = tier.tune()
-    assert step_s == 1.0 and cost == pytest.approx(flight.stall_s + 0.3 + flight.settled_s) and flight.stall_s > 0
+    cost_of_2 = cadence.measuring
+    cadence.stepped(1.3)  # run while the snapshot was written: 0.3 s slower than the steady step
+    assert not cadence.due(3)
+    assert tier.settle() is None and cadence.tune_due()
+    every, cost, step_s = cadence.tune()
+    assert step_s == 1.0 and cost == pytest.approx(cost_of_2.stall_s + 0.3 + cost_of_2.settled_s)
+    assert cost_of_2.stall_s > 0 and cadence.metric_fields()["snapshot_cost_s"] == pytest.approx(cost, abs=1e-4)
     assert cost / every <= STALL_SHARE * step_s < cost / max(every - 1, 1e-9)  # the fewest
-    assert [step for step in range(3, 4 * every) if tier.due(step)] == [every, 2 * every, 3 * every]
+    assert [step for step in range(3, 4 * every) if cadence.due(step)] == [every, 2 * every, 3 * every]
     retuned = []
     for measured in (2, 3, 4):  # tuned again after the 2nd and 4th measured snapshots, not the 3rd
         tier.save(measured * every, {"w": torch.zeros(4)}, time.perf_counter())
-        tier.stepped(1.3)
+        cadence.stepped(1.3)
         assert tier.settle() is None
-        retuned.append(tier.tune_due())
+        retuned.append(cadence.tune_due())
         if retuned[-1]:
-            tier.tune()
+            cadence.tune()
     assert retuned == [True, False, True]
+
+
+def test_hlat_snapshots_lists_a_killed_runs_snapshots_and_clears_them_keeping_a_running_ones(tmp_path, capsys):
+    """A killed run never resumed leaves its snapshots in node-local memory: `hlat snapshots` lists them, and
+    `--clear` removes them while it keeps those of a run whose directory a live job holds."""
+    from test_writer import holder
+
+    snapshots = tmp_path / "shm"
+    cfg = config(tmp_path / "killed", steps=4, snapshot_every=1, snapshot_dir=str(snapshots))
+    killed_after_snapshot(tmp_path, write_config(tmp_path / "job.toml", cfg), 2)
+    killed = snapshot_root(snapshots, tmp_path / "killed")
+    running = snapshot_root(snapshots, tmp_path / "running")
+    shutil.copytree(killed, running)  # a running run's tier, as the killed one's was
+    (running / "run.json").write_text(json.dumps({"run_dir": str((tmp_path / "running").resolve())}))
+    job = holder(tmp_path / "running")
+    try:
+        assert main(["snapshots", "--snapshot-dir", str(snapshots)]) == 0
+        listed = capsys.readouterr().out
+        assert f"{killed}: {(tmp_path / 'killed').resolve()}, step 2," in listed and "not running" in listed
+        assert f"running (pid {job.pid}" in listed
+        assert main(["snapshots", "--snapshot-dir", str(snapshots), "--clear"]) == 0
+        assert f"cleared {killed}" in capsys.readouterr().out
+        assert not killed.exists() and [s for s, _ in step_dirs(running)] == [2]
+    finally:
+        job.stdin.close()
+        job.wait()
+
+
+@pytest.mark.parametrize("every", [AUTO, 1])
+def test_metrics_hold_the_snapshots_measured_cost_and_cadence_under_either_setting(tmp_path, every):
+    """metrics.jsonl (and so TensorBoard and the trackers) holds the interval the snapshots run at and the measured
+    cost of the newest one, its parts apart, with a fixed train.snapshot_every as with the tuned one."""
+    cfg = config(tmp_path / "run", steps=4, snapshot_every=every, snapshot_dir=str(tmp_path / "shm"))
+    summary = train(cfg)
+    last = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["snapshot_every"] >= 1 and (every == AUTO or last["snapshot_every"] == every)
+    parts = last["snapshot_stall_s"] + last["snapshot_slowdown_s"] + last["snapshot_settle_s"]
+    assert last["snapshot_stall_s"] > 0 and last["snapshot_cost_s"] == pytest.approx(parts, abs=2e-4)
+    assert last["snapshot_share"] > 0 and summary.snapshots == {k: last[k] for k in summary.snapshots}

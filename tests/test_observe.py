@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hlat.checkpoint.store import verify_checkpoint
+from hlat.checkpoint.durable import verify_checkpoint
 from hlat.cli import main
 from hlat.config.job import build_config
 from hlat.data.sources import held_out, iter_documents

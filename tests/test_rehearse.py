@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from hlat.checkpoint.run import Writes
+from hlat.checkpoint.tiers import Writes
 from hlat.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -175,7 +175,7 @@ def expected_collectives(job: dict, stages: list[int]) -> dict[tuple[str, str], 
         ("all_reduce", "dp_shard"): (None, 4 * n_params),  # clipping: every gradient is FSDP's shard
         ("all_reduce", "pp"): (1, 4),  # the squared gradient norm summed over the stages
         # the step's loss, its stop flag and its background writes' flags (a checkpoint's, the memory tier's and
-        # whether one failed: hlat.checkpoint.run.Writes), fp32 each
+        # whether one failed: hlat.checkpoint.tiers.Writes), fp32 each
         ("all_reduce", "world"): (1, 4 * (2 + len(Writes().flags()))),
     }
 

@@ -4,9 +4,9 @@ what it changes, refusing a changed learning-rate schedule unless asked."""
 import pytest
 
 from hlat import HlatError
+from hlat.checkpoint.durable import write_checkpoint
 from hlat.checkpoint.resume import check_model_shapes, check_resume, config_changes, schedule_changes
 from hlat.checkpoint.state import model_state
-from hlat.checkpoint.store import write_checkpoint
 from hlat.config.job import build_config
 from hlat.models import build_model, materialize
 

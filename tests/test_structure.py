@@ -2,6 +2,7 @@
 layers below it, config modules import no torch, and no function grows past what one reading takes in."""
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,8 +12,9 @@ PACKAGE = ROOT / "hlat"
 
 # Shared vocabulary, below every package and importing only itself: hlat/__init__.py, the config field machinery
 # (fields.py), where the shipped files are (resources.py), hardware profiles (profiles.py), the run directory's files
-# (files.py) and where they are, its checkpoints' names included (paths.py), the console, and a DTensor's local and
-# full views (dtensor.py).
+# (files.py) and where they are, its checkpoints' names included (paths.py), the console, a DTensor's local and full
+# views (dtensor.py), side groups and object gathers (groups.py), and every private torch name hlat reaches
+# (torch_private.py).
 SHARED = {
     "hlat",
     "hlat.fields",
@@ -22,6 +24,8 @@ SHARED = {
     "hlat.paths",
     "hlat.console",
     "hlat.dtensor",
+    "hlat.groups",
+    "hlat.torch_private",
 }
 # What each package may import of hlat's other packages. Commands -> tools, measurement, job control, planner ->
 # train -> the job config (hlat.config.job, made of each package's own config section) -> {models, parallel, data,
@@ -197,6 +201,66 @@ def test_folders_stand_on_one_floor_each():
     for room in {r for targets in rooms.values() for r in targets}:
         rooms.setdefault(room, set())
     assert cycles(rooms) == []
+
+
+def dotted(node: ast.AST) -> str:
+    """`a.b.c` of an attribute chain that starts at a name ('' for one that starts elsewhere)."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return ".".join([node.id, *reversed(parts)]) if isinstance(node, ast.Name) else ""
+
+
+PRIVATE_ATTRIBUTES = {"__tensor_flatten__", "_schema", "storage_data"}  # private in what they reach, not in name
+
+
+def private_torch_names(path: Path) -> set[str]:
+    """The private torch names `path` reaches: a module or an attribute of torch's under a leading underscore
+    (dunders such as `torch.__version__` are public), and the private attributes of torch objects hlat reads."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+        elif isinstance(node, ast.Attribute):
+            names = [dotted(node)]
+            found |= {node.attr} & PRIVATE_ATTRIBUTES
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "torch" and any(p.startswith("_") and not p.endswith("__") for p in parts[1:]):
+                found.add(name)
+    return found
+
+
+def test_private_torch_names_are_reached_from_one_module():
+    reached = {name: private_torch_names(path) for name, path in modules().items()}
+    assert reached["hlat.torch_private"], "the finder finds nothing in the module that holds them"
+    assert {m: sorted(n) for m, n in reached.items() if n and m != "hlat.torch_private"} == {}
+
+
+def test_one_module_writes_in_the_background():
+    """`dcp.async_save` and `StagingOptions`: the one background writer of both tiers."""
+    users = {
+        name for name, path in modules().items() if re.search(r"\basync_save\b|\bStagingOptions\b", path.read_text())
+    }
+    assert users == {"hlat.checkpoint.background"}
+
+
+def test_the_step_counter_is_read_through_the_train_state_only():
+    """No module outside the checkpoint package reaches the train state's step through a checkpoint object (the
+    trainer holds the state it hands to the tiers)."""
+    reaching = []
+    for name, path in modules().items():
+        if package_of(name) == "checkpoint":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            chain = dotted(node) if isinstance(node, ast.Attribute) else ""
+            if re.search(r"\b(checkpoints|tiers|durable|memory)\.state\.step$", chain):
+                reaching.append(f"{name}: {chain}")
+    assert reaching == []
 
 
 def long_functions() -> list[str]:

@@ -167,6 +167,7 @@ def stopped(pid: int, timeout: float = 30) -> None:
 
 @pytest.mark.slow
 def test_a_second_train_is_refused_writing_nothing_and_resumes_once_the_first_is_killed(tmp_path):
+    """Refused alone or supervised (--max-restarts), a second job leaves the running job's directory byte-identical."""
     cfg = config(tmp_path / "run", steps=10_000, decay_steps=10_000, ckpt_every=2)
     cfg.data.workers = 0
     cfg.train.snapshot_every = 0  # the durable tier's resume: a newer memory snapshot would race the kill below
@@ -193,6 +194,13 @@ def test_a_second_train_is_refused_writing_nothing_and_resumes_once_the_first_is
         assert line.startswith(
             f"hlat: error: train.run_dir: {tmp_path / 'run'} is in use by another job (pid {first.pid} on "
         )
+        # supervised, the refused job records no failure there either (it is not the running job's)
+        supervised = subprocess.run(
+            [sys.executable, "-m", "hlat", "train", "--config", str(c), "--max-restarts", "2"],
+            capture_output=True,
+            text=True,
+        )
+        assert supervised.returncode == 2 and tree(tmp_path / "run") == before, supervised.stderr
         os.kill(first.pid, signal.SIGKILL)
         first.wait()
     finally:

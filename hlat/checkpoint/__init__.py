@@ -1,5 +1,7 @@
-"""Checkpoints, in one place: the train state as one object (`state.py`), the durable tier's files and their
-atomic commit (`layout.py`, `store.py`), the best checkpoint (`best.py`), the checks before a resume (`resume.py`),
-the memory tier's snapshots in node-local memory (`memory.py`), where a run starts, agreed by every rank across
-both tiers (`start.py`), and the run's checkpoints as the trainer sees them (`run.py`: when to save, what to
-restore)."""
+"""A run's saved state, in one place: the state as one object (`state.py`: `TrainState`); the one background writer
+of both tiers (`background.py`); the durable tier's checkpoints, written, verified and committed atomically
+(`durable.py`), and its best one (`best.py`); the memory tier's snapshots in node-local memory, written
+(`memory.py`, at the cadence of `cadence.py`) and found again (`memory_restore.py`); where a run starts, decided once
+for every rank across both tiers (`start.py`), after the checks of `resume.py`; the room both need, checked once
+(`room.py`); and both tiers as the trainer asks for them (`tiers.py`: `Tiers`). Where their files are is
+`hlat.paths`'s."""

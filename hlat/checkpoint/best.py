@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from hlat.checkpoint.durable import write_checkpoint
 from hlat.checkpoint.state import TrainState
-from hlat.checkpoint.store import write_checkpoint
 from hlat.files import write_text
-from hlat.paths import checkpoint_root
+from hlat.paths import checkpoint_root, step_name
 
 BEST_FILE = "best.json"
 
@@ -37,7 +37,7 @@ class BestCheckpoint:
         value = agreed(figures[self.metric], self.device)
         if not value < self.value:  # NaN is never the best
             return None
-        final = self.root / f"best_step_{step:08d}"
+        final = self.root / step_name(step, best=True)
         write_checkpoint(final, state.state_dict(), config_toml, self.rank)
         if self.rank == 0:
             record = {"step": step, "metric": self.metric, "value": value, "checkpoint": final.name}

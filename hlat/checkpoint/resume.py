@@ -9,7 +9,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from hlat import HlatError
-from hlat.checkpoint.store import DamagedCheckpoint, newest_good_checkpoint, verified_checkpoint
+from hlat.checkpoint.durable import DamagedCheckpoint, newest_good_checkpoint, verified_checkpoint
 from hlat.config.job import Config, load_config
 from hlat.fields import to_dict
 from hlat.parallel.mesh import continues_run

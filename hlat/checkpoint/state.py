@@ -23,9 +23,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from hlat.checkpoint.store import read_checkpoint
+from hlat.checkpoint.durable import read_checkpoint
 from hlat.data.packing import DataStream
 from hlat.dtensor import local
+from hlat.torch_private import wrapped_tensor
 
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)  # optimizer states keyed by parameter name
 SETTINGS = "optim_settings"  # a packed state dict's optimizer settings, pickled
@@ -136,10 +137,9 @@ def plain_tensor(value):
                 inner, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
             )
         )
-    if isinstance(value, torch.Tensor) and type(value) is not torch.Tensor and hasattr(value, "__tensor_flatten__"):
-        inner = getattr(value, value.__tensor_flatten__()[0][0])
-        if inner.shape == value.shape and inner.dtype == value.dtype:
-            return inner
+    inner = wrapped_tensor(value) if isinstance(value, torch.Tensor) else None
+    if inner is not None and inner.shape == value.shape and inner.dtype == value.dtype:
+        return inner
     return value
 
 

@@ -2,19 +2,20 @@
 each rank made (so that every rank cuts the same rows), and once per step the token ids of the rows, each
 sent by the rank that made its round to the ranks that train on it.
 
-Every function here but `rank_and_world` is a collective: all ranks of the group make the same calls in the same
+Every function here is a collective: all ranks of the group make the same calls in the same
 order.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import timedelta
 from typing import NamedTuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from hlat.groups import rank_and_world
 
 
 class Segment(NamedTuple):
@@ -28,29 +29,6 @@ class Segment(NamedTuple):
     @property
     def length(self) -> int:
         return self.end - self.first
-
-
-def side_group(timeout_s: float = 600.0) -> dist.ProcessGroup | None:
-    """A gloo group of all ranks (the token ids stay in CPU memory whatever the training backend), or None in
-    a single process; a collective on it fails after `timeout_s` (the training's train.collective_timeout_s: a lost
-    peer is found there as soon as in the step's own collectives)."""
-    if not dist.is_initialized():
-        return None
-    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-
-
-def rank_and_world(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    """This process's rank in `group` and the group's size; (0, 1) in a single process."""
-    return (dist.get_rank(group), dist.get_world_size(group)) if group else (0, 1)
-
-
-def all_gather(obj, group: dist.ProcessGroup | None) -> list:
-    """Every rank's `obj`, in rank order."""
-    if group is None:
-        return [obj]
-    out = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
 
 
 def exchange_rows(

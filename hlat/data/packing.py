@@ -29,10 +29,11 @@ import torch
 from hlat import HlatError
 from hlat.data.changes import LISTING, file_sizes, fingerprint_changes, split_listing
 from hlat.data.config import DataConfig
-from hlat.data.exchange import Segment, all_gather, exchange_rows, rank_and_world
+from hlat.data.exchange import Segment, exchange_rows
 from hlat.data.rounds import ORIGIN, MakerSetup, Packing, Position, Round, RoundInfo, SourceSpec, worker_main
 from hlat.data.sources import BadLog, Source, file_format, make_splits, share_of, token_meta
 from hlat.data.tokenizer import Tokenizer, tokenizer_digest
+from hlat.groups import gather_objects, rank_and_world
 
 log = logging.getLogger(__name__)
 
@@ -361,7 +362,7 @@ class DataStream:
         if ranks.accum % ranks.dp:
             raise HlatError(f"data: {ranks.accum} micro-batches per step cannot be shared by {ranks.dp} ranks")
         self.rank, self.world = rank_and_world(ranks.group)
-        dp_ranks = all_gather(ranks.dp_rank, ranks.group)
+        dp_ranks = gather_objects(ranks.dp_rank, ranks.group)
         # the ranks that take each data-parallel rank's micro-batches
         self.takers = [{rank for rank, dp_rank in enumerate(dp_ranks) if dp_rank == i} for i in range(ranks.dp)]
         self.wait_time_s = 0.0  # time spent inside __next__: the training loop waiting for data
@@ -399,7 +400,7 @@ class DataStream:
             if made is not None:
                 self._my_tokens[source, mine] = made.tokens.reshape(-1)
                 self.tokenized += int((made.tokens >= 0).sum())
-            for info in all_gather(made and made.info(), self.ranks.group):
+            for info in gather_objects(made and made.info(), self.ranks.group):
                 if info is not None:
                     self._learnt[source, info.index] = info
         return self._learnt.pop((source, index))

@@ -9,10 +9,18 @@ import sys
 from pathlib import Path
 
 from hlat import HlatError
+from hlat.config.job import TrainConfig
 from hlat.fields import OVERRIDES_HELP
 
 
 def register(commands) -> None:
+    register_train(commands)
+    register_torchrun(commands)
+    register_launch(commands)
+    register_snapshots(commands)
+
+
+def register_train(commands) -> None:
     p = commands.add_parser(
         "train", help="train a model from a config", description=f"Train from a TOML config. {OVERRIDES_HELP}"
     )
@@ -40,6 +48,8 @@ def register(commands) -> None:
     )
     p.set_defaults(func=run_train, overrides=True)
 
+
+def register_torchrun(commands) -> None:
     commands.add_parser(
         "torchrun",
         help="torchrun (same arguments), exiting 0 when a stop signal found every "
@@ -47,6 +57,8 @@ def register(commands) -> None:
         add_help=False,
     )
 
+
+def register_launch(commands) -> None:
     p = commands.add_parser(
         "launch",
         help="render a multi-node SLURM script or Kubernetes PyTorchJob for a config",
@@ -69,6 +81,20 @@ def register(commands) -> None:
     )
     p.add_argument("--out", help="file to write (default: print)")
     p.set_defaults(func=run_launch, overrides=True)
+
+
+def register_snapshots(commands) -> None:
+    p = commands.add_parser(
+        "snapshots",
+        help="list the memory tier's snapshots on this node; --clear removes those of runs no live job writes",
+        description="The memory tier's snapshots outlive a killed run (in node-local memory, /dev/shm by default) "
+        "until the node reboots. List them, with whether a live job still writes their run directory; --clear "
+        "removes those of runs that are finished or given up (a running run's are kept).",
+    )
+    p.add_argument("runs", nargs="*", metavar="RUN_DIR", help="only these run directories (default: every run)")
+    p.add_argument("--snapshot-dir", default=TrainConfig.snapshot_dir, help="train.snapshot_dir (default %(default)s)")
+    p.add_argument("--clear", action="store_true", help="remove the snapshots of the runs no live job writes")
+    p.set_defaults(func=run_snapshots, overrides=False)
 
 
 def run_launch(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -132,6 +158,7 @@ def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
         ("bad steps skipped", f"{s.bad_steps:,}"),
         ("goodput (ETTR)", f"{s.ettr:.1%} of the wall time since the run began (goodput.json)"),
         ("failures", failures_text(s.recovery)),
+        ("memory tier", snapshots_text(s.snapshots)),
     ):
         table.add_row(name, value)
     console.print(table)
@@ -149,6 +176,20 @@ def failures_text(total: dict | None) -> str:
     return (
         f"{total['failures']}: downtime {total['downtime_s']:.1f} s ({split}), state load {total['load_s']:.1f} s, "
         f"{total['recomputed_steps']} steps recomputed ({total['recomputed_s']:.1f} s)"
+    )
+
+
+def snapshots_text(figures: dict | None) -> str:
+    """The memory tier in one cell: its interval and what its newest snapshot cost (hlat.checkpoint.cadence)."""
+    if figures is None:
+        return "off"
+    every = f"a snapshot every {figures['snapshot_every']} step{'s' * (figures['snapshot_every'] != 1)}"
+    if "snapshot_cost_s" not in figures:
+        return every
+    return (
+        f"{every}; the last cost {figures['snapshot_cost_s'] * 1e3:.0f} ms (stall "
+        f"{figures['snapshot_stall_s'] * 1e3:.0f} + slowdown {figures['snapshot_slowdown_s'] * 1e3:.0f} + settle "
+        f"{figures['snapshot_settle_s'] * 1e3:.0f}), {figures['snapshot_share']:.1%} of the steps' time"
     )
 
 
@@ -176,3 +217,33 @@ def run_supervised(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = load_config(args.config, overrides)  # a bad config fails here, once, not on every restart
     train_args = [a for config in args.config or [] for a in ("--config", config)] + overrides
     return supervise(train_args, Path(cfg.train.run_dir), args.max_restarts, args.nproc_per_node)
+
+
+def run_snapshots(args: argparse.Namespace, overrides: list[str]) -> int:
+    """List (and with --clear remove) the memory tier's snapshots on this node, run by run."""
+    import shutil
+
+    from hlat.checkpoint.memory import kept_snapshots
+    from hlat.files import size_text
+    from hlat.jobs.writer import live_holder
+
+    wanted = {str(Path(r).resolve()) for r in args.runs}
+    kept = [k for k in kept_snapshots(args.snapshot_dir) if not wanted or k.run_dir in wanted]
+    if wanted - {k.run_dir for k in kept}:
+        raise HlatError(
+            f"no snapshots in {args.snapshot_dir} of {', '.join(sorted(wanted - {k.run_dir for k in kept}))}"
+        )
+    for k in kept:
+        holder = live_holder(k.run_dir) if k.run_dir else None
+        steps = f"step{'s' * (len(k.steps) != 1)} {', '.join(map(str, k.steps))}" if k.steps else "no complete step"
+        state = f"running ({holder.describe()})" if holder else "not running"
+        cleared = args.clear and holder is None
+        if cleared:
+            shutil.rmtree(k.root, ignore_errors=True)
+        print(
+            f"{'cleared ' if cleared else ''}{k.root}: {k.run_dir or 'run directory unknown'}, {steps}, "
+            f"{size_text(k.size)}, {state}"
+        )
+    if not kept:
+        print(f"no snapshots in {args.snapshot_dir}")
+    return 0

@@ -62,7 +62,9 @@ def supervise(train_args: list[str], run_dir: Path, max_restarts: int, nproc: in
                 if "hlat: error:" in line:
                     error = line.strip()
             code = child.wait()
-            if code != 0 and not stopping:  # the moment the failure was seen, for goodput's split of it
+            # the moment the failure was seen, for goodput's split of it; a refused job (exit code 2: a user's mistake,
+            # such as a run directory another job holds) is no failure of the run, and writes nothing into it
+            if code not in (0, ERROR_EXIT) and not stopping:
                 record_seen(run_dir, "supervisor", describe_exit(code))
             if code == 0 or stopping or code == ERROR_EXIT or attempt == max_restarts:
                 if code not in (0, ERROR_EXIT) and not stopping:

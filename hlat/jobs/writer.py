@@ -103,6 +103,16 @@ class Holder:
         )
 
 
+def live_holder(run_dir: str | Path) -> Holder | None:
+    """The job writing `run_dir` by its record, if it is alive (a live process on this host, a heartbeat within
+    STALE_S from another): read without taking the lock, so that looking never refuses a job that is starting."""
+    try:
+        holder = Holder(**json.loads((Path(run_dir) / LOCK_FILE).read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+    return holder if holder.fresh() else None
+
+
 class RunDirLock:
     """The claim on a run directory, held from `acquire` to `release` (or the process's end)."""
 

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hlat.groups import gather_objects
 from hlat.measure.options import Options
 from hlat.measure.report import CollectiveRow, LinkRow
 from hlat.measure.timing import timed, timed_together
-from hlat.parallel.mesh import gather_objects
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 

@@ -19,12 +19,9 @@ from pathlib import Path
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from hlat.dtensor import held, local
-
-CASTS = (torch.ops.aten._to_copy.default,)  # what autocast runs to cast a parameter
-ALL_GATHER = torch.ops.c10d._allgather_base_.default  # what fully_shard gathers parameters with
+from hlat.torch_private import CAST, FSDP_ALL_GATHER, TorchDispatchMode
 
 
 def storages(tensors) -> dict[int, int]:
@@ -106,9 +103,9 @@ class KeptForBackward(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func in CASTS and isinstance(args[0], nn.Parameter):
+        if func == CAST and isinstance(args[0], nn.Parameter):
             self.casts |= weak_storages([out])
-        if func == ALL_GATHER and torch.distributed.ProcessGroup.unbox(args[2]).group_name in self.sharding:
+        if func == FSDP_ALL_GATHER and torch.distributed.ProcessGroup.unbox(args[2]).group_name in self.sharding:
             self.buffers |= {
                 ptr: (ref, args[0].untyped_storage().nbytes()) for ptr, ref in weak_storages([args[0]]).items()
             }

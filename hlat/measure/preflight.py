@@ -27,6 +27,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from hlat.groups import gather_objects
 from hlat.measure.blocks import block_fields, block_rows, measure_blocks
 from hlat.measure.collectives import measure_communication
 from hlat.measure.compute import measure_compute
@@ -36,7 +37,7 @@ from hlat.measure.options import Options
 from hlat.measure.report import Report, rounded
 from hlat.parallel.config import world_size_from_env
 from hlat.parallel.device import pick_device
-from hlat.parallel.mesh import gather_objects, start_process_group
+from hlat.parallel.mesh import start_process_group
 from hlat.profiles import Measured
 
 

@@ -41,9 +41,9 @@ from hlat.planner.layout import Layout, Workload, layout_problem
 from hlat.planner.memory import GIB
 from hlat.planner.rehearsal import RankPlan, rank_plan, rank_traffic
 from hlat.profiles import HardwareProfile, load_profile
+from hlat.train.assemble import Recipe, assemble
 from hlat.train.faults import BadSteps
 from hlat.train.health import Health
-from hlat.train.loop import build_parts
 from hlat.train.metrics import peak_memory_bytes
 from hlat.train.step import Batches, ModelParts, TrainStep
 
@@ -156,9 +156,9 @@ def run_rank(setup: Rehearsal, rank: int) -> dict:
     started = time.perf_counter()
     # weights drawn per shard: the trainer's full draws cost a full-size rank minutes, and need not be the same
     # whatever the layout here
-    parts = build_parts(
-        cfg, model, topo, device, fp8_support(cfg.precision.fp8, device), stage_shapes(cfg), weights="per_shard"
-    )
+    per_rank = topo.cfg.microbatches(cfg.train.global_batch, cfg.train.micro_batch)
+    recipe = Recipe.of(cfg, fp8_support(cfg.precision.fp8, device), per_rank)
+    parts = assemble(model, topo, device, recipe, weights="per_shard", shapes=stage_shapes(cfg))
     startup_s = time.perf_counter() - started
     train_step = rehearsal_step(cfg, topo, device, parts)
     with progress.watching(parts.parts[0], train_step.batches.per_rank):  # a line per micro-batch on long steps

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from hlat.parallel.mesh import gather_objects
+from hlat.groups import gather_objects
 
 
 def sync_device(device: torch.device) -> None:

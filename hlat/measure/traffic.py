@@ -13,7 +13,8 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from hlat.torch_private import FUNCTIONAL_NAMESPACE, TorchDispatchMode, op_arguments
 
 # op name -> (kind, the argument holding the whole buffer); functional all-gathers are given their input, times
 # the group's size
@@ -86,10 +87,10 @@ class Collectives(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(issubclass(t, DTensor) for t in types):  # DTensor runs its op with this mode active: the collectives
             return NotImplemented  # it issues inside (an implicit redistribution) are recorded too
-        table = {"c10d": C10D, "_c10d_functional": FUNCTIONAL}.get(func.namespace, {})
+        table = {"c10d": C10D, FUNCTIONAL_NAMESPACE: FUNCTIONAL}.get(func.namespace, {})
         entry = table.get(func.overloadpacket.__name__)
         if entry is not None:
-            self.record(func, entry, {a.name: v for a, v in zip(func._schema.arguments, args)} | (kwargs or {}))
+            self.record(func, entry, op_arguments(func, args) | (kwargs or {}))
         return func(*args, **(kwargs or {}))
 
     def record(self, func, entry: tuple[str, str | None], named: dict) -> None:
@@ -99,7 +100,7 @@ class Collectives(TorchDispatchMode):
         else:
             group = str(named["group_name"])
         nbytes = tensor_bytes(named[buffer]) if buffer else 0
-        if func.namespace == "_c10d_functional" and kind == "all_gather":
+        if func.namespace == FUNCTIONAL_NAMESPACE and kind == "all_gather":
             nbytes *= named["group_size"]
         key = (kind, self.dims.get(group, f"group {group}"))
         self.issued[key] += 1

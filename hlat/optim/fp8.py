@@ -19,10 +19,10 @@ import io
 import logging
 
 import torch
-import torch._inductor.config
 from torch import nn
 
 from hlat import HlatError
+from hlat.torch_private import emulate_precision_casts
 
 FP8_CAPABILITY = (8, 9)
 
@@ -102,7 +102,7 @@ def convert_blocks(model: nn.Module, recipe: str, emulate: bool, fsdp_fp8_all_ga
 def float8_config(recipe: str, emulate: bool, fsdp_fp8_all_gather: bool = False):
     """torchao's Float8LinearConfig of `recipe`, as hlat trains with it (and preflight times it)."""
     if recipe == "rowwise":  # compiled rowwise casts must round as eager ones do (pytorch/pytorch#150859)
-        torch._inductor.config.emulate_precision_casts = True
+        emulate_precision_casts()
     return dataclasses.replace(
         load_torchao().Float8LinearConfig.from_recipe_name(recipe),
         emulate=emulate,

@@ -152,13 +152,3 @@ def sharding_mesh(mesh: DeviceMesh, cfg: ParallelConfig) -> DeviceMesh:
     return DeviceMesh.from_group(
         groups, mesh.device_type, mesh=ranks, mesh_dim_names=("pp", "dp_replicate", cfg.fsdp_dim, "tp")
     )
-
-
-def gather_objects(obj) -> list:
-    """Every rank's picklable `obj`, in rank order, over the default group (a collective: every rank calls it);
-    [obj] without a process group."""
-    if not dist.is_initialized():
-        return [obj]
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj)
-    return gathered

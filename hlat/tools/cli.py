@@ -113,7 +113,7 @@ def run_export_hf(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def run_eval(args: argparse.Namespace, overrides: list[str]) -> int:
-    from hlat.checkpoint.store import DamagedCheckpoint
+    from hlat.checkpoint.durable import DamagedCheckpoint
     from hlat.parallel.device import pick_device
     from hlat.paths import checkpoints_in, resolve_checkpoint
 
@@ -223,7 +223,7 @@ def run_generate(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def run_checkpoint_verify(args: argparse.Namespace, overrides: list[str]) -> int:
     """Each checkpoint named, or each of a run directory, checked against its manifest: 1 if any is damaged."""
-    from hlat.checkpoint.store import DamagedCheckpoint, verify_checkpoint
+    from hlat.checkpoint.durable import DamagedCheckpoint, verify_checkpoint
     from hlat.paths import checkpoint_step, checkpoints_in
 
     damaged = 0

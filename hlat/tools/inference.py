@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from hlat import HlatError
+from hlat.checkpoint.durable import verified_checkpoint
 from hlat.checkpoint.state import load_weights
-from hlat.checkpoint.store import verified_checkpoint
 from hlat.config.job import Config, load_config
 from hlat.data.tokenizer import Tokenizer, load_tokenizer, tokenizer_file_in
 from hlat.models import build_model, materialize

@@ -9,8 +9,8 @@ from pathlib import Path
 import tokenizers
 
 from hlat import HlatError
+from hlat.checkpoint.durable import write_checkpoint
 from hlat.checkpoint.state import model_state
-from hlat.checkpoint.store import write_checkpoint
 from hlat.config.job import Config
 from hlat.data.tokenizer import Tokenizer, tokenizer_file_in
 from hlat.models import build_model

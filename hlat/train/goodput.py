@@ -12,7 +12,8 @@ restarts, downtime between them, start-up, checkpoint stalls and data waits all 
 Each failure (a start after an attempt that did not end cleanly) is split into detection, restart, state load and
 recomputed steps (`failures`, summed in `failure_totals`: hlat.train.recovery says where each moment comes from).
 Between saves of goodput.json, rank 0 leaves the account after each step in progress.json, so that a process
-killed between two log steps loses none of it.
+killed between two log steps loses none of it. An account belongs to one run (its token): a fresh start in the same
+directory begins its own, and a start refused before its first step takes back what it wrote (`take_back_if_refused`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import json
 import time
 from pathlib import Path
 
+from hlat import HlatError
 from hlat.files import write_text
 from hlat.train.recovery import ProgressFile, metric_fields, new_failure, read_progress, totals
 
@@ -38,12 +40,16 @@ SAVES_KEPT = 64  # the saves remembered; a run resumed from an older checkpoint 
 
 
 class Goodput:
-    def __init__(self, run_dir: Path, write: bool, started: float):
-        """`started`: when this process began its work (start-up runs from there to the first step). The start is
-        counted (and written) at once, so a process killed before its first step still counts. A start after an
+    def __init__(self, run_dir: Path, write: bool, started: float, token: str):
+        """`started`: when this process began its work (start-up runs from there to the first step); `token`: the
+        run's (`hlat.checkpoint.start.run_token`: a fresh start makes a new one), whose account this continues: an
+        account of another token (an earlier run given up in this directory, or one refused before its first step)
+        is not this run's. The start is counted (and written) at once, so a process killed before its first step
+        still counts; a start refused before its first step takes it back (`take_back_if_refused`). A start after an
         attempt that did not end cleanly recovers from its failure (hlat.train.recovery), appended to `failures`."""
-        self.run_dir, self.write, self.started = Path(run_dir), write, started
+        self.run_dir, self.write, self.started, self.token = Path(run_dir), write, started, token
         self.path = self.run_dir / "goodput.json"
+        self.before = self.path.read_bytes() if write and self.path.is_file() else None  # for a refused start
         saved, progress = self._last_account()
         self.account = {
             "first_start": saved.get("first_start", self.started),
@@ -59,16 +65,19 @@ class Goodput:
             self.failures.append(self.failure)
         self.recovering = self.failure is not None
         self.ended: float | None = None
-        self.progress = ProgressFile(self.run_dir) if write else None
+        self.progress: ProgressFile | None = None  # opened at the first step: until then the last attempt's stays
+        self.steps_run = 0
         self.save()
 
     def _last_account(self) -> tuple[dict, dict | None]:
-        """goodput.json as the last attempt left it, brought up to its last step by progress.json where that is
-        newer; and that attempt's last progress record (None: it ended no step)."""
+        """goodput.json as the last attempt of this run left it, brought up to its last step by progress.json where
+        that is newer; and that attempt's last progress record (None: it ended no step). Another run's is none."""
         try:
             saved = json.loads(self.path.read_text())
         except (OSError, ValueError):
             saved = {}
+        if saved.get("run_token") != self.token:
+            return {}, None
         progress = read_progress(self.run_dir)
         if not progress or progress.get("attempt_started") != saved.get("attempt_started"):
             return saved, None
@@ -77,6 +86,25 @@ class Goodput:
             if progress["failure"] is not None:  # the same failure, with its re-run steps since
                 saved["failures"] = [*saved["failures"][:-1], progress["failure"]]
         return saved, progress
+
+    @property
+    def stepped(self) -> bool:
+        """Whether this start has run a step."""
+        return self.steps_run > 0
+
+    def refused(self, error: BaseException | None) -> bool:
+        """Whether `error` ends a start refused before its first step: an `HlatError`, a user's mistake such as a
+        mistyped tokenizer path (exit code 2), which is no failure of the run."""
+        return isinstance(error, HlatError) and not self.stepped
+
+    def take_back_if_refused(self, kind, error, traceback) -> None:
+        """An exit callback: a refused start leaves goodput.json as it found it, so that the next start neither counts
+        it nor sees a failure in it."""
+        if self.write and self.refused(error):
+            if self.before is None:
+                self.path.unlink(missing_ok=True)
+            else:
+                write_text(self.path, self.before.decode(), self.run_dir)
 
     def __getitem__(self, key: str) -> float:
         return self.account[key]
@@ -108,6 +136,7 @@ class Goodput:
 
     def step(self, step: int, seconds: float, data_wait_s: float, bad: bool) -> None:
         a = self.account
+        self.steps_run += 1
         a["data_wait_s"] += data_wait_s
         if bad:
             a["bad_step_s"] += seconds - data_wait_s
@@ -118,7 +147,8 @@ class Goodput:
             if self.recovering and step <= self.failure["high_water_step"]:
                 self.failure["recomputed_s"] += seconds - data_wait_s
             a["high_water_step"] = max(a["high_water_step"], step)
-        if self.progress is not None:  # the last sign of progress, should this process die before its next save
+        if self.write:  # the last sign of progress, should this process die before its next save
+            self.progress = self.progress or ProgressFile(self.run_dir)
             self.progress.write(
                 {
                     "attempt_started": self.started,
@@ -135,9 +165,9 @@ class Goodput:
         self.saves = dict(sorted(self.saves.items())[-SAVES_KEPT:])
         self.save()
 
-    def checkpointed(self, stall_s: float) -> None:
-        """Training stalled `stall_s` for a save."""
-        self.account["checkpoint_s"] += stall_s
+    def stalled(self, seconds: float) -> None:
+        """Training stalled `seconds` for a save or a snapshot."""
+        self.account["checkpoint_s"] += seconds
 
     def committed(self, step: int) -> None:
         """The checkpoint of `step` is complete: the step time it holds is productive."""
@@ -174,6 +204,7 @@ class Goodput:
             "wall_s": round(now - self.account["first_start"], 3),
             "ettr": round(self.ettr(), 4),
             "saves": {str(step): round(t, 6) for step, t in self.saves.items()},
+            "run_token": self.token,
             "attempt_started": self.started,
             "attempt_ended": self.ended,
             "saved_at": now,

@@ -29,8 +29,8 @@ from rich.console import Console
 from torch import nn
 
 from hlat.config.job import HealthConfig
+from hlat.groups import gather_objects
 from hlat.parallel import Topology
-from hlat.parallel.mesh import gather_objects
 
 
 class Stopwatch:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from hlat.files import SEEN_DIR, record_seen, writing
@@ -29,14 +30,15 @@ PARTS = ("detection_s", "restart_s", "downtime_s", "load_s", "recomputed_steps",
 
 
 @contextlib.contextmanager
-def seeing_failures(run_dir: Path, who: str):
+def seeing_failures(run_dir: Path, who: str, refused: Callable[[BaseException], bool]):
     """Record the moment an exception ends this process's work (a failed or timed-out collective on a surviving
-    rank, or its own error), before any clean-up delays it."""
+    rank, or its own error), before any clean-up delays it; not a `refused` start's (a user's mistake)."""
     try:
         yield
     except Exception as e:
-        first_line = (str(e).strip().splitlines() or [""])[0]
-        record_seen(run_dir, who, f"{type(e).__name__}: {first_line[:160]}")
+        if not refused(e):
+            first_line = (str(e).strip().splitlines() or [""])[0]
+            record_seen(run_dir, who, f"{type(e).__name__}: {first_line[:160]}")
         raise
 
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hlat.checkpoint.run import Writes
+from hlat.checkpoint.tiers import Writes
 from hlat.config.job import Config
 from hlat.data.packing import DataStream
 from hlat.optim.bf16 import BF16AdamW
@@ -61,7 +61,7 @@ class ModelParts:
     loss_context: Callable  # loss_parallel under tensor parallelism (model.loss_chunk = 0: sharded logits), else null
 
     @functools.cached_property
-    def params(self) -> list[nn.Parameter]:  # the parts do not change after build_parts
+    def params(self) -> list[nn.Parameter]:  # the parts do not change after `assemble`
         return [p for part in self.parts for p in part.parameters()]
 
 

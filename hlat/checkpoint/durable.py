@@ -14,24 +14,19 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-import threading
 import warnings
 import zlib
-from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.torch_version import TorchVersion
 
 from hlat import HlatError
+from hlat.checkpoint.background import BackgroundWriter, RankWriteFailed, failure_reason
 from hlat.files import refused_write
-from hlat.parallel.mesh import gather_objects
+from hlat.groups import gather_objects
 from hlat.paths import (
     CONFIG_FILE,
     MANIFEST,
@@ -40,12 +35,11 @@ from hlat.paths import (
     complete_checkpoints,
     latest_checkpoint,
     resolve_checkpoint,
+    step_name,
 )
 
 if TYPE_CHECKING:
     from rich.console import Console
-
-STAGER_KEEPS_BUFFERS = TorchVersion(torch.__version__) >= "2.13"
 
 # DCP warns on every call that no process group exists; single-process saving is intended here.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -85,7 +79,7 @@ def verify_checkpoint(path: Path) -> None:
     try:
         manifest = json.loads((path / MANIFEST).read_text())
     except (OSError, ValueError) as e:
-        raise DamagedCheckpoint(path, f"damaged checkpoint: unreadable {MANIFEST} ({_reason(e)})") from None
+        raise DamagedCheckpoint(path, f"damaged checkpoint: unreadable {MANIFEST} ({failure_reason(e)})") from None
     for name, (size, crc) in sorted(manifest.items()):
         file = path / name
         if not file.is_file():
@@ -123,21 +117,6 @@ def set_aside(damaged: list[DamagedCheckpoint], is_main: bool, console: Console)
             quarantine(e.path)
 
 
-def _reason(e: BaseException) -> str:
-    """The first line of the root cause of an error: a refused write wherever it surfaces (a full disk reaches
-    torch.save's caller as a RuntimeError with the ENOSPC in its context), else what DCP's CheckpointException wraps
-    (each rank's error)."""
-    e = refused_write(e) or e
-    if isinstance(e, (HlatError, RankWriteFailed)):  # a rank's reason, already in words
-        return str(e)
-    while isinstance(e, CheckpointException) and e.failures:
-        e = next(iter(e.failures.values()))[0]
-    if isinstance(e, OSError) and e.strerror:
-        return f"{e.strerror}{f' ({e.filename})' if e.filename else ''}"
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__  # a KeyError's text is a key
-
-
 def verified_checkpoint(path: str | Path) -> Path:
     """`resolve_checkpoint(path)` once it matches its manifest: what every reader of a checkpoint loads (a damaged
     one raises DamagedCheckpoint, one line)."""
@@ -158,24 +137,11 @@ def write_checkpoint(final: Path, state: dict, config_toml: str, rank: int = 0) 
     return final
 
 
+PARTIAL = ".partial"
+
+
 def _partial(final: Path) -> Path:
-    return final.with_name(final.name + ".partial")
-
-
-class RankWriteFailed(Exception):
-    """A rank's failed checkpoint write, gathered at the commit: its reason, and whether the file system refused
-    it (a full disk, no permission) or the failure may pass (an I/O error, a stale NFS handle)."""
-
-    def __init__(self, reason: str, refused: bool):
-        super().__init__(reason)
-        self.reason, self.refused = reason, refused
-
-    @classmethod
-    def of(cls, e: BaseException) -> RankWriteFailed:
-        return cls(_reason(e), refused_write(e) is not None)
-
-    def __reduce__(self):  # gathered across ranks: pickled with both fields
-        return RankWriteFailed, (self.reason, self.refused)
+    return final.with_name(final.name + PARTIAL)
 
 
 @contextlib.contextmanager
@@ -193,7 +159,7 @@ def _writing(final: Path, rank: int):
             raise
         previous = latest_checkpoint(final.parent.parent) if final.parent.name == "checkpoints" else None
         raise HlatError(
-            f"cannot write checkpoint {partial}: {_reason(e)}"
+            f"cannot write checkpoint {partial}: {failure_reason(e)}"
             f"{f'; the previous checkpoint {previous} is intact' if previous else ''}"
         ) from None
 
@@ -225,93 +191,51 @@ def _commit(final: Path, own: dict | RankWriteFailed, config_toml: str, rank: in
     _barrier()
 
 
-@dataclass
-class _InFlight:
-    final: Path
-    config_toml: str
-    stager: DefaultStager | None  # this save's own, closed once written
-    written: threading.Event = field(default_factory=threading.Event)
-    result: dict | RankWriteFailed | None = None  # this rank's digests once written, or its failure
-
-
-class Checkpointer:
+class DurableTier:
     """Writes a run's checkpoints and rotates them (`keep` newest, 0 keeps all).
 
-    Asynchronous (train.async_checkpoint): `save` stalls training only to copy the state to host memory
-    (pinned on CUDA), DCP writes it in a background thread, and this rank checksums its files there too.
-    `finish` commits it (manifest, rename, rotation): a collective, so the loop calls it on every rank at the
-    same step, once all ranks report `written` (riding on the step's all-reduce), or before the next save and
-    at the end. At most one save is in flight; until committed it is only a `.partial` directory."""
+    With a background writer (train.async_checkpoint), `save` stalls training only to copy the state to host
+    memory; the writer writes it, and this rank checksums its files there too. `finish` commits it (manifest,
+    rename, rotation): a collective, so the run calls it on every rank at the same step, once all ranks report
+    `written` (riding on the step's all-reduce), or before the next save and at the end. At most one save is in
+    flight; until committed it is only a `.partial` directory."""
 
-    def __init__(
-        self, run_dir: str | Path, keep: int, rank: int, asynchronous: bool, pinned: bool, timeout_s: float = 600.0
-    ):
-        """`timeout_s`: how long a collective of the background write may wait (train.collective_timeout_s)."""
-        self.root, self.keep, self.rank = checkpoint_root(run_dir), keep, rank
-        self.staging = (
-            StagingOptions(
-                use_pinned_memory=pinned, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=pinned
-            )
-            if asynchronous
-            else None
-        )
-        # one stager for the run keeps its host buffers, so a save stalls only for the copy; torch < 2.13 empties
-        # a stager's copy tables after each stage (the next stage on it fails), so there each save gets its own
-        self.stager = DefaultStager(self.staging) if asynchronous and STAGER_KEEPS_BUFFERS else None
-        self.in_flight: _InFlight | None = None
-        # the background write runs collectives of its own: on a group of its own, never interleaved with the
-        # training loop's collectives on the default group
-        self.group = (
-            dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-            if asynchronous and dist.is_initialized()
-            else None
-        )
+    def __init__(self, run_dir: str | Path, keep: int, rank: int, config_toml: str, writer: BackgroundWriter | None):
+        self.root, self.keep, self.rank, self.config_toml = checkpoint_root(run_dir), keep, rank, config_toml
+        self.writer = writer
 
-    def save(self, step: int, state: dict, config_toml: str) -> Path | None:
-        """Save `state` (a state dict) as step `step`'s checkpoint. Returns it, or None while an asynchronous save
-        is still being written."""
-        final = self.root / f"step_{step:08d}"
-        if self.staging is None:
-            write_checkpoint(final, state, config_toml, self.rank)
+    def save(self, step: int, state: dict, started: float) -> Path | None:
+        """Save `state` (a state dict, taken since `started`) as step `step`'s checkpoint. Returns it, or None while
+        it is written in the background."""
+        final = self.root / step_name(step)
+        if self.writer is None:
+            write_checkpoint(final, state, self.config_toml, self.rank)
             self._rotate(step)
             return final
         self.finish()
-        stager = self.stager or DefaultStager(self.staging)
+        partial = _partial(final)
         with _writing(final, self.rank):
-            _begin(_partial(final), self.rank)
-            future = dcp.async_save(state, checkpoint_id=_partial(final), async_stager=stager, process_group=self.group)
-        flight = self.in_flight = _InFlight(final, config_toml, None if self.stager else stager)
-        future.add_done_callback(lambda f: self._written(f, flight))
+            _begin(partial, self.rank)
+            self.writer.start(state, partial, lambda: _own_digests(partial, self.rank), started)
         return None
 
-    def _written(self, future, flight: _InFlight) -> None:  # in DCP's writer thread
-        try:
-            future.result()
-            flight.result = _own_digests(_partial(flight.final), self.rank)
-        except BaseException as e:  # reported by finish, on every rank
-            flight.result = RankWriteFailed.of(e)
-        if flight.stager is not None:
-            flight.stager.close()
-        flight.written.set()
-
     def written(self) -> bool:
-        return self.in_flight is not None and self.in_flight.written.is_set()
+        return self.writer is not None and self.writer.written()
 
     def finish(self) -> Path | None:
         """Wait for the save in flight and commit it; None if there is none."""
-        flight, self.in_flight = self.in_flight, None
+        flight = self.writer.take() if self.writer is not None else None
         if flight is None:
             return None
-        flight.written.wait()
-        with _writing(flight.final, self.rank):
-            _commit(flight.final, flight.result, flight.config_toml, self.rank)
-        self._rotate(checkpoint_step(flight.final))
-        return flight.final
+        final = flight.target.with_name(flight.target.name.removesuffix(PARTIAL))
+        with _writing(final, self.rank):
+            _commit(final, flight.failure or flight.result, self.config_toml, self.rank)
+        self._rotate(checkpoint_step(final))
+        return final
 
     def close(self) -> None:
-        """Release the run's stager and its host memory (a save still in flight is left uncommitted: `.partial`)."""
-        if self.stager is not None:
-            self.stager.close()
+        if self.writer is not None:
+            self.writer.close()
 
     def _rotate(self, newest: int) -> None:
         if self.rank == 0:
@@ -340,7 +264,7 @@ def read_checkpoint(path: Path, state: dict) -> None:
     try:
         saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     except (Exception, CheckpointException) as e:
-        raise DamagedCheckpoint(path, f"cannot read its .metadata: {_reason(e)}") from None
+        raise DamagedCheckpoint(path, f"cannot read its .metadata: {failure_reason(e)}") from None
     for key in state:
         if key.startswith("trainer") and key not in saved:
             raise HlatError(
@@ -350,4 +274,4 @@ def read_checkpoint(path: Path, state: dict) -> None:
     try:
         dcp.load(state, checkpoint_id=path)
     except (Exception, CheckpointException) as e:  # DCP's errors are long and nested (and BaseExceptions)
-        raise DamagedCheckpoint(path, f"cannot load checkpoint: {_reason(e)}") from None
+        raise DamagedCheckpoint(path, f"cannot load checkpoint: {failure_reason(e)}") from None

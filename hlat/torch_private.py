@@ -1,0 +1,62 @@
+"""Every private torch name hlat uses, in this one module: where torch has no public API for what hlat needs, it is
+reached here and nowhere else, and tests/test_torch_private.py imports each on the pinned torch and fails naming
+what moved.
+
+- dispatch modes (`TorchDispatchMode`): how the rehearsal counts collectives and the bytes kept for backward, and
+  how its fake world delivers receives;
+- the fake process group (`fake_store`): one rank of a world that is not there (torchtitan's dry run uses it too);
+- op overloads matched by identity: autocast's parameter cast (`CAST`), FSDP's parameter all-gather
+  (`FSDP_ALL_GATHER`), the functional collectives that DTensor and tensor parallelism issue
+  (`FUNCTIONAL_COLLECTIVES`, namespace `FUNCTIONAL_NAMESPACE`), and an op's argument names (`op_arguments`);
+- inductor's setting that makes compiled casts round as eager ones (`emulate_precision_casts`);
+- the tensor a tensor subclass wraps (`wrapped_tensor`: torchao's FP8 weights under FSDP);
+- which file of a DCP checkpoint holds each chunk a load reads (`chunk_files`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401 (re-exported)
+
+CAST = torch.ops.aten._to_copy.default  # what autocast runs to cast a parameter
+FSDP_ALL_GATHER = torch.ops.c10d._allgather_base_.default  # what fully_shard gathers parameters with
+FUNCTIONAL_NAMESPACE = "_c10d_functional"
+# the functional collectives whose outputs selective recomputation keeps, so that none is issued again
+FUNCTIONAL_COLLECTIVES = (
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops._c10d_functional.all_gather_into_tensor.default,
+    torch.ops._c10d_functional.all_reduce.default,
+)
+
+
+def fake_store():
+    """A store for torch's fake process group; importing it registers the "fake" backend."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
+def op_arguments(func, args: tuple) -> dict:
+    """An op's positional arguments by their names in its schema."""
+    return {a.name: v for a, v in zip(func._schema.arguments, args)}
+
+
+def emulate_precision_casts() -> None:
+    """Compiled casts round as eager ones do (pytorch/pytorch#150859: FP8 rowwise)."""
+    import torch._inductor.config
+
+    torch._inductor.config.emulate_precision_casts = True
+
+
+def wrapped_tensor(t: torch.Tensor) -> torch.Tensor | None:
+    """The first inner tensor of a tensor subclass that wraps tensors of its own (`__tensor_flatten__`), or None for
+    a tensor that wraps none."""
+    if type(t) is torch.Tensor or not hasattr(t, "__tensor_flatten__"):
+        return None
+    return getattr(t, t.__tensor_flatten__()[0][0])
+
+
+def chunk_files(metadata, plan) -> set[str]:
+    """The files of a DCP checkpoint (its `metadata`) that the read items of a load `plan` read: DCP keeps each
+    chunk's file in `storage_data[index].relative_path`, which no public API returns."""
+    return {metadata.storage_data[item.storage_index].relative_path for item in plan.items}
