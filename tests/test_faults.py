@@ -1,7 +1,6 @@
 """Fault tolerance: damaged checkpoints fall back or are refused, bad steps never reach a checkpoint, failed
 writes keep the previous checkpoint, and a hung rank is named (docs/fault-tolerance.md)."""
 
-import concurrent.futures
 import errno
 import json
 import os
@@ -17,7 +16,6 @@ import torch
 from test_train import config, final_weights, train
 from torch.distributed.checkpoint.api import CheckpointException
 
-from hlat.checkpoint import background
 from hlat.checkpoint import durable as ckpt
 from hlat.checkpoint.durable import verify_checkpoint
 from hlat.cli import main
@@ -211,12 +209,13 @@ def test_nan_step_stops_in_one_line(tmp_path, capsys):
 def test_full_disk_keeps_the_previous_checkpoint(tmp_path, capsys, monkeypatch):
     real_save, calls = ckpt.dcp.save, []
 
-    def save(state, checkpoint_id):  # the second save fails as DCP reports a full disk
-        calls.append(checkpoint_id)
-        if len(calls) == 2:
+    def save(state, checkpoint_id, **kwargs):  # the second checkpoint fails as DCP reports a full disk
+        if ".partial" in str(checkpoint_id):  # a checkpoint, not a snapshot of the memory tier
+            calls.append(checkpoint_id)
+        if len(calls) == 2 and ".partial" in str(checkpoint_id):
             failure = OSError(errno.ENOSPC, "No space left on device", str(Path(checkpoint_id) / "__0_0.distcp"))
             raise CheckpointException("write", {0: (failure, None)})
-        return real_save(state, checkpoint_id=checkpoint_id)
+        return real_save(state, checkpoint_id=checkpoint_id, **kwargs)
 
     monkeypatch.setattr(ckpt.dcp, "save", save)
     cfg = config(tmp_path / "run", steps=4, ckpt_every=2)
@@ -239,22 +238,14 @@ def test_a_refused_checkpoint_write_is_one_line_and_another_keeps_its_traceback(
     retried; an I/O error that may pass raises (traceback, exit code 1: restarts retry it). Either way the partial
     checkpoint is removed and step 2's is intact."""
     failure = OSError(code, os.strerror(code), "__0_0.distcp")
-    real_save, real_async_save = ckpt.dcp.save, ckpt.dcp.async_save
+    real_save = ckpt.dcp.save
 
-    def save(state, checkpoint_id, **kwargs):
+    def save(state, checkpoint_id, **kwargs):  # asynchronous: it fails in the background, as DCP reports it
         if "step_00000004" in str(checkpoint_id):
             raise CheckpointException("write", {0: (failure, None)})
-        return real_save(state, checkpoint_id=checkpoint_id)
-
-    def async_save(state, checkpoint_id, **kwargs):  # the write fails in the background, as DCP reports it
-        if "step_00000004" not in str(checkpoint_id):
-            return real_async_save(state, checkpoint_id=checkpoint_id, **kwargs)
-        future = concurrent.futures.Future()
-        future.set_exception(CheckpointException("write", {0: (failure, None)}))
-        return future
+        return real_save(state, checkpoint_id=checkpoint_id, **kwargs)
 
     monkeypatch.setattr(ckpt.dcp, "save", save)
-    monkeypatch.setattr(ckpt.dcp, "async_save", async_save)
     cfg = config(tmp_path / "run", steps=4, ckpt_every=2, async_checkpoint=asynchronous)
     cfg.data.workers = 0
     argv = ["train", "--config", str(write_config(tmp_path / "c.toml", cfg))]
@@ -607,12 +598,9 @@ def test_long_documents_are_tokenized_in_pieces_to_the_same_tokens(tmp_path, mon
     assert np.array_equal(a, b)
 
 
-@pytest.mark.parametrize("one_stager", [True, False])
-def test_asynchronous_checkpoints_resume_like_synchronous_ones(one_stager, tmp_path, monkeypatch):
+def test_asynchronous_checkpoints_resume_like_synchronous_ones(tmp_path):
     """train.async_checkpoint: the checkpoints are committed (manifest verified, rotation applied) and a resume
-    from them follows the same trajectory as synchronous saves, to the bit; with one stager for the run (its
-    host buffers reused) and with a stager per save (torch < 2.13)."""
-    monkeypatch.setattr(background, "STAGER_KEEPS_BUFFERS", one_stager)
+    from them follows the same trajectory as synchronous saves, to the bit."""
 
     def run(name: str, **fields):
         cfg = config(tmp_path / name, keep_checkpoints=2, ckpt_every=2, **fields)
@@ -633,23 +621,24 @@ def test_asynchronous_checkpoints_resume_like_synchronous_ones(one_stager, tmp_p
 HOLD_THE_STEP_4_WRITE = """
 import sys, time
 from pathlib import Path
-import hlat.checkpoint.durable as c
+import torch.distributed.checkpoint as dcp
 from hlat.cli import main
-own = c._own_digests
-def hold(partial, rank):  # in DCP's writer thread, once every file and the .metadata of the save are written
-    if partial.name.startswith("step_00000004"):
+save = dcp.save
+def hold(state, checkpoint_id, **kwargs):  # in the write's thread, once every file and the .metadata are written
+    metadata = save(state, checkpoint_id=checkpoint_id, **kwargs)
+    if Path(checkpoint_id).name == "step_00000004.partial":
         Path(sys.argv[1]).touch()
         time.sleep(600)
-    return own(partial, rank)
-c._own_digests = hold
+    return metadata
+dcp.save = hold
 sys.exit(main(["train", "--config", sys.argv[2]]))
 """
 
 
 def test_kill_9_during_an_asynchronous_write_resumes_from_the_previous_checkpoint(tmp_path):
     """kill -9 while a save is still being written in the background (held there, after DCP wrote its files and
-    .metadata, before this rank's checksums): that save stays a `.partial` directory that nothing loads, and the
-    run resumes from the previous checkpoint along the uninterrupted run's trajectory."""
+    .metadata, before the write is done): that save stays a `.partial` directory that nothing loads, and the run
+    resumes from the previous checkpoint along the uninterrupted run's trajectory."""
 
     def job(name: str, **fields):
         cfg = config(tmp_path / name, ckpt_every=2, keep_checkpoints=0, async_checkpoint=True, **fields)
