@@ -125,9 +125,16 @@ def test_a_snapshot_is_written_into_the_files_of_the_one_dropped_before_it(tmp_p
 
 
 def test_the_writer_process_runs_at_the_lowest_priority_and_ends_with_its_trainer(tmp_path):
+    """One writer process serves every background writer of a trainer (a channel each), at nice 19 (it lowers
+    its own), and ends as soon as the trainer is gone, kill -9 included."""
+    one = BackgroundWriter(False, None)
+    other = BackgroundWriter(False, None, dcp_format=True)
+    assert one.channel.process is other.channel.process
+    one.close()
+    other.close()
     code = (
         "import time; from hlat.checkpoint.background import BackgroundWriter; "
-        "w = BackgroundWriter(False, None); print(w.process.process.pid, flush=True); time.sleep(600)"
+        "w = BackgroundWriter(False, None); print(w.channel.process.pid, flush=True); time.sleep(600)"
     )
     trainer = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:

@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
-from socket import socketpair
+from socket import send_fds, socketpair
 
 import torch
 import torch.distributed as dist
@@ -187,19 +187,40 @@ def shared_memory() -> int:
 
 
 class WriterProcess:
-    """This rank's writer process, started at once and kept for the run; `call` runs a request there."""
+    """This rank's writer process (`hlat.checkpoint.writer_process`), shared by its background writers: started
+    with the first, each of which opens a `Channel` to it; it ends with this process."""
 
-    def __init__(self, staging_fd: int):
+    running: WriterProcess | None = None
+
+    def __init__(self):
         ours, theirs = socketpair()
         code = "import sys; from hlat.checkpoint.writer_process import main; main(*map(int, sys.argv[1:]))"
         self.process = subprocess.Popen(
-            [sys.executable, "-c", code, str(theirs.fileno()), str(staging_fd), str(os.getpid())],
-            pass_fds=(theirs.fileno(), staging_fd),
+            [sys.executable, "-c", code, str(theirs.fileno()), str(os.getpid())],
+            pass_fds=(theirs.fileno(),),
             stdin=subprocess.DEVNULL,
             env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},  # never a device context of its own
         )
         theirs.close()
-        self.conn = Connection(ours.detach())
+        self.control = ours
+
+    @classmethod
+    def channel(cls, staging_fd: int) -> Channel:
+        """A channel to the process (started where none runs) for a background writer of `staging_fd`."""
+        if cls.running is None or cls.running.process.poll() is not None:
+            cls.running = cls()
+        ours, theirs = socketpair()
+        send_fds(cls.running.control, [b"c"], [theirs.fileno(), staging_fd])
+        theirs.close()
+        return Channel(Connection(ours.detach()), cls.running.process)
+
+
+@dataclass
+class Channel:
+    """A background writer's channel to the writer process: `call` runs a request there, in turn."""
+
+    conn: Connection
+    process: subprocess.Popen
 
     def call(self, request: Request):
         try:
@@ -211,14 +232,9 @@ class WriterProcess:
             raise result
         return result
 
-    def close(self, wait_s: float) -> None:
-        """End it: at once, or once it answered what it is doing (`wait_s` at most)."""
-        self.conn.close()  # it ends when it next reads
-        try:
-            self.process.wait(timeout=wait_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+    def close(self) -> None:
+        """The process ends this channel once it answered what it is doing."""
+        self.conn.close()
 
 
 class SnapshotPlanner(dcp.DefaultSavePlanner):
@@ -238,9 +254,9 @@ class RawFiles(FileSystemWriter):
 
     planner = SnapshotPlanner
 
-    def __init__(self, path: Path, staging: Staging, process: WriterProcess):
+    def __init__(self, path: Path, staging: Staging, channel: Channel):
         super().__init__(path, sync_files=False)  # node-local memory: nothing to force to storage
-        self.staging, self.process, self.digests = staging, process, {}
+        self.staging, self.channel, self.digests = staging, channel, {}
 
     def write_data(self, plan: SavePlan, planner) -> Future:
         name, tensors, objects = f"__{self.rank}_0.distcp", [], []
@@ -271,7 +287,7 @@ class RawFiles(FileSystemWriter):
             results.append(WriteResult(index=item.index, size_in_bytes=len(data), storage_data=chunk))
             at += len(data)
         write = WriteFile(str(Path(self.path) / name), tuple(map(tuple, runs)), b"".join(data for _, data in objects))
-        self.digests[name] = self.process.call(write)
+        self.digests[name] = self.channel.call(write)
         return done(results)
 
 
@@ -280,9 +296,9 @@ class CheckpointFiles(FileSystemWriter):
 
     planner = CheckpointPlanner
 
-    def __init__(self, path: Path, staging: Staging, process: WriterProcess):
+    def __init__(self, path: Path, staging: Staging, channel: Channel):
         super().__init__(path)
-        self.staging, self.process, self.digests = staging, process, {}
+        self.staging, self.channel, self.digests = staging, channel, {}
 
     def write_data(self, plan: SavePlan, planner) -> Future:
         tensors, objects = {}, {}
@@ -292,7 +308,7 @@ class CheckpointFiles(FileSystemWriter):
                 objects[item.index] = data.getvalue()
             else:
                 tensors[item.index] = (*self.staging.region(data), data.dtype, data.shape)
-        results, self.digests = self.process.call(WriteCheckpointFiles(str(self.path), plan, tensors, objects))
+        results, self.digests = self.channel.call(WriteCheckpointFiles(str(self.path), plan, tensors, objects))
         return done(results)
 
 
@@ -362,7 +378,7 @@ class BackgroundWriter:
         self.pinned, self.group, self.timeout_s = pinned, group, timeout_s
         self.files = CheckpointFiles if dcp_format else RawFiles
         self.fd = shared_memory()
-        self.process = WriterProcess(self.fd)  # started now: it is ready by the first save
+        self.channel = WriterProcess.channel(self.fd)  # now: the process is ready by the first save
         self.staging: Staging | None = None
         self.in_flight: Flight | None = None
 
@@ -380,7 +396,7 @@ class BackgroundWriter:
         return flight
 
     def _write(self, flight: Flight, staged: dict, then: Callable[[object, dict], object]) -> None:
-        files = self.files(flight.target, self.staging, self.process)
+        files = self.files(flight.target, self.staging, self.channel)
         try:  # in a thread of the trainer, which waits for the writer process most of the time
             metadata = dcp.save(
                 staged,
@@ -396,7 +412,7 @@ class BackgroundWriter:
 
     def call(self, request: Request):
         """Run `request` in the writer process (from the write's thread)."""
-        return self.process.call(request)
+        return self.channel.call(request)
 
     def written(self) -> bool:
         """Whether this rank is done with the write in flight (False with none)."""
@@ -410,9 +426,9 @@ class BackgroundWriter:
         return flight
 
     def close(self) -> None:
-        """End the writer process: once idle, or at once where a write is still in flight (it stays uncommitted:
-        the process is ending, and waiting for a write to a lost peer would hang it)."""
-        idle = self.in_flight is None or self.in_flight.written.is_set()
-        self.process.close(wait_s=5.0 if idle else 0.0)
-        if idle and self.staging is not None:
+        """Close this writer's channel, and release its staging buffer unless a write still reads it (it stays
+        uncommitted: the process is ending, and waiting for a write to a lost peer would hang it)."""
+        self.channel.close()
+        if self.staging is not None and (self.in_flight is None or self.in_flight.written.is_set()):
             self.staging.close()
+        os.close(self.fd)  # the memory lasts while a mapping holds it

@@ -1,5 +1,5 @@
-"""The writer process of a background writer (`hlat.checkpoint.background`): one long-lived process per writer, at
-the lowest CPU priority, that writes what its trainer copied into one buffer of shared memory (the staging buffer),
+"""The writer process of a rank's background writers (`hlat.checkpoint.background`): one long-lived process, at the
+lowest CPU priority, that writes what its trainer copied into one buffer of shared memory (the staging buffer),
 so that neither the files' writes, their checksums nor the copy to a buddy take the trainer's GIL, and they take
 its cores only where the trainer leaves them idle (or, at the end of a step that waits for them, at once).
 
@@ -8,9 +8,11 @@ they are (`WriteFile`). A durable checkpoint, in DCP's own file format, is writt
 there when it first comes (`hlat.checkpoint.background.WriteCheckpointFiles`). Every file is checksummed (CRC-32)
 from the bytes as they are written, and overwritten in place where it exists (a tmpfs keeps its pages).
 
-Started by `main(conn, staging, parent)` with two inherited file descriptors: its end of a socket pair to the
-trainer, over which it answers one request at a time with `(True, result)` or `(False, the error it raised)`, and
-the staging buffer. It ends when the trainer closes its end, or is gone (kill -9 included), whatever it was doing.
+Started by `main(control, parent)`, it serves the rank's background writers, each over a channel of its own (a
+socket pair and its staging buffer, passed over the control socket; the memory tier's and, with
+train.async_checkpoint, the durable tier's), each in a thread, so that a durable checkpoint's long write never holds
+a snapshot back: one request at a time per channel, answered with `(True, result)` or `(False, the error it raised)`.
+It ends when the trainer closes the control socket, or is gone (kill -9 included), whatever it was doing.
 """
 
 from __future__ import annotations
@@ -248,17 +250,31 @@ def exit_with_parent(parent: int) -> None:
     os._exit(0)
 
 
-def main(conn_fd: int, staging_fd: int, parent: int) -> None:
+def main(control_fd: int, parent: int) -> None:
+    """Serve each channel the trainer opens (its background writers': their end of a socket pair and their staging
+    buffer, passed over the control socket) in a thread of its own, until the trainer closes the control socket."""
     # Ctrl-C and a scheduler's SIGTERM are for the trainer: it finishes its step, its writes, and then ends this one
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     os.nice(19)
     threading.Thread(target=exit_with_parent, args=(parent,), daemon=True).start()
-    writer, conn = Writer(staging_fd), Connection(conn_fd)
+    control = socket.socket(fileno=control_fd)
+    while True:
+        try:
+            _, fds, _, _ = socket.recv_fds(control, 1, 2)
+        except OSError:
+            return
+        if len(fds) != 2:  # the trainer closed the control socket
+            return
+        threading.Thread(target=serve, args=(Connection(fds[0]), Writer(fds[1])), daemon=True).start()
+
+
+def serve(conn: Connection, writer: Writer) -> None:
+    """Answer one channel's requests in turn, until its background writer closes it."""
     while True:
         try:
             request = conn.recv()
-        except (EOFError, OSError):  # the trainer closed its end
+        except (EOFError, OSError):
             return
         except BaseException as e:  # a request that does not unpickle here
             conn.send((False, portable(e)))
