@@ -18,6 +18,7 @@ it snapshots, and what that costs, is `hlat.checkpoint.cadence`'s.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -125,7 +126,7 @@ class MemoryTier:
         buddy = self.node.buddy(self.rank)
         if buddy is not None and not self.met_buddy:
             port = self.writer.call(Listen())
-            addresses = gather_objects((socket.gethostname(), port), self.group)
+            addresses = gather_objects((own_address(), port), self.group)
             self.writer.call(Meet(addresses[buddy], self.writer.timeout_s))
             self.met_buddy = True
         return buddy is not None
@@ -192,6 +193,15 @@ class MemoryTier:
 
     def close(self) -> None:
         self.writer.close()
+
+
+def own_address() -> str:
+    """This node's address as the other nodes reach it: the one it sends from to the rendezvous host (torchrun's
+    MASTER_ADDR), else its host name."""
+    with contextlib.suppress(OSError, KeyError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((os.environ["MASTER_ADDR"], 9))  # no packet sent: the route's source address is chosen
+        return probe.getsockname()[0]
+    return socket.gethostname()
 
 
 def make_directory(target: Path, spare: Path) -> None:
