@@ -100,53 +100,54 @@ def leaves(state: dict, path: tuple = ()) -> Iterator[tuple[tuple, object]]:
             yield (*path, key), value
 
 
-def shape_of(value) -> object:
-    """What a staged copy of `value` depends on: a tensor's local dtype and shape (and a DTensor's layout)."""
-    if not isinstance(value, torch.Tensor):
-        return None
-    shard = local(value)
-    layout = (value.device_mesh, value.placements, value.shape) if isinstance(value, DTensor) else None
-    return shard.dtype, shard.shape, layout
+def layout_of(value: torch.Tensor, shard: torch.Tensor) -> tuple:
+    """What a staged copy of `value` (whose local shard is `shard`) depends on: the shard's dtype and shape, and a
+    DTensor's mesh, placements and shape."""
+    return (
+        shard.dtype,
+        shard.shape,
+        (value.device_mesh, value.placements, value.shape) if isinstance(value, DTensor) else None,
+    )
 
 
 class Staging:
     """A copy of every tensor of a state dict (a DTensor's local shard) in one buffer of shared memory (`fd`, which
-    the writer process maps too), each 64-byte aligned, reused from save to save. `stage` copies the live tensors in
-    and returns the state dict with these copies in their place (a DTensor rewrapped), which DCP plans from."""
+    the writer process maps too), each 64-byte aligned, reused from save to save."""
 
     def __init__(self, state: dict, fd: int, pinned: bool):
-        self.layout = [(path, shape_of(value)) for path, value in leaves(state)]
-        shards = {path: local(value) for path, value in leaves(state) if isinstance(value, torch.Tensor)}
-        starts, size = {}, 0
-        for path, shard in shards.items():
-            starts[path] = size
+        tensors = [(path, value, local(value)) for path, value in leaves(state) if isinstance(value, torch.Tensor)]
+        starts, size = [], 0
+        for _, _, shard in tensors:
+            starts.append(size)
             size += -(-shard.nbytes // ALIGN) * ALIGN
         if os.fstat(fd).st_size < max(size, 1):  # the writer process maps the grown buffer at its next request
             os.ftruncate(fd, max(size, 1))
         self.buffer = torch.frombuffer(mmap.mmap(fd, max(size, 1)), dtype=torch.uint8)
         self.pinned = pinned and pin(self.buffer)
-        self.copies: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # path: (the copy, what DCP is given)
-        for (path, value), shard in zip(((p, v) for p, v in leaves(state) if p in shards), shards.values()):
-            copy = self.buffer[starts[path] : starts[path] + shard.nbytes].view(shard.dtype).view(shard.shape)
-            self.copies[path] = copy, as_dtensor_like(copy, value)
+        self.copies: dict[tuple, tuple] = {}  # path: (the copy, what DCP is given for it, the layout it holds)
+        for (path, value, shard), start in zip(tensors, starts):
+            copy = self.buffer[start : start + shard.nbytes].view(shard.dtype).view(shard.shape)
+            self.copies[path] = copy, as_dtensor_like(copy, value), layout_of(value, shard)
 
-    def holds(self, state: dict) -> bool:
-        return self.layout == [(path, shape_of(value)) for path, value in leaves(state)]
-
-    def stage(self, state: dict) -> dict:
+    def stage(self, state: dict) -> dict | None:
+        """Copy `state`'s tensors in: the state dict with the copies in their place (a DTensor's rewrapped), which
+        DCP plans from; None where `state`'s tensors are not the ones this buffer holds (another is made)."""
         staged: dict = {}
+        copied = 0
         for path, value in leaves(state):
             if isinstance(value, torch.Tensor):
-                copy, given = self.copies[path]
-                copy.copy_(local(value), non_blocking=self.pinned)
-                value = given
+                shard, held = local(value), self.copies.get(path)
+                if held is None or held[2] != layout_of(value, shard):
+                    return None
+                held[0].copy_(shard, non_blocking=self.pinned)
+                value, copied = held[1], copied + 1
             parent = staged
             for key in path[:-1]:
                 parent = parent.setdefault(key, {})
             parent[path[-1]] = value
         if self.pinned:  # the copies from the device are done before the writer reads them
             torch.cuda.current_stream().synchronize()
-        return staged
+        return staged if copied == len(self.copies) else None
 
     def region(self, tensor: torch.Tensor) -> tuple[int, int]:
         """Where a staged tensor lies in the buffer: (start, size); an empty one nowhere, (0, 0)."""
@@ -199,7 +200,7 @@ class WriterProcess:
             [sys.executable, "-c", code, str(theirs.fileno()), str(os.getpid())],
             pass_fds=(theirs.fileno(),),
             stdin=subprocess.DEVNULL,
-            env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},  # never a device context of its own
+            env=writer_environment(),
         )
         theirs.close()
         self.control = ours
@@ -213,6 +214,13 @@ class WriterProcess:
         send_fds(cls.running.control, [b"c"], [theirs.fileno(), staging_fd])
         theirs.close()
         return Channel(Connection(ours.detach()), cls.running.process)
+
+
+def writer_environment() -> dict:
+    """The trainer's environment, less what makes a process one of the job's ranks (torchrun's RANK, WORLD_SIZE and
+    the like: whoever looks for the trainers by their rank finds none here), and with no device of its own."""
+    keep = {k: v for k, v in os.environ.items() if not k.endswith(("RANK", "WORLD_SIZE"))}
+    return keep | {"CUDA_VISIBLE_DEVICES": ""}
 
 
 @dataclass
@@ -386,11 +394,12 @@ class BackgroundWriter:
         """Copy `state`'s tensors into the staging buffer, and write it into `target` in the background, then run
         `then(DCP's metadata, {file: [size, crc]} of this rank's files)` there (its result is the flight's);
         `started`: when the caller began this save (the stall counts from it)."""
-        if self.staging is None or not self.staging.holds(state):
+        staged = self.staging.stage(state) if self.staging is not None else None
+        if staged is None:  # the first save, or a state of another layout
             if self.staging is not None:
                 self.staging.close()
             self.staging = Staging(state, self.fd, self.pinned)
-        staged = self.staging.stage(state)
+            staged = self.staging.stage(state)
         flight = self.in_flight = Flight(target, time.perf_counter() - started)
         threading.Thread(target=self._write, args=(flight, staged, then), daemon=True).start()
         return flight

@@ -127,7 +127,9 @@ class MemoryTier:
         if buddy is not None and not self.met_buddy:
             port = self.writer.call(Listen())
             addresses = gather_objects((own_address(), port), self.group)
-            self.writer.call(Meet(addresses[buddy], self.writer.timeout_s))
+            # a copy that stalls fails in half the collective timeout, so that the settle's collective after it
+            # still ends within the timeout of a silent peer (a cut link)
+            self.writer.call(Meet(addresses[buddy], self.writer.timeout_s / 2))
             self.met_buddy = True
         return buddy is not None
 
