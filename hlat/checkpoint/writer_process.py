@@ -1,6 +1,6 @@
 """The writer process of a rank's background writers (`hlat.checkpoint.background`): one long-lived process, at the
-lowest CPU priority, that writes what its trainer copied into one buffer of shared memory (the staging buffer),
-so that neither the files' writes, their checksums nor the copy to a buddy take the trainer's GIL, and they take
+lowest CPU priority, that writes what its trainer copied into shared memory (each writer's staging buffer), so
+that neither the files' writes, their checksums nor the copy to a buddy take the trainer's GIL, and they take
 its cores only where the trainer leaves them idle (or, at the end of a step that waits for them, at once).
 
 It imports no torch, so that it starts in a fraction of a second: the memory tier's files are the staged bytes as
@@ -219,6 +219,8 @@ class SealSnapshot(Request):
 
     def run(self, writer: Writer) -> list[str]:
         target, (path, _, digest) = Path(self.target), writer.last
+        if path.parent != target:
+            raise RuntimeError(f"{target}: this rank's file of the snapshot was not written")
         files = {path.name: digest}
         if self.exchange:
             files |= writer.exchange(target, self.step)
