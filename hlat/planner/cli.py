@@ -8,6 +8,7 @@ compilation, batch and sequence, token budget (steps x global_batch x seq_len), 
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -169,7 +170,8 @@ def _predict(args: argparse.Namespace, req: Request) -> int:
     if advice:
         req.notes.append(advice.line)
         said += ["#2: what --search chooses"] if advice.best else []
-    origin = "given" if _layout_flags_given(args) else "of the config"
+    changed = f" with {_flags_text(args)}" if _layout_flags_given(args) else ""
+    origin = f"of the config{changed}" if args.config else "given"
     show(
         req,
         plans,
@@ -177,8 +179,8 @@ def _predict(args: argparse.Namespace, req: Request) -> int:
         args.json,
         args.emit if plan.memory.fits else None,
     )
-    if not plan.memory.fits:
-        print(f"does not fit: {plan.memory.shortfall()}")
+    if not plan.memory.fits:  # --json keeps stdout whole: its plan says "fits": false
+        print(f"does not fit: {plan.memory.shortfall()}", file=sys.stderr if args.json else sys.stdout)
         return 1
     return 0
 
@@ -290,14 +292,41 @@ def _layout_flags_given(args: argparse.Namespace) -> bool:
 
 
 def _layout(args: argparse.Namespace, cfg, work: Workload, devices: int) -> Layout | None:
-    """The layout to price alone: the flags' (data parallelism takes the remaining devices), else the config's
-    `[parallel]` resolved on `devices` (unless --search); None to search."""
+    """The layout to price alone: with a config, its `[parallel]` and micro-batch with only what the layout flags
+    name changed (unless --search without them), resolved on `devices`; without one, the flags' (data
+    parallelism takes the remaining devices); None to search."""
+    if cfg and (_layout_flags_given(args) or not args.search):
+        parallel = replace(_changed_parallel(args, cfg.parallel), compile=work.compile)
+        try:
+            return Layout(parallel.resolved(devices), args.microbatch or cfg.train.micro_batch)
+        except ConfigError as e:
+            changed = f" with {_flags_text(args)}" if _layout_flags_given(args) else ""
+            raise HlatError(f"the config's layout{changed}: {e}") from None
     if _layout_flags_given(args):
         return _given_layout(args, work, devices)
-    if cfg and not args.search:
-        parallel = replace(cfg.parallel, compile=work.compile).resolved(devices)
-        return Layout(parallel, cfg.train.micro_batch)
     return None
+
+
+def _changed_parallel(args: argparse.Namespace, parallel: ParallelConfig) -> ParallelConfig:
+    """The config's `[parallel]` with the fields the layout flags name set; data parallelism fills what the
+    degrees leave (dp_replicate, when --dp-shard names the sharding)."""
+    changes = {name: getattr(args, name) for name in ("tp", "pp", "cp", "virtual_stages") if getattr(args, name)}
+    if args.dp_shard:
+        changes |= {"dp_shard": args.dp_shard, "dp_replicate": -1}
+    elif changes and -1 not in (parallel.dp_shard, parallel.dp_replicate):
+        changes["dp_shard"] = -1  # both degrees stated: sharding takes what the changed degrees leave
+    if args.schedule or (args.virtual_stages or 1) > 1:
+        changes["pp_schedule"] = args.schedule or "interleaved_1f1b"
+    changes |= {"activation_checkpoint": args.recompute} if args.recompute else {}
+    changes |= {"zero1": True} if args.zero1 else {}
+    changes |= {"sequence_parallel": False} if args.no_sp else {}
+    return replace(parallel, **changes)
+
+
+def _flags_text(args: argparse.Namespace) -> str:
+    """The layout flags given, as typed: '--cp 4 --recompute full'."""
+    given = [(f, getattr(args, f)) for f in LAYOUT_FLAGS if getattr(args, f) not in (None, False)]
+    return " ".join(f"--{f.replace('_', '-')}" + ("" if value is True else f" {value}") for f, value in given)
 
 
 def _given_layout(args: argparse.Namespace, work: Workload, devices: int) -> Layout:
