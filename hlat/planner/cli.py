@@ -13,6 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from hlat import HlatError
+from hlat.config.cli import add_cluster_arguments, cluster_overrides
 from hlat.fields import ConfigError, update
 from hlat.models.config import PRESETS, model_config
 from hlat.optim.config import FP8_RECIPES, PrecisionConfig
@@ -24,7 +25,7 @@ from hlat.planner.layout import Layout, Workload, layout_problem
 from hlat.planner.rehearsal import own_trainer_note, with_rehearsal
 from hlat.planner.report import Request, fp8_note, show
 from hlat.planner.search import OBJECTIVES, RECOMPUTE, TOLERANCE, evaluate, search
-from hlat.profiles import HardwareProfile, load_profile, profile_names
+from hlat.profiles import HardwareProfile, load_profile
 from hlat.resources import recipe_names
 
 HLAT_TOKENS = 1.8e12  # HLAT's training budget: the default for a preset
@@ -48,12 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", help=f"a model preset ({', '.join(PRESETS)}); with --config it replaces the config's model"
     )
-    parser.add_argument(
-        "--hardware",
-        help=f"profile name ({', '.join(profile_names())}) or a profile TOML path "
-        "(default: the config's [cluster] hardware)",
-    )
-    parser.add_argument("--nodes", type=int, help="number of nodes (default: the config's [cluster] nodes, or 1)")
+    add_cluster_arguments(parser)
     parser.add_argument("--search", action="store_true", help="rank layouts even when the config states one")
     parser.add_argument(
         "--global-batch", type=int, help="sequences per optimizer step (default: the config's, else 1024)"
@@ -144,18 +140,20 @@ def add_layout_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = _load_config(args, overrides)
-    hardware = args.hardware or (cfg.cluster.hardware if cfg else "")
-    if not hardware:
+    from hlat.config.job import load_config
+
+    cluster = cfg.cluster if cfg else load_config(None, cluster_overrides(args)).cluster
+    if not cluster.hardware:
         raise HlatError(
             "hlat plan: --hardware is required" + (" (the config states no [cluster] hardware)" if cfg else "")
         )
-    hw = load_profile(hardware)
-    nodes = args.nodes if args.nodes is not None else cfg.cluster.nodes if cfg else 1
-    if nodes < 1:
-        raise HlatError(f"--nodes: must be >= 1, got {nodes}")
+    hw = load_profile(cluster.hardware)
     if args.calibrate:
         return _calibrate(args, hw)
-    req = _request(args, cfg, hw, nodes)
+    cluster.check_processes(hw)
+    # the devices the job uses on each node: as many as its processes (`hlat launch` starts the same)
+    hw = replace(hw, devices_per_node=cluster.nproc_per_node)
+    req = _request(args, cfg, hw, cluster.nodes)
     return _predict(args, req) if req.layout else _search(args, req)
 
 
@@ -222,7 +220,8 @@ def _load_config(args: argparse.Namespace, overrides: list[str]):
         return None
     from hlat.config.job import load_config
 
-    return load_config(args.config, (["--model.preset", args.model] if args.model else []) + overrides)
+    preset = ["--model.preset", args.model] if args.model else []
+    return load_config(args.config, preset + cluster_overrides(args) + overrides)
 
 
 def _request(args: argparse.Namespace, cfg, hw: HardwareProfile, nodes: int) -> Request:
