@@ -168,8 +168,7 @@ def _predict(args: argparse.Namespace, req: Request) -> int:
     if advice:
         req.notes.append(advice.line)
         said += ["#2: what --search chooses"] if advice.best else []
-    changed = f" with {_flags_text(args)}" if _layout_flags_given(args) else ""
-    origin = f"of the config{changed}" if args.config else "given"
+    origin = f"of the config{_changed(args)}" if args.config else "given"
     show(
         req,
         plans,
@@ -299,8 +298,7 @@ def _layout(args: argparse.Namespace, cfg, work: Workload, devices: int) -> Layo
         try:
             return Layout(parallel.resolved(devices), args.microbatch or cfg.train.micro_batch)
         except ConfigError as e:
-            changed = f" with {_flags_text(args)}" if _layout_flags_given(args) else ""
-            raise HlatError(f"the config's layout{changed}: {e}") from None
+            raise HlatError(f"the config's layout{_changed(args)}: {e}") from None
     if _layout_flags_given(args):
         return _given_layout(args, work, devices)
     return None
@@ -322,10 +320,11 @@ def _changed_parallel(args: argparse.Namespace, parallel: ParallelConfig) -> Par
     return replace(parallel, **changes)
 
 
-def _flags_text(args: argparse.Namespace) -> str:
-    """The layout flags given, as typed: '--cp 4 --recompute full'."""
+def _changed(args: argparse.Namespace) -> str:
+    """' with --cp 4 --recompute full': the layout flags given, as typed ('' without any)."""
     given = [(f, getattr(args, f)) for f in LAYOUT_FLAGS if getattr(args, f) not in (None, False)]
-    return " ".join(f"--{f.replace('_', '-')}" + ("" if value is True else f" {value}") for f, value in given)
+    flags = " ".join(f"--{f.replace('_', '-')}" + ("" if value is True else f" {value}") for f, value in given)
+    return f" with {flags}" if flags else ""
 
 
 def _given_layout(args: argparse.Namespace, work: Workload, devices: int) -> Layout:
