@@ -138,9 +138,10 @@ def run_eval(args: argparse.Namespace, overrides: list[str]) -> int:
                 damaged += 1
                 continue
             for row in rows:
-                if header and not args.json:  # the header with the first row: an error comes alone
+                if header and not args.json:  # with the first row: an error before any comes alone
                     print(header)
-                header, step = "", "-" if row["step"] is None else row["step"]
+                    header = ""
+                step = "-" if row["step"] is None else row["step"]
                 print(
                     json.dumps(row)
                     if args.json
@@ -193,14 +194,14 @@ def evaluate_checkpoint(checkpoint: Path, args: argparse.Namespace, device, made
         what = f"{checkpoint}: {f'set {name!r}' if name else 'the validation set'}"
         if key not in made:
             made[key] = validation_batches(
-                counted(documents, progress, f"{what}: reading and tokenizing"),
+                counted(documents, progress, f"{what}: reading and tokenizing", "documents"),
                 tokenizer,
                 seq_len,
                 batch_size,
                 args.max_batches or 2**62,
                 cfg.model.doc_mask,
             )
-        result = evaluate(model, counted(made[key], progress, f"{what}: evaluating", len(made[key])), device)
+        result = evaluate(model, counted(made[key], progress, f"{what}: evaluating", "batches", len(made[key])), device)
         rows.append(
             {
                 "checkpoint": str(checkpoint),
@@ -214,9 +215,9 @@ def evaluate_checkpoint(checkpoint: Path, args: argparse.Namespace, device, made
     return rows
 
 
-def counted(items: Iterable, progress: Ticker, what: str, total: int = 0) -> Iterator:
-    """`items`, telling `progress` how many have been taken (documents read, batches evaluated)."""
-    done, unit = 0, "batches" if total else "documents"
+def counted(items: Iterable, progress: Ticker, what: str, unit: str, total: int = 0) -> Iterator:
+    """`items`, telling `progress` how many `unit` have been taken (of `total`, when known)."""
+    done = 0
     progress.doing = lambda: f"{what} ({unit}: {done:,}{f' of {total:,}' if total else ''})"
     for item in items:
         yield item
