@@ -501,10 +501,14 @@ def test_a_torchrun_job_the_trainers_would_refuse_is_refused_before_any_process(
     range) is left to its trainers, which check each world size; `--help` names the command."""
     import torch.distributed.run
 
+    from hlat.jobs.torchrun import FINISHED_DIR, OWN_STORE_PER_ATTEMPT
+
     def started(args):
         raise AssertionError("torchrun started processes")
 
     monkeypatch.setattr(torch.distributed.run, "run", started)
+    for name in (FINISHED_DIR, OWN_STORE_PER_ATTEMPT):  # what torchrun sets for its workers: gone after this test
+        monkeypatch.setenv(name, "")
     job = ["--standalone", "--nproc-per-node", "4", "-m", "hlat", "train", "--config", "tiny"]
     for flags, line in (
         (["--parallel.cp", "3"], "parallel.cp: 3 does not divide the world size 4"),
