@@ -25,7 +25,11 @@ def test_preset_then_overrides():
 @pytest.mark.parametrize(
     "data, overrides, message",
     [
-        ({"optim": {"lrr": 1.0}}, [], "unknown config key 'optim.lrr'"),
+        ({"optim": {"lrr": 1.0}}, [], "unknown config key 'optim.lrr'; did you mean 'optim.lr'? (known in this"),
+        ({"trian": {"steps": 1}}, [], "unknown config key 'trian'; did you mean 'train'?"),
+        ({}, ["--optim.warmup", "5"], "unknown config key 'optim.warmup'; did you mean 'optim.warmup_steps'?"),
+        ({}, ["--optm.lr", "1"], "unknown config section 'optm'; did you mean 'optim'? (sections: cluster, cost,"),
+        ({}, ["--model.zzz", "1"], "unknown config key 'model.zzz' (known in this section: dim, doc_mask,"),
         ({}, ["--optim.lr", "fast"], "optim.lr: expected float, got 'fast'"),
         ({}, ["--optim.lr", "-1"], "optim.lr: must be positive"),
         (
@@ -285,7 +289,8 @@ def test_config_fields_lists_types_defaults_and_comments(capsys):
     cfg = Config()
     assert len(rows) == sum(len(dataclasses.fields(getattr(cfg, f.name))) for f in dataclasses.fields(cfg))
     assert rows["train.steps"].split()[1:3] == ["int", "300"] and "optimizer steps" in rows["train.steps"]
-    assert "'fp32'" not in rows["precision.mode"] and '"fp32"' in rows["precision.mode"]
+    # a choice's type lists the choices, its default is written as TOML writes it
+    assert "'fp32' | 'bf16_mixed' | 'bf16_sr' | 'bf16_kahan'  \"fp32\"" in rows["precision.mode"]
     assert "'concat' | 'best_fit'" in rows["data.packing"]
     assert main(["config", "fields", "cluster"]) == 0
     assert all(line.startswith("cluster.") for line in capsys.readouterr().out.splitlines())

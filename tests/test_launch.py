@@ -316,8 +316,10 @@ def test_a_plain_cluster_gets_no_fabric(capsys):
     "args, message",
     [
         (
-            ["--cluster.hardware", "p5.48xlarge"],  # the recipe's 32 processes per node
-            "cluster.nproc_per_node: 32 processes per node, but p5.48xlarge has 8 devices per node (one process each)",
+            ["--cluster.hardware", "p5.48xlarge"],  # the recipe's 32 processes per node: the refusal names the fix
+            "cluster.nproc_per_node: 32 processes per node, but p5.48xlarge has 8 devices per node (one process each): "
+            "use --nproc-per-node 8 (64 nodes, 512 processes) or, for the same 2,048 processes, --nodes 256 "
+            "--nproc-per-node 8",
         ),
         (
             [*P5, "--nodes", "256", "--cluster.accelerator", "neuron"],
@@ -331,7 +333,7 @@ def test_a_plain_cluster_gets_no_fabric(capsys):
             [],
             "cluster.hardware: trn1.32xlarge: training needs other hardware: hlat trains on Trainium through "
             "TorchNeuron, which runs on trn2 and later (trn1 needs torch-xla); `hlat plan` prices this cluster; "
-            "to launch the same 2,048 processes use --cluster.hardware trn2.48xlarge --nodes 32 --nproc-per-node 64",
+            "to launch the same 2,048 processes use --hardware trn2.48xlarge --nodes 32",
         ),
     ],
 )
@@ -340,6 +342,60 @@ def test_a_cluster_that_contradicts_its_hardware_is_refused(target, args, messag
     assert main(["launch", "--config", "hlat-7b", "--target", target, *args]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_each_refusal_names_flags_that_launch(capsys):
+    """What the refusals above name does launch hlat-7b's 2,048 processes."""
+    for fix in (["--cluster.hardware", "p5.48xlarge", "--nodes", "256", "--nproc-per-node", "8"], TRN2[2:]):
+        hardware = "p5.48xlarge" if "p5.48xlarge" in fix else "trn2.48xlarge"
+        script = render(capsys, "--target", "slurm", "--hardware", hardware, *fix[2 * (fix[0] != "--nodes") :])
+        assert "# world size: " in script and "= 2048" in script
+
+
+def plan_and_launch(capsys, *flags: str, config: str = "hlat-70b") -> tuple[dict, str, str]:
+    """`hlat plan --json` and `hlat launch --target slurm` of a config with the same cluster flags: the plan, the
+    job script and launch's stderr."""
+    assert main(["plan", "--config", config, *flags, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert main(["launch", "--config", config, "--target", "slurm", *flags]) == 0
+    script, err = capsys.readouterr()
+    return plan, script, err
+
+
+@pytest.mark.parametrize(
+    "flags, nodes, per_node",
+    [
+        (["--hardware", "p5.48xlarge"], 256, 8),  # the recipe's nodes, used whole: one process per GPU
+        (["--hardware", "p5.48xlarge", "--nodes", "64"], 64, 8),
+        (["--hardware", "trn2.48xlarge", "--nproc-per-node", "32"], 256, 32),  # half of each node's NeuronCores
+    ],
+)
+def test_launch_takes_the_cluster_flags_of_plan_and_agrees_with_it(flags, nodes, per_node, capsys):
+    """`hlat launch --hardware p5.48xlarge` renders what `hlat plan --hardware p5.48xlarge` prices: its nodes, its
+    processes per node and its layout, and names the same unsuitable layout in the same words."""
+    plan, script, err = plan_and_launch(capsys, *flags)
+    (priced,) = [p for p in plan["plans"] if p["parallel"]["tp"] == 32]  # the recipe's layout (and what search finds)
+    assert (plan["hardware"], plan["nodes"]) == (flags[1], nodes) and f"#SBATCH --nodes={nodes}" in script
+    assert f"# world size: {nodes} nodes x {per_node} processes = {nodes * per_node}" in script
+    assert priced["parallel"]["tp"] * priced["parallel"]["pp"] * priced["parallel"]["dp_shard"] == nodes * per_node
+    assert err.removeprefix("hlat launch: ").strip() in plan["notes"]
+
+
+def test_plan_and_launch_share_one_definition_of_the_cluster_flags(monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "120")
+
+    def cluster_section(command: str) -> str:
+        """The section of `hlat COMMAND --help` that lists the cluster flags."""
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        return capsys.readouterr().out.split("\n\nthe cluster")[1].split("\n\n")[0].rstrip()
+
+    assert cluster_section("plan") == cluster_section("launch")
+    assert [line.split()[0] for line in cluster_section("plan").splitlines() if line.startswith("  --")] == [
+        "--hardware",
+        "--nodes",
+        "--nproc-per-node",
+    ]
 
 
 def test_a_launch_whose_tensor_parallelism_spans_nodes_says_so_beside_the_planners_layout(capsys):
@@ -437,3 +493,36 @@ def test_an_elastic_job_names_the_node_counts_it_can_go_on_with(capsys):
         == 2
     )
     assert "cluster.min_nodes: 1 nodes do not fit the layout" in capsys.readouterr().err
+
+
+def test_a_torchrun_job_the_trainers_would_refuse_is_refused_before_any_process(capsys, monkeypatch):
+    """`hlat torchrun ... -m hlat train` checks the config and layout at the world size torchrun would start (4
+    processes here) and refuses in one line, with hlat's exit code, without starting one; an elastic job (a node
+    range) is left to its trainers, which check each world size; `--help` names the command."""
+    import torch.distributed.run
+
+    from hlat.jobs.torchrun import FINISHED_DIR, OWN_STORE_PER_ATTEMPT
+
+    def started(args):
+        raise AssertionError("torchrun started processes")
+
+    monkeypatch.setattr(torch.distributed.run, "run", started)
+    for name in (FINISHED_DIR, OWN_STORE_PER_ATTEMPT):  # what torchrun sets for its workers: gone after this test
+        monkeypatch.setenv(name, "")
+    job = ["--standalone", "--nproc-per-node", "4", "-m", "hlat", "train", "--config", "tiny"]
+    for flags, line in (
+        (["--parallel.cp", "3"], "parallel.cp: 3 does not divide the world size 4"),
+        (
+            ["--parallel.cp", "2", "--train.micro_batch", "8", "--eval.every", "5", "--eval.holdout", "0.1"],
+            "eval.every",
+        ),
+        (["--optim.lrr", "1"], "unknown config key 'optim.lrr'; did you mean 'optim.lr'?"),
+    ):
+        assert main(["torchrun", *job, *flags]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.startswith(f"hlat: error: {line}") and err.count("\n") == 1
+    with pytest.raises(AssertionError, match="torchrun started processes"):  # fixed worlds only
+        main(["torchrun", "--nnodes", "1:2", *job[1:], "--parallel.cp", "3"])
+    with pytest.raises(SystemExit) as done:
+        main(["torchrun", "--help"])
+    assert done.value.code == 0 and capsys.readouterr().out.startswith("usage: hlat torchrun [-h]")

@@ -190,19 +190,33 @@ class ClusterConfig:
             raise ConfigError(
                 f"cluster.hardware: {hw.name}: training needs other hardware: {hw.unsupported}; "
                 f"`hlat plan` prices this cluster; to launch the same {self.world_size:,} processes use "
-                f"--cluster.hardware {instead.name} --nodes {nodes} --nproc-per-node "
-                f"{instead.devices_per_node}"
+                f"--hardware {instead.name} --nodes {nodes}"
             )
         if self.accelerator and self.accelerator != hw.accelerator:
             raise ConfigError(
                 f"cluster.accelerator: {self.accelerator!r}, but cluster.hardware {hw.name} has "
                 f"{hw.accelerator!r} devices; leave it out (it follows the hardware)"
             )
-        if hw.accelerator != "cpu" and self.nproc_per_node > hw.devices_per_node:
-            raise ConfigError(
-                f"cluster.nproc_per_node: {self.nproc_per_node} processes per node, but {hw.name} has "
-                f"{hw.devices_per_node} devices per node (one process each)"
-            )
+        if hw.accelerator != "cpu":
+            self.check_processes(hw)
+
+    def check_processes(self, hw: HardwareProfile) -> None:
+        """No more processes per node than `hw` has devices (one process each); the refusal names the flags that
+        would do: the same nodes used whole, or the same processes on more nodes."""
+        per_node = hw.devices_per_node
+        if self.nproc_per_node <= per_node:
+            return
+        whole = f"--nproc-per-node {per_node} ({self.nodes:,} nodes, {self.nodes * per_node:,} processes)"
+        same = (
+            f" or, for the same {self.world_size:,} processes, --nodes {self.world_size // per_node} --nproc-per-node "
+            f"{per_node}"
+            if self.world_size % per_node == 0
+            else ""
+        )
+        raise ConfigError(
+            f"cluster.nproc_per_node: {self.nproc_per_node} processes per node, but {hw.name} has {per_node} "
+            f"devices per node (one process each): use {whole}{same}"
+        )
 
 
 @dataclass

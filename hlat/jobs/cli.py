@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from hlat import HlatError
+from hlat.config.cli import add_cluster_arguments, cluster_overrides
 from hlat.config.job import TrainConfig
 from hlat.fields import OVERRIDES_HELP
 
@@ -24,6 +25,20 @@ def register_train(commands) -> None:
     p = commands.add_parser(
         "train", help="train a model from a config", description=f"Train from a TOML config. {OVERRIDES_HELP}"
     )
+    add_train_arguments(p)
+    p.set_defaults(func=run_train, overrides=True)
+
+
+def register_torchrun(commands) -> None:
+    commands.add_parser(
+        "torchrun",
+        help="torchrun (same arguments), exiting 0 when a stop signal found every "
+        "trainer checkpointed (torchrun itself exits 1)",
+        add_help=False,
+    )
+
+
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--config",
         action="append",
@@ -46,16 +61,6 @@ def register_train(commands) -> None:
         metavar="K",
         help="with --max-restarts: run a single-node torchrun job of K processes",
     )
-    p.set_defaults(func=run_train, overrides=True)
-
-
-def register_torchrun(commands) -> None:
-    commands.add_parser(
-        "torchrun",
-        help="torchrun (same arguments), exiting 0 when a stop signal found every "
-        "trainer checkpointed (torchrun itself exits 1)",
-        add_help=False,
-    )
 
 
 def register_launch(commands) -> None:
@@ -69,8 +74,7 @@ def register_launch(commands) -> None:
     p.add_argument(
         "--config", action="append", required=True, help="TOML config file or recipe name (repeatable, merged in order)"
     )
-    p.add_argument("--nodes", type=int, help="number of nodes (default: cluster.nodes)")
-    p.add_argument("--nproc-per-node", type=int, help="processes (devices) per node (default: cluster.nproc_per_node)")
+    add_cluster_arguments(p)
     p.add_argument("--target", choices=["slurm", "k8s"], required=True)
     p.add_argument("--image", default="hlat:latest", help="container image for k8s")
     p.add_argument(
@@ -97,16 +101,50 @@ def register_snapshots(commands) -> None:
     p.set_defaults(func=run_snapshots, overrides=False)
 
 
+def run_torchrun(argv: list[str]) -> int:
+    """`hlat torchrun`: an `hlat train` job's config and layout are checked before any process starts, so that a
+    mistake is one line, as from `hlat train` alone, not the trainers' line inside torchrun's report."""
+    from hlat.jobs.torchrun import torchrun
+
+    return torchrun(argv, check_training)
+
+
+def fixed_world_size(args) -> int | None:
+    """The processes a torchrun command line starts (nodes x processes per node), or None when that is not fixed
+    here: an elastic node range, or a count torchrun takes from the devices it finds."""
+    nodes = args.nnodes.split(":")
+    if len(set(nodes)) != 1 or not (nodes[0].isdigit() and args.nproc_per_node.isdigit()):
+        return None
+    return int(nodes[0]) * int(args.nproc_per_node)
+
+
+def check_training(args) -> None:
+    """An `hlat train` job's config and layout at the world size torchrun will start, before it starts a process
+    (an elastic job's trainers check each world size the rendezvous forms)."""
+    world = fixed_world_size(args)
+    if not (args.module and args.training_script == "hlat" and args.training_script_args[:1] == ["train"] and world):
+        return
+    train_config(args.training_script_args[1:]).resolved_parallel(world)
+
+
+def train_config(argv: list[str]):
+    """The config `hlat train ARGV` would run (its `--config` files and `--section.key` overrides)."""
+    from hlat.config.job import load_config
+
+    parser = argparse.ArgumentParser(prog="hlat train", add_help=False)
+    add_train_arguments(parser)
+    args, overrides = parser.parse_known_args(argv)
+    return load_config(args.config, overrides)
+
+
 def run_launch(args: argparse.Namespace, overrides: list[str]) -> int:
     from hlat.config.job import load_config
     from hlat.jobs.launch import render
     from hlat.planner.advice import config_advice
 
-    cluster = [
-        *(["--cluster.nodes", str(args.nodes)] if args.nodes is not None else []),
-        *(["--cluster.nproc_per_node", str(args.nproc_per_node)] if args.nproc_per_node is not None else []),
-        *(["--cluster.hardware", "", "--cluster.accelerator", "cpu"] if args.cpu else []),
-    ]
+    if args.cpu and args.hardware:
+        raise HlatError(f"--cpu: plain CPU nodes have no hardware profile; leave out --hardware {args.hardware}")
+    cluster = cluster_overrides(args) + (["--cluster.hardware", "", "--cluster.accelerator", "cpu"] if args.cpu else [])
     text = render(args.config, args.target, cluster + overrides, args.image)
     if args.out:
         Path(args.out).write_text(text)

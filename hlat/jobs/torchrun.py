@@ -7,14 +7,17 @@ written, looks like a crash to SLURM, Kubernetes and the supervisor. Here each t
 a per-launch directory when `hlat train` returns; a stop is clean when every local trainer left one. A failed job
 also exits 1 under torchrun, whatever its trainers said; here it exits 2 when a trainer did (an hlat error such as
 a full disk: retrying cannot help) and 3 when one's watchdog found a hang. Each start of the workers meets in a
-store of its own (`OWN_STORE_PER_ATTEMPT`).
+store of its own (`OWN_STORE_PER_ATTEMPT`). `hlat torchrun` checks an `hlat train` job before torchrun starts a
+process (`hlat.jobs.cli.check_training`).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from hlat import ERROR_EXIT, HANG_EXIT
@@ -40,18 +43,23 @@ def all_finished(directory: Path) -> bool:
     return bool(marks) and len(marks) == int(marks[0].read_text())
 
 
-def torchrun(argv: list[str]) -> int:
-    """Run torchrun with `argv`; 0 after a signal if every local trainer finished, a trainer's own hlat exit code
-    if one failed with it (`KEPT_EXIT_CODES`), else torchrun's own exit."""
+def torchrun(argv: list[str], check: Callable[[argparse.Namespace], None]) -> int:
+    """Run torchrun with `argv`, after `check` has seen its parsed arguments (and raised, for a job that must not
+    start); 0 after a signal if every local trainer finished, a trainer's own hlat exit code if one failed with it
+    (`KEPT_EXIT_CODES`), else torchrun's own exit."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+    from torch.distributed.run import get_args_parser, run
 
+    parser = get_args_parser()
+    parser.prog = "hlat torchrun"  # its --help and usage errors name this command, not `hlat`
+    args = parser.parse_args(argv)
+    check(args)
     with tempfile.TemporaryDirectory(prefix="hlat-finished-") as directory:
         os.environ[FINISHED_DIR] = directory
         os.environ.setdefault(OWN_STORE_PER_ATTEMPT, "1")
         try:
-            main(argv)
+            record(run)(args)  # as torchrun's own main does
         except SignalException as e:
             if not all_finished(Path(directory)):
                 raise

@@ -72,7 +72,7 @@ def ceiling_note(req: Request) -> str:
     return (
         f"* predicted above the best MFU hlat has measured on {hw.name} in {dtype} ({best:.1%}, "
         f"{hw.best_mfu.source}): no hlat run has reached more, so the plan promises that best (its step time, "
-        "days and cost follow from it; --json gives the uncapped prediction)"
+        "days and cost follow from it); in brackets the uncapped prediction, by which layouts rank"
     )
 
 
@@ -187,7 +187,7 @@ def print_table(req: Request, plans: list[Plan], note: str) -> None:
             memory_cell(p),
             f"{p.step_s:.3g}",
             si(p.tokens_per_s),
-            f"{p.mfu:.1%}{'*' if p.above_measured_best else ''}",
+            f"{p.mfu:.1%}* ({p.predicted_mfu:.1%})" if p.above_measured_best else f"{p.mfu:.1%}",
             si(p.tokens_per_dollar) if p.tokens_per_dollar else "-",
             f"{days:,.1f}",
             f"${si(dollars)}" if dollars else "-",

@@ -86,7 +86,12 @@ class Plan:
         return bool(self.measured_best) and self.predicted_mfu > self.measured_best
 
     def score(self, objective: str) -> float:
-        return self.tokens_per_s if objective == "tokens_per_s" else (self.tokens_per_dollar or 0.0)
+        """What the search ranks by: the prediction itself. Capped, every layout predicted above the measured best
+        would score the same, and the simplest of them would rank first whatever its prediction."""
+        per_s = self.predicted_tokens_per_s
+        if objective == "tokens_per_s":
+            return per_s
+        return per_s * 3600 / self.dollars_per_hour if self.price else 0.0
 
 
 def evaluate(work: Workload, layout: Layout, hw: HardwareProfile, nodes: int, price: float = 0.0) -> Plan:
