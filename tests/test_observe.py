@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from hlat.checkpoint.durable import verify_checkpoint
 from hlat.cli import main
 from hlat.config.job import build_config
-from hlat.data.sources import held_out, iter_documents
+from hlat.data.readers import iter_documents
+from hlat.data.records import held_out
 from hlat.data.tokenizer import load_tokenizer
 from hlat.fields import ConfigError
 from hlat.models import build_model, materialize
