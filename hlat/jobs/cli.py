@@ -1,5 +1,6 @@
 """Running a job: `hlat train` (alone, under torchrun, or supervised with --max-restarts), `hlat torchrun` (torchrun,
-with hlat's exit code after a stop) and `hlat launch` (a multi-node job file)."""
+with hlat's exit code after a stop), `hlat service` (a multi-node job's store and rendezvous, on a host that trains
+nothing) and `hlat launch` (a multi-node job file)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 
 from hlat import HlatError
 from hlat.fields import OVERRIDES_HELP
+from hlat.jobs.launch import SERVICE_PORT
 
 
 def register(commands) -> None:
@@ -47,6 +49,7 @@ def register(commands) -> None:
         add_help=False,
     )
 
+    register_service(commands)
     p = commands.add_parser(
         "launch",
         help="render a multi-node SLURM script or Kubernetes PyTorchJob for a config",
@@ -69,6 +72,22 @@ def register(commands) -> None:
     )
     p.add_argument("--out", help="file to write (default: print)")
     p.set_defaults(func=run_launch, overrides=True)
+
+
+def register_service(commands) -> None:
+    p = commands.add_parser(
+        "service",
+        help="host a multi-node job's store and rendezvous on a host that trains nothing "
+        "(training hosts run hlat torchrun --rdzv-backend=hlat --rdzv-endpoint=HOST:PORT)",
+    )
+    p.add_argument("--port", type=int, default=SERVICE_PORT, help=f"the port to listen on (default: {SERVICE_PORT})")
+    p.set_defaults(func=run_service, overrides=False)
+
+
+def run_service(args: argparse.Namespace, overrides: list[str]) -> int:
+    from hlat.jobs.service import serve
+
+    return serve(args.port)
 
 
 def run_launch(args: argparse.Namespace, overrides: list[str]) -> int:

@@ -24,7 +24,7 @@ from hlat import ERROR_EXIT
 from hlat.config.job import ClusterConfig, Config, NodeRequest, load_config
 from hlat.fields import ConfigError
 
-RDZV_PORT = 29500
+SERVICE_PORT = 29500  # where `hlat service` listens for the job's store and rendezvous
 K8S_WORKDIR = "/workspace"  # the container's working directory; relative run directories land on the volume
 K8S_RUNS = f"{K8S_WORKDIR}/runs"
 K8S_CONFIG = "/etc/hlat/config.toml"
@@ -86,7 +86,7 @@ def render_slurm(configs: list[str], cfg: Config, overrides: list[str], node: No
     c, name = cfg.cluster, _job_name(configs)
     config_args = [arg for path in configs for arg in ("--config", path)]
     train = ["-m", "hlat", "train", *config_args, *overrides, "--resume", "auto"]
-    endpoint = f'"$head_node:{RDZV_PORT}"'
+    endpoint = f'"$head_node:{SERVICE_PORT}"'
     # every rank of the job, as training will run: devices, links, numerics and stragglers across nodes
     preflight = _torchrun(c, '"$SLURM_JOB_ID-preflight"', endpoint, 0)
     check = f"srun {' '.join(preflight)} {shlex.join(['-m', 'hlat', 'preflight', *config_args, *overrides])} || exit 1"

@@ -42,7 +42,7 @@ from hlat.optim.precision import autocast, prepare_model
 from hlat.parallel import ParallelConfig, Topology, init_topology, parallelize
 from hlat.parallel.device import pick_device
 from hlat.parallel.pipeline import StageShapes, build_schedule
-from hlat.train.faults import StopRequest, Watchdog
+from hlat.train.faults import StopRequest, Watchdog, hold_lease
 from hlat.train.goodput import Goodput
 from hlat.train.health import Health
 from hlat.train.metrics import StepReport
@@ -94,6 +94,7 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
     quiet_refused_writes_in_threads()  # a full disk is reported once, in one line
     with contextlib.ExitStack() as cleanup:
         cleanup.callback(destroy_process_group)
+        cleanup.enter_context(hold_lease(cfg.train, topo))  # a silent peer is found in seconds from here on
         make_run_dir(cfg, topo)
         start = agree_on_start(cfg, topo, inputs.resume_from, inputs.model)  # one start for all ranks, both tiers
         for change in start.changes or []:
