@@ -134,7 +134,8 @@ def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
     console = make_console()
     if (rank := os.environ.get("RANK", "0")) == "0" and (line := seen_cluster_advice(cfg)):
         console.print(line, soft_wrap=True, highlight=False, markup=False)
-    with writing_run_dir(cfg.train.run_dir):  # before anything is written there: one job per run directory
+    # before anything is written there: one job per run directory
+    with writing_run_dir(cfg.train.run_dir, fenced=cfg.train.lease_s > 0):
         s = train(cfg, console)
     mark_finished()
     if rank != "0":  # under torchrun, rank 0 speaks for the job
