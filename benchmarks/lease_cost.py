@@ -85,12 +85,15 @@ def main() -> None:
         for lease_s, times in runs.items()
     ]
     on, off = (statistics.median(runs[k]) for k in (10.0, 0.0))
+    spread = max(max(t) / min(t) - 1 for t in runs.values())
     caption = (
         f"Leases' cost (benchmarks/lease_cost.py; {platform.node()}: {os.cpu_count()} cores, torch "
-        f"{torch.__version__}). The beats of 4 ranks and the store answering them: {cpu:.2f} ms of CPU a second "
-        f"({cpu / 4:.2f} ms per rank, over {args.seconds:g} s, less the same time idle). The tiny model's step, "
-        f"2 ranks, {args.steps} steps a run (the first 5 left out), runs alternated: median {on * 1e3:.1f} ms with "
-        f"leases, {off * 1e3:.1f} ms without ({100 * (on / off - 1):+.1f}%)."
+        f"{torch.__version__}, load average {os.getloadavg()[0]:.1f} at the end). The beats of 4 ranks and the store "
+        f"answering them: {cpu:.2f} ms of CPU a second ({cpu / 4:.2f} ms per rank, {cpu / 40:.3f}% of a core, over "
+        f"{args.seconds:g} s, less the same time idle). The tiny model's step, 2 ranks, {args.steps} steps a run "
+        f"(the first 5 left out), runs alternated: median {on * 1e3:.1f} ms with leases, {off * 1e3:.1f} ms without "
+        f"({100 * (on / off - 1):+.1f}%), where runs of one setting differ by up to {100 * spread:.0f}% between "
+        "themselves: no difference is measurable at that spread."
     )
     table = markdown_table(["leases", "median step time (s) of each run"], [list(r.values()) for r in rows])
     meta = {"cpu_ms_per_s": round(cpu, 3), "seconds": args.seconds, "steps": args.steps, "torch": torch.__version__}

@@ -263,6 +263,7 @@ def test_the_service_lost_ends_the_job_resumably_and_a_cut_link_is_found_within_
     job = Job(hosts(3), tmp_path, cfg_file)
     job.wait_for_step(3)
     [owner] = [i for i in TRAINING if 2 in job.trainers(i)]  # rank 2's own files; its buddy copy is on the other
+    lost = time.time()
     job.hosts.kill_host(SERVICE)
     for i in TRAINING:
         job.agents[i].wait(timeout=60)
@@ -271,6 +272,7 @@ def test_the_service_lost_ends_the_job_resumably_and_a_cut_link_is_found_within_
             f"hlat: error: lost the hlat service at {job.hosts[SERVICE].address}:{SERVICE_PORT}, the job's store"
         ), job.logs()
         job.hosts.kill_host(i, memory_lost=False)  # nothing is left there but the node-local memory
+    ended_s = time.time() - lost
     [snapshots] = job.hosts[owner].local_dir.iterdir()  # one run's
     damaged = sorted(snapshots.glob("step_*/__2_0.distcp"))
     assert damaged
@@ -296,7 +298,10 @@ def test_the_service_lost_ends_the_job_resumably_and_a_cut_link_is_found_within_
     assert declared and all(f"for {lease_s:.1f} s" in line for line in declared)
     # the lease (a beat may be late), not a reset; on a loaded machine the ending trainer takes as long again
     assert lease_s <= found_s < 2 * lease_s, job.logs()
+    went_on_s = next(r["time"] for r in job.records() if r["step"] == went_on + 1) - cut
     print(
-        f"service lost after step 3: resumed at step {restarted} on 4 ranks; link cut after step 6: declared lost "
-        f"{found_s:.1f} s after the cut, resumed on 2 ranks at step {went_on}"
+        f"service lost after step 3: the job ended {ended_s:.1f} s after, resumed at step {restarted} on 4 ranks; "
+        f"link cut after step 6: declared lost "
+        f"{found_s:.1f} s after the cut, resumed on 2 ranks at step {went_on}, its next step {went_on_s:.1f} s after "
+        "the cut"
     )

@@ -46,7 +46,8 @@ def all_finished(directory: Path) -> bool:
 
 def torchrun(argv: list[str]) -> int:
     """Run torchrun with `argv`; 0 after a signal if every local trainer finished, a trainer's own hlat exit code
-    if one failed with it (`KEPT_EXIT_CODES`), else torchrun's own exit."""
+    if one failed with it (`KEPT_EXIT_CODES`), 4 (one line) when the rendezvous lost the hlat service, else
+    torchrun's own exit."""
     from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

@@ -1,7 +1,7 @@
 """Each rank's lease in its attempt's store (docs/fault-tolerance.md, "Leases"), so that a silent peer (a host cut
 off, stopped, lost without a reset) is found in seconds rather than when a collective times out.
 
-A thread beats every `beat_s` (about a second): it adds 1 to this rank's counter in the store and reads, in one
+A thread beats every `beat_s` (about a second): it adds 1 to this rank's counter in the store and reads, in one more
 request, the counters of the ranks it watches (the next ranks, as many as a node holds, so that every rank has a
 watcher on another node) and the attempt's count of declared losses. A watched rank whose counter has not moved for
 `lease_s`, by the watcher's own clock (no clocks are compared across hosts), is declared lost: recorded in the store,
