@@ -49,6 +49,14 @@ def test_preset_then_overrides():
             "data.paths: '[a.jsonl]' is not a TOML array (a value starting with [ is read as one): quote each string",
         ),
         ({}, ["--data.paths", "[1]"], "data.paths[0]: expected a string, got 1"),
+        # a lease that flaps, and one the collective timeout would always beat (docs/fault-tolerance.md, "Leases")
+        ({}, ["--train.lease_s", "1"], "train.lease_s: 1 s would declare live ranks lost whenever a beat is late"),
+        ({}, ["--train.lease_s", "-1"], "train.lease_s: must be >= 0"),
+        (
+            {},
+            ["--train.collective_timeout_s", "10"],
+            "train.lease_s: 10 s is not shorter than train.collective_timeout_s 10 s",
+        ),
     ],
 )
 def test_bad_config_names_the_field(data, overrides, message):

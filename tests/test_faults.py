@@ -207,7 +207,7 @@ def test_supervisor_restarts_after_kill_9_bit_exact_and_leaves_nothing_behind(np
 
 def launch_rendered_torchrun(cfg_file: Path, port: int) -> list[str]:
     """The `hlat torchrun` command `hlat launch` renders into a SLURM script for this config (2 ranks on 1 node,
-    2 restarts), with its rendezvous on this host."""
+    2 restarts), at an hlat service on this host's `port`."""
     done = subprocess.run(
         [
             sys.executable,
@@ -230,9 +230,10 @@ def launch_rendered_torchrun(cfg_file: Path, port: int) -> list[str]:
         timeout=60,
     )
     assert done.returncode == 0, done.stderr
-    line = next(line for line in done.stdout.splitlines() if line.startswith("srun hlat torchrun"))
-    line = line.replace('"$head_node:29500"', f"127.0.0.1:{port}").replace('"$SLURM_JOB_ID"', "7")
-    return [sys.executable, "-m", "hlat", *line.removesuffix(" &").split()[2:]]  # the script runs it in the background
+    line = next(line for line in done.stdout.splitlines() if line.startswith("srun --het-group=1 hlat torchrun"))
+    line = line.replace('"$service_node:29500"', f"127.0.0.1:{port}").replace('"$SLURM_JOB_ID"', "7")
+    words = line.removesuffix(" &").split()  # the script runs it in the background
+    return [sys.executable, "-m", "hlat", *words[words.index("torchrun") :]]
 
 
 def restarting_torchrun(cfg_file: Path) -> list[str]:
@@ -271,14 +272,18 @@ def test_torchrun_restarts_a_killed_worker_in_place_bit_exact(launched, restart_
     """kill -9 of one rank of a 2-rank job that torchrun restarts in place (--max-restarts, no supervisor): the
     new attempt forms its process group (each attempt in its own namespace of the job's store), continues the run
     from its last checkpoint although its command line has no --resume, and ends with an uninterrupted run's
-    losses and weights."""
+    losses and weights. As `hlat launch` renders it, the job meets at an `hlat service` (each attempt in a namespace of
+    its own there)."""
     cfg_file, cfg = restart_job
-    run = tmp_path / "run"
-    command = (
-        restarting_torchrun(cfg_file)
-        if launched == "hlat torchrun"
-        else launch_rendered_torchrun(cfg_file, free_port())
+    run, port = tmp_path / "run", free_port()
+    rendered = launch_rendered_torchrun(cfg_file, port) if launched != "hlat torchrun" else None
+    service = rendered and subprocess.Popen(
+        [sys.executable, "-m", "hlat", "service", "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
+    command = rendered or restarting_torchrun(cfg_file)
     job = subprocess.Popen(
         [*command, "--train.run_dir", str(run)],
         stdout=subprocess.PIPE,
@@ -299,6 +304,9 @@ def test_torchrun_restarts_a_killed_worker_in_place_bit_exact(launched, restart_
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
+        if service:
+            service.terminate()
+            service.wait()
     assert job.returncode == 0, out[-5000:]
     assert "resumed from" in out and "Connection refused" not in out
     # goodput's split of the failure: the surviving rank saw its collective fail (hlat.train.recovery)

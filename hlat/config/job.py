@@ -20,6 +20,10 @@ from hlat.parallel.config import ParallelConfig, check_layout, world_size_from_e
 from hlat.profiles import HardwareProfile, load_profile
 from hlat.resources import config_path
 
+# the shortest train.lease_s: a pause of a live process (a loaded host, a long call holding the GIL) of a second or
+# two must not end its lease
+LEASE_MIN_S = 3.0
+
 
 @dataclass
 class TrainConfig:
@@ -51,6 +55,10 @@ class TrainConfig:
     spike_sigmas: float = 0.0  # > 0: a loss this many running deviations above the running mean is a bad step
     hang_timeout_s: float = 0.0  # > 0: no step finished for this long ends the process (stacks in the run dir)
     collective_timeout_s: float = 600.0  # the process group's timeout for one collective
+    # a rank that has not renewed its lease in the job's store for this long (a beat a second) is declared lost, and
+    # the others end and resume without it instead of waiting out collective_timeout_s; 0: no leases. Between
+    # LEASE_MIN_S and collective_timeout_s (docs/fault-tolerance.md, "Leases": how the timeouts must relate)
+    lease_s: float = 10.0
     debug_nan_step: int = 0  # > 0: poison this step's gradients with NaN once (tests the bad-step policy)
 
     def validate(self, model: ModelConfig) -> TrainConfig:
@@ -63,6 +71,7 @@ class TrainConfig:
             "peak_flops",
             "spike_sigmas",
             "hang_timeout_s",
+            "lease_s",
             "debug_nan_step",
         ):
             if getattr(self, name) < 0:
@@ -83,7 +92,23 @@ class TrainConfig:
                 raise ConfigError(f"train.{name}: must be positive, got {getattr(self, name)}")
         if not re.fullmatch(r"[a-z][a-z0-9_]*", self.device):
             raise ConfigError(f"train.device: {self.device!r} is not 'auto', 'cpu' or a device type such as 'cuda'")
+        self.check_lease()
         return self
+
+    def check_lease(self) -> None:
+        """A lease shorter than LEASE_MIN_S flaps (a beat delayed by a loaded host or a pause of the process declares
+        a live rank lost); one as long as the collective timeout is never what finds a silent peer."""
+        if self.lease_s and self.lease_s < LEASE_MIN_S:
+            raise ConfigError(
+                f"train.lease_s: {self.lease_s:g} s would declare live ranks lost whenever a beat is late; use at "
+                f"least {LEASE_MIN_S:g} s (10 by default), or 0 for no leases"
+            )
+        if self.lease_s >= self.collective_timeout_s:
+            raise ConfigError(
+                f"train.lease_s: {self.lease_s:g} s is not shorter than train.collective_timeout_s "
+                f"{self.collective_timeout_s:g} s: a silent peer would hold the others for the whole collective "
+                "timeout before its lease ran out; shorten the lease or lengthen the timeout"
+            )
 
     @property
     def tokens_per_step(self) -> int:

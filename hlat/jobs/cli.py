@@ -1,5 +1,6 @@
 """Running a job: `hlat train` (alone, under torchrun, or supervised with --max-restarts), `hlat torchrun` (torchrun,
-with hlat's exit code after a stop) and `hlat launch` (a multi-node job file)."""
+with hlat's exit code after a stop), `hlat service` (a multi-node job's store and rendezvous, on a host that trains
+nothing) and `hlat launch` (a multi-node job file)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ from hlat import HlatError
 from hlat.config.cli import add_cluster_arguments, cluster_overrides
 from hlat.config.job import TrainConfig
 from hlat.fields import OVERRIDES_HELP
+from hlat.jobs.launch import SERVICE_PORT
 
 
 def register(commands) -> None:
     register_train(commands)
     register_torchrun(commands)
+    register_service(commands)
     register_launch(commands)
     register_snapshots(commands)
 
@@ -137,6 +140,22 @@ def train_config(argv: list[str]):
     return load_config(args.config, overrides)
 
 
+def register_service(commands) -> None:
+    p = commands.add_parser(
+        "service",
+        help="host a multi-node job's store and rendezvous on a host that trains nothing "
+        "(training hosts run hlat torchrun --rdzv-backend=hlat --rdzv-endpoint=HOST:PORT)",
+    )
+    p.add_argument("--port", type=int, default=SERVICE_PORT, help=f"the port to listen on (default: {SERVICE_PORT})")
+    p.set_defaults(func=run_service, overrides=False)
+
+
+def run_service(args: argparse.Namespace, overrides: list[str]) -> int:
+    from hlat.jobs.service import serve
+
+    return serve(args.port)
+
+
 def run_launch(args: argparse.Namespace, overrides: list[str]) -> int:
     from hlat.config.job import load_config
     from hlat.jobs.launch import render
@@ -179,7 +198,8 @@ def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
     console = make_console()
     if (rank := os.environ.get("RANK", "0")) == "0" and (line := seen_cluster_advice(cfg)):
         console.print(line, soft_wrap=True, highlight=False, markup=False)
-    with writing_run_dir(cfg.train.run_dir):  # before anything is written there: one job per run directory
+    # before anything is written there: one job per run directory
+    with writing_run_dir(cfg.train.run_dir, fenced=cfg.train.lease_s > 0):
         s = train(cfg, console)
     mark_finished()
     if rank != "0":  # under torchrun, rank 0 speaks for the job

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from hlat.parallel.config import ParallelConfig, world_size_from_env
-from hlat.parallel.device import backend_for
+from hlat.parallel.store import AttemptStore, restart_attempt, start_process_group
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -37,6 +36,7 @@ class Topology:
     dp_rank: int = 0
     cp_rank: int = 0
     tp_rank: int = 0
+    store: AttemptStore | None = None  # where this attempt's workers meet, when this process formed its group
 
     @property
     def is_main(self) -> bool:
@@ -78,8 +78,7 @@ def init_topology(cfg: ParallelConfig, device: torch.device, timeout_s: float = 
     (`hlat rehearse`'s fake one) is used as it is."""
     if world_size_from_env() == 1 and not dist.is_initialized():
         return Topology(cfg, None)
-    if not dist.is_initialized():
-        start_process_group(device, timeout_s)
+    store = None if dist.is_initialized() else start_process_group(device, timeout_s)
     shape = tuple(getattr(cfg, d) for d in MESH_DIMS)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
     coord = dict(zip(MESH_DIMS, mesh.get_coordinate()))
@@ -92,13 +91,8 @@ def init_topology(cfg: ParallelConfig, device: torch.device, timeout_s: float = 
         cp_rank=coord["cp"],
         tp_rank=coord["tp"],
         dp_rank=coord["dp_replicate"] * cfg.dp_shard + coord["dp_shard"],
+        store=store,
     )
-
-
-def restart_attempt() -> int:
-    """Which attempt of its torchrun job this worker is: 0, or n after torchrun restarted the workers n times in
-    place (--max-restarts)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def continues_run() -> bool:
@@ -106,36 +100,6 @@ def continues_run() -> bool:
     attempt of such a job continues its run, as with --resume auto. Not only the restarted ones: the restart count
     is each node's own, and a node whose workers restart for another node's failure may keep 0 (#108158)."""
     return restart_attempt() > 0 or int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
-
-
-def shares_agent_store() -> bool:
-    """Whether this torchrun worker meets its peers in the store its agents keep for the whole job (torchrun's
-    default) rather than in a store of this attempt's own (`hlat torchrun`: `hlat/jobs/torchrun.py`)."""
-    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-
-
-def start_process_group(device: torch.device, timeout_s: float, bind_device: bool = False) -> None:
-    """The default process group of a torchrun job (the backend of `device`'s type); `bind_device`: its
-    communicators are made at once, on `device` (preflight).
-
-    Where the workers share the agents' store (plain torchrun), restarting them in place leaves the dead attempt's
-    keys in it: a rank of the new attempt could read a peer's old address before the peer wrote its new one, and
-    gloo then fails to connect ("Connection refused", pytorch/pytorch#167288; NCCL is reported alike). Here 5 of
-    10 restarted 2-rank gloo jobs failed so, 0 of 20 with each attempt in a namespace of its own. The attempt
-    number is each node's own count (pytorch/pytorch#108158): on several nodes it differs after a failure, so
-    `hlat torchrun` gives each attempt a fresh store instead, and its ranks form the group there unprefixed."""
-    timeout = timedelta(seconds=timeout_s)
-    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
-    if shares_agent_store():
-        store = dist.PrefixStore(f"hlat/attempt{restart_attempt()}", store)
-    dist.init_process_group(
-        backend_for(device),
-        store=store,
-        rank=rank,
-        world_size=world_size,
-        timeout=timeout,
-        device_id=device if bind_device and device.type != "cpu" else None,
-    )
 
 
 def sharding_mesh(mesh: DeviceMesh, cfg: ParallelConfig) -> DeviceMesh:
