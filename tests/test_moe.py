@@ -1,0 +1,144 @@
+"""Mixture-of-experts blocks (hlat/models/moe.py) in one process, against references written token by token in
+float64: the routing, the experts, the load-balancing loss's gradient, token dropping and the routing figures."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hlat.fields import ConfigError
+from hlat.models import build_model, count_params, materialize
+from hlat.models.config import model_config
+from hlat.models.moe import routing_table
+from hlat.parallel.recompute import apply_recomputation
+
+TINY = dict(dim=32, n_layers=2, n_heads=4, ffn_dim=24, vocab_size=64, max_seq_len=64)
+
+
+def tiny_moe(**overrides):
+    model = materialize(build_model(model_config("tiny-moe", **{**TINY, **overrides})), "cpu")
+    return model.double()
+
+
+def reference_block(moe, x):
+    """The block's output token by token: softmax over the experts, the top k renormalised, their SwiGLUs so
+    weighted."""
+    probs = (x @ moe.router.weight.T).softmax(-1)
+    weights, chosen = probs.topk(moe.top_k, -1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    experts = moe.experts
+    out = torch.zeros_like(x)
+    for index in torch.cartesian_prod(*(torch.arange(n) for n in x.shape[:2])).tolist():
+        token = x[tuple(index)]
+        for w, e in zip(weights[tuple(index)], chosen[tuple(index)]):
+            hidden = F.silu(experts.w1[e] @ token) * (experts.w3[e] @ token)
+            out[tuple(index)] = out[tuple(index)] + w * (experts.w2[e] @ hidden)
+    return out
+
+
+def test_counts_and_the_published_shape():
+    """Mixtral 8x7B's published 46.7B parameters, 12.9B of them active per token; the built modules agree."""
+    cfg = model_config("mixtral-8x7b")
+    assert cfg.num_params() == count_params(build_model(cfg)) == 46_702_792_704
+    assert cfg.active_params() == 12_879_925_248
+    dense_twin = model_config("mixtral-8x7b", n_experts=0)  # one SwiGLU per layer: a token runs two, and the router
+    extra = 32 * (3 * 4096 * 14336 + 8 * 4096)
+    assert cfg.flops_per_token(4096) == dense_twin.flops_per_token(4096) + 6 * extra
+
+
+def test_the_block_and_its_gradients_follow_a_token_by_token_reference():
+    torch.manual_seed(0)
+    moe = tiny_moe().layers["0"].feed_forward
+    x = torch.randn(2, 6, 32, dtype=torch.float64, requires_grad=True)
+    moe.aux_loss_coef = 0.0
+    got = moe(x)
+    grads = torch.autograd.grad(got.square().sum(), [x, moe.router.weight, moe.experts.w1])
+    want = reference_block(moe, x)
+    expected = torch.autograd.grad(want.square().sum(), [x, moe.router.weight, moe.experts.w1])
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for g, e in zip(grads, expected):
+        torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-12)
+
+
+def test_the_load_balancing_loss_adds_its_gradient_where_the_loss_is_weighted():
+    """coef x the Switch loss of each layer, n_experts x sum of (share of the choices) x (mean probability), added
+    to the objective with the weight of the micro-batch's loss (here 1/4): the gradients with the coefficient less
+    those without it are coef / 4 x the gradient of the layers' losses, computed from their inputs (in the model
+    without the coefficient, whose backward passes add nothing)."""
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 64, (2, 12))
+    grads, inputs = [], []
+    for coef in (0.5, 0.0):
+        model, inputs = tiny_moe(aux_loss_coef=coef), []
+        for block in model.layers.values():
+            block.feed_forward.register_forward_pre_hook(lambda module, args: inputs.append(args[0]))
+        (model(tokens, targets=tokens) / 4).backward(retain_graph=True)
+        grads.append({name: p.grad.clone() for name, p in model.named_parameters()})
+    aux = 0.0
+    for block, x in zip(model.layers.values(), inputs):
+        probs = (x @ block.feed_forward.router.weight.T).softmax(-1).flatten(0, 1)
+        shares = torch.bincount(probs.topk(2, -1).indices.flatten(), minlength=8) / (len(probs) * 2)
+        aux = aux + 8 * (shares * probs.mean(0)).sum()
+    expected = torch.autograd.grad(aux, list(model.parameters()), allow_unused=True)
+    for (name, _), e in zip(model.named_parameters(), expected):
+        delta = (grads[0][name] - grads[1][name]) / (0.5 / 4)
+        torch.testing.assert_close(delta, torch.zeros_like(delta) if e is None else e, rtol=1e-7, atol=1e-12)
+
+
+def test_capacity_drops_the_later_tokens_and_only_in_training():
+    """A router that sends every token to experts 0 and 1: with capacity_factor 1 each takes ceil(8 x 2 / 4) = 4
+    tokens of each sequence of 8, its first 4; the others pass nothing. Without a gradient (evaluation, generation)
+    every token is routed."""
+    moe = tiny_moe(n_experts=4, capacity_factor=1.0).layers["0"].feed_forward
+    with torch.no_grad():
+        moe.router.weight.zero_()
+        moe.router.weight[:2] = 1.0
+    x = torch.rand(2, 8, 32, dtype=torch.float64) + 0.1  # positive: experts 0 and 1 score highest
+    kept = moe(x)
+    with torch.no_grad():
+        everything = moe(x)
+    assert torch.equal(kept[:, :4], everything[:, :4]) and kept[:, :4].abs().min() > 0
+    assert torch.equal(kept[:, 4:], torch.zeros_like(kept[:, 4:]))
+    kept.sum().backward()
+    table = routing_table([moe_model_of(moe)])
+    assert table[0, :4].tolist() == [16, 16, 0, 0] and table[0, 4].item() == 16  # 16 choices dropped
+
+
+def moe_model_of(moe):
+    """A stand-in model holding one MoE block as layer 0, for `routing_table`."""
+    model = tiny_moe(n_experts=4)
+    model.layers["0"].feed_forward = moe
+    return model
+
+
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_routing_figures_are_counted_once_per_micro_batch_under_recomputation(recompute):
+    """Recomputation runs a block's forward again in backward: the gradients are the same, and the figures (each
+    expert's choices, the micro-batches) are counted once, in backward; reading them starts them again."""
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 64, (2, 12))
+    runs = []
+    for mode in ("none", recompute):
+        model = tiny_moe(capacity_factor=1.5)
+        apply_recomputation(model, mode)
+        for _ in range(2):
+            model(tokens, targets=tokens).backward()
+        runs.append(({n: p.grad for n, p in model.named_parameters()}, routing_table([model])))
+    (plain, plain_table), (recomputed, table) = runs
+    for name, grad in plain.items():
+        torch.testing.assert_close(recomputed[name], grad, rtol=0, atol=0)
+    assert torch.equal(table, plain_table)
+    assert table[:, :8].sum(1).tolist() == [2 * 24 * 2] * 2 and table[:, -1].tolist() == [2.0, 2.0]
+    assert routing_table([model]).abs().sum() == 0
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"family": "neox"}, "model.n_experts: mixture-of-experts blocks are built for the llama family only"),
+        ({"experts_per_token": 9}, "model.experts_per_token: must be between 1 and n_experts 8, got 9"),
+        ({"capacity_factor": -1.0}, "model.capacity_factor/aux_loss_coef: must be >= 0"),
+    ],
+)
+def test_a_bad_expert_field_is_named(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        model_config("tiny-moe", **overrides)
