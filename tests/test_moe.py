@@ -142,3 +142,38 @@ def test_routing_figures_are_counted_once_per_micro_batch_under_recomputation(re
 def test_a_bad_expert_field_is_named(overrides, message):
     with pytest.raises(ConfigError, match=message):
         model_config("tiny-moe", **overrides)
+
+
+def test_routing_figures_in_the_log_tensorboard_and_metrics(tmp_path, capsys):
+    """A run of the tiny MoE preset logs each layer's choices per expert over each record's steps (every token's
+    experts_per_token choices, before any is dropped), the busiest expert against an even share, the choices
+    dropped past capacity and the load-balancing loss, in metrics.jsonl, TensorBoard and the console line."""
+    import json
+    import os
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from hlat.config.job import build_config
+    from hlat.train.loop import train
+
+    run = tmp_path / "run"
+    model = dict(TINY, preset="tiny-moe", vocab_size=512, capacity_factor=1.0)
+    train_settings = dict(steps=4, global_batch=4, micro_batch=2, seq_len=32, log_every=2, run_dir=str(run))
+    corpus = os.path.join(os.path.dirname(json.__file__), "*.py")
+    train(build_config({"model": model, "data": {"paths": [corpus], "workers": 0}, "train": train_settings}))
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 4]
+    seen = 0
+    for r in records:
+        table, interval = r["moe_tokens_per_expert"], r["tokens_seen"] - seen
+        seen = r["tokens_seen"]
+        assert len(table) == 2 and all(len(row) == 8 and sum(row) == 2 * interval for row in table)
+        for i, row in enumerate(table):
+            assert r[f"moe_imbalance_layer{i}"] == pytest.approx(max(row) * 8 / sum(row), abs=1e-4)
+        assert r["moe_imbalance"] == max(r["moe_imbalance_layer0"], r["moe_imbalance_layer1"]) > 1
+        assert 0 < r["moe_dropped"] < 0.5 and 0.9 < r["moe_aux_loss"] < 1.5
+    assert "experts: busiest x" in capsys.readouterr().out
+    events = EventAccumulator(str(run))
+    events.Reload()
+    for tag, key in (("moe/imbalance", "moe_imbalance"), ("moe/dropped", "moe_dropped")):
+        assert [e.value for e in events.Scalars(tag)] == pytest.approx([r[key] for r in records])
