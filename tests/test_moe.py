@@ -60,10 +60,11 @@ def test_the_block_and_its_gradients_follow_a_token_by_token_reference():
 
 
 def test_the_load_balancing_loss_adds_its_gradient_where_the_loss_is_weighted():
-    """coef x the Switch loss of each layer, n_experts x sum of (share of the choices) x (mean probability), added
-    to the objective with the weight of the micro-batch's loss (here 1/4): the gradients with the coefficient less
-    those without it are coef / 4 x the gradient of the layers' losses, computed from their inputs (in the model
-    without the coefficient, whose backward passes add nothing)."""
+    """coef x the Switch loss of each layer and sequence, n_experts x sum of (share of the sequence's choices) x
+    (mean probability over its tokens), averaged over the sequences, added to the objective with the weight of the
+    micro-batch's loss (here 1/4): the gradients with the coefficient less those without it are coef / 4 x the
+    gradient of the layers' losses, computed from their inputs (in the model without the coefficient, whose
+    backward passes add nothing)."""
     torch.manual_seed(0)
     tokens = torch.randint(0, 64, (2, 12))
     grads, inputs = [], []
@@ -75,9 +76,10 @@ def test_the_load_balancing_loss_adds_its_gradient_where_the_loss_is_weighted():
         grads.append({name: p.grad.clone() for name, p in model.named_parameters()})
     aux = 0.0
     for block, x in zip(model.layers.values(), inputs):
-        probs = (x @ block.feed_forward.router.weight.T).softmax(-1).flatten(0, 1)
-        shares = torch.bincount(probs.topk(2, -1).indices.flatten(), minlength=8) / (len(probs) * 2)
-        aux = aux + 8 * (shares * probs.mean(0)).sum()
+        for sequence in x:
+            probs = (sequence @ block.feed_forward.router.weight.T).softmax(-1)
+            shares = torch.bincount(probs.topk(2, -1).indices.flatten(), minlength=8) / (len(probs) * 2)
+            aux = aux + 8 * (shares * probs.mean(0)).sum() / len(x)
     expected = torch.autograd.grad(aux, list(model.parameters()), allow_unused=True)
     for (name, _), e in zip(model.named_parameters(), expected):
         delta = (grads[0][name] - grads[1][name]) / (0.5 / 4)

@@ -3,9 +3,11 @@ routing figures a run logs.
 
 Each token goes to the `experts_per_token` experts its router scores highest (a softmax over every expert, then
 renormalised over the chosen ones, as Mixtral), and its output is their outputs so weighted. No expert is shared.
-The load is balanced by the Switch Transformer's auxiliary loss over each micro-batch, n_experts x sum over experts
-of (the share of its choices) x (its mean router probability), weighted by `aux_loss_coef`: its gradient is added
-in backward (`LoadBalance`), so a pipeline stage without the loss adds it too. With `capacity_factor`, an expert
+The load is balanced by the Switch Transformer's auxiliary loss, taken over each sequence (as DeepSeek-V3's
+sequence-wise one) and averaged: n_experts x sum over experts of (the share of the sequence's choices it got) x (its
+mean router probability over the sequence's tokens), weighted by `aux_loss_coef`. Over sequences, not micro-batches,
+so that the objective is the same at any micro-batch size. Its gradient is added in backward (`LoadBalance`), so a
+pipeline stage without the loss adds it too. With `capacity_factor`, an expert
 takes at most that multiple of an even share of each sequence's choices, the earlier tokens first; the later ones
 skip it. Only training drops tokens: evaluation and generation route every token (no gradient is taken there).
 
@@ -51,11 +53,18 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(e, f, d))  # gate
         self.w3 = nn.Parameter(torch.empty(e, f, d))  # up
         self.w2 = nn.Parameter(torch.empty(e, d, f))  # down
+        self.grad_scale = 1.0  # what each weight's gradient is multiplied by (hlat.parallel.experts)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: tokens grouped by expert, `counts` of each of this rank's experts."""
-        w1, w2, w3 = (local(w) for w in (self.w1, self.w2, self.w3))
+        w1, w2, w3 = (self.weight(w) for w in (self.w1, self.w2, self.w3))
         return grouped_linear(F.silu(grouped_linear(x, w1, counts)) * grouped_linear(x, w3, counts), w2, counts)
+
+    def weight(self, w: torch.Tensor) -> torch.Tensor:
+        w = local(w)
+        if self.grad_scale != 1.0 and w.requires_grad:
+            w.register_hook(lambda grad: grad * self.grad_scale)
+        return w
 
 
 class _AllToAll(torch.autograd.Function):
@@ -162,7 +171,7 @@ class MoE(nn.Module):
         probs = logits.to(torch.promote_types(logits.dtype, torch.float32)).softmax(-1)
         weights, chosen = probs.topk(self.top_k, dim=-1)
         weights = weights / weights.sum(-1, keepdim=True)
-        own_probs = probs.sum((0, 1))
+        own_probs = probs.sum(1)  # [batch, experts]: this rank's tokens of each sequence
         if self.tp is not None:  # route every shard of the sequences alike: each rank holds a slice of each expert
             x, weights, chosen = (self.tp.gather(t, 1) for t in (x, weights, chosen))
         training = torch.is_grad_enabled()
@@ -212,17 +221,18 @@ class MoE(nn.Module):
     def balance(
         self, chosen: torch.Tensor, kept: torch.Tensor | None, own_probs: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The load-balancing loss of this rank's share of the micro-batch (its own tokens' probabilities against
-        every choice of the micro-batch's sequences), times cp so that the cp ranks' average is the whole (FSDP
-        averages their gradients), and the routing figures of its share (`load`)."""
-        counts = torch.bincount(chosen.flatten(), minlength=self.n_experts).float()
-        dropped = (chosen.numel() - kept.sum()).float().reshape(1) if kept is not None else counts.new_zeros(1)
+        """This rank's share of the micro-batch's load-balancing loss (its own tokens' probabilities against every
+        choice of their sequences), times cp so that the cp ranks' average is the whole (FSDP averages their
+        gradients), and the routing figures of its share (`load`)."""
+        per_sequence = F.one_hot(chosen, self.n_experts).sum((1, 2)).float()  # [batch, experts]
+        if self.cp is not None:
+            per_sequence = self.cp.total(per_sequence)
         tp, cp = (1 if s is None else s.size for s in (self.tp, self.cp))
-        every = counts if self.cp is None else self.cp.total(counts)
-        tokens = chosen.numel() // self.top_k * cp  # the micro-batch's
-        share = self.n_experts * (every / (tokens * self.top_k) * own_probs / tokens).sum()
-        shares = torch.cat([counts, dropped]) / tp
-        mb = torch.ones(1, device=counts.device) / (tp * cp)
+        seq = chosen.shape[1] * cp
+        share = self.n_experts * (per_sequence / (seq * self.top_k) * own_probs / seq).sum() / len(chosen)
+        dropped = chosen.numel() - kept.sum() if kept is not None else torch.zeros((), device=chosen.device)
+        shares = torch.cat([torch.bincount(chosen.flatten(), minlength=self.n_experts), dropped.reshape(1)]) / tp
+        mb = torch.ones(1, device=chosen.device) / (tp * cp)
         return share * cp, torch.cat([shares, share.detach().reshape(1), mb]).double()
 
 

@@ -161,6 +161,12 @@ def check_experts(p: ParallelConfig, model: ModelConfig) -> None:
         )
     if p.compile and model.moe:
         raise ConfigError("parallel.compile: not supported for mixture-of-experts models (model.n_experts > 0)")
+    local, shards = model.n_experts // p.ep, p.expert_shards
+    if p.ep > 1 and local % shards and (model.ffn_dim // p.tp % shards or model.dim % shards):
+        raise ConfigError(
+            f"parallel.ep: FSDP shards each rank's {local} experts over the {shards} ranks holding them (dp_shard x "
+            f"cp / ep), by experts or by rows: neither divides (ffn_dim / tp {model.ffn_dim // p.tp}, dim {model.dim})"
+        )
 
 
 def check_layout(
@@ -175,10 +181,11 @@ def check_layout(
             f"parallel.cp: train.seq_len {seq_len} is not divisible by 2 x cp = {2 * p.cp} (each "
             "context-parallel rank holds 2 of 2 x cp equal chunks of every sequence)"
         )
-    if p.sequence_parallel and p.tp > 1 and (seq_len // p.cp) % p.tp:
+    if (p.sequence_parallel or model.moe) and p.tp > 1 and (seq_len // p.cp) % p.tp:
         raise ConfigError(
-            f"parallel.sequence_parallel: tp {p.tp} does not divide the {seq_len // p.cp} tokens of "
-            f"each sequence a rank holds (train.seq_len {seq_len} / cp {p.cp})"
+            f"parallel.{'sequence_parallel' if p.sequence_parallel else 'tp'}: tp {p.tp} does not divide the "
+            f"{seq_len // p.cp} tokens of each sequence a rank holds (train.seq_len {seq_len} / cp {p.cp}), which "
+            f"{'sequence parallelism' if p.sequence_parallel else 'mixture-of-experts layers'} split over tp"
         )
     if p.pp > 1 and accum < p.pp:
         raise ConfigError(

@@ -38,7 +38,7 @@ from hlat.files import quiet_refused_writes_in_threads, write_text, writing
 from hlat.models import build_model, count_params
 from hlat.optim import build_optimizer
 from hlat.optim.fp8 import convert_blocks, fp8_support, precompute_scales_after_step
-from hlat.optim.precision import autocast, prepare_model
+from hlat.optim.precision import autocast, dtypes, prepare_model
 from hlat.parallel import ParallelConfig, Topology, init_topology, parallelize
 from hlat.parallel.device import pick_device
 from hlat.parallel.pipeline import StageShapes, build_schedule
@@ -224,6 +224,8 @@ def build_parts(
     micro-batch)."""
     torch.manual_seed(cfg.train.seed)
     layout, n_stages = topo.cfg, topo.cfg.stages()
+    if shapes is None and cfg.model.moe:  # no shape-inference pass, whose backward would count routing figures
+        shapes = StageShapes(cfg.train.micro_batch, cfg.train.seq_len, dtypes(cfg.precision.mode)[0])
     model = prepare_model(model, cfg.precision.mode)
     fp8_all_gather = cfg.precision.fp8 == "tensorwise" and layout.shards > 1
     if cfg.precision.fp8 != "none":
