@@ -1,6 +1,8 @@
 """Mixture-of-experts blocks (hlat/models/moe.py) in one process, against references written token by token in
 float64: the routing, the experts, the load-balancing loss's gradient, token dropping and the routing figures."""
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -179,3 +181,101 @@ def test_routing_figures_in_the_log_tensorboard_and_metrics(tmp_path, capsys):
     events.Reload()
     for tag, key in (("moe/imbalance", "moe_imbalance"), ("moe/dropped", "moe_dropped")):
         assert [e.value for e in events.Scalars(tag)] == pytest.approx([r[key] for r in records])
+
+
+# --- the planner and the rehearsal -----------------------------------------------------------------------------------
+
+
+def test_the_planner_counts_expert_parameters_as_the_model_holds_them():
+    """Every expert stored once over dp_shard x cp (ep x ep_shard ranks), as the rest of the block; a rank gathers
+    its n_experts / ep experts (split over tp) for a block's forward."""
+    from hlat.planner.layout import Layout, Workload
+    from hlat.planner.memory import layer_params_per_device, memory, stage_params
+    from hlat.profiles import load_profile
+
+    cfg = model_config("tiny-moe", **TINY)
+    assert stage_params(cfg, Layout.of()) == count_params(build_model(cfg))
+    block = count_params(build_model(cfg).layers["0"])
+    experts = 8 * 3 * 32 * 24
+    assert layer_params_per_device(cfg, tp=1) == block
+    attention = block - experts - 8 * 32 - 2 * 32  # the router and the norms are whole on every rank
+    assert layer_params_per_device(cfg, tp=2, ep=4) == attention / 2 + 8 * 32 + 2 * 32 + experts / 4 / 2
+    work, hw = Workload(cfg, 64, 8, "fp32"), load_profile("cpu")
+    plain, sharded = memory(work, Layout.of(), hw), memory(work, Layout.of(dp_shard=8, ep=4), hw)
+    assert sharded.weights == plain.weights / 8 and sharded.optimizer == plain.optimizer / 8
+
+
+def test_the_planner_prices_the_all_to_all_on_its_link_and_the_load_a_router_leaves():
+    """Mixtral 8x7B on 16 p5.48xlarge: the experts' all-to-alls cost nothing without expert parallelism, more when
+    an ep group crosses nodes (ep x tp above a node's 8 GPUs) than inside one; a busier rank's experts (the
+    load a router leaves) cost time and activations, up to the capacity an expert has."""
+    from hlat.planner.comms import expert_parallel_time
+    from hlat.planner.layout import Layout, Workload
+    from hlat.planner.memory import memory
+    from hlat.planner.timing import step_time
+    from hlat.profiles import load_profile
+
+    cfg, hw = model_config("mixtral-8x7b"), load_profile("p5.48xlarge")
+    work = Workload(cfg, 4096, 1024)
+    inside, across = (Layout.of(tp=tp, ep=8, dp_shard=128 // tp) for tp in (1, 2))
+    assert expert_parallel_time(work, Layout.of(dp_shard=128), hw, hw.fit) == 0
+    assert expert_parallel_time(work, across, hw, hw.fit) > 2 * expert_parallel_time(work, inside, hw, hw.fit) > 0
+    busy = Workload(cfg, 4096, 1024, expert_load=1.3)
+    assert step_time(busy, inside, hw).total > step_time(work, inside, hw).total
+    assert memory(busy, inside, hw).activations > 1.1 * memory(work, inside, hw).activations
+    capped = Workload(model_config("mixtral-8x7b", capacity_factor=1.1), 4096, 1024, expert_load=1.3)
+    assert capped.load(inside) == 1.1 and capped.load(Layout.of(dp_shard=128)) == 1.0
+
+
+def test_plan_searches_expert_parallelism_and_takes_the_load_on_the_command_line(capsys):
+    from hlat.cli import main
+
+    args = ["plan", "--model", "mixtral-8x7b", "--hardware", "p5.48xlarge", "--nodes", "16", "--seq-len", "4096"]
+    assert main([*args, "--json", "--top", "1"]) == 0
+    (best,) = json.loads(capsys.readouterr().out)["plans"]
+    assert best["parallel"]["ep"] == 8 and best["fits"]
+    assert main([*args, "--ep", "8", "--dp-shard", "128", "--recompute", "none"]) == 0
+    assert "TP1 PP1 DP128 EP8 mb1 FSDP AC:none" in capsys.readouterr().out
+    assert main([*args, "--expert-load", "0.5"]) == 2
+    assert capsys.readouterr().err.strip() == "hlat: error: --expert-load: 0.5 is below an even share (1)"
+
+
+@pytest.mark.slow
+def test_one_rank_of_an_expert_parallel_job_matches_the_planner(tmp_path):
+    """Rank 0 of 128 (16 nodes of 8, EP 8 within each node, FSDP over all, each expert over the 16 ranks holding
+    it), bf16_mixed: its parameter, gradient, optimizer and weight-cast bytes equal the planner's, what it keeps for
+    backward is within 10%, and its all-to-alls send the bytes the planner prices (in a fake world a rank's experts
+    receive as many choices as it sends: an even load)."""
+    import subprocess
+    import sys
+
+    config = tmp_path / "job.toml"
+    config.write_text(
+        '[model]\npreset = "tiny-moe"\ndim = 256\nn_layers = 2\nn_heads = 8\nn_kv_heads = 4\nffn_dim = 512\n'
+        'vocab_size = 1024\nmax_seq_len = 256\n[precision]\nmode = "bf16_mixed"\n[parallel]\nep = 8\n'
+        'dp_shard = -1\n[train]\nseq_len = 256\nglobal_batch = 256\nmicro_batch = 1\ndevice = "cpu"\n'
+        '[cluster]\nhardware = "p5.48xlarge"\nnodes = 16\nnproc_per_node = 8\n'
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "hlat", "rehearse", "--config", str(config), "--rank", "0", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (rank,) = json.loads(done.stdout)["ranks"]
+    memory = rank["memory"]
+    for figure in ("params", "grads", "optimizer", "parameter_casts"):
+        assert memory[figure]["measured"] == memory[figure]["planned"] > 0, figure
+    assert memory["activations"]["measured"] == pytest.approx(memory["activations"]["planned"], rel=0.10)
+    (exchange,) = [row for row in rank["collectives"] if (row["kind"], row["dim"]) == ("all_to_all", "ep")]
+    assert exchange["step_bytes"] == exchange["planned_step_bytes"] > 0
+
+
+def test_the_mixtral_recipe_runs_its_layout_on_its_cluster():
+    from hlat.config.job import load_config
+
+    cfg = load_config("mixtral-8x7b")
+    assert cfg.model.num_params() == 46_702_792_704 and cfg.model.aux_loss_coef == 0.02
+    layout = cfg.resolved_parallel(cfg.cluster.world_size)
+    assert (layout.ep, layout.dp_shard, layout.expert_shards, cfg.cluster.hardware) == (8, 128, 16, "p5.48xlarge")

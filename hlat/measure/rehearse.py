@@ -67,6 +67,9 @@ class Rehearsal:
 
     @property
     def work(self) -> Workload:
+        """The planner's workload; under expert parallelism at an even load: in a fake world a rank's experts receive
+        from each peer what the rank sends that peer's experts (`hlat.models.moe.ExpertDispatch`), as many choices in
+        all as it routes."""
         cfg = self.cfg
         return Workload(cfg.model, cfg.train.seq_len, cfg.train.global_batch, cfg.precision.mode, cfg.parallel.compile)
 
@@ -438,7 +441,11 @@ def scaled_collectives(rows: list[dict], setup: Rehearsal, planned: dict[tuple[s
         ("all_reduce", "cp"),
     }
     per_micro_batch |= set() if p.sequence_parallel else {("all_reduce", "tp")}
-    per_micro_batch |= {("all_gather", p.fsdp_dim), ("reduce_scatter", p.fsdp_dim)} if fsdp_per_micro_batch else set()
+    per_micro_batch |= {("all_to_all", "ep")} if p.ep > 1 else set()
+    fsdp_dims = (p.fsdp_dim, "ep_shard") if p.ep > 1 else (p.fsdp_dim,)
+    per_micro_batch |= (
+        {(kind, d) for kind in ("all_gather", "reduce_scatter") for d in fsdp_dims} if fsdp_per_micro_batch else set()
+    )
     ratio = setup.step_micro_batches / setup.micro_batches
     rows += [
         {"kind": kind, "dim": dim, "count": 0, "bytes": 0}

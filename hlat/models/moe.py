@@ -35,11 +35,11 @@ from hlat.models.layers import compute_dtype
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """x [tokens, in] in consecutive groups of `counts` [experts] rows, group i times weight[i] [out, in] transposed:
-    torch's grouped matmul where the device has one (bf16 on CUDA), else one matmul per expert."""
-    if x.device.type == "cuda" and compute_dtype(x) == torch.bfloat16:
-        offsets = counts.cumsum(0, dtype=torch.int32)
-        return F.grouped_mm(x.to(torch.bfloat16), weight.to(torch.bfloat16).transpose(-2, -1), offs=offsets)
+    """x [tokens, in] in consecutive groups of `counts` [experts] rows, group i times weight[i] [out, in] transposed
+    (both in the compute dtype): torch's grouped matmul where the device has one (bf16 on CUDA), else one matmul
+    per expert."""
+    if x.device.type == "cuda" and x.dtype == torch.bfloat16:
+        return F.grouped_mm(x, weight.transpose(-2, -1), offs=counts.cumsum(0, dtype=torch.int32))
     return torch.cat([F.linear(rows, weight[i]) for i, rows in enumerate(x.split(counts.tolist()))])
 
 
@@ -56,15 +56,18 @@ class GroupedExperts(nn.Module):
         self.grad_scale = 1.0  # what each weight's gradient is multiplied by (hlat.parallel.experts)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x: tokens grouped by expert, `counts` of each of this rank's experts."""
-        w1, w2, w3 = (self.weight(w) for w in (self.w1, self.w2, self.w3))
+        """x: tokens grouped by expert, `counts` of each of this rank's experts. The tokens and each weight are cast
+        to the compute dtype once (as autocast would cast every expert's slice apart, each kept for backward)."""
+        dtype = compute_dtype(x)
+        w1, w2, w3 = (self.weight(w, dtype) for w in (self.w1, self.w2, self.w3))
+        x = x.to(dtype)
         return grouped_linear(F.silu(grouped_linear(x, w1, counts)) * grouped_linear(x, w3, counts), w2, counts)
 
-    def weight(self, w: torch.Tensor) -> torch.Tensor:
+    def weight(self, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         w = local(w)
         if self.grad_scale != 1.0 and w.requires_grad:
             w.register_hook(lambda grad: grad * self.grad_scale)
-        return w
+        return w.to(dtype)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -191,9 +194,11 @@ class MoE(nn.Module):
         if kept is not None:
             order = order[kept[order]]
         counts = torch.bincount(chosen[order], minlength=self.n_experts)
-        grouped = tokens[order // self.top_k]
+        grouped = tokens[order // self.top_k].to(compute_dtype(tokens))  # what the experts compute in, sent so
         out = self.experts(grouped, counts) if self.dispatch is None else self.dispatch(grouped, counts, self.experts)
-        return out.new_zeros(chosen.numel(), out.shape[-1]).index_copy(0, order, out)
+        # each choice's row of `out`, a dropped one's a row of zeros after them (indexing keeps only the indices)
+        row = torch.full_like(chosen, len(order)).index_copy(0, order, torch.arange(len(order), device=order.device))
+        return torch.cat([out, out.new_zeros(1, out.shape[-1])])[row]
 
     def within_capacity(self, chosen: torch.Tensor) -> torch.Tensor:
         """Which choices [batch, seq, k] an expert takes: those of the first `capacity_factor` x seq x k / n_experts

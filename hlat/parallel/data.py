@@ -7,7 +7,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from hlat.parallel.experts import expert_data_parallel
+from hlat.parallel.experts import even_placement, expert_data_parallel
 
 
 def apply_data_parallel(
@@ -26,10 +26,12 @@ def apply_data_parallel(
     parameters stay gathered from forward through backward: only optimizer states and gradients are
     sharded, which trades memory for one all-gather per step instead of two per micro-batch."""
     keep_gathered = zero1 or pipelined
+    # a mixture of experts' router has a row per expert: by columns where its rows do not divide
+    placement = even_placement(dp_mesh.size(-1)) if model.cfg.moe else None
     for block in model.layers.values():
         if experts is not None:
             expert_data_parallel(block.feed_forward.experts, experts, keep_gathered)
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=not keep_gathered)
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=not keep_gathered, shard_placement_fn=placement)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=not keep_gathered)
 
 

@@ -13,11 +13,14 @@ divides twice over a group of one rank in torch 2.13)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from hlat.dtensor import local
 from hlat.models.moe import ExpertDispatch
 from hlat.parallel.mesh import Topology
 
@@ -38,9 +41,18 @@ def apply_expert_parallel(model: nn.Module, topo: Topology) -> None:
 
 def expert_data_parallel(experts: nn.Module, mesh: DeviceMesh, keep_gathered: bool) -> None:
     """`fully_shard` a layer's experts over the ranks holding the same ones (`mesh`: ep_shard, with dp_replicate)."""
-    shards = mesh.size(-1)
+    fully_shard(
+        experts, mesh=mesh, reshard_after_forward=not keep_gathered, shard_placement_fn=even_placement(mesh.size(-1))
+    )
+
+
+def even_placement(shards: int) -> Callable[[nn.Parameter], Shard]:
+    """FSDP's placement of a parameter over `shards` ranks: by rows where they divide evenly, else by columns where
+    those do (FSDP pads rows that do not divide, so that every rank stores as many: a router's few rows over many
+    ranks, or fewer experts on a rank than ranks holding them, would waste most of their shards)."""
 
     def placement(param: nn.Parameter) -> Shard:
-        return Shard(0) if param.to_local().shape[0] % shards == 0 else Shard(1)
+        shape = local(param).shape
+        return Shard(1) if shape[0] % shards and len(shape) > 1 and shape[1] % shards == 0 else Shard(0)
 
-    fully_shard(experts, mesh=mesh, reshard_after_forward=not keep_gathered, shard_placement_fn=placement)
+    return placement
