@@ -2,8 +2,8 @@
 autograd graph saves (saved-tensor hooks) plus what activation checkpointing holds itself (its inputs, and under
 selective recomputation the cached matmul and collective outputs), per block, deduplicated by storage. For no,
 selective and full recomputation; in one process, and under torchrun with tensor parallelism 2 with and without
-sequence parallelism. Parameter, gradient and optimizer bytes are checked exactly against the real model's
-parameters for every precision mode and sharding."""
+sequence parallelism; for a dense block and a mixture-of-experts one. Parameter, gradient and optimizer bytes
+are checked exactly against the real model's parameters for every precision mode and sharding."""
 
 from __future__ import annotations
 

@@ -90,8 +90,9 @@ class StepTime:
 
     @property
     def total(self) -> float:
-        comm = self.tp_comm + self.cp_comm + self.ep_comm + self.pp_comm + self.dp_comm
-        return self.compute + comm + self.bubble + self.optimizer
+        return (
+            self.compute + self.tp_comm + self.cp_comm + self.ep_comm + self.pp_comm + self.bubble + self.dp_comm
+        ) + self.optimizer
 
 
 @dataclass(frozen=True)
