@@ -109,8 +109,6 @@ def measure(tp_mesh=None, sequence_parallel: bool = False, cp_mesh=None, fields:
             model = build_model(cfg)
             if tp_mesh is not None:
                 apply_tensor_parallel(model, tp_mesh, sequence_parallel)
-                if cfg.moe:
-                    split_experts(model, tp_mesh)
             if cp_mesh is not None:
                 apply_context_parallel(model, cp_mesh)
             apply_recomputation(model, mode)
@@ -190,7 +188,7 @@ def test_model_state_bytes_are_exact_for_every_precision_and_sharding(precision)
 
 def measure_under_tensor_parallelism(path: str, model: dict) -> None:
     """On each rank of a 2-rank job (tests/warm_torchrun.py): tensor parallelism 2, with and without sequence
-    parallelism (a mixture of experts' experts split over tp by `hlat.parallel.experts`)."""
+    parallelism (a mixture of experts' experts split over tp too)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -199,16 +197,6 @@ def measure_under_tensor_parallelism(path: str, model: dict) -> None:
     if dist.get_rank() == 0:
         with open(path, "w") as f:
             json.dump(out, f)
-
-
-def split_experts(model: torch.nn.Module, tp_mesh) -> None:
-    """Each expert's ffn_dim over the tensor-parallel ranks, as the trainer splits them (`apply_expert_parallel`)."""
-    from hlat.parallel import ParallelConfig
-    from hlat.parallel.experts import apply_expert_parallel
-    from hlat.parallel.mesh import Topology
-
-    layout = ParallelConfig(tp=tp_mesh.size(), dp_shard=1)
-    apply_expert_parallel(model, Topology(layout, tp_mesh, sharding=tp_mesh))
 
 
 def measure_under_context_parallelism(path: str) -> None:

@@ -7,16 +7,17 @@ The load is balanced by the Switch Transformer's auxiliary loss, taken over each
 sequence-wise one) and averaged: n_experts x sum over experts of (the share of the sequence's choices it got) x (its
 mean router probability over the sequence's tokens), weighted by `aux_loss_coef`. Over sequences, not micro-batches,
 so that the objective is the same at any micro-batch size. Its gradient is added in backward (`LoadBalance`), so a
-pipeline stage without the loss adds it too. With `capacity_factor`, an expert
-takes at most that multiple of an even share of each sequence's choices, the earlier tokens first; the later ones
-skip it. Only training drops tokens: evaluation and generation route every token (no gradient is taken there).
+pipeline stage without the loss adds it too. With `capacity_factor`, an expert takes at most that multiple of an
+even share of each sequence's choices, the earlier tokens first; the later ones skip it. Only training drops tokens:
+evaluation and generation route every token (no gradient is taken there).
 
 The routing is the single process's in every layout: each token is routed on its own, and what spans tokens (the
 capacity's order, the loss's shares) is taken over whole sequences of a micro-batch, gathered from the ranks that
-split them. Parallelism reaches in through three attributes set from outside (`hlat.parallel.experts`):
-`dispatch` (expert parallelism: the experts live on several ranks, tokens travel by all-to-all), `tp` (tensor
-parallelism: the ranks whose sequence shards this rank routes alongside its own, each holding a slice of every
-expert) and `cp` (context parallelism: the ranks holding the other chunks of its sequences)."""
+split them. Parallelism reaches in through three attributes set from outside (`hlat.parallel`): `dispatch` (expert
+parallelism, `experts.py`: the experts live on several ranks, tokens travel by all-to-all), `tp` (tensor
+parallelism, `tensor.py`: the ranks whose sequence shards this rank routes alongside its own, each holding a slice
+of every expert) and `cp` (context parallelism, `context.py`: the ranks holding the other chunks of its
+sequences)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Parallelism applied from outside the model, one function per concern, in torchtitan's order: pipeline
-split, tensor parallelism, expert parallelism, context parallelism, activation checkpointing, compilation, data
+split, expert parallelism, tensor parallelism, context parallelism, activation checkpointing, compilation, data
 parallelism (over dp_shard x cp); then the (still meta) parts are allocated and initialised, identically to a single
 process.
 
@@ -57,10 +57,10 @@ def shard_parts(model: nn.Module, topo: Topology) -> list[tuple[int, nn.Module]]
     cfg = topo.cfg
     parts = split_model(model, topo) if cfg.pp > 1 else [(0, model)]
     for _, part in parts:
+        if cfg.ep > 1:
+            apply_expert_parallel(part, topo)
         if cfg.tp > 1:
             apply_tensor_parallel(part, topo.tp_mesh, cfg.sequence_parallel)
-        if part.cfg.moe and cfg.tp * cfg.ep > 1:
-            apply_expert_parallel(part, topo)
         if cfg.cp > 1:
             apply_context_parallel(part, topo.mesh["cp"])
         apply_recomputation(part, cfg.activation_checkpoint)

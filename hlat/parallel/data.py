@@ -7,6 +7,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
+from hlat.models.moe import MoE
 from hlat.parallel.experts import even_placement, expert_data_parallel
 
 
@@ -26,11 +27,12 @@ def apply_data_parallel(
     parameters stay gathered from forward through backward: only optimizer states and gradients are
     sharded, which trades memory for one all-gather per step instead of two per micro-batch."""
     keep_gathered = zero1 or pipelined
-    # a mixture of experts' router has a row per expert: by columns where its rows do not divide
-    placement = even_placement(dp_mesh.size(-1)) if model.cfg.moe else None
     for block in model.layers.values():
+        moe = isinstance(block.feed_forward, MoE)
         if experts is not None:
             expert_data_parallel(block.feed_forward.experts, experts, keep_gathered)
+        # a mixture of experts' router has a row per expert: by columns where its rows do not divide
+        placement = even_placement(dp_mesh.size(-1)) if moe else None
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=not keep_gathered, shard_placement_fn=placement)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=not keep_gathered)
 

@@ -27,16 +27,22 @@ from hlat.parallel.mesh import Topology
 
 def apply_expert_parallel(model: nn.Module, topo: Topology) -> None:
     """Spread the experts of every mixture-of-experts layer of `model` (a whole model or a pipeline stage of one)
-    over ep and tp (`Topology.expert_weights_mesh`), and send their tokens to them under ep."""
+    over ep (and tp: `Topology.expert_weights_mesh`), and send their tokens to them. Before tensor parallelism,
+    which splits the experts over tp itself where there is no expert parallelism (`split_experts`)."""
     mesh = topo.expert_weights_mesh
     for block in model.layers.values():
         experts = block.feed_forward.experts
-        for name, param in list(experts.named_parameters()):
-            placements = [Shard(0) if dim == "ep" else Shard(2 if name == "w2" else 1) for dim in mesh.mesh_dim_names]
-            experts.register_parameter(name, nn.Parameter(distribute_tensor(param, mesh, placements)))
-        if topo.cfg.ep > 1:
-            block.feed_forward.dispatch = ExpertDispatch(topo.experts.get_group("ep"), topo.cfg.ep)
-            experts.grad_scale = 1 / topo.cfg.ep
+        split_experts(experts, mesh)
+        block.feed_forward.dispatch = ExpertDispatch(topo.experts.get_group("ep"), topo.cfg.ep)
+        experts.grad_scale = 1 / topo.cfg.ep
+
+
+def split_experts(experts: nn.Module, mesh: DeviceMesh) -> None:
+    """The experts' weights as DTensors over `mesh`: by expert over its ep dimension, each expert's ffn_dim over
+    its tp dimension (w1 and w3 by rows, w2 by columns)."""
+    for name, param in list(experts.named_parameters()):
+        placements = [Shard(0) if dim == "ep" else Shard(2 if name == "w2" else 1) for dim in mesh.mesh_dim_names]
+        experts.register_parameter(name, nn.Parameter(distribute_tensor(param, mesh, placements)))
 
 
 def expert_data_parallel(experts: nn.Module, mesh: DeviceMesh, keep_gathered: bool) -> None:

@@ -66,11 +66,9 @@ class Topology:
         return self.sharding["tp"]
 
     @property
-    def expert_weights_mesh(self) -> DeviceMesh | None:
-        """What the experts' weights are split over besides data parallelism: ep (their experts) and tp (a slice of
-        each expert's ffn_dim), those of the two larger than 1; None when both are 1."""
-        if self.cfg.ep == 1:
-            return self.tp_mesh if self.cfg.tp > 1 else None
+    def expert_weights_mesh(self) -> DeviceMesh:
+        """What the experts' weights are split over under expert parallelism besides data parallelism: ep (their
+        experts), and with tensor parallelism tp (a slice of each expert's ffn_dim)."""
         return self.experts[("ep", "tp") if self.cfg.tp > 1 else "ep"]
 
     @property

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -22,6 +22,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from hlat.models.context import SequenceSplit
+from hlat.parallel.experts import split_experts
 
 
 def replicate_kv_heads(projection: nn.Linear, tp_mesh: DeviceMesh, kv_heads: int, head_dim: int) -> None:
@@ -55,8 +56,12 @@ def experts_plan(block: nn.Module, tp_mesh: DeviceMesh, between) -> dict:
     """A mixture-of-experts layer under tensor parallelism (hlat.models.moe): each rank routes its shard of the
     sequences (the router's weight replicated, its gradient summed over the ranks as a norm's under sequence
     parallelism), then every rank runs every shard's tokens through its slice of each expert's ffn_dim
-    (`hlat.parallel.experts`), and the partial outputs are summed back into `between`."""
-    block.feed_forward.tp = SequenceSplit(tp_mesh)
+    (`hlat.parallel.experts`, which splits them over ep and tp where there is expert parallelism), and the partial
+    outputs are summed back into `between`."""
+    moe = block.feed_forward
+    moe.tp = SequenceSplit(tp_mesh)
+    if not isinstance(moe.experts.w1, DTensor):
+        split_experts(moe.experts, tp_mesh)
     return {
         "feed_forward": PrepareModuleInputOutput(
             input_layouts=(between,),
