@@ -157,7 +157,7 @@ def test_plan_prices_each_recipe_as_it_stands(name, capsys):
     assert plan["fits"] and plan["tokens_per_dollar"] > 0 and plan["budget"]["days"] > 0
 
 
-@pytest.mark.parametrize("name", [*RECIPES, "hlat-7b-long", "hlat-70b-long"])
+@pytest.mark.parametrize("name", [*RECIPES, "hlat-7b-long", "hlat-70b-long", "mixtral-8x7b"])
 def test_recipe_turns_on_what_a_long_run_needs(name, capsys):
     """Asynchronous checkpoints, and the hang watchdog at a timeout suited to the step: 30x the planner's predicted
     step time for the recipe's layout rounded up to whole minutes (docs/fault-tolerance.md; a planner change that

@@ -63,10 +63,13 @@ def run_describe(args: argparse.Namespace, overrides: list[str]) -> int:
     total = m.num_params()
     table = Table(
         title=f"{m.preset or m.family}: {m.n_layers} layers, dim {m.dim}, {m.n_heads} heads "
-        f"({m.kv_heads} kv), ffn {m.ffn_dim}, vocab {m.vocab_size}",
+        f"({m.kv_heads} kv), ffn {m.ffn_dim}, vocab {m.vocab_size}"
+        + (f", {m.n_experts} experts ({m.experts_per_token} per token)" if m.moe else ""),
         show_header=False,
     )
     table.add_row("parameters", f"{total:,}")
+    if m.moe:
+        table.add_row("  active per token", f"{m.active_params():,}")
     table.add_row("  embedding", f"{m.embedding_params():,}")
     table.add_row("  non-embedding", f"{m.num_params(embedding=False):,}")
     table.add_row(f"training FLOPs/token (seq {seq_len}: {seq_from})", f"{m.flops_per_token(seq_len):.4g}")

@@ -419,6 +419,11 @@ class Config:
         self.data.validate()
         self.optim.validate()
         self.precision.validate()
+        if self.model.moe and self.precision.fp8 != "none":
+            raise ConfigError(
+                "precision.fp8: not supported for mixture-of-experts models (model.n_experts > 0): their experts "
+                "are grouped matmuls, not the linear layers FP8 converts"
+            )
         self.train.validate(self.model)
         self.eval.validate()
         self.cost.validate()

@@ -6,7 +6,12 @@ FSDP shards the parameters over dp_shard x cp together (the context-parallel ran
 sequences, so they reduce the same gradients), and tensor parallelism inside each shard group: `fully_shard` needs
 its mesh and the tensor-parallel one cut from one root mesh. With cp > 1 that root is a second mesh, (pp,
 dp_replicate, dp_shard_cp, tp), made from the first mesh's groups and one new group per dp_shard x cp block through
-torch's public `DeviceMesh.from_group`, not by flattening the first one (a private method)."""
+torch's public `DeviceMesh.from_group`, not by flattening the first one (a private method).
+
+Expert parallelism (ep > 1) adds a third mesh over the same ranks, (pp, dp_replicate, ep_shard, ep, tp): each
+block of dp_shard x cp ranks split into ep_shard x ep, ep innermost. A mixture-of-experts layer's experts are spread
+over ep (the ranks that send each other their tokens) and FSDP shards each rank's experts over ep_shard (the ranks
+holding the same ones)."""
 
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ from hlat.parallel.config import ParallelConfig, world_size_from_env
 from hlat.parallel.store import AttemptStore, restart_attempt, start_process_group
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+EXPERT_DIMS = ("pp", "dp_replicate", "ep_shard", "ep", "tp")
 
 
 @dataclass
@@ -37,6 +43,7 @@ class Topology:
     cp_rank: int = 0
     tp_rank: int = 0
     store: AttemptStore | None = None  # where this attempt's workers meet, when this process formed its group
+    experts: DeviceMesh | None = None  # the experts' mesh (EXPERT_DIMS), with ep > 1
 
     @property
     def is_main(self) -> bool:
@@ -58,9 +65,21 @@ class Topology:
     def tp_mesh(self) -> DeviceMesh:
         return self.sharding["tp"]
 
+    @property
+    def expert_weights_mesh(self) -> DeviceMesh:
+        """What the experts' weights are split over under expert parallelism besides data parallelism: ep (their
+        experts), and with tensor parallelism tp (a slice of each expert's ffn_dim)."""
+        return self.experts[("ep", "tp") if self.cfg.tp > 1 else "ep"]
+
+    @property
+    def expert_dp_mesh(self) -> DeviceMesh:
+        """What `fully_shard` shards and replicates the experts over under expert parallelism (as `dp_mesh`)."""
+        return self.experts[data_parallel_dims(self.cfg.dp_replicate, "ep_shard")]
+
     def dim_groups(self) -> dict[str, dist.ProcessGroup]:
-        """{mesh dimension: this rank's group} of both meshes."""
+        """{mesh dimension: this rank's group} of every mesh."""
         meshes = [self.mesh] + ([self.sharding] if self.sharding is not self.mesh else [])
+        meshes += [self.experts] if self.experts is not None else []
         return {dim: mesh.get_group(dim) for mesh in meshes for dim in mesh.mesh_dim_names}
 
 
@@ -92,6 +111,7 @@ def init_topology(cfg: ParallelConfig, device: torch.device, timeout_s: float = 
         tp_rank=coord["tp"],
         dp_rank=coord["dp_replicate"] * cfg.dp_shard + coord["dp_shard"],
         store=store,
+        experts=expert_mesh(mesh, cfg) if cfg.ep > 1 else None,
     )
 
 
@@ -107,12 +127,28 @@ def sharding_mesh(mesh: DeviceMesh, cfg: ParallelConfig) -> DeviceMesh:
     a group of each block of dp_shard x cp ranks (every rank creates every block's group, in the same order, as
     `new_group` requires)."""
     ranks = mesh.mesh.reshape(cfg.pp, cfg.dp_replicate, cfg.shards, cfg.tp)
-    mine = None
-    for block in ranks.permute(0, 1, 3, 2).reshape(-1, cfg.shards).tolist():
-        group = dist.new_group(block)
-        if dist.get_rank() in block:
-            mine = group
-    groups = [mesh.get_group("pp"), mesh.get_group("dp_replicate"), mine, mesh.get_group("tp")]
+    groups = [mesh.get_group("pp"), mesh.get_group("dp_replicate"), own_group(ranks, 2), mesh.get_group("tp")]
     return DeviceMesh.from_group(
         groups, mesh.device_type, mesh=ranks, mesh_dim_names=("pp", "dp_replicate", cfg.fsdp_dim, "tp")
     )
+
+
+def expert_mesh(mesh: DeviceMesh, cfg: ParallelConfig) -> DeviceMesh:
+    """(pp, dp_replicate, ep_shard, ep, tp) over the same ranks as `mesh`: its pp, dp_replicate and tp groups, and a
+    group of each block of ep and of ep_shard ranks."""
+    ranks = mesh.mesh.reshape(cfg.pp, cfg.dp_replicate, cfg.expert_shards, cfg.ep, cfg.tp)
+    groups = [mesh.get_group("pp"), mesh.get_group("dp_replicate"), own_group(ranks, 2), own_group(ranks, 3)]
+    return DeviceMesh.from_group(
+        groups + [mesh.get_group("tp")], mesh.device_type, mesh=ranks, mesh_dim_names=EXPERT_DIMS
+    )
+
+
+def own_group(ranks: torch.Tensor, dim: int) -> dist.ProcessGroup:
+    """This rank's group of the ranks along dimension `dim` of the rank grid `ranks`, making every such group (every
+    rank makes every group, in the same order, as `new_group` requires)."""
+    mine = None
+    for block in ranks.movedim(dim, -1).reshape(-1, ranks.shape[dim]).tolist():
+        group = dist.new_group(block)
+        if dist.get_rank() in block:
+            mine = group
+    return mine

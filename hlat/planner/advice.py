@@ -64,7 +64,7 @@ def advise(
     found = search(work, hw, nodes, price=price).plans
     best = found[0] if found else None
     t = mine.time
-    comm = t.tp_comm + t.pp_comm + t.dp_comm
+    comm = t.tp_comm + t.ep_comm + t.pp_comm + t.dp_comm
     slow = best is not None and comm > COMM_SHARE * t.total and mine.step_s > SLOWER * best.step_s
     if not crosses and not slow:
         return None
@@ -76,7 +76,8 @@ def advise(
             f"inter-node fabric: predicted {summary(mine, tokens, f' ({comm:.3g} s communicating)')}"
         )
     else:
-        split = f" ({comm:.3g} s communicating: TP {t.tp_comm:.3g}, PP {t.pp_comm:.3g}, DP {t.dp_comm:.3g})"
+        ep = f", EP {t.ep_comm:.3g}" if t.ep_comm else ""
+        split = f" ({comm:.3g} s communicating: TP {t.tp_comm:.3g}{ep}, PP {t.pp_comm:.3g}, DP {t.dp_comm:.3g})"
         what = f"{layout.describe()} is needlessly slow on {hw.name}'s links: predicted {summary(mine, tokens, split)}"
     choice = (
         f"; `hlat plan --search` on {where} chooses {best.layout.describe()}: {summary(best, tokens)}"

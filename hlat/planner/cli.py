@@ -29,7 +29,19 @@ from hlat.profiles import HardwareProfile, load_profile
 from hlat.resources import recipe_names
 
 HLAT_TOKENS = 1.8e12  # HLAT's training budget: the default for a preset
-LAYOUT_FLAGS = ("tp", "pp", "cp", "dp_shard", "microbatch", "schedule", "virtual_stages", "recompute", "zero1", "no_sp")
+LAYOUT_FLAGS = (
+    "tp",
+    "pp",
+    "cp",
+    "ep",
+    "dp_shard",
+    "microbatch",
+    "schedule",
+    "virtual_stages",
+    "recompute",
+    "zero1",
+    "no_sp",
+)
 
 
 def register(commands) -> None:
@@ -71,6 +83,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--compile", action="store_true", help="compiled blocks (parallel.compile; default: the config's)"
+    )
+    parser.add_argument(
+        "--expert-load",
+        type=float,
+        default=1.0,
+        help="a mixture of experts under expert parallelism: the choices the busiest rank's experts take against an "
+        "even share (default 1; a run logs its busiest expert's as moe_imbalance, docs/moe.md)",
     )
     add_ranking_arguments(parser)
     add_layout_arguments(parser)
@@ -129,6 +148,7 @@ def add_layout_arguments(parser: argparse.ArgumentParser) -> None:
     layout.add_argument("--tp", type=int)
     layout.add_argument("--pp", type=int)
     layout.add_argument("--cp", type=int, help="context parallelism: each sequence split over cp ranks")
+    layout.add_argument("--ep", type=int, help="expert parallelism: each layer's experts over ep of the FSDP ranks")
     layout.add_argument("--dp-shard", type=int, help="FSDP degree (dp_replicate is what is left)")
     layout.add_argument("--microbatch", type=int, help="sequences per micro-batch")
     layout.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved_1f1b"))
@@ -259,9 +279,10 @@ def _workload(args: argparse.Namespace, cfg) -> tuple[Workload, str]:
     batch = args.global_batch or batch
     if seq_len < 1 or batch < 1:
         raise HlatError(f"--seq-len and --global-batch must be positive, got {seq_len} and {batch}")
-    return Workload(
-        model, seq_len, batch, args.precision or precision.mode, args.compile or compiled, args.fp8 or precision.fp8
-    ), seq_len_from
+    if args.expert_load < 1:
+        raise HlatError(f"--expert-load: {args.expert_load} is below an even share (1)")
+    mode, fp8 = args.precision or precision.mode, args.fp8 or precision.fp8
+    return Workload(model, seq_len, batch, mode, args.compile or compiled, fp8, args.expert_load), seq_len_from
 
 
 def _price(args: argparse.Namespace, cfg, hw: HardwareProfile) -> tuple[float, str]:
@@ -340,6 +361,7 @@ def _given_layout(args: argparse.Namespace, work: Workload, devices: int) -> Lay
         tp=tp,
         pp=pp,
         cp=cp,
+        ep=args.ep or 1,
         dp_replicate=dp // shard,
         dp_shard=shard,
         micro_batch=args.microbatch or 1,

@@ -206,6 +206,7 @@ def print_breakdown(console, plan: Plan, notes: list[str]) -> None:
     """Where the first plan's step time and memory go, then the request's remarks."""
     t, m = plan.time, plan.memory
     cp = f" + CP {t.cp_comm:.3g}" if plan.layout.cp > 1 else ""
+    cp += f" + EP {t.ep_comm:.3g}" if plan.layout.ep > 1 else ""
     console.print(
         f"#1 step {t.total:.3g} s = compute {t.compute:.3g} + TP {t.tp_comm:.3g}{cp} + PP {t.pp_comm:.3g} "
         f"+ bubble {t.bubble:.3g} + DP {t.dp_comm:.3g} + optimizer {t.optimizer:.2g} (layer: {t.layer}"

@@ -39,7 +39,7 @@ from hlat.models import build_model, count_params
 from hlat.optim.fp8 import fp8_support
 from hlat.parallel import ParallelConfig, Topology, init_topology
 from hlat.parallel.device import pick_device
-from hlat.train.assemble import Recipe, assemble
+from hlat.train.assemble import Recipe, assemble, stage_shapes
 from hlat.train.faults import StopRequest, Watchdog, hold_lease
 from hlat.train.goodput import Goodput
 from hlat.train.health import Health
@@ -109,6 +109,8 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
             inputs.device,
             Recipe.of(cfg, inputs.fp8, per_rank),
             weights="loaded" if loaded else "drawn",
+            # MoE stages take their shapes: shape inference runs a backward, which would count routing figures
+            shapes=stage_shapes(cfg) if cfg.model.moe else None,
         )
         stream = open_stream(cfg, topo, tokenizer, inputs.sources)
         cleanup.callback(stream.close)  # stops the tokenizer workers
