@@ -5,6 +5,7 @@ nothing) and `hlat launch` (a multi-node job file)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -179,8 +180,6 @@ def run_launch(args: argparse.Namespace, overrides: list[str]) -> int:
 def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.max_restarts:  # the supervisor only starts processes: no torch in it
         return run_supervised(args, overrides)
-    from rich.table import Table
-
     from hlat.config.job import load_config
     from hlat.console import make_console
     from hlat.jobs.torchrun import mark_finished
@@ -199,11 +198,44 @@ def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
     if (rank := os.environ.get("RANK", "0")) == "0" and (line := seen_cluster_advice(cfg)):
         console.print(line, soft_wrap=True, highlight=False, markup=False)
     # before anything is written there: one job per run directory
-    with writing_run_dir(cfg.train.run_dir, fenced=cfg.train.lease_s > 0):
+    with writing_run_dir(cfg.train.run_dir, fenced=cfg.train.lease_s > 0), lost_peer_in_one_line(rank):
         s = train(cfg, console)
     mark_finished()
-    if rank != "0":  # under torchrun, rank 0 speaks for the job
-        return 0
+    if rank == "0":  # under torchrun, rank 0 speaks for the job
+        print_summary(console, s)
+    return 0
+
+
+# what a collective says when a peer is gone: gloo's transport (a plain RuntimeError from its work's wait), NCCL's
+# abort, torch's own distributed errors
+_PEER_GONE = ("gloo/transport", "Connection reset by peer", "Connection closed by peer", "communicator was aborted")
+
+
+@contextlib.contextmanager
+def lost_peer_in_one_line(rank: str):
+    """A collective that failed (a peer killed, its host lost) ends this rank in one line, not a traceback of torch's
+    internals, with exit code 1: a failure the job's restart resumes from (its moment is recorded for goodput)."""
+    from torch.distributed import DistError
+
+    try:
+        yield
+    except (DistError, RuntimeError) as e:
+        if not isinstance(e, DistError) and not any(sign in str(e) for sign in _PEER_GONE):
+            raise
+        cause = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        print(
+            f"hlat: error: rank {rank}: a collective failed ({cause[:200]}): a peer is lost or unreachable; the "
+            "job resumes from its newest snapshot or checkpoint when it restarts",
+            file=sys.stderr,
+            flush=True,
+        )
+        raise SystemExit(1) from None
+
+
+def print_summary(console, s) -> None:
+    """The run summary's table (`hlat.train.loop.Summary`)."""
+    from rich.table import Table
+
     table = Table(title="run summary", show_header=False)
     for name, value in (
         ("run directory", s.run_dir),
@@ -220,7 +252,6 @@ def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
     ):
         table.add_row(name, value)
     console.print(table)
-    return 0
 
 
 def failures_text(total: dict | None) -> str:
