@@ -29,7 +29,7 @@ def test_preset_then_overrides():
         ({"trian": {"steps": 1}}, [], "unknown config key 'trian'; did you mean 'train'?"),
         ({}, ["--optim.warmup", "5"], "unknown config key 'optim.warmup'; did you mean 'optim.warmup_steps'?"),
         ({}, ["--optm.lr", "1"], "unknown config section 'optm'; did you mean 'optim'? (sections: cluster, cost,"),
-        ({}, ["--model.zzz", "1"], "unknown config key 'model.zzz' (known in this section: dim, doc_mask,"),
+        ({}, ["--model.zzz", "1"], "unknown config key 'model.zzz' (known in this section: aux_loss_coef, capacity_f"),
         ({}, ["--optim.lr", "fast"], "optim.lr: expected float, got 'fast'"),
         ({}, ["--optim.lr", "-1"], "optim.lr: must be positive"),
         (
