@@ -6,7 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-from test_parallel import CORPUS, assert_close, fewer_micro_batches, torchrun, write_toml
+from test_parallel import assert_close, fewer_micro_batches, torchrun, write_toml
+from test_parallel import job as parallel_job
 
 from hlat.config.job import build_config, load_config
 from hlat.fields import ConfigError, update
@@ -34,20 +35,7 @@ LAYOUTS = {  # name: (processes, [parallel] overrides)
 
 
 def job(run_dir: Path, **train) -> dict:
-    return {
-        "model": dict(MODEL),
-        "data": {"paths": [CORPUS], "shuffle_rows": 64, "workers": 0},
-        "optim": {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 2, "decay_steps": 10},
-        "train": {
-            "steps": 4,
-            "global_batch": 8,
-            "micro_batch": 2,
-            "seq_len": 32,
-            "log_every": 1,
-            "run_dir": str(run_dir),
-            **train,
-        },
-    }
+    return parallel_job(run_dir, MODEL, **train)
 
 
 def records(run_dir: Path) -> list[dict]:
