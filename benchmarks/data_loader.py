@@ -21,7 +21,8 @@ import tempfile
 from pathlib import Path
 
 from hlat.data.cli import bench
-from hlat.data.sources import default_corpus, iter_documents
+from hlat.data.readers import iter_documents
+from hlat.data.sources import default_corpus
 from hlat.data.tokenizer import load_tokenizer, train_bpe, training_sample
 
 RESULTS = Path(__file__).parent / "results"
@@ -40,7 +41,7 @@ def main() -> None:
     parser.add_argument("--packing", default="concat", choices=("concat", "best_fit"))
     args = parser.parse_args()
     workers = [int(n) for n in args.workers.split(",")]
-    logging.getLogger("hlat.data.sources").setLevel(logging.ERROR)  # the stdlib's few undecodable files
+    logging.getLogger("hlat.data.records").setLevel(logging.ERROR)  # the stdlib's few undecodable files
     with tempfile.TemporaryDirectory() as tmp:
         corpus = Path(tmp) / "stdlib.jsonl"
         docs = (doc for f in default_corpus() for doc in iter_documents(f))

@@ -30,7 +30,8 @@ from results_io import markdown_table, write_results
 
 from hlat.data.config import DataConfig
 from hlat.data.packing import Ranks, build_stream
-from hlat.data.sources import default_corpus, iter_documents, one_source
+from hlat.data.readers import iter_documents
+from hlat.data.sources import default_corpus, one_source
 from hlat.data.tokenizer import load_tokenizer, train_bpe, training_sample
 from hlat.groups import side_group
 
@@ -39,7 +40,7 @@ SEQ_LEN, GLOBAL_BATCH = 4096, 8
 
 
 def _rank(rank: int, dp: int, tmp: str, corpus: str, tokenizer, steps: int, workers: int) -> None:
-    logging.getLogger("hlat.data.sources").setLevel(logging.ERROR)  # the stdlib's few undecodable files
+    logging.getLogger("hlat.data.records").setLevel(logging.ERROR)  # the stdlib's few undecodable files
     dist.init_process_group(
         "gloo", store=dist.FileStore(f"{tmp}/store{dp}", dp), rank=rank, world_size=dp, timeout=timedelta(minutes=30)
     )
@@ -69,7 +70,7 @@ def main() -> None:
     parser.add_argument("--dp", default="1,2,4")
     parser.add_argument("--workers", type=int, default=1, help="tokenizer workers per rank")
     args = parser.parse_args()
-    logging.getLogger("hlat.data.sources").setLevel(logging.ERROR)
+    logging.getLogger("hlat.data.records").setLevel(logging.ERROR)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         corpus = Path(tmp) / "stdlib.jsonl"

@@ -6,6 +6,11 @@ from types import ModuleType
 __version__ = "0.1.0"
 ERROR_EXIT = 2  # a user's mistake or a full disk, in one line: a restart would fail the same way, so none retries it
 HANG_EXIT = 3  # the hang watchdog named a stopped rank: restart the job
+# a lease ran out (docs/fault-tolerance.md, "Leases"): a rank ends because a peer went silent or it lost the hlat
+# service, and `hlat torchrun` ends a job that lost the service: resumable, the restart (or requeue) resumes it
+LOST_EXIT = 4
+# where `hlat torchrun` tells the workers of a rendezvous at the hlat service the namespace of their attempt there
+SERVICE_NAMESPACE_ENV = "HLAT_SERVICE_NAMESPACE"
 
 
 class HlatError(Exception):

@@ -36,15 +36,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["torchrun"]:  # every later argument is torchrun's, not argparse's
-        from hlat.jobs.torchrun import torchrun
-
-        return torchrun(argv[1:])
-    parser = build_parser()
-    args, rest = parser.parse_known_args(argv)
-    if rest and not args.overrides:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
+        if argv[:1] == ["torchrun"]:  # every later argument is torchrun's, not argparse's
+            from hlat.jobs.cli import run_torchrun
+
+            return run_torchrun(argv[1:])
+        parser = build_parser()
+        args, rest = parser.parse_known_args(argv)
+        if rest and not args.overrides:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
         return args.func(args, rest)
     except HlatError as e:
         print(f"hlat: error: {e}", file=sys.stderr)

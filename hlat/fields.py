@@ -9,6 +9,7 @@ planner and `hlat describe` import this without paying for torch.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import inspect
 import re
 import sys
@@ -136,14 +137,22 @@ def _fields(cls: type) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
+def unknown(what: str, name: str, known: list[str], prefix: str = "") -> ConfigError:
+    """The error for a key (or section) `name` that is not one of `known`: the closest of them first, where one is
+    close ('did you mean'), then every one."""
+    close = difflib.get_close_matches(name.rpartition(".")[2], known, n=1)
+    guess = f"; did you mean '{prefix}{close[0]}'?" if close else ""
+    listed = "known in this section" if what == "key" else "sections"
+    return ConfigError(f"unknown config {what} {name!r}{guess} ({listed}: {', '.join(sorted(known))})")
+
+
 def update(obj: Any, data: dict, prefix: str = "") -> Any:
     """Set the fields of dataclass `obj` from a (nested) dict, checking every key and value."""
     fields = _fields(type(obj))
     for key, value in data.items():
         name = f"{prefix}{key}"
         if key not in fields:
-            known = ", ".join(sorted(fields))
-            raise ConfigError(f"unknown config key {name!r} (known in this section: {known})")
+            raise unknown("key", name, list(fields), prefix)
         tp = fields[key]
         if dataclasses.is_dataclass(tp):
             if not isinstance(value, dict):
@@ -160,14 +169,16 @@ def set_path(obj: Any, dotted: str, text: str) -> None:
     target, walked = obj, []
     for part in parents:
         walked.append(part)
-        sub = _fields(type(target)).get(part)
+        fields = _fields(type(target))
+        sub = fields.get(part)
         if sub is None or not dataclasses.is_dataclass(sub):
-            raise ConfigError(f"unknown config section {'.'.join(walked)!r} in --{dotted}")
+            sections = [name for name, tp in fields.items() if dataclasses.is_dataclass(tp)]
+            raise unknown("section", ".".join(walked), sections, ".".join(walked[:-1] + [""]))
         target = getattr(target, part)
     fields = _fields(type(target))
     if leaf not in fields or dataclasses.is_dataclass(fields[leaf]):
-        known = ", ".join(sorted(fields))
-        raise ConfigError(f"unknown config key {dotted!r} (known in this section: {known})")
+        keys = [name for name, tp in fields.items() if not dataclasses.is_dataclass(tp)]
+        raise unknown("key", dotted, keys, dotted[: len(dotted) - len(leaf)])
     setattr(target, leaf, _coerce(fields[leaf], text, dotted, from_text=True))
 
 

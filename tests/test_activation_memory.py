@@ -2,8 +2,8 @@
 autograd graph saves (saved-tensor hooks) plus what activation checkpointing holds itself (its inputs, and under
 selective recomputation the cached matmul and collective outputs), per block, deduplicated by storage. For no,
 selective and full recomputation; in one process, and under torchrun with tensor parallelism 2 with and without
-sequence parallelism. Parameter, gradient and optimizer bytes are checked exactly against the real model's
-parameters for every precision mode and sharding."""
+sequence parallelism; for a dense block and a mixture-of-experts one. Parameter, gradient and optimizer bytes
+are checked exactly against the real model's parameters for every precision mode and sharding."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from hlat.planner.memory import layer_activation_bytes, memory, stage_params
 from hlat.profiles import load_profile
 
 MODEL = dict(n_layers=3, dim=128, n_heads=4, ffn_dim=352, vocab_size=512, max_seq_len=256)
+MOE = dict(MODEL, preset="tiny-moe", n_experts=8, experts_per_token=2)  # each token through 2 of 8 experts
 SEQ, MB = 256, 2  # large enough that checkpointing's saved RNG state (5 KB per block on CPU) is noise
 MODES_ = ("none", "selective", "full")
 
@@ -86,7 +87,7 @@ def block_bytes(model: torch.nn.Module, tokens: torch.Tensor, name: str, **input
     return sum(kept.values())
 
 
-def measure(tp_mesh=None, sequence_parallel: bool = False, cp_mesh=None) -> dict[str, float]:
+def measure(tp_mesh=None, sequence_parallel: bool = False, cp_mesh=None, fields: dict = MODEL) -> dict[str, float]:
     """Bytes the middle block keeps, for each recomputation mode (fp32 activations): the least of three forward
     passes. The error is one-sided: a tensor made while the block ran and still referenced from outside it when
     it ends (likely a collective's output that its pending work still holds) is counted though the block does not
@@ -95,7 +96,7 @@ def measure(tp_mesh=None, sequence_parallel: bool = False, cp_mesh=None) -> dict
     from hlat.parallel.context import apply_context_parallel, split_batch
     from hlat.parallel.tensor import apply_tensor_parallel
 
-    cfg = model_config("tiny", **MODEL)
+    cfg = model_config(**{"preset": "tiny", **fields})
     tokens = torch.randint(0, cfg.vocab_size, (MB, SEQ), generator=torch.Generator().manual_seed(0))
     batch = {"inputs": tokens}
     if cp_mesh is not None:
@@ -119,8 +120,8 @@ def measure(tp_mesh=None, sequence_parallel: bool = False, cp_mesh=None) -> dict
     return result
 
 
-def planned(tp: int, sequence_parallel: bool, cp: int = 1) -> dict[str, float]:
-    cfg = model_config("tiny", **MODEL)
+def planned(tp: int, sequence_parallel: bool, cp: int = 1, model: dict = MODEL) -> dict[str, float]:
+    cfg = model_config(**{"preset": "tiny", **model})
     layout = Layout.of(tp=tp, cp=cp, micro_batch=MB, sequence_parallel=sequence_parallel)
     return {mode: layer_activation_bytes(cfg, SEQ, layout, mode, 4, flash=True) for mode in MODES_}
 
@@ -130,19 +131,27 @@ def _check(measured: dict, plan: dict) -> None:
         assert plan[mode] == pytest.approx(measured[mode], rel=0.10), (mode, measured, plan)
 
 
-def test_activation_bytes_match_the_saved_tensors_in_one_process():
+@pytest.mark.parametrize("model", [MODEL, MOE], ids=["dense", "moe"])
+def test_activation_bytes_match_the_saved_tensors_in_one_process(model):
+    """A mixture-of-experts block keeps per choice its token and the four ffn_dim-wide tensors of its expert's
+    SwiGLU, and its expert's output (hlat.planner.memory.experts_bytes): twice a dense SwiGLU's here."""
     torch.manual_seed(0)
-    _check(measure(), planned(1, False))
+    _check(measure(fields=model), planned(1, False, model=model))
 
 
-def test_activation_bytes_match_under_tensor_and_sequence_parallelism(tmp_path, warm_torchrun):
+@pytest.mark.parametrize("model", [MODEL, MOE], ids=["dense", "moe"])
+def test_activation_bytes_match_under_tensor_and_sequence_parallelism(model, tmp_path, warm_torchrun):
     done = warm_torchrun.call(
-        2, "test_activation_memory:measure_under_tensor_parallelism", str(tmp_path / "measured.json"), timeout=300
+        2,
+        "test_activation_memory:measure_under_tensor_parallelism",
+        str(tmp_path / "measured.json"),
+        model,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     measured = json.loads((tmp_path / "measured.json").read_text())
     for sp in (False, True):
-        _check(measured[str(sp)], planned(2, sp))
+        _check(measured[str(sp)], planned(2, sp, model=model))
 
 
 def test_activation_bytes_match_under_context_parallelism(tmp_path, warm_torchrun):
@@ -177,14 +186,14 @@ def test_model_state_bytes_are_exact_for_every_precision_and_sharding(precision)
         )
 
 
-def measure_under_tensor_parallelism(path: str) -> None:
+def measure_under_tensor_parallelism(path: str, model: dict) -> None:
     """On each rank of a 2-rank job (tests/warm_torchrun.py): tensor parallelism 2, with and without sequence
-    parallelism."""
+    parallelism (a mixture of experts' experts split over tp too)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-    out = {str(sp): measure(mesh, sp) for sp in (False, True)}
+    out = {str(sp): measure(mesh, sp, fields=model) for sp in (False, True)}
     if dist.get_rank() == 0:
         with open(path, "w") as f:
             json.dump(out, f)

@@ -25,7 +25,11 @@ def test_preset_then_overrides():
 @pytest.mark.parametrize(
     "data, overrides, message",
     [
-        ({"optim": {"lrr": 1.0}}, [], "unknown config key 'optim.lrr'"),
+        ({"optim": {"lrr": 1.0}}, [], "unknown config key 'optim.lrr'; did you mean 'optim.lr'? (known in this"),
+        ({"trian": {"steps": 1}}, [], "unknown config key 'trian'; did you mean 'train'?"),
+        ({}, ["--optim.warmup", "5"], "unknown config key 'optim.warmup'; did you mean 'optim.warmup_steps'?"),
+        ({}, ["--optm.lr", "1"], "unknown config section 'optm'; did you mean 'optim'? (sections: cluster, cost,"),
+        ({}, ["--model.zzz", "1"], "unknown config key 'model.zzz' (known in this section: aux_loss_coef, capacity_f"),
         ({}, ["--optim.lr", "fast"], "optim.lr: expected float, got 'fast'"),
         ({}, ["--optim.lr", "-1"], "optim.lr: must be positive"),
         (
@@ -45,6 +49,14 @@ def test_preset_then_overrides():
             "data.paths: '[a.jsonl]' is not a TOML array (a value starting with [ is read as one): quote each string",
         ),
         ({}, ["--data.paths", "[1]"], "data.paths[0]: expected a string, got 1"),
+        # a lease that flaps, and one the collective timeout would always beat (docs/fault-tolerance.md, "Leases")
+        ({}, ["--train.lease_s", "1"], "train.lease_s: 1 s would declare live ranks lost whenever a beat is late"),
+        ({}, ["--train.lease_s", "-1"], "train.lease_s: must be >= 0"),
+        (
+            {},
+            ["--train.collective_timeout_s", "10"],
+            "train.lease_s: 10 s is not shorter than train.collective_timeout_s 10 s",
+        ),
     ],
 )
 def test_bad_config_names_the_field(data, overrides, message):
@@ -145,7 +157,7 @@ def test_plan_prices_each_recipe_as_it_stands(name, capsys):
     assert plan["fits"] and plan["tokens_per_dollar"] > 0 and plan["budget"]["days"] > 0
 
 
-@pytest.mark.parametrize("name", [*RECIPES, "hlat-7b-long", "hlat-70b-long"])
+@pytest.mark.parametrize("name", [*RECIPES, "hlat-7b-long", "hlat-70b-long", "mixtral-8x7b"])
 def test_recipe_turns_on_what_a_long_run_needs(name, capsys):
     """Asynchronous checkpoints, and the hang watchdog at a timeout suited to the step: 30x the planner's predicted
     step time for the recipe's layout rounded up to whole minutes (docs/fault-tolerance.md; a planner change that
@@ -285,7 +297,8 @@ def test_config_fields_lists_types_defaults_and_comments(capsys):
     cfg = Config()
     assert len(rows) == sum(len(dataclasses.fields(getattr(cfg, f.name))) for f in dataclasses.fields(cfg))
     assert rows["train.steps"].split()[1:3] == ["int", "300"] and "optimizer steps" in rows["train.steps"]
-    assert "'fp32'" not in rows["precision.mode"] and '"fp32"' in rows["precision.mode"]
+    # a choice's type lists the choices, its default is written as TOML writes it
+    assert "'fp32' | 'bf16_mixed' | 'bf16_sr' | 'bf16_kahan'  \"fp32\"" in rows["precision.mode"]
     assert "'concat' | 'best_fit'" in rows["data.packing"]
     assert main(["config", "fields", "cluster"]) == 0
     assert all(line.startswith("cluster.") for line in capsys.readouterr().out.splitlines())

@@ -23,23 +23,11 @@ from hlat import HlatError
 from hlat.data.cli import tokenize
 from hlat.data.config import DataConfig
 from hlat.data.packing import build_stream
+from hlat.data.readers import START, iter_documents, read_split
+from hlat.data.records import Bad, BadLog, skipped
 from hlat.data.rounds import best_fit
-from hlat.data.sources import (
-    START,
-    Bad,
-    BadLog,
-    Source,
-    Split,
-    default_corpus,
-    iter_documents,
-    make_splits,
-    one_source,
-    read_split,
-    resolve_data_files,
-    resolve_paths,
-    resolve_sources,
-    skipped,
-)
+from hlat.data.sources import Source, default_corpus, one_source, resolve_data_files, resolve_paths, resolve_sources
+from hlat.data.splits import Split, make_splits
 from hlat.data.tokenizer import PROBE, train_bpe
 from hlat.fields import ConfigError, update
 
@@ -205,7 +193,7 @@ def test_config_validation(data, message):
 def test_a_missing_reader_names_the_package_it_needs(monkeypatch):
     """pyarrow and zstandard are dependencies of hlat (not of its `formats` extra): a broken install says which
     package to install."""
-    from hlat.data.sources import format_reader
+    from hlat.data.formats import format_reader
 
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)  # as if it were not installed
     with pytest.raises(HlatError, match=r"reading \.parquet files needs .*'pyarrow': pip install pyarrow$"):
@@ -288,7 +276,7 @@ def test_a_token_file_of_several_megabytes_gives_the_jsonl_token_stream(tmp_path
 
 @pytest.fixture
 def small_splits(monkeypatch):
-    monkeypatch.setattr("hlat.data.sources.MIN_SPLIT_BYTES", 64)  # split even these small test files
+    monkeypatch.setattr("hlat.data.splits.MIN_SPLIT_BYTES", 64)  # split even these small test files
 
 
 def test_jsonl_and_token_file_splits_cover_every_document_once(tmp_path, small_splits):
@@ -319,7 +307,7 @@ def test_jsonl_bad_lines_are_skipped_and_counted(tmp_path, caplog):
         b'{"text": "second", "id": 7}\n'
     )
     bad = BadLog()
-    with caplog.at_level(logging.WARNING, logger="hlat.data.sources"):
+    with caplog.at_level(logging.WARNING, logger="hlat.data.records"):
         assert list(iter_documents(path, "text", max_bytes=100, bad=bad)) == ["first", "second"]
     assert bad.counts == {
         "malformed JSON": 1,
@@ -371,7 +359,7 @@ def test_bad_files_are_skipped_and_counted_in_the_stream(tmp_path, caplog):
     bad_text.write_bytes(b"caf\xe9")
     files = resolve_paths([str(tmp_path)])
     gone.unlink()  # unreadable after the files were listed
-    with caplog.at_level(logging.WARNING, logger="hlat.data.sources"):
+    with caplog.at_level(logging.WARNING, logger="hlat.data.records"):
         s = stream(files, max_bad_fraction=0.5)
         tokens = concat_tokens(take(s, 60))
     assert docs_in(tokens)[: len(DOCS)] == DOCS

@@ -1,18 +1,15 @@
 """Full disks and unwritable run directories (docs/fault-tolerance.md, "Failed writes"): wherever a write is refused,
 the run ends in one line naming the path and the cause, with exit code 2 (not retried by --max-restarts), and the
-previous checkpoint stays intact; and a run whose checkpoints cannot fit is refused before its first step.
+previous checkpoint stays intact. A checkpoint's own refused writes: tests/test_checkpoint_durable.py; the room its
+checkpoints need: tests/test_checkpoint_room.py.
 
 A full disk is the kernel's own ENOSPC: the file being written is swapped for a link to /dev/full, whose writes
 always fail with it (a small tmpfs is not available to tests)."""
 
-import contextlib
 import errno
-import io
-import json
 import os
 import subprocess
 import sys
-from collections import namedtuple
 from pathlib import Path
 
 import pytest
@@ -25,7 +22,8 @@ from hlat.cli import main
 from hlat.paths import complete_checkpoints
 from hlat.train.metrics import MetricsLog
 
-pytestmark = pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+needs_dev_full = pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+pytestmark = needs_dev_full
 
 
 def fill(path: Path) -> None:
@@ -91,43 +89,6 @@ def test_full_disk_between_checkpoints_is_one_line_and_exit_2(target, tmp_path, 
     only_step_2_intact(tmp_path / "run")
 
 
-class NearlyFullFile(io.FileIO):
-    """A file on a disk with 512 KB left: the small entries DCP writes first fit, the tensors that torch.save writes
-    after them meet the kernel's own ENOSPC (/dev/full's)."""
-
-    room = 512 * 1024
-
-    def write(self, data) -> int:
-        size = memoryview(data).nbytes
-        if size > self.room:
-            with open("/dev/full", "wb", buffering=0) as full:
-                return full.write(data)
-        self.room -= size
-        return super().write(data)
-
-
-@contextlib.contextmanager
-def nearly_full_stream(self, path, mode):  # FileSystem.create_stream: the step-4 checkpoint's files fill the disk
-    with NearlyFullFile(path, mode) if "step_00000004" in str(path) else open(path, mode) as stream:
-        yield stream
-
-
-def test_full_disk_in_torch_save_names_the_disk_not_the_zip_writer(tmp_path, capsys, monkeypatch):
-    """DCP writes each tensor with torch.save, which reports a full disk as `RuntimeError: [enforce fail at
-    inline_container.cc] unexpected pos`, the ENOSPC only in its context: the line still says what happened."""
-    from torch.distributed.checkpoint.filesystem import FileSystem
-
-    cfg_file = two_step_run(tmp_path)
-    monkeypatch.setattr(FileSystem, "create_stream", nearly_full_stream)
-    assert main(["train", "--config", str(cfg_file)]) == 2
-    err = one_line(capsys)
-    assert (
-        f"cannot write checkpoint {tmp_path}/run/checkpoints/step_00000004.partial: No space left on device; "
-        f"the previous checkpoint {tmp_path}/run/checkpoints/step_00000002 is intact" in err
-    )
-    only_step_2_intact(tmp_path / "run")
-
-
 SUPERVISED = """
 import sys
 from hlat.cli import main
@@ -168,63 +129,6 @@ def test_a_full_disk_is_not_retried_by_the_supervisor(tmp_path):
     ]
     assert "Traceback" not in done.stderr and not (tmp_path / "run" / "restarts.jsonl").exists()
     only_step_2_intact(tmp_path / "run")
-
-
-Usage = namedtuple("Usage", "total used free")
-
-
-def test_a_run_whose_checkpoints_cannot_fit_is_refused_before_its_first_step(tmp_path, capsys, monkeypatch):
-    """The free-space check, on resume, against the size of the checkpoint resumed from (its manifest) times the
-    rotation: keep_checkpoints = 2 with one already there needs room for 2 more."""
-    cfg_file = two_step_run(tmp_path)
-    checkpoint = complete_checkpoints(tmp_path / "run")[0][1]
-    size = sum(size for size, _ in json.loads((checkpoint / "manifest.json").read_text()).values())
-    monkeypatch.setattr(files.shutil, "disk_usage", lambda path: Usage(10**12, 10**12 - 2 * size + 1, 2 * size - 1))
-    assert main(["train", "--config", str(cfg_file)]) == 2
-    err = one_line(capsys)
-    assert (
-        f"not enough free space for the checkpoints of {tmp_path}/run: {files.size_text(2 * size - 1)} free, 2 x "
-        f"{files.size_text(size)} needed (train.keep_checkpoints = 2, and the one being written)" in err
-    )
-    only_step_2_intact(tmp_path / "run")
-    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2  # nothing ran
-
-    monkeypatch.setattr(files.shutil, "disk_usage", lambda path: Usage(10**12, 0, 2 * size))
-    assert main(["train", "--config", str(cfg_file)]) == 0
-
-
-def test_a_fresh_run_is_checked_against_its_weights_and_optimizer_states(tmp_path, capsys, monkeypatch):
-    """Before any checkpoint exists: parameters x (weight + optimizer bytes) of the precision mode (fp32: 4 + 8);
-    the first checkpoint written is that size within its files' headers and small entries (about 20 KB per
-    parameter tensor: a few percent of this 1.4M-parameter model, nothing of a large one). A file system that
-    reports no size at all (some FUSE mounts: 0 of 0) is not checked."""
-    cfg = config(tmp_path / "run", steps=2, ckpt_every=2)
-    cfg.model.dim, cfg.model.ffn_dim = 256, 512
-    cfg.data.workers = 0
-    cfg_file = write_config(tmp_path / "c.toml", cfg)
-    estimate = cfg.model.num_params() * 12
-    monkeypatch.setattr(files.shutil, "disk_usage", lambda path: Usage(10**12, 10**12, 1000))
-    assert main(["train", "--config", str(cfg_file)]) == 2
-    assert f"{files.size_text(1000)} free, 3 x {files.size_text(estimate)} needed" in one_line(capsys)
-    monkeypatch.setattr(files.shutil, "disk_usage", lambda path: Usage(0, 0, 0))
-    assert main(["train", "--config", str(cfg_file)]) == 0
-    written = sum(
-        size
-        for size, _ in json.loads((complete_checkpoints(tmp_path / "run")[0][1] / "manifest.json").read_text()).values()
-    )
-    assert estimate <= written < 1.1 * estimate
-
-
-def test_keeping_every_checkpoint_warns_when_they_will_outgrow_the_disk(tmp_path, capsys, monkeypatch):
-    cfg = config(tmp_path / "run", steps=8, ckpt_every=2, keep_checkpoints=0)
-    cfg.data.workers = 0
-    estimate = cfg.model.num_params() * 12
-    monkeypatch.setattr(files.shutil, "disk_usage", lambda path: Usage(10**12, 0, int(2.5 * estimate)))
-    assert main(["train", "--config", str(write_config(tmp_path / "c.toml", cfg))]) == 0
-    assert (
-        f"has room for 2 of the 4 checkpoints of {files.size_text(estimate)} this run will keep"
-        in capsys.readouterr().out
-    )
 
 
 def test_refused_writes_are_found_wherever_they_surface():

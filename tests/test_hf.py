@@ -18,6 +18,8 @@ from transformers import (
     GPTNeoXForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
 )
 
 from hlat import HlatError
@@ -52,6 +54,11 @@ HF_MODELS = {
     ),
     "llama-tied": lambda: LlamaForCausalLM(LlamaConfig(**SIZES, tie_word_embeddings=True, attn_implementation="eager")),
     "neox-parallel": lambda: GPTNeoXForCausalLM(GPTNeoXConfig(**SIZES, rotary_pct=0.25, attn_implementation="eager")),
+    "mixtral": lambda: MixtralForCausalLM(
+        MixtralConfig(
+            **SIZES, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, attn_implementation="eager"
+        )
+    ),
     "neox-sequential-tied": lambda: GPTNeoXForCausalLM(
         GPTNeoXConfig(
             **SIZES, rotary_pct=0.25, use_parallel_residual=False, tie_word_embeddings=True, attn_implementation="eager"
@@ -142,6 +149,37 @@ def test_write_dir_loads_in_transformers(family, tie, shard_bytes, tmp_path):
     assert cfg2 == cfg
     assert state.keys() == model.state_dict().keys()
     assert all(torch.equal(state[k], t) for k, t in model.state_dict().items())
+
+
+def test_mixture_of_experts_export_loads_in_transformers_with_the_same_logits(tmp_path):
+    """The tiny MoE preset (shrunk) exported: transformers loads it as Mixtral (its experts one tensor each on
+    disk) with hlat's logits, and hlat reads the directory back bit for bit, as it reads transformers' own."""
+    cfg = model_config(
+        "tiny-moe",
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=48,
+        vocab_size=96,
+        max_seq_len=64,
+        n_experts=4,
+        capacity_factor=1.0,
+        aux_loss_coef=0.02,
+    )
+    torch.manual_seed(0)
+    model = perturbed(build_model(cfg, "cpu"))
+    write_hf_dir(cfg, model.state_dict(), tmp_path / "ours", max_shard_bytes=100_000)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "ours", attn_implementation="eager").eval()
+    assert type(hf) is MixtralForCausalLM and hf.config.router_aux_loss_coef == 0.02
+    compare(model, hf, offset=3)
+    cfg2, state = read_hf_dir(tmp_path / "ours")
+    assert cfg2 == dataclasses.replace(cfg, preset="", capacity_factor=0.0)  # capacity is hlat's training alone
+    assert all(torch.equal(state[k], t) for k, t in model.state_dict().items())
+    hf.save_pretrained(tmp_path / "theirs")
+    assert read_hf_dir(tmp_path / "theirs")[0] == cfg2
+    edit_config(tmp_path / "theirs", sliding_window=16)
+    expect_error(tmp_path / "theirs", "config.json", "sliding_window=16")
 
 
 @pytest.mark.parametrize("family", ["llama", "neox"])

@@ -18,6 +18,15 @@ def render(capsys, *args, config="configs/hlat-7b.toml"):
     return capsys.readouterr().out
 
 
+def k8s_objects(text: str) -> dict[str, dict]:
+    """The rendered Kubernetes objects by kind (one of each)."""
+    return {item["kind"]: item for item in json.loads(text)["items"]}
+
+
+def k8s_job(text: str) -> dict:
+    return k8s_objects(text)["PyTorchJob"]
+
+
 def test_slurm_script_stops_before_the_time_limit_and_requeues(capsys):
     script = render(
         capsys,
@@ -39,6 +48,7 @@ def test_slurm_script_stops_before_the_time_limit_and_requeues(capsys):
         "#SBATCH --nodes=4",
         "#SBATCH --time=2-00:00:00",
         "#SBATCH --requeue",
+        "srun --het-group=0 hlat service --port 29500 &",
         "trap stop_and_requeue USR1",
         'kill -TERM "$train_pid"',
         'scontrol requeue "$SLURM_JOB_ID"',
@@ -47,13 +57,19 @@ def test_slurm_script_stops_before_the_time_limit_and_requeues(capsys):
         assert line in script, line
     assert "#SBATCH --signal=B:USR1@1200" in lines
     assert not any("--gpus-per-node" in line for line in lines)  # trn2: Neuron devices, not GPUs
-    torchrun = next(line for line in lines if line.startswith("srun hlat torchrun"))
+    # a heterogeneous job: the service alone on the first component's node (one task, two CPUs), where the script
+    # runs; the 4 training nodes in the second, whole
+    service, training = script.split("#SBATCH hetjob\n")
+    assert "#SBATCH --nodes=1" in service and "#SBATCH --cpus-per-task=2" in service and "--exclusive" not in service
+    assert "#SBATCH --nodes=4" in training and "#SBATCH --exclusive" in training
+    assert 'service_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST_HET_GROUP_0" | head -n 1)' in lines
+    torchrun = next(line for line in lines if line.startswith("srun --het-group=1 hlat torchrun"))
     for flag in (
         "--nnodes=4",
         "--nproc-per-node=64",
         "--max-restarts=3",
-        "--rdzv-backend=c10d",
-        '--rdzv-endpoint="$head_node:29500"',
+        "--rdzv-backend=hlat",
+        '--rdzv-endpoint="$service_node:29500"',
         '--rdzv-id="$SLURM_JOB_ID"',
     ):
         assert flag in torchrun
@@ -94,8 +110,8 @@ def test_slurm_on_gpus_with_preflight(capsys):
     assert "#SBATCH --gpus-per-node=8" in script and "#SBATCH --time" not in script
     preflight = next(line for line in script.splitlines() if "hlat preflight" in line)
     assert preflight.startswith(
-        "srun hlat torchrun --nnodes=32 --nproc-per-node=8 --max-restarts=0 --rdzv-backend=c10d "
-        '--rdzv-id="$SLURM_JOB_ID-preflight" --rdzv-endpoint="$head_node:29500" -m hlat '
+        "srun --het-group=1 hlat torchrun --nnodes=32 --nproc-per-node=8 --max-restarts=0 --rdzv-backend=hlat "
+        '--rdzv-id="$SLURM_JOB_ID-preflight" --rdzv-endpoint="$service_node:29500" -m hlat '
         "preflight --config configs/hlat-7b.toml"
     )
     assert preflight.endswith(" || exit 1") and script.index(preflight) < script.index("--max-restarts=3")
@@ -121,11 +137,13 @@ def test_slurm_runs_the_preflight_again_before_each_restart(failures, capsys, tm
     tail = "\n".join(lines[lines.index("trap stop_and_requeue USR1") + 1 :])
     # training runs in the background (a subshell): its starts are counted in a file
     srun = (
-        'srun() { for a in "$@"; do case $a in preflight) echo preflight; return 0;; train) echo >> "$starts"; '
+        'srun() { for a in "$@"; do case $a in service) return 0;; preflight) echo preflight; return 0;; '
+        'train) echo >> "$starts"; '
         f'echo "train $*"; [ "$(wc -l < "$starts")" -gt {failures} ]; return;; esac; done; }}'
     )
+    setup = f"set -uo pipefail\nstarts={tmp_path / 'starts'}\nSLURM_JOB_ID=7\nservice_node=s"
     done = subprocess.run(
-        ["bash", "-c", f"set -uo pipefail\nstarts={tmp_path / 'starts'}\nSLURM_JOB_ID=7\nhead_node=h\n{srun}\n{tail}"],
+        ["bash", "-c", f"{setup}\n{srun}\n{tail}"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -156,11 +174,11 @@ def test_slurm_does_not_restart_an_hlat_error(capsys, tmp_path):
     lines = script.splitlines()
     tail = "\n".join(lines[lines.index("trap stop_and_requeue USR1") + 1 :])
     srun = (
-        'srun() { for a in "$@"; do case $a in preflight) echo preflight; return 0;; '
+        'srun() { for a in "$@"; do case $a in service) return 0;; preflight) echo preflight; return 0;; '
         "train) echo train; return 2;; esac; done; }"
     )
     done = subprocess.run(
-        ["bash", "-c", f"set -uo pipefail\nSLURM_JOB_ID=7\nhead_node=h\n{srun}\n{tail}"],
+        ["bash", "-c", f"set -uo pipefail\nSLURM_JOB_ID=7\nservice_node=h\n{srun}\n{tail}"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -169,17 +187,41 @@ def test_slurm_does_not_restart_an_hlat_error(capsys, tmp_path):
     assert done.stdout.splitlines().count("train") == 1 and "not restarted" in done.stdout
 
 
+@pytest.mark.parametrize("restarts", ["false", "true"])
+def test_slurm_requeues_a_job_that_lost_its_service(restarts, capsys):
+    """Training that ends with exit code 4 (the service lost: hlat torchrun's one line) requeues the job, which starts
+    a new service and resumes; under cluster.preflight_restarts too, where the script restarts torchrun itself."""
+    script = render(
+        capsys, "--target", "slurm", "--cluster.preflight", "true", "--cluster.preflight_restarts", restarts, *TRN2
+    )
+    lines = script.splitlines()
+    tail = "\n".join(lines[lines.index("trap stop_and_requeue USR1") + 1 :])
+    srun = (
+        'srun() { for a in "$@"; do case $a in service) echo service; return 0;; preflight) return 0;; '
+        'train) echo train; return 4;; esac; done; }\nscontrol() { echo scontrol "$@"; }'
+    )
+    done = subprocess.run(
+        ["bash", "-c", f"set -uo pipefail\nSLURM_JOB_ID=7\nservice_node=h\n{srun}\n{tail}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    out = done.stdout.splitlines()
+    assert done.returncode == 0 and out.count("train") == 1, done.stdout + done.stderr
+    assert "service" in out and out[-1] == "scontrol requeue 7"
+
+
 def test_kubernetes_pods_restart_through_the_preflight(capsys):
-    job = json.loads(
+    job = k8s_job(
         render(capsys, "--target", "k8s", "--cluster.preflight", "true", "--cluster.preflight_restarts", "true", *TRN2)
-    )["items"][1]
+    )
     (container,) = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"]
     preflight, train = container["command"][2].split(" && exec ")
     assert "--max-restarts=0" in train and job["spec"]["runPolicy"]["backoffLimit"] == 3  # the pods restart
 
 
 def test_kubernetes_job_keeps_runs_on_a_volume(capsys):
-    objects = json.loads(
+    objects = k8s_objects(
         render(
             capsys,
             "--target",
@@ -192,8 +234,8 @@ def test_kubernetes_job_keeps_runs_on_a_volume(capsys):
             "1e-4",
             *TRN2,
         )
-    )["items"]
-    config_map, job = objects
+    )
+    config_map, job = objects["ConfigMap"], objects["PyTorchJob"]
     assert (job["apiVersion"], job["kind"], job["spec"]["nprocPerNode"]) == ("kubeflow.org/v1", "PyTorchJob", "64")
     assert "lr = 0.0001" in config_map["data"]["config.toml"]  # the resolved config, overrides included
     replicas = job["spec"]["pytorchReplicaSpecs"]
@@ -219,24 +261,42 @@ def test_kubernetes_job_keeps_runs_on_a_volume(capsys):
     for flag in (
         "--nnodes=32",
         "--max-restarts=3",
-        "--rdzv-backend=c10d",
-        "--rdzv-endpoint=$(PET_MASTER_ADDR):$(PET_MASTER_PORT)",
+        "--rdzv-backend=hlat",
+        "--rdzv-endpoint=hlat-7b-service:29500",
     ):
         assert flag in command
     assert command[-5:] == ["train", "--config", "/etc/hlat/config.toml", "--resume", "auto"]
     assert {"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": "900"} in container["env"]
 
 
+def test_kubernetes_runs_the_service_apart_from_the_training_pods(capsys):
+    """The service: a Deployment of one `hlat service` pod that may not share a node with the job's training pods (so
+    that losing a training node never loses it too), and a Service that names it for every training pod's
+    rendezvous."""
+    objects = k8s_objects(render(capsys, "--target", "k8s", "--image", "reg/hlat:1", *TRN2))
+    deployment, service, job = objects["Deployment"], objects["Service"], objects["PyTorchJob"]
+    pod = deployment["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    assert container["command"] == ["hlat", "service", "--port", "29500"] and container["image"] == "reg/hlat:1"
+    assert deployment["spec"]["replicas"] == 1 and container["resources"]["requests"] == {"cpu": "2", "memory": "2Gi"}
+    assert service["metadata"]["name"] == "hlat-7b-service" and service["spec"]["ports"][0]["port"] == 29500
+    assert service["spec"]["selector"] == pod["metadata"]["labels"] == deployment["spec"]["selector"]["matchLabels"]
+    (away,) = pod["spec"]["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert away["topologyKey"] == "kubernetes.io/hostname"
+    for replica in job["spec"]["pytorchReplicaSpecs"].values():
+        labels = replica["template"]["metadata"]["labels"]
+        assert away["labelSelector"]["matchLabels"].items() <= labels.items()
+        assert "--rdzv-endpoint=hlat-7b-service:29500" in replica["template"]["spec"]["containers"][0]["command"]
+
+
 def test_kubernetes_preflight_keeps_torchrun_as_pid_1(capsys):
-    job = json.loads(render(capsys, "--target", "k8s", "--nodes", "1", "--cluster.preflight", "true", "--cpu"))[
-        "items"
-    ][1]
+    job = k8s_job(render(capsys, "--target", "k8s", "--nodes", "1", "--cluster.preflight", "true", "--cpu"))
     (container,) = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"]
     assert "Worker" not in job["spec"]["pytorchReplicaSpecs"] and container["resources"] == {}
     shell, flag, script = container["command"]
     preflight, train = script.split(" && exec ")
     assert (shell, flag) == ("bash", "-c") and preflight.startswith("hlat torchrun --nnodes=1 ")
-    assert "--rdzv-id=hlat-7b-preflight" in preflight and "$(PET_MASTER_ADDR)" in preflight
+    assert "--rdzv-id=hlat-7b-preflight" in preflight and "--rdzv-endpoint=hlat-7b-service:29500" in preflight
     assert preflight.endswith("-m hlat preflight --config /etc/hlat/config.toml")
     assert train.startswith("hlat torchrun ") and train.endswith(
         "-m hlat train --config /etc/hlat/config.toml --resume auto"
@@ -279,7 +339,7 @@ def test_a_recipe_switched_to_p5_requests_its_gpus_and_efa(capsys):
     script = render(capsys, "--target", "slurm", *P5, "--nodes", "256")
     assert "#SBATCH --gpus-per-node=8" in script.splitlines()
     assert all(f"export {k}={v}" in script.splitlines() for k, v in efa.items())
-    job = json.loads(render(capsys, "--target", "k8s", *P5, "--nodes", "256"))["items"][1]
+    job = k8s_job(render(capsys, "--target", "k8s", *P5, "--nodes", "256"))
     (container,) = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"]
     assert container["resources"] == {
         "limits": {"nvidia.com/gpu": 8, "vpc.amazonaws.com/efa": 32},
@@ -291,7 +351,7 @@ def test_a_recipe_switched_to_p5_requests_its_gpus_and_efa(capsys):
 def test_a_plain_cluster_gets_no_fabric(capsys):
     script = render(capsys, "--target", "slurm", "--cluster.hardware", "", "--nproc-per-node", "8", "--nodes", "256")
     assert "#SBATCH --gpus-per-node=8" in script and "FI_" not in script and "EFA" not in script
-    job = json.loads(
+    job = k8s_job(
         render(
             capsys,
             "--target",
@@ -307,7 +367,7 @@ def test_a_plain_cluster_gets_no_fabric(capsys):
             "--cluster.memory_gib",
             "1000",
         )
-    )["items"][1]
+    )
     (container,) = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"]
     assert container["resources"] == {"limits": {"nvidia.com/gpu": 8}, "requests": {"cpu": "90", "memory": "1000Gi"}}
 
@@ -316,8 +376,10 @@ def test_a_plain_cluster_gets_no_fabric(capsys):
     "args, message",
     [
         (
-            ["--cluster.hardware", "p5.48xlarge"],  # the recipe's 32 processes per node
-            "cluster.nproc_per_node: 32 processes per node, but p5.48xlarge has 8 devices per node (one process each)",
+            ["--cluster.hardware", "p5.48xlarge"],  # the recipe's 32 processes per node: the refusal names the fix
+            "cluster.nproc_per_node: 32 processes per node, but p5.48xlarge has 8 devices per node (one process each): "
+            "use --nproc-per-node 8 (64 nodes, 512 processes) or, for the same 2,048 processes, --nodes 256 "
+            "--nproc-per-node 8",
         ),
         (
             [*P5, "--nodes", "256", "--cluster.accelerator", "neuron"],
@@ -331,7 +393,7 @@ def test_a_plain_cluster_gets_no_fabric(capsys):
             [],
             "cluster.hardware: trn1.32xlarge: training needs other hardware: hlat trains on Trainium through "
             "TorchNeuron, which runs on trn2 and later (trn1 needs torch-xla); `hlat plan` prices this cluster; "
-            "to launch the same 2,048 processes use --cluster.hardware trn2.48xlarge --nodes 32 --nproc-per-node 64",
+            "to launch the same 2,048 processes use --hardware trn2.48xlarge --nodes 32",
         ),
     ],
 )
@@ -340,6 +402,60 @@ def test_a_cluster_that_contradicts_its_hardware_is_refused(target, args, messag
     assert main(["launch", "--config", "hlat-7b", "--target", target, *args]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_each_refusal_names_flags_that_launch(capsys):
+    """What the refusals above name does launch hlat-7b's 2,048 processes."""
+    for fix in (["--cluster.hardware", "p5.48xlarge", "--nodes", "256", "--nproc-per-node", "8"], TRN2[2:]):
+        hardware = "p5.48xlarge" if "p5.48xlarge" in fix else "trn2.48xlarge"
+        script = render(capsys, "--target", "slurm", "--hardware", hardware, *fix[2 * (fix[0] != "--nodes") :])
+        assert "# world size: " in script and "= 2048" in script
+
+
+def plan_and_launch(capsys, *flags: str, config: str = "hlat-70b") -> tuple[dict, str, str]:
+    """`hlat plan --json` and `hlat launch --target slurm` of a config with the same cluster flags: the plan, the
+    job script and launch's stderr."""
+    assert main(["plan", "--config", config, *flags, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert main(["launch", "--config", config, "--target", "slurm", *flags]) == 0
+    script, err = capsys.readouterr()
+    return plan, script, err
+
+
+@pytest.mark.parametrize(
+    "flags, nodes, per_node",
+    [
+        (["--hardware", "p5.48xlarge"], 256, 8),  # the recipe's nodes, used whole: one process per GPU
+        (["--hardware", "p5.48xlarge", "--nodes", "64"], 64, 8),
+        (["--hardware", "trn2.48xlarge", "--nproc-per-node", "32"], 256, 32),  # half of each node's NeuronCores
+    ],
+)
+def test_launch_takes_the_cluster_flags_of_plan_and_agrees_with_it(flags, nodes, per_node, capsys):
+    """`hlat launch --hardware p5.48xlarge` renders what `hlat plan --hardware p5.48xlarge` prices: its nodes, its
+    processes per node and its layout, and names the same unsuitable layout in the same words."""
+    plan, script, err = plan_and_launch(capsys, *flags)
+    (priced,) = [p for p in plan["plans"] if p["parallel"]["tp"] == 32]  # the recipe's layout (and what search finds)
+    assert (plan["hardware"], plan["nodes"]) == (flags[1], nodes) and f"#SBATCH --nodes={nodes}" in script
+    assert f"# world size: {nodes} nodes x {per_node} processes = {nodes * per_node}" in script
+    assert priced["parallel"]["tp"] * priced["parallel"]["pp"] * priced["parallel"]["dp_shard"] == nodes * per_node
+    assert err.removeprefix("hlat launch: ").strip() in plan["notes"]
+
+
+def test_plan_and_launch_share_one_definition_of_the_cluster_flags(monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "120")
+
+    def cluster_section(command: str) -> str:
+        """The section of `hlat COMMAND --help` that lists the cluster flags."""
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        return capsys.readouterr().out.split("\n\nthe cluster")[1].split("\n\n")[0].rstrip()
+
+    assert cluster_section("plan") == cluster_section("launch")
+    assert [line.split()[0] for line in cluster_section("plan").splitlines() if line.startswith("  --")] == [
+        "--hardware",
+        "--nodes",
+        "--nproc-per-node",
+    ]
 
 
 def test_a_launch_whose_tensor_parallelism_spans_nodes_says_so_beside_the_planners_layout(capsys):
@@ -411,7 +527,7 @@ def test_an_elastic_job_names_the_node_counts_it_can_go_on_with(capsys):
         "--cluster.heartbeat_s",
         "3",
     )
-    assert "srun hlat torchrun --nnodes=2:4 " in script
+    assert "srun --het-group=1 hlat torchrun --nnodes=2:4 " in script
     assert " --rdzv-conf=last_call_timeout=5,keep_alive_interval=3 " in script
     assert "# elastic: after a lost node the job goes on with 2 or 4 nodes" in script
     assert "# with 3 nodes the layout does not fit" in script
@@ -437,3 +553,36 @@ def test_an_elastic_job_names_the_node_counts_it_can_go_on_with(capsys):
         == 2
     )
     assert "cluster.min_nodes: 1 nodes do not fit the layout" in capsys.readouterr().err
+
+
+def test_a_torchrun_job_the_trainers_would_refuse_is_refused_before_any_process(capsys, monkeypatch):
+    """`hlat torchrun ... -m hlat train` checks the config and layout at the world size torchrun would start (4
+    processes here) and refuses in one line, with hlat's exit code, without starting one; an elastic job (a node
+    range) is left to its trainers, which check each world size; `--help` names the command."""
+    import torch.distributed.run
+
+    from hlat.jobs.torchrun import FINISHED_DIR, OWN_STORE_PER_ATTEMPT
+
+    def started(args):
+        raise AssertionError("torchrun started processes")
+
+    monkeypatch.setattr(torch.distributed.run, "run", started)
+    for name in (FINISHED_DIR, OWN_STORE_PER_ATTEMPT):  # what torchrun sets for its workers: gone after this test
+        monkeypatch.setenv(name, "")
+    job = ["--standalone", "--nproc-per-node", "4", "-m", "hlat", "train", "--config", "tiny"]
+    for flags, line in (
+        (["--parallel.cp", "3"], "parallel.cp: 3 does not divide the world size 4"),
+        (
+            ["--parallel.cp", "2", "--train.micro_batch", "8", "--eval.every", "5", "--eval.holdout", "0.1"],
+            "eval.every",
+        ),
+        (["--optim.lrr", "1"], "unknown config key 'optim.lrr'; did you mean 'optim.lr'?"),
+    ):
+        assert main(["torchrun", *job, *flags]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.startswith(f"hlat: error: {line}") and err.count("\n") == 1
+    with pytest.raises(AssertionError, match="torchrun started processes"):  # fixed worlds only
+        main(["torchrun", "--nnodes", "1:2", *job[1:], "--parallel.cp", "3"])
+    with pytest.raises(SystemExit) as done:
+        main(["torchrun", "--help"])
+    assert done.value.code == 0 and capsys.readouterr().out.startswith("usage: hlat torchrun [-h]")

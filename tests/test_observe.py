@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from hlat.checkpoint.durable import verify_checkpoint
 from hlat.cli import main
 from hlat.config.job import build_config
-from hlat.data.sources import held_out, iter_documents
+from hlat.data.readers import iter_documents
+from hlat.data.records import held_out
 from hlat.data.tokenizer import load_tokenizer
 from hlat.fields import ConfigError
 from hlat.models import build_model, materialize
@@ -173,6 +174,51 @@ def test_hlat_eval_names_each_checkpoint_it_evaluates(runs, capsys):
         [str(r["step"]), f"{r['loss']:.4f}", f"{r['perplexity']:.2f}", f"{r['tokens']:,}", "-", r["checkpoint"]]
         for r in rows[:2]
     ]
+
+
+def test_hlat_eval_says_what_it_is_doing_and_prints_no_header_before_an_error(runs, capsys, monkeypatch):
+    """Without --data, on the run's held-out split, each phase (reading and tokenizing it, evaluating it) made slow
+    here until a line on stderr has named it, with its count so far: a long eval is seen to move, stdout keeps the
+    table alone. A run without validation data is refused in one line, no table header before it."""
+    import threading
+
+    from hlat import console
+    from hlat.train import validation
+
+    heard = {"reading and tokenizing": threading.Event(), "evaluating": threading.Event()}
+    say, documents, evaluate = console.Ticker.say, validation.validation_documents, validation.evaluate
+
+    def said(self, what):
+        say(self, what)
+        for phase, event in heard.items():
+            if f": {phase} (" in what:
+                event.set()
+
+    def slowed(items, phase: str):
+        for i, item in enumerate(items):
+            assert i != 1 or heard[phase].wait(60), f"no line said {phase!r}"
+            yield item
+
+    monkeypatch.setattr(console, "EVERY_S", 0.05)
+    monkeypatch.setattr(console.Ticker, "say", said)
+    monkeypatch.setattr(
+        validation, "validation_documents", lambda *a, **k: slowed(documents(*a, **k), "reading and tokenizing")
+    )
+    monkeypatch.setattr(
+        validation, "evaluate", lambda model, batches, *a: evaluate(model, slowed(batches, "evaluating"), *a)
+    )
+    assert main(["eval", str(runs[0])]) == 0
+    out, err = capsys.readouterr()
+    assert len(out.splitlines()) == 2 and out.split()[:2] == ["step", "loss"]  # the header and one row
+    checkpoint = runs[0] / "checkpoints" / "step_00000006"
+    assert re.search(
+        rf"^hlat eval: {checkpoint}: the validation set: reading and tokenizing \(documents: [1-9]", err, re.M
+    )
+    assert re.search(r": the validation set: evaluating \(batches: [1-9]\d* of [1-9]\d*\) \(\d+ s\)$", err, re.M)
+    monkeypatch.undo()
+    assert main(["eval", str(runs[1])]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("hlat: error: --data: give the files to evaluate") and err.count("\n") == 1
 
 
 def test_output_to_a_pipe_is_never_wrapped(tmp_path):

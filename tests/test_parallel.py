@@ -41,12 +41,13 @@ LAYOUTS = {  # name: (processes, [parallel] overrides)
 }
 
 
-def job(run_dir: Path, family: str, **train) -> dict:
-    """4 steps: the first compares the split forward and backward passes, the later ones the sharded optimizer
-    (Adam's moments included) and the data each rank reads. Tokenized in the training process: a worker process
-    per rank adds its start to every run (workers under layouts: test_resume_at_another_data_parallel_size)."""
+def job(run_dir: Path, family: str | dict, **train) -> dict:
+    """4 steps of a family's tiny model (or of the model fields given): the first compares the split forward and
+    backward passes, the later ones the sharded optimizer (Adam's moments included) and the data each rank reads.
+    Tokenized in the training process: a worker process per rank adds its start to every run (workers under layouts:
+    test_resume_at_another_data_parallel_size)."""
     return {
-        "model": dict(MODELS[family]),
+        "model": dict(MODELS[family] if isinstance(family, str) else family),
         "data": {"paths": [CORPUS], "shuffle_rows": 64, "workers": 0},
         "optim": {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 2, "decay_steps": 10},
         "train": {

@@ -933,6 +933,51 @@ def test_a_plan_above_the_best_mfu_hlat_measured_is_marked(tmp_path, capsys):
     assert "$50/node-hour, --price-per-node-hour" in table
 
 
+def test_the_mfu_cap_does_not_rank_the_layouts(capsys):
+    """hlat-70b-long's search: the top layouts are all predicted above the best MFU hlat has measured on p5 and
+    promise that best alike; they rank by what is predicted for each (ties within the tolerance by simplicity), and
+    the table shows each one's prediction beside the mark."""
+    argv = ["--config", "hlat-70b-long", "--search", "--top", "5"]
+    plans = _flag_plan([*argv, "--tolerance", "0"], capsys)["plans"]
+    assert all(p["above_measured_best"] and p["mfu"] == plans[0]["mfu"] for p in plans)  # capped alike...
+    predicted = [p["predicted_tokens_per_s"] for p in plans]
+    assert predicted == sorted(predicted, reverse=True) and len(set(predicted)) > 1  # ...ranked by prediction
+    tied = _flag_plan(argv, capsys)["plans"]
+    assert min(p["predicted_tokens_per_s"] for p in tied[:2]) >= 0.97 * predicted[0]  # the first two tie within 3%
+    assert [p["predicted_tokens_per_s"] for p in tied[2:]] == sorted(predicted[2:], reverse=True)[: len(tied) - 2]
+    from hlat.cli import main
+
+    assert main(["plan", *argv]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if re.match(r"\s+[1-5]\s", line)]
+    assert [re.search(r"%\* \((\S+)%\)", row)[1] for row in rows] == [f"{p['predicted_mfu']:.1%}"[:-1] for p in tied]
+
+
+def test_a_layout_flag_changes_only_what_it_names(capsys):
+    """hlat-70b-long with --cp 4 keeps its recipe's layout but for cp (TP 2 with sequence parallelism, no
+    recomputation, FSDP, one sequence per micro-batch; data parallelism takes what cp 4 leaves), and says it does not
+    fit rather than answer with another layout; each further flag changes what it names."""
+    from hlat.cli import main
+
+    def priced(*flags: str) -> dict:
+        code = main(["plan", "--config", "hlat-70b-long", *flags, "--json"])
+        (plan,) = json.loads(capsys.readouterr().out)["plans"]
+        assert code == (0 if plan["fits"] else 1)
+        return {**plan["parallel"], "micro_batch": plan["train"]["micro_batch"], "fits": plan["fits"]}
+
+    recipe = priced()
+    assert (recipe["tp"], recipe["cp"], recipe["dp_shard"], recipe["activation_checkpoint"]) == (2, 8, 8, "none")
+    cp4 = priced("--cp", "4")
+    assert cp4 == {**recipe, "cp": 4, "dp_shard": 16, "fits": False}
+    assert priced("--cp", "4", "--recompute", "full") == {**cp4, "activation_checkpoint": "full", "fits": True}
+    tp4 = priced("--tp", "4", "--cp", "4", "--recompute", "selective")
+    assert tp4 == {**recipe, "tp": 4, "cp": 4, "activation_checkpoint": "selective", "fits": True}
+    assert main(["plan", "--config", "hlat-70b-long", "--cp", "4"]) == 1
+    out = capsys.readouterr().out
+    assert "layout of the config with --cp 4, TP2 PP1 DP16 CP4 mb1 SP FSDP AC:none" in out and "does not fit" in out
+    with pytest.raises(HlatError, match="the config's layout with --cp 3 --recompute full: parallel.cp: 3 does not"):
+        run(plan_args("--config", "hlat-70b-long", "--cp", "3", "--recompute", "full"), [])
+
+
 def test_a_plan_of_a_recipe_prices_its_cluster_precision_and_token_budget(tmp_path, capsys):
     out = _flag_plan(["--config", "neox-20b"], capsys)
     (plan,) = out["plans"]

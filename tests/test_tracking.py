@@ -1,7 +1,7 @@
 """Experiment tracking: Weights & Biases (offline) and MLflow (its file store) receive the records metrics.jsonl
-gets, each at its step, read back from what each wrote in the run directory (MLflow's also the run's name, config and
-status); both packages are test dependencies, so these tests run rather than skip. A backend whose package is
-missing is one line before any work."""
+gets, each at its step, and the run's name, config and clean end, read back from what each wrote in the run directory
+as soon as training returns; both packages are test dependencies, so these tests run rather than skip. A backend whose
+package is missing is one line before any work."""
 
 import json
 import os
@@ -65,16 +65,28 @@ def wandb_records(path: Path) -> list[bytes]:
 
 
 def wandb_history(run_dir: Path) -> dict[int, dict]:
+    """The history of the one offline W&B run in `run_dir`, whose name, project and config are checked, and which
+    must have ended cleanly: an exit record, code 0, the log's last, which W&B's service writes when it closes the
+    run (hlat waits for that: hlat/train/tracking.py)."""
     from wandb.proto import wandb_internal_pb2
 
     (log,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
-    history = {}
+    history, runs, exits = {}, [], []
     for raw in wandb_records(log):
         record = wandb_internal_pb2.Record()
         record.ParseFromString(raw)
-        if record.WhichOneof("record_type") == "history":
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
             items = {"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in record.history.item}
             history[record.history.step.num] = {k: v for k, v in items.items() if not k.startswith("_")}
+        elif kind == "run":
+            runs.append(record.run)
+        elif kind == "exit":
+            exits.append(record.exit.exit_code)
+    (run,) = runs
+    config = {item.key: json.loads(item.value_json) for item in run.config.update}
+    assert (run.display_name, run.project, config["train"]["steps"], config["model"]["dim"]) == ("tiny", "tests", 4, 64)
+    assert exits == [0]
     return history
 
 

@@ -1,4 +1,5 @@
-"""The single-process trainer: exact resume, checkpoints, metrics and clean errors for bad input."""
+"""The single-process trainer: exact resume, metrics and clean errors for bad input (its checkpoints:
+tests/test_checkpoint_*.py)."""
 
 import json
 import os
@@ -142,23 +143,6 @@ def test_a_step_reads_from_the_device_once(tmp_path, monkeypatch):
     cfg.data.workers = 0  # the stream in this process: its reads, if any, would count
     train(cfg)
     assert reads.per_step == [1, 1, 1]
-
-
-def test_partial_checkpoint_is_ignored(tmp_path):
-    run = tmp_path / "run"
-    train(config(run, steps=2))
-    (run / "checkpoints" / "step_00000005.partial").mkdir()  # as a crash mid-save would leave it
-    train(config(run, steps=4, resume="auto"))
-    assert [s for s, _ in complete_checkpoints(run)] == [2, 4]
-    assert not list((run / "checkpoints").glob("*.partial"))
-
-
-def test_fresh_start_never_overwrites_checkpoints(tmp_path, capsys):
-    train(config(tmp_path / "run", steps=1))
-    cfg_file = tmp_path / "c.toml"
-    cfg_file.write_text(config(tmp_path / "run").to_toml())
-    assert main(["train", "--config", str(cfg_file)]) == 2
-    assert "already holds checkpoints" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

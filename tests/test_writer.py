@@ -73,6 +73,31 @@ def test_a_restart_of_the_same_job_waits_for_its_earlier_lock(tmp_path, monkeypa
     assert "still locked by this job's earlier start (job slurm 41" in capsys.readouterr().err
 
 
+def test_an_attempt_at_the_service_does_not_wait_for_an_earlier_attempts_lock(tmp_path, monkeypatch, capsys):
+    """At the hlat service each attempt has a namespace of its own and its ranks hold leases: a later attempt of the
+    job goes on at once (its record written) while the earlier attempt's lock lives on, as a lost first host's does
+    until the file server notices; without leases, or within one attempt, it waits as before."""
+    job = holder(tmp_path / "run", SLURM_JOB_ID="51", HLAT_SERVICE_NAMESPACE="hlat/51/first")
+    monkeypatch.setenv("SLURM_JOB_ID", "51")
+    monkeypatch.setattr(writer, "OWN_WAIT_S", 0.0)
+    for namespace, fenced in (("hlat/51/first", True), ("hlat/51/second", False)):
+        monkeypatch.setenv("HLAT_SERVICE_NAMESPACE", namespace)
+        with pytest.raises(HlatError, match="still held by an earlier start of this job"):
+            RunDirLock(tmp_path / "run", fenced).acquire()
+    lock = RunDirLock(tmp_path / "run", fenced=True)
+    lock.acquire()
+    assert "still locked by this job's earlier attempt (job slurm 51, pid" in capsys.readouterr().err
+    assert json.loads((tmp_path / "run" / LOCK_FILE).read_text())["attempt"] == "hlat/51/second"
+    assert not lock.locked
+    job.stdin.close()
+    job.wait()  # the lock lapses: the next heartbeat takes it
+    beats = iter([False, True])  # one heartbeat, then released
+    monkeypatch.setattr(lock.stop, "wait", lambda s: next(beats))
+    lock._beat()
+    assert lock.locked
+    lock.release()
+
+
 def test_where_locks_are_node_local_the_record_decides(tmp_path, monkeypatch):
     """Lustre mounted localflock (or NFS with local locks, or no flock at all): the lock is granted whoever holds it
     on another host, so a fresh record of another host's job refuses, and a stale one (a dead job's) does not."""

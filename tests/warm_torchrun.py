@@ -172,6 +172,7 @@ def run_job(store, rank: int, spec: dict, output: Path) -> int:
     """The job on this rank of a fresh group of spec["nproc"] ranks, its output in `output`.out and .err."""
     import torch.distributed as dist
     from process_groups import end_process_group
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
     environ, cwd = dict(os.environ), os.getcwd()
     os.environ.update(WORLD_SIZE=str(spec["nproc"]), LOCAL_WORLD_SIZE=str(spec["nproc"]))
@@ -191,6 +192,10 @@ def run_job(store, rank: int, spec: dict, output: Path) -> int:
             end_process_group()  # gloo work a job left behind completes
         elif dist.is_initialized():
             dist.destroy_process_group()
+    # DTensor caches the shardings it works out by device mesh, and a mesh equals another of the same ranks and
+    # dimensions whatever its groups: a later job's mesh would be given this job's meshes, over destroyed groups
+    # (a private function: torch has no public one)
+    _clear_sharding_prop_cache()
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(environ)

@@ -84,13 +84,7 @@ class SnapshotCadence:
         steady = statistics.median(self.steady)
         slowdown = max(0.0, sum(cost.during_s) - len(cost.during_s) * steady)
         total = cost.stall_s + slowdown + cost.settled_s
-        self.last = {
-            "stall_s": cost.stall_s,
-            "slowdown_s": slowdown,
-            "settle_s": cost.settled_s,
-            "cost_s": total,
-            "share": total / max(steady * max(self.every, 1), 1e-9),
-        }
+        self.last = {"stall_s": cost.stall_s, "slowdown_s": slowdown, "settle_s": cost.settled_s, "cost_s": total}
         self.costs.append(total)
         self.measured += 1
 
@@ -111,8 +105,9 @@ class SnapshotCadence:
 
     def metric_fields(self) -> dict:
         """For a metrics record: the interval, and the newest committed snapshot's measured cost (its parts, and the
-        whole as a share of the step time over the interval), once there is one."""
+        whole as a share of the steady step time over the interval it is taken at now), once there is one."""
         fields: dict = {"snapshot_every": self.every}
         if self.last is not None:
-            fields |= {f"snapshot_{k}": round(v, 4) for k, v in self.last.items()}
+            share = self.last["cost_s"] / max(statistics.median(self.steady) * max(self.every, 1), 1e-9)
+            fields |= {f"snapshot_{k}": round(v, 4) for k, v in {**self.last, "share": share}.items()}
         return fields

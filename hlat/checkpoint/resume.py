@@ -73,6 +73,10 @@ def config_changes(saved: Config, current: Config, unwatched: set[str] = _UNWATC
     ]
 
 
+# What the learning rate of a step is made of (`Config.lr_at`): a refused schedule change names only these.
+SCHEDULE_FIELDS = ("optim.lr", "optim.min_lr", "optim.warmup_steps", "optim.decay_steps", "train.steps")
+
+
 def schedule_changes(saved: Config, current: Config, step: int) -> bool:
     """Whether the learning rate of any step from `step` on differs (the decay horizon is optim.decay_steps, or
     train.steps when that is 0, so a longer run reshapes the schedule)."""
@@ -128,9 +132,10 @@ def check_resume(path: Path, cfg: Config) -> list[str]:
     saved = load_config(path / CONFIG_FILE)
     changes = config_changes(saved, cfg)
     if changes and schedule_changes(saved, cfg, step) and not cfg.train.allow_schedule_change:
+        moved = [change for change in changes if change.partition(":")[0] in SCHEDULE_FIELDS]
         raise HlatError(
             f"resuming {path} changes the learning-rate schedule from step {step} on "
-            f"({'; '.join(changes)}); pass --train.allow_schedule_change true to accept that, or keep the "
+            f"({'; '.join(moved)}); pass --train.allow_schedule_change true to accept that, or keep the "
             "old values (set optim.decay_steps to fix the schedule's length while changing train.steps)"
         )
     return changes

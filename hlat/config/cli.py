@@ -1,5 +1,6 @@
 """`hlat config fields` (every config field, its type, default and meaning) and `hlat describe` (a model's parameters,
-FLOPs and memory per precision mode, without building it): commands that read configs alone, torch-free."""
+FLOPs and memory per precision mode, without building it): commands that read configs alone, torch-free. And the
+cluster flags `hlat plan` and `hlat launch` share (`add_cluster_arguments`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import argparse
 
 from hlat import HlatError
 from hlat.fields import OVERRIDES_HELP
+from hlat.profiles import load_profile, profile_names
 
 
 def register(commands) -> None:
@@ -61,10 +63,13 @@ def run_describe(args: argparse.Namespace, overrides: list[str]) -> int:
     total = m.num_params()
     table = Table(
         title=f"{m.preset or m.family}: {m.n_layers} layers, dim {m.dim}, {m.n_heads} heads "
-        f"({m.kv_heads} kv), ffn {m.ffn_dim}, vocab {m.vocab_size}",
+        f"({m.kv_heads} kv), ffn {m.ffn_dim}, vocab {m.vocab_size}"
+        + (f", {m.n_experts} experts ({m.experts_per_token} per token)" if m.moe else ""),
         show_header=False,
     )
     table.add_row("parameters", f"{total:,}")
+    if m.moe:
+        table.add_row("  active per token", f"{m.active_params():,}")
     table.add_row("  embedding", f"{m.embedding_params():,}")
     table.add_row("  non-embedding", f"{m.num_params(embedding=False):,}")
     table.add_row(f"training FLOPs/token (seq {seq_len}: {seq_from})", f"{m.flops_per_token(seq_len):.4g}")
@@ -79,3 +84,31 @@ def run_describe(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def gib(params: int, bytes_per_param: int) -> str:
     return f"{params * bytes_per_param / 2**30:,.1f} GiB"
+
+
+def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    """The cluster flags of `hlat plan` and `hlat launch`, one definition for both: what each sets of the config's
+    [cluster] (`cluster_overrides`)."""
+    group = parser.add_argument_group("the cluster (default: the config's [cluster])")
+    group.add_argument(
+        "--hardware",
+        help=f"hardware profile ({', '.join(profile_names())}) or a profile TOML path: cluster.hardware, its nodes "
+        "used whole (one process per device) unless --nproc-per-node says otherwise",
+    )
+    group.add_argument("--nodes", type=int, help="number of nodes: cluster.nodes (default: the config's, else 1)")
+    group.add_argument(
+        "--nproc-per-node",
+        type=int,
+        help="processes per node, one per device: cluster.nproc_per_node (default: the profile's devices per node "
+        "with --hardware, else the config's)",
+    )
+
+
+def cluster_overrides(args: argparse.Namespace) -> list[str]:
+    """The cluster flags as the `--cluster.key value` overrides they stand for: --hardware names the profile and,
+    unless --nproc-per-node is given, one process per device of its nodes."""
+    per_node = args.nproc_per_node
+    if args.hardware and per_node is None:
+        per_node = load_profile(args.hardware).devices_per_node
+    flags = {"hardware": args.hardware, "nodes": args.nodes, "nproc_per_node": per_node}
+    return [arg for key, value in flags.items() if value is not None for arg in (f"--cluster.{key}", str(value))]

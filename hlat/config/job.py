@@ -20,6 +20,10 @@ from hlat.parallel.config import ParallelConfig, check_layout, world_size_from_e
 from hlat.profiles import HardwareProfile, load_profile
 from hlat.resources import config_path
 
+# the shortest train.lease_s: a pause of a live process (a loaded host, a long call holding the GIL) of a second or
+# two must not end its lease
+LEASE_MIN_S = 3.0
+
 
 @dataclass
 class TrainConfig:
@@ -51,6 +55,10 @@ class TrainConfig:
     spike_sigmas: float = 0.0  # > 0: a loss this many running deviations above the running mean is a bad step
     hang_timeout_s: float = 0.0  # > 0: no step finished for this long ends the process (stacks in the run dir)
     collective_timeout_s: float = 600.0  # the process group's timeout for one collective
+    # a rank that has not renewed its lease in the job's store for this long (a beat a second) is declared lost, and
+    # the others end and resume without it instead of waiting out collective_timeout_s; 0: no leases. Between
+    # LEASE_MIN_S and collective_timeout_s (docs/fault-tolerance.md, "Leases": how the timeouts must relate)
+    lease_s: float = 10.0
     debug_nan_step: int = 0  # > 0: poison this step's gradients with NaN once (tests the bad-step policy)
 
     def validate(self, model: ModelConfig) -> TrainConfig:
@@ -63,6 +71,7 @@ class TrainConfig:
             "peak_flops",
             "spike_sigmas",
             "hang_timeout_s",
+            "lease_s",
             "debug_nan_step",
         ):
             if getattr(self, name) < 0:
@@ -83,7 +92,23 @@ class TrainConfig:
                 raise ConfigError(f"train.{name}: must be positive, got {getattr(self, name)}")
         if not re.fullmatch(r"[a-z][a-z0-9_]*", self.device):
             raise ConfigError(f"train.device: {self.device!r} is not 'auto', 'cpu' or a device type such as 'cuda'")
+        self.check_lease()
         return self
+
+    def check_lease(self) -> None:
+        """A lease shorter than LEASE_MIN_S flaps (a beat delayed by a loaded host or a pause of the process declares
+        a live rank lost); one as long as the collective timeout is never what finds a silent peer."""
+        if self.lease_s and self.lease_s < LEASE_MIN_S:
+            raise ConfigError(
+                f"train.lease_s: {self.lease_s:g} s would declare live ranks lost whenever a beat is late; use at "
+                f"least {LEASE_MIN_S:g} s (10 by default), or 0 for no leases"
+            )
+        if self.lease_s >= self.collective_timeout_s:
+            raise ConfigError(
+                f"train.lease_s: {self.lease_s:g} s is not shorter than train.collective_timeout_s "
+                f"{self.collective_timeout_s:g} s: a silent peer would hold the others for the whole collective "
+                "timeout before its lease ran out; shorten the lease or lengthen the timeout"
+            )
 
     @property
     def tokens_per_step(self) -> int:
@@ -190,19 +215,33 @@ class ClusterConfig:
             raise ConfigError(
                 f"cluster.hardware: {hw.name}: training needs other hardware: {hw.unsupported}; "
                 f"`hlat plan` prices this cluster; to launch the same {self.world_size:,} processes use "
-                f"--cluster.hardware {instead.name} --nodes {nodes} --nproc-per-node "
-                f"{instead.devices_per_node}"
+                f"--hardware {instead.name} --nodes {nodes}"
             )
         if self.accelerator and self.accelerator != hw.accelerator:
             raise ConfigError(
                 f"cluster.accelerator: {self.accelerator!r}, but cluster.hardware {hw.name} has "
                 f"{hw.accelerator!r} devices; leave it out (it follows the hardware)"
             )
-        if hw.accelerator != "cpu" and self.nproc_per_node > hw.devices_per_node:
-            raise ConfigError(
-                f"cluster.nproc_per_node: {self.nproc_per_node} processes per node, but {hw.name} has "
-                f"{hw.devices_per_node} devices per node (one process each)"
-            )
+        if hw.accelerator != "cpu":
+            self.check_processes(hw)
+
+    def check_processes(self, hw: HardwareProfile) -> None:
+        """No more processes per node than `hw` has devices (one process each); the refusal names the flags that
+        would do: the same nodes used whole, or the same processes on more nodes."""
+        per_node = hw.devices_per_node
+        if self.nproc_per_node <= per_node:
+            return
+        whole = f"--nproc-per-node {per_node} ({self.nodes:,} nodes, {self.nodes * per_node:,} processes)"
+        same = (
+            f" or, for the same {self.world_size:,} processes, --nodes {self.world_size // per_node} --nproc-per-node "
+            f"{per_node}"
+            if self.world_size % per_node == 0
+            else ""
+        )
+        raise ConfigError(
+            f"cluster.nproc_per_node: {self.nproc_per_node} processes per node, but {hw.name} has {per_node} "
+            f"devices per node (one process each): use {whole}{same}"
+        )
 
 
 @dataclass
@@ -380,6 +419,11 @@ class Config:
         self.data.validate()
         self.optim.validate()
         self.precision.validate()
+        if self.model.moe and self.precision.fp8 != "none":
+            raise ConfigError(
+                "precision.fp8: not supported for mixture-of-experts models (model.n_experts > 0): their experts "
+                "are grouped matmuls, not the linear layers FP8 converts"
+            )
         self.train.validate(self.model)
         self.eval.validate()
         self.cost.validate()

@@ -107,8 +107,10 @@ def _tokenizer(args: argparse.Namespace, files):
 def inspect(files, text_field: str = "text", tokenizer=None, max_doc_bytes: int = 100_000_000) -> dict:
     """Per file: documents, bytes of text, tokens (a token file's, counted; a text's with a tokenizer) and bad
     records by reason, with the place of the first of each."""
+    from hlat.data.readers import START, decode, read_split
+    from hlat.data.records import Bad
     from hlat.data.rounds import encode as encode_documents
-    from hlat.data.sources import START, Bad, Split, decode, read_split
+    from hlat.data.splits import Split
 
     rows = []
     for f in files:
@@ -173,11 +175,13 @@ def _inspect_table(result: dict) -> str:
 
 def tokenize(files, tokenizer, out: str | Path, text_field: str = "text", max_doc_bytes: int = 100_000_000) -> dict:
     """Write the documents of `files` (in order; bad records skipped and counted, as the loader does) as the
-    token file OUT.tokens.bin, with OUT.tokens.idx.npy and, last, OUT.tokens.json (sources.py describes them).
+    token file OUT.tokens.bin, with OUT.tokens.idx.npy and, last, OUT.tokens.json (formats.py describes them).
     Each file's progress goes to stderr. Returns the description."""
     import numpy as np
 
-    from hlat.data.sources import BadLog, iter_documents, token_sidecar
+    from hlat.data.formats import token_sidecar
+    from hlat.data.readers import iter_documents
+    from hlat.data.records import BadLog
     from hlat.data.tokenizer import tokenizer_digest
 
     data = Path(f"{out}.tokens.bin")
@@ -303,7 +307,7 @@ def _bench_config(text_field: str, packing: str):
 def _first_rounds(files, text_field: str, round_bytes: int, text_bytes: int) -> tuple[list[list[str]], int]:
     """The documents of the first rounds of `files` (about `text_bytes` of text), as the loader encodes them, and
     their bytes."""
-    from hlat.data.sources import iter_documents
+    from hlat.data.readers import iter_documents
 
     chunks, chunk, size, chunk_size = [], [], 0, 0
     for doc in (doc for f in files for doc in iter_documents(f, text_field)):

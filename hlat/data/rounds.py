@@ -26,7 +26,9 @@ from multiprocessing.connection import wait
 import numpy as np
 
 from hlat import HlatError
-from hlat.data.sources import START, Bad, Split, decode, epoch_order, held_out, read_split, record_size
+from hlat.data.readers import START, decode, read_split, record_size
+from hlat.data.records import Bad, held_out
+from hlat.data.splits import Split, epoch_order
 
 Position = list[int]  # [epoch, split index in the epoch's order, offset, line]: where a record starts
 ORIGIN: Position = [0, 0, START, 0]  # the first record of epoch 0

@@ -21,7 +21,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from hlat import HlatError, optional_import
 from hlat.data.config import DataConfig
-from hlat.data.sources import iter_documents
+from hlat.data.readers import iter_documents
 
 EOS = "<|endoftext|>"
 # Encoded to tell tokenizers apart in the fingerprint: mixed scripts, digits, whitespace, code.

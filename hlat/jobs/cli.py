@@ -1,21 +1,26 @@
 """Running a job: `hlat train` (alone, under torchrun, or supervised with --max-restarts), `hlat torchrun` (torchrun,
-with hlat's exit code after a stop) and `hlat launch` (a multi-node job file)."""
+with hlat's exit code after a stop), `hlat service` (a multi-node job's store and rendezvous, on a host that trains
+nothing) and `hlat launch` (a multi-node job file)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
 
 from hlat import HlatError
+from hlat.config.cli import add_cluster_arguments, cluster_overrides
 from hlat.config.job import TrainConfig
 from hlat.fields import OVERRIDES_HELP
+from hlat.jobs.launch import SERVICE_PORT
 
 
 def register(commands) -> None:
     register_train(commands)
     register_torchrun(commands)
+    register_service(commands)
     register_launch(commands)
     register_snapshots(commands)
 
@@ -24,6 +29,20 @@ def register_train(commands) -> None:
     p = commands.add_parser(
         "train", help="train a model from a config", description=f"Train from a TOML config. {OVERRIDES_HELP}"
     )
+    add_train_arguments(p)
+    p.set_defaults(func=run_train, overrides=True)
+
+
+def register_torchrun(commands) -> None:
+    commands.add_parser(
+        "torchrun",
+        help="torchrun (same arguments), exiting 0 when a stop signal found every "
+        "trainer checkpointed (torchrun itself exits 1)",
+        add_help=False,
+    )
+
+
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--config",
         action="append",
@@ -46,16 +65,6 @@ def register_train(commands) -> None:
         metavar="K",
         help="with --max-restarts: run a single-node torchrun job of K processes",
     )
-    p.set_defaults(func=run_train, overrides=True)
-
-
-def register_torchrun(commands) -> None:
-    commands.add_parser(
-        "torchrun",
-        help="torchrun (same arguments), exiting 0 when a stop signal found every "
-        "trainer checkpointed (torchrun itself exits 1)",
-        add_help=False,
-    )
 
 
 def register_launch(commands) -> None:
@@ -69,8 +78,7 @@ def register_launch(commands) -> None:
     p.add_argument(
         "--config", action="append", required=True, help="TOML config file or recipe name (repeatable, merged in order)"
     )
-    p.add_argument("--nodes", type=int, help="number of nodes (default: cluster.nodes)")
-    p.add_argument("--nproc-per-node", type=int, help="processes (devices) per node (default: cluster.nproc_per_node)")
+    add_cluster_arguments(p)
     p.add_argument("--target", choices=["slurm", "k8s"], required=True)
     p.add_argument("--image", default="hlat:latest", help="container image for k8s")
     p.add_argument(
@@ -97,16 +105,66 @@ def register_snapshots(commands) -> None:
     p.set_defaults(func=run_snapshots, overrides=False)
 
 
+def run_torchrun(argv: list[str]) -> int:
+    """`hlat torchrun`: an `hlat train` job's config and layout are checked before any process starts, so that a
+    mistake is one line, as from `hlat train` alone, not the trainers' line inside torchrun's report."""
+    from hlat.jobs.torchrun import torchrun
+
+    return torchrun(argv, check_training)
+
+
+def fixed_world_size(args) -> int | None:
+    """The processes a torchrun command line starts (nodes x processes per node), or None when that is not fixed
+    here: an elastic node range, or a count torchrun takes from the devices it finds."""
+    nodes = args.nnodes.split(":")
+    if len(set(nodes)) != 1 or not (nodes[0].isdigit() and args.nproc_per_node.isdigit()):
+        return None
+    return int(nodes[0]) * int(args.nproc_per_node)
+
+
+def check_training(args) -> None:
+    """An `hlat train` job's config and layout at the world size torchrun will start, before it starts a process
+    (an elastic job's trainers check each world size the rendezvous forms)."""
+    world = fixed_world_size(args)
+    if not (args.module and args.training_script == "hlat" and args.training_script_args[:1] == ["train"] and world):
+        return
+    train_config(args.training_script_args[1:]).resolved_parallel(world)
+
+
+def train_config(argv: list[str]):
+    """The config `hlat train ARGV` would run (its `--config` files and `--section.key` overrides)."""
+    from hlat.config.job import load_config
+
+    parser = argparse.ArgumentParser(prog="hlat train", add_help=False)
+    add_train_arguments(parser)
+    args, overrides = parser.parse_known_args(argv)
+    return load_config(args.config, overrides)
+
+
+def register_service(commands) -> None:
+    p = commands.add_parser(
+        "service",
+        help="host a multi-node job's store and rendezvous on a host that trains nothing "
+        "(training hosts run hlat torchrun --rdzv-backend=hlat --rdzv-endpoint=HOST:PORT)",
+    )
+    p.add_argument("--port", type=int, default=SERVICE_PORT, help=f"the port to listen on (default: {SERVICE_PORT})")
+    p.set_defaults(func=run_service, overrides=False)
+
+
+def run_service(args: argparse.Namespace, overrides: list[str]) -> int:
+    from hlat.jobs.service import serve
+
+    return serve(args.port)
+
+
 def run_launch(args: argparse.Namespace, overrides: list[str]) -> int:
     from hlat.config.job import load_config
     from hlat.jobs.launch import render
     from hlat.planner.advice import config_advice
 
-    cluster = [
-        *(["--cluster.nodes", str(args.nodes)] if args.nodes is not None else []),
-        *(["--cluster.nproc_per_node", str(args.nproc_per_node)] if args.nproc_per_node is not None else []),
-        *(["--cluster.hardware", "", "--cluster.accelerator", "cpu"] if args.cpu else []),
-    ]
+    if args.cpu and args.hardware:
+        raise HlatError(f"--cpu: plain CPU nodes have no hardware profile; leave out --hardware {args.hardware}")
+    cluster = cluster_overrides(args) + (["--cluster.hardware", "", "--cluster.accelerator", "cpu"] if args.cpu else [])
     text = render(args.config, args.target, cluster + overrides, args.image)
     if args.out:
         Path(args.out).write_text(text)
@@ -122,8 +180,6 @@ def run_launch(args: argparse.Namespace, overrides: list[str]) -> int:
 def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.max_restarts:  # the supervisor only starts processes: no torch in it
         return run_supervised(args, overrides)
-    from rich.table import Table
-
     from hlat.config.job import load_config
     from hlat.console import make_console
     from hlat.jobs.torchrun import mark_finished
@@ -141,11 +197,45 @@ def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
     console = make_console()
     if (rank := os.environ.get("RANK", "0")) == "0" and (line := seen_cluster_advice(cfg)):
         console.print(line, soft_wrap=True, highlight=False, markup=False)
-    with writing_run_dir(cfg.train.run_dir):  # before anything is written there: one job per run directory
+    # before anything is written there: one job per run directory
+    with writing_run_dir(cfg.train.run_dir, fenced=cfg.train.lease_s > 0), lost_peer_in_one_line(rank):
         s = train(cfg, console)
     mark_finished()
-    if rank != "0":  # under torchrun, rank 0 speaks for the job
-        return 0
+    if rank == "0":  # under torchrun, rank 0 speaks for the job
+        print_summary(console, s)
+    return 0
+
+
+# what a collective says when a peer is gone: gloo's transport (a plain RuntimeError from its work's wait), NCCL's
+# abort, torch's own distributed errors
+_PEER_GONE = ("gloo/transport", "Connection reset by peer", "Connection closed by peer", "communicator was aborted")
+
+
+@contextlib.contextmanager
+def lost_peer_in_one_line(rank: str):
+    """A collective that failed (a peer killed, its host lost) ends this rank in one line, not a traceback of torch's
+    internals, with exit code 1: a failure the job's restart resumes from (its moment is recorded for goodput)."""
+    from torch.distributed import DistError
+
+    try:
+        yield
+    except (DistError, RuntimeError) as e:
+        if not isinstance(e, DistError) and not any(sign in str(e) for sign in _PEER_GONE):
+            raise
+        cause = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        print(
+            f"hlat: error: rank {rank}: a collective failed ({cause[:200]}): a peer is lost or unreachable; the "
+            "job resumes from its newest snapshot or checkpoint when it restarts",
+            file=sys.stderr,
+            flush=True,
+        )
+        raise SystemExit(1) from None
+
+
+def print_summary(console, s) -> None:
+    """The run summary's table (`hlat.train.loop.Summary`)."""
+    from rich.table import Table
+
     table = Table(title="run summary", show_header=False)
     for name, value in (
         ("run directory", s.run_dir),
@@ -162,7 +252,6 @@ def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
     ):
         table.add_row(name, value)
     console.print(table)
-    return 0
 
 
 def failures_text(total: dict | None) -> str:

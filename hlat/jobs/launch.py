@@ -5,12 +5,15 @@ What each node asks for follows the hardware profile of `cluster.hardware` (`Clu
 devices (a GPU per process, or the Neuron chips that hold the processes' NeuronCores), its fabric's devices and
 settings (EFA), and in Kubernetes 90% of its CPUs and memory; a cluster that contradicts its profile is refused.
 
-Both survive restarts the same way: every node runs torchrun (as `hlat torchrun`, which exits 0 after a clean
-stop) with c10d rendezvous, `--max-restarts` and `--resume auto`, and the run directory lives on storage that
-outlasts the job (the shared file system under SLURM, a PersistentVolumeClaim on Kubernetes). A stop signal
-comes `cluster.stop_grace_s` seconds before the job is killed, torchrun passes it to the trainers (waiting that
-long, TORCH_ELASTIC_SHUTDOWN_TIMEOUT), and the trainers checkpoint after the current step and exit; SLURM then
-requeues the job, which resumes.
+Both survive restarts the same way: the job's store and rendezvous run as `hlat service` on a host that trains
+nothing (SLURM: the first component of a heterogeneous job, a step of its own; Kubernetes: a Deployment behind a
+Service), every node runs torchrun (as `hlat torchrun`, which exits 0 after a clean stop) with the service's
+rendezvous (`--rdzv-backend=hlat`, its client), `--max-restarts` and `--resume auto`, and the run directory lives on
+storage that outlasts the job (the shared file system under SLURM, a PersistentVolumeClaim on Kubernetes). A stop
+signal comes `cluster.stop_grace_s` seconds before the job is killed, torchrun passes it to the trainers (waiting
+that long, TORCH_ELASTIC_SHUTDOWN_TIMEOUT), and the trainers checkpoint after the current step and exit; SLURM then
+requeues the job, which resumes. A job that lost its service exits 4 (hlat.LOST_EXIT): the SLURM script requeues
+it, Kubernetes restarts the service's pod (its Deployment) and the training pods (restartPolicy OnFailure).
 """
 
 from __future__ import annotations
@@ -20,11 +23,14 @@ import re
 import shlex
 from pathlib import PurePosixPath
 
-from hlat import ERROR_EXIT
+from hlat import ERROR_EXIT, LOST_EXIT
 from hlat.config.job import ClusterConfig, Config, NodeRequest, load_config
 from hlat.fields import ConfigError
 
-RDZV_PORT = 29500
+SERVICE_PORT = 29500  # where `hlat service` listens for the job's store and rendezvous
+SERVICE_BACKEND = "hlat"  # torchrun's --rdzv-backend for a rendezvous at the service (hlat/jobs/service.py)
+SERVICE_CPUS = 2  # what the service asks for: a store of small keys, a few requests per rank per second
+SERVICE_MEMORY = "2Gi"
 K8S_WORKDIR = "/workspace"  # the container's working directory; relative run directories land on the volume
 K8S_RUNS = f"{K8S_WORKDIR}/runs"
 K8S_CONFIG = "/etc/hlat/config.toml"
@@ -65,7 +71,7 @@ def _torchrun(c: ClusterConfig, rdzv_id: str, endpoint: str, restarts: int) -> l
         f"--nnodes={nodes}",
         f"--nproc-per-node={c.nproc_per_node}",
         f"--max-restarts={restarts}",
-        "--rdzv-backend=c10d",
+        f"--rdzv-backend={SERVICE_BACKEND}",
         f"--rdzv-id={rdzv_id}",
         f"--rdzv-endpoint={endpoint}",
         *([f"--rdzv-conf={rendezvous_conf(c)}"] if elastic else []),
@@ -86,25 +92,14 @@ def render_slurm(configs: list[str], cfg: Config, overrides: list[str], node: No
     c, name = cfg.cluster, _job_name(configs)
     config_args = [arg for path in configs for arg in ("--config", path)]
     train = ["-m", "hlat", "train", *config_args, *overrides, "--resume", "auto"]
-    endpoint = f'"$head_node:{RDZV_PORT}"'
+    endpoint = f'"$service_node:{SERVICE_PORT}"'
     # every rank of the job, as training will run: devices, links, numerics and stragglers across nodes
     preflight = _torchrun(c, '"$SLURM_JOB_ID-preflight"', endpoint, 0)
-    check = f"srun {' '.join(preflight)} {shlex.join(['-m', 'hlat', 'preflight', *config_args, *overrides])} || exit 1"
-    gpus = [f"#SBATCH --gpus-per-node={node.devices}"] if node.accelerator == "gpu" else []
+    check = f"{TRAINING_STEP} {' '.join(preflight)} {shlex.join(['-m', 'hlat', 'preflight', *config_args, *overrides])}"
     lines = [
-        "#!/bin/bash",
-        f"#SBATCH --job-name={name}",
-        f"#SBATCH --nodes={c.nodes}",
-        "#SBATCH --ntasks-per-node=1",
-        *gpus,
-        "#SBATCH --exclusive",
-        *([f"#SBATCH --time={c.time_limit}"] if c.time_limit else []),
-        f"#SBATCH --signal=B:USR1@{c.stop_grace_s}",  # to this script, stop_grace_s before the time limit
-        "#SBATCH --requeue",
-        "#SBATCH --open-mode=append",
-        f"#SBATCH --output={name}-%j.out",
+        *_slurm_header(c, name, node),
         "set -uo pipefail",
-        'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        'service_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST_HET_GROUP_0" | head -n 1)',
         *(f"export {k}={v}" for k, v in _env(c).items()),
         *(
             [f"# {node.fabric.upper()} fabric settings (where each comes from: hlat/jobs/launch.py, FABRIC_ENV)"]
@@ -124,31 +119,71 @@ def render_slurm(configs: list[str], cfg: Config, overrides: list[str], node: No
         "    exit 0",
         "}",
         "trap stop_and_requeue USR1",
+        "# the job's store and rendezvous, a step of its own on the first component's node (this script's)",
+        f"srun --het-group=0 hlat service --port {SERVICE_PORT} &",
         *_slurm_training(c, check, train, endpoint),
     ]
     return "\n".join(lines) + "\n"
 
 
+TRAINING_STEP = "srun --het-group=1"
+# a job that lost its service ends with LOST_EXIT: queued again, it starts a service and resumes
+REQUEUE_LOST = (
+    f'[ "$code" -eq {LOST_EXIT} ] && {{ echo "hlat: the job lost its service: requeueing $SLURM_JOB_ID to resume"; '
+    'scontrol requeue "$SLURM_JOB_ID"; exit 0; }'
+)
+
+
+def _slurm_header(c: ClusterConfig, name: str, node: NodeRequest) -> list[str]:
+    """A heterogeneous job: the service on a node of its own, which runs this script too, and the training nodes."""
+    time_limit = [f"#SBATCH --time={c.time_limit}"] if c.time_limit else []
+    return [
+        "#!/bin/bash",
+        f"#SBATCH --job-name={name}",
+        "# component 0: hlat service, the job's store and rendezvous, on a node that trains nothing",
+        "#SBATCH --nodes=1",
+        "#SBATCH --ntasks=1",
+        f"#SBATCH --cpus-per-task={SERVICE_CPUS}",
+        *time_limit,
+        f"#SBATCH --signal=B:USR1@{c.stop_grace_s}",  # to this script, stop_grace_s before the time limit
+        "#SBATCH --requeue",
+        "#SBATCH --open-mode=append",
+        f"#SBATCH --output={name}-%j.out",
+        "#SBATCH hetjob",
+        f"# component 1: the {c.nodes} training nodes",
+        f"#SBATCH --nodes={c.nodes}",
+        "#SBATCH --ntasks-per-node=1",
+        *([f"#SBATCH --gpus-per-node={node.devices}"] if node.accelerator == "gpu" else []),
+        "#SBATCH --exclusive",
+        *time_limit,
+    ]
+
+
 def _slurm_training(c: ClusterConfig, preflight: str, train: list[str], endpoint: str) -> list[str]:
     """The preflight (cluster.preflight), then training in the background, for the stop handler to signal. With
     cluster.preflight_restarts the script itself starts torchrun (which then restarts nothing) up to
-    1 + max_restarts times, with the preflight before each start."""
+    1 + max_restarts times, with the preflight before each start. A job that lost its service is requeued."""
     if not c.preflight_restarts:
         torchrun = _torchrun(c, '"$SLURM_JOB_ID"', endpoint, c.max_restarts)
         return [
-            *([preflight] if c.preflight else []),
-            f"srun {' '.join(torchrun)} {shlex.join(train)} &",
+            *([f"{preflight} || exit 1"] if c.preflight else []),
+            f"{TRAINING_STEP} {' '.join(torchrun)} {shlex.join(train)} &",
             "train_pid=$!",
-            'wait "$train_pid"',
+            'wait "$train_pid"; code=$?',
+            REQUEUE_LOST,
+            'exit "$code"',
         ]
     torchrun = _torchrun(c, '"$SLURM_JOB_ID-$attempt"', endpoint, 0)
     return [
         f"for attempt in $(seq 0 {c.max_restarts}); do  # the preflight before each start",
-        f"    {preflight}",
-        f"    srun {' '.join(torchrun)} {shlex.join(train)} &",
+        f"    {preflight}; code=$?",
+        f"    {REQUEUE_LOST}",
+        '    [ "$code" -ne 0 ] && exit 1',
+        f"    {TRAINING_STEP} {' '.join(torchrun)} {shlex.join(train)} &",
         "    train_pid=$!",
         '    wait "$train_pid"; code=$?',
         '    [ "$code" -eq 0 ] && exit 0',
+        f"    {REQUEUE_LOST}",
         f'    [ "$code" -eq {ERROR_EXIT} ] && {{ echo "hlat: training failed with an hlat error (exit code '
         f'{ERROR_EXIT}): not restarted"; exit {ERROR_EXIT}; }}  # a full disk, a bad config: the same start would '
         "fail the same way",
@@ -159,8 +194,9 @@ def _slurm_training(c: ClusterConfig, preflight: str, train: list[str], endpoint
 
 
 def render_k8s(configs: list[str], cfg: Config, image: str, node: NodeRequest) -> str:
-    """A ConfigMap with the resolved config and a Kubeflow PyTorchJob that runs it (the operator sets PET_NNODES,
-    PET_NODE_RANK, PET_MASTER_ADDR/PORT); run directories live on the `cluster.run_volume` claim."""
+    """A ConfigMap with the resolved config, the service (a Deployment of `hlat service`, kept off the training pods'
+    nodes, behind a Service that names it) and a Kubeflow PyTorchJob that trains at it; run directories live on the
+    `cluster.run_volume` claim."""
     c, name = cfg.cluster, _job_name(configs)
     run_dir = PurePosixPath(K8S_WORKDIR, cfg.train.run_dir)  # an absolute run_dir stays as it is
     if not run_dir.is_relative_to(K8S_RUNS):
@@ -183,22 +219,61 @@ def render_k8s(configs: list[str], cfg: Config, image: str, node: NodeRequest) -
             "nprocPerNode": str(c.nproc_per_node),
             "runPolicy": {"backoffLimit": c.max_restarts},
             "pytorchReplicaSpecs": {
-                "Master": _replica(pod, 1),
-                **({"Worker": _replica(pod, c.nodes - 1)} if c.nodes > 1 else {}),
+                "Master": _replica(pod, 1, name),
+                **({"Worker": _replica(pod, c.nodes - 1, name)} if c.nodes > 1 else {}),
             },
         },
     }
-    # JSON is valid YAML and needs no YAML library; a List applies both objects with one `kubectl apply -f`
-    return json.dumps({"apiVersion": "v1", "kind": "List", "items": [config_map, job]}, indent=2) + "\n"
+    items = [config_map, *k8s_service(name, image), job]
+    # JSON is valid YAML and needs no YAML library; a List applies every object with one `kubectl apply -f`
+    return json.dumps({"apiVersion": "v1", "kind": "List", "items": items}, indent=2) + "\n"
 
 
-def _replica(pod: dict, count: int) -> dict:
-    return {"replicas": count, "restartPolicy": "OnFailure", "template": {"spec": pod}}
+def _replica(pod: dict, count: int, name: str) -> dict:
+    template = {"metadata": {"labels": {"hlat/trains": name}}, "spec": pod}
+    return {"replicas": count, "restartPolicy": "OnFailure", "template": template}
+
+
+def k8s_service(name: str, image: str) -> list[dict]:
+    """`hlat service` as a Deployment of one pod (restarted wherever it is lost) on a node without the job's
+    training pods (so that losing a training node never loses it too), and a Service that gives it a stable name."""
+    labels = {"hlat/service": name}
+    away = {"labelSelector": {"matchLabels": {"hlat/trains": name}}, "topologyKey": "kubernetes.io/hostname"}
+    container = {
+        "name": "service",
+        "image": image,
+        "command": ["hlat", "service", "--port", str(SERVICE_PORT)],
+        "ports": [{"containerPort": SERVICE_PORT}],
+        "resources": {"requests": {"cpu": str(SERVICE_CPUS), "memory": SERVICE_MEMORY}},
+    }
+    pod = {"affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [away]}}}
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": service_name(name)},
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": labels},
+            "template": {"metadata": {"labels": labels}, "spec": {**pod, "containers": [container]}},
+        },
+    }
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": service_name(name)},
+        "spec": {"selector": labels, "ports": [{"port": SERVICE_PORT, "targetPort": SERVICE_PORT}]},
+    }
+    return [deployment, service]
+
+
+def service_name(name: str) -> str:
+    return f"{name}-service"
 
 
 def k8s_pod(c: ClusterConfig, name: str, image: str, node: NodeRequest) -> dict:
-    """The pod of each node: torchrun (after preflight, if asked), what the node asks for, the volumes."""
-    endpoint = "$(PET_MASTER_ADDR):$(PET_MASTER_PORT)"
+    """The pod of each node: torchrun (after preflight, if asked) at the service, what the node asks for, the
+    volumes."""
+    endpoint = f"{service_name(name)}:{SERVICE_PORT}"
     # with cluster.preflight_restarts the pods restart (runPolicy.backoffLimit), each start after its preflight
     restarts = 0 if c.preflight_restarts else c.max_restarts
     command = [
@@ -213,7 +288,6 @@ def k8s_pod(c: ClusterConfig, name: str, image: str, node: NodeRequest) -> dict:
     ]
     if c.preflight:  # exec: the training torchrun stays PID 1 and receives the pod's SIGTERM
         preflight = [*_torchrun(c, f"{name}-preflight", endpoint, 0), "-m", "hlat", "preflight", "--config", K8S_CONFIG]
-        # Kubernetes substitutes $(PET_...) inside this string too, before bash runs it
         command = ["bash", "-c", f"{shlex.join(preflight)} && exec {shlex.join(command)}"]
     data = bool(c.data_volume)
     container = {

@@ -7,14 +7,19 @@ written, looks like a crash to SLURM, Kubernetes and the supervisor. Here each t
 a per-launch directory when `hlat train` returns; a stop is clean when every local trainer left one. A failed job
 also exits 1 under torchrun, whatever its trainers said; here it exits 2 when a trainer did (an hlat error such as
 a full disk: retrying cannot help) and 3 when one's watchdog found a hang. Each start of the workers meets in a
-store of its own (`OWN_STORE_PER_ATTEMPT`).
+store of its own (`OWN_STORE_PER_ATTEMPT`), or, at the hlat service (`--rdzv-backend=hlat`: hlat.jobs.service), in a
+namespace of its own there; a job that loses the service ends in one line naming it, with exit code 4 (`LOST_EXIT`:
+its restart resumes it). `hlat torchrun` checks an `hlat train` job before torchrun starts a process
+(`hlat.jobs.cli.check_training`).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from hlat import ERROR_EXIT, HANG_EXIT
@@ -22,7 +27,9 @@ from hlat import ERROR_EXIT, HANG_EXIT
 FINISHED_DIR = "HLAT_FINISHED_DIR"  # set for the workers; they mark their return in it
 KEPT_EXIT_CODES = (ERROR_EXIT, HANG_EXIT)  # in this order: an hlat error (not retried), then a hang named
 # Each start of the workers gets a fresh store, hosted by its rank 0, instead of sharing the store the agents keep
-# for the whole job: a restart then finds no key of a dead attempt. hlat's workers used to keep each attempt apart
+# for the whole job: a restart then finds no key of a dead attempt (at the hlat service, where no training host hosts
+# a store, the workers meet in a namespace of the attempt's own instead, and this keeps node 0's agent from hosting
+# one it would never use). hlat's workers used to keep each attempt apart
 # in the shared store by TORCHELASTIC_RESTART_COUNT, but each node counts only its own failures (a node restarted
 # for another node's failure keeps its count: pytorch/pytorch#108158), so after a failure on one of several nodes
 # the ranks looked for each other in different namespaces (found by tests/test_hosts.py).
@@ -40,18 +47,33 @@ def all_finished(directory: Path) -> bool:
     return bool(marks) and len(marks) == int(marks[0].read_text())
 
 
-def torchrun(argv: list[str]) -> int:
-    """Run torchrun with `argv`; 0 after a signal if every local trainer finished, a trainer's own hlat exit code
-    if one failed with it (`KEPT_EXIT_CODES`), else torchrun's own exit."""
+def torchrun(argv: list[str], check: Callable[[argparse.Namespace], None]) -> int:
+    """Run torchrun with `argv`, after `check` has seen its parsed arguments (and raised, for a job that must not
+    start); 0 after a signal if every local trainer finished, a trainer's own hlat exit code if one failed with it
+    (`KEPT_EXIT_CODES`), 4 (one line) when the rendezvous lost the hlat service, else torchrun's own exit."""
+    from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+    from torch.distributed.elastic.rendezvous import RendezvousError
+    from torch.distributed.run import get_args_parser, run
 
+    from hlat.jobs.service import SERVICE_BACKEND, lost_service, register_backend
+
+    register_backend()
+    parser = get_args_parser()
+    parser.prog = "hlat torchrun"  # its --help and usage errors name this command, not `hlat`
+    args = parser.parse_args(argv)
+    check(args)
+    service = args.rdzv_endpoint if args.rdzv_backend == SERVICE_BACKEND else None
     with tempfile.TemporaryDirectory(prefix="hlat-finished-") as directory:
         os.environ[FINISHED_DIR] = directory
         os.environ.setdefault(OWN_STORE_PER_ATTEMPT, "1")
         try:
-            main(argv)
+            record(run)(args)  # as torchrun's own main does
+        except (RendezvousError, DistError) as e:
+            if service is None:
+                raise
+            return lost_service(service, first_line(e))
         except SignalException as e:
             if not all_finished(Path(directory)):
                 raise
@@ -64,3 +86,10 @@ def torchrun(argv: list[str]) -> int:
             print(f"hlat: a trainer exited with code {kept}; so does the job", file=sys.stderr)
             return kept
     return 0
+
+
+def first_line(e: BaseException) -> str:
+    """The first line that says something of `e`, its cause or its context (torch's rendezvous errors wrap the
+    store's)."""
+    lines = (line for err in (e, e.__cause__, e.__context__) if err for line in str(err).splitlines() if line.strip())
+    return next(lines, type(e).__name__)

@@ -9,7 +9,11 @@ system's locks cannot be trusted (Lustre mounted `localflock` or `noflock`, NFS 
 
 A job is what all its ranks and restarts share (`job_id`): the other ranks of a job never take the lock, and a
 restart of the same job whose earlier start's lock has not lapsed yet (a lost node's lock lives until the file
-server notices: NFSv4's lease, Lustre's eviction) waits for it instead of being refused.
+server notices: NFSv4's lease, Lustre's eviction) waits for it instead of being refused. At the hlat service, where
+each attempt of a job has a namespace of its own and its ranks hold leases (a rank that cannot renew its lease ends:
+hlat.parallel.lease), a later attempt does not wait for an earlier attempt's lock: that attempt's ranks have all ended
+or fenced themselves, so the lost first host costs no more than another; it writes its record, and takes the lock
+when the file server lets go of it.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from hlat import HlatError
+from hlat import SERVICE_NAMESPACE_ENV, HlatError
 from hlat.files import writing
 
 LOCK_FILE = "writer.lock"
@@ -87,6 +91,7 @@ class Holder:
     pid: int
     started: float
     heartbeat: float
+    attempt: str = ""  # the attempt's namespace at the hlat service ('' elsewhere)
 
     def fresh(self) -> bool:
         """Alive, as far as the record can tell: a live process on this host, or a heartbeat within STALE_S."""
@@ -114,11 +119,13 @@ def live_holder(run_dir: str | Path) -> Holder | None:
 
 
 class RunDirLock:
-    """The claim on a run directory, held from `acquire` to `release` (or the process's end)."""
+    """The claim on a run directory, held from `acquire` to `release` (or the process's end); `fenced`: the job's
+    ranks hold leases (train.lease_s > 0), so an earlier attempt at the service has ended when a later one starts."""
 
-    def __init__(self, run_dir: str | Path):
-        self.run_dir, self.fd = Path(run_dir), -1
-        self.me = Holder(job_id(), socket.gethostname(), os.getpid(), time.time(), time.time())
+    def __init__(self, run_dir: str | Path, fenced: bool = False):
+        self.run_dir, self.fd, self.fenced, self.locked = Path(run_dir), -1, fenced, True
+        attempt = os.environ.get(SERVICE_NAMESPACE_ENV, "")
+        self.me = Holder(job_id(), socket.gethostname(), os.getpid(), time.time(), time.time(), attempt)
         self.stop = threading.Event()
         self.beating = threading.Thread(target=self._beat, name="hlat-writer-heartbeat", daemon=True)
 
@@ -143,6 +150,8 @@ class RunDirLock:
         """Take the lock, or refuse in one line naming the job that holds it."""
         locked, holder = self._try_lock(), self._read()
         same_job = bool(holder and self.me.job and holder.job == self.me.job)
+        if locked is False and same_job and self._fenced(holder):
+            return
         if locked is False and same_job:
             if not self._wait_for_own(holder):  # this job's earlier start, dead, its lock not yet lapsed...
                 raise HlatError(
@@ -164,6 +173,21 @@ class RunDirLock:
                 f" ({local or 'this file system has no file locks'}: the holder's record "
                 f"decides until it is {STALE_S:.0f} s old)",
             )
+
+    def _fenced(self, holder: Holder) -> bool:
+        """Whether `holder` is an earlier attempt of this job at the service whose ranks have all ended or fenced
+        themselves (then this start goes on, taking the lock once the file system lets go of it)."""
+        if not (self.fenced and holder.attempt and self.me.attempt and holder.attempt != self.me.attempt):
+            return False
+        self.locked = False
+        print(
+            f"hlat: {self.run_dir} is still locked by this job's earlier attempt ({holder.describe()}), whose ranks "
+            "ended or fenced themselves (their leases ran out): going on, taking the lock when the file system "
+            "lets go of it",
+            file=sys.stderr,
+            flush=True,
+        )
+        return True
 
     def _try_lock(self) -> bool | None:
         """True: locked; False: another process holds it; None: the file system has no flock."""
@@ -220,6 +244,7 @@ class RunDirLock:
         while not self.stop.wait(HEARTBEAT_S):
             self.me.heartbeat = time.time()
             with contextlib.suppress(OSError):
+                self.locked = self.locked or self._try_lock() is not False
                 self._write()
 
     def release(self) -> None:
@@ -239,13 +264,13 @@ class RunDirLock:
 
 
 @contextlib.contextmanager
-def writing_run_dir(run_dir: str | Path):
+def writing_run_dir(run_dir: str | Path, fenced: bool = False):
     """Hold the run directory for this job while the body runs: rank 0 claims it, the job's other ranks leave it to
-    rank 0 (all of one job are one writer)."""
+    rank 0 (all of one job are one writer); `fenced`: as RunDirLock's."""
     if os.environ.get("RANK", "0") != "0":
         yield
         return
-    lock = RunDirLock(run_dir)
+    lock = RunDirLock(run_dir, fenced)
     lock.acquire()
     try:
         yield

@@ -34,6 +34,15 @@ def storages(tensors) -> dict[int, int]:
     return out
 
 
+def storage_address(t: torch.Tensor) -> int:
+    """The address of the storage holding this rank's data of `t`; 0 where it has none (a tensor subclass without
+    storage, a storage freed to no bytes)."""
+    try:
+        return held(t).untyped_storage().data_ptr()
+    except RuntimeError:
+        return 0
+
+
 def weak_storages(tensors) -> dict[int, StorageWeakRef]:
     """{storage address: weak reference} of the tensors' storages: an address is theirs only while they live."""
     return {held(t).untyped_storage().data_ptr(): StorageWeakRef(held(t).untyped_storage()) for t in tensors}
@@ -103,13 +112,21 @@ class KeptForBackward(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func == CAST and isinstance(args[0], nn.Parameter):
+        if func == CAST and self.is_parameter(args[0]):
             self.casts |= weak_storages([out])
         if func == FSDP_ALL_GATHER and torch.distributed.ProcessGroup.unbox(args[2]).group_name in self.sharding:
             self.buffers |= {
                 ptr: (ref, args[0].untyped_storage().nbytes()) for ptr, ref in weak_storages([args[0]]).items()
             }
         return out
+
+    def is_parameter(self, t: torch.Tensor) -> bool:
+        """A parameter, or this rank's part of one (a sharded parameter's local tensor, which a mixture of experts
+        casts itself)."""
+        if isinstance(t, nn.Parameter):
+            return True
+        ptr = storage_address(t)
+        return bool(ptr) and any(storage_address(p) == ptr for part in self.parts for p in part.parameters())
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         self.forward = True

@@ -37,7 +37,7 @@ from hlat.measure.options import Options
 from hlat.measure.report import Report, rounded
 from hlat.parallel.config import world_size_from_env
 from hlat.parallel.device import pick_device
-from hlat.parallel.mesh import start_process_group
+from hlat.parallel.store import start_process_group
 from hlat.profiles import Measured
 
 

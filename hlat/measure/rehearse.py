@@ -33,15 +33,13 @@ from hlat.measure.timing import sync_device
 from hlat.measure.traffic import Collectives, group_names
 from hlat.models import build_model
 from hlat.optim.fp8 import fp8_support
-from hlat.optim.precision import dtypes
 from hlat.parallel import ParallelConfig, Topology, init_topology, shard_parts
 from hlat.parallel.device import pick_device
-from hlat.parallel.pipeline import StageShapes
 from hlat.planner.layout import Layout, Workload, layout_problem
 from hlat.planner.memory import GIB
 from hlat.planner.rehearsal import RankPlan, rank_plan, rank_traffic
 from hlat.profiles import HardwareProfile, load_profile
-from hlat.train.assemble import Recipe, assemble
+from hlat.train.assemble import Recipe, assemble, stage_shapes
 from hlat.train.faults import BadSteps
 from hlat.train.health import Health
 from hlat.train.metrics import peak_memory_bytes
@@ -67,6 +65,9 @@ class Rehearsal:
 
     @property
     def work(self) -> Workload:
+        """The planner's workload; under expert parallelism at an even load: in a fake world a rank's experts receive
+        from each peer what the rank sends that peer's experts (`hlat.models.moe.ExpertDispatch`), as many choices in
+        all as it routes."""
         cfg = self.cfg
         return Workload(cfg.model, cfg.train.seq_len, cfg.train.global_batch, cfg.precision.mode, cfg.parallel.compile)
 
@@ -167,11 +168,6 @@ def run_rank(setup: Rehearsal, rank: int) -> dict:
     report["time"]["startup_s"] = startup_s
     report["peak_memory"] = peak_memory(device)
     return report
-
-
-def stage_shapes(cfg: Config) -> StageShapes:
-    hidden, _ = dtypes(cfg.precision.mode)
-    return StageShapes(cfg.train.micro_batch, cfg.train.seq_len, hidden)
 
 
 def check_fits(setup: Rehearsal, topo: Topology, model, plan: RankPlan, device: torch.device) -> None:
@@ -438,7 +434,11 @@ def scaled_collectives(rows: list[dict], setup: Rehearsal, planned: dict[tuple[s
         ("all_reduce", "cp"),
     }
     per_micro_batch |= set() if p.sequence_parallel else {("all_reduce", "tp")}
-    per_micro_batch |= {("all_gather", p.fsdp_dim), ("reduce_scatter", p.fsdp_dim)} if fsdp_per_micro_batch else set()
+    per_micro_batch |= {("all_to_all", "ep")} if p.ep > 1 else set()
+    fsdp_dims = (p.fsdp_dim, "ep_shard") if p.ep > 1 else (p.fsdp_dim,)
+    per_micro_batch |= (
+        {(kind, d) for kind in ("all_gather", "reduce_scatter") for d in fsdp_dims} if fsdp_per_micro_batch else set()
+    )
     ratio = setup.step_micro_batches / setup.micro_batches
     rows += [
         {"kind": kind, "dim": dim, "count": 0, "bytes": 0}

@@ -36,6 +36,14 @@ class ModelConfig:
     # the hidden states, never holding the [tokens, vocab] logits (hlat.models.loss.linear_cross_entropy);
     # 0 = the whole logits at once (the plain path, for comparison)
     loss_chunk: int = 2048
+    # Mixture of experts (llama only; docs/moe.md)
+    n_experts: int = 0  # experts in each block's MLP, each a SwiGLU of ffn_dim (0: a dense model)
+    # the experts each token runs through: those its router scores highest (softmax, renormalised over them)
+    experts_per_token: int = 2
+    # tokens an expert takes per sequence, as a multiple of an even share (seq_len x experts_per_token / n_experts);
+    # the later tokens of a sequence past it are dropped (they skip that expert). 0: none is dropped
+    capacity_factor: float = 0.0
+    aux_loss_coef: float = 0.01  # the load-balancing loss's weight (Switch Transformer's; Mixtral's is 0.02)
 
     # --- derived shapes -------------------------------------------------------------------------
     @property
@@ -53,6 +61,10 @@ class ModelConfig:
     @property
     def has_bias(self) -> bool:
         return self.family == "neox"
+
+    @property
+    def moe(self) -> bool:
+        return self.n_experts > 0
 
     def validate(self) -> ModelConfig:
         def bad(field: str, why: str) -> ConfigError:
@@ -79,31 +91,60 @@ class ModelConfig:
             raise bad("rotary_pct", "partial rotary is a NeoX feature; llama rotates the whole head")
         if self.norm_eps <= 0 or self.rope_theta <= 0 or self.init_std <= 0:
             raise bad("norm_eps/rope_theta/init_std", "must be positive")
+        return self.validate_experts(bad)
+
+    def validate_experts(self, bad) -> ModelConfig:
+        if self.n_experts < 0:
+            raise bad("n_experts", f"must be >= 0 (0: a dense model), got {self.n_experts}")
+        if not self.moe:
+            return self
+        if self.family != "llama":
+            raise bad("n_experts", "mixture-of-experts blocks are built for the llama family only")
+        if not 1 <= self.experts_per_token <= self.n_experts:
+            k = self.experts_per_token
+            raise bad("experts_per_token", f"must be between 1 and n_experts {self.n_experts}, got {k}")
+        if self.capacity_factor < 0 or self.aux_loss_coef < 0:
+            raise bad("capacity_factor/aux_loss_coef", "must be >= 0")
         return self
 
     # --- counts ---------------------------------------------------------------------------------
-    def layer_params(self) -> int:
+    def layer_params(self, experts: int | None = None) -> int:
+        """One layer's parameters; of a mixture-of-experts layer, with `experts` of its experts (default: all of
+        them; `experts_per_token`: those a token runs through) beside its router."""
         d, hd, f = self.dim, self.head_dim, self.ffn_dim
         qkv_out = d + 2 * self.kv_heads * hd
         attn = d * qkv_out + d * d
+        if self.moe:  # each expert a SwiGLU; the router one row per expert
+            return attn + (self.n_experts if experts is None else experts) * 3 * d * f + self.n_experts * d + 2 * d
         if self.family == "llama":
             return attn + 3 * d * f + 2 * d  # SwiGLU has three matrices; two RMSNorm weights
         # NeoX: biases on every linear, LayerNorm weight and bias twice
         return attn + qkv_out + d + 2 * d * f + f + d + 4 * d
+
+    def expert_params(self) -> int:
+        """One expert's parameters (0 in a dense model)."""
+        return 3 * self.dim * self.ffn_dim if self.moe else 0
 
     def embedding_params(self) -> int:
         """Input embedding plus the output projection when it is a separate matrix."""
         return self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
 
     def num_params(self, embedding: bool = True) -> int:
+        """Every parameter the model stores (of a mixture of experts, every expert's)."""
+        return self.active_params(embedding, self.n_experts if self.moe else None)
+
+    def active_params(self, embedding: bool = True, experts: int | None = None) -> int:
+        """The parameters one token's forward pass runs through: of a mixture of experts, its `experts_per_token`
+        experts of each layer (or `experts`), not all of them; of a dense model, all."""
         final_norm = self.dim * (2 if self.family == "neox" else 1)
-        body = self.n_layers * self.layer_params() + final_norm
+        body = self.n_layers * self.layer_params(experts or self.experts_per_token) + final_norm
         return body + (self.embedding_params() if embedding else 0)
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token (forward + backward): 6 x the matmul parameters, including the output
-        projection, plus causal-agnostic attention scores and values, 12 x layers x dim x seq_len (PaLM)."""
-        matmul_params = self.num_params(embedding=False) + self.vocab_size * self.dim
+        """Training FLOPs per token (forward + backward): 6 x the matmul parameters a token runs through (its
+        experts, not every expert), including the output projection, plus causal-agnostic attention scores and
+        values, 12 x layers x dim x seq_len (PaLM)."""
+        matmul_params = self.active_params(embedding=False) + self.vocab_size * self.dim
         return 6.0 * matmul_params + 12.0 * self.n_layers * self.dim * seq_len
 
 
@@ -119,6 +160,17 @@ PRESETS: dict[str, dict] = {
         vocab_size=32000,
         max_seq_len=2048,
         tie_embeddings=True,
+    ),
+    "tiny-moe": dict(
+        family="llama",
+        dim=256,
+        n_layers=4,
+        n_heads=4,
+        ffn_dim=256,
+        vocab_size=8192,
+        max_seq_len=1024,
+        n_experts=8,
+        experts_per_token=2,
     ),
     "tiny-neox": dict(
         family="neox", dim=256, n_layers=4, n_heads=4, ffn_dim=1024, vocab_size=8192, max_seq_len=1024, rotary_pct=0.25
@@ -176,6 +228,22 @@ PRESETS: dict[str, dict] = {
         vocab_size=128256,
         max_seq_len=8192,
         rope_theta=500000.0,
+    ),
+    # Mixtral 8x7B (Jiang et al. 2024, and the released config.json): 8 SwiGLU experts of 14336 per layer, 2 per
+    # token, no shared expert; the load-balancing loss at the released router_aux_loss_coef
+    "mixtral-8x7b": dict(
+        family="llama",
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim=14336,
+        vocab_size=32000,
+        max_seq_len=32768,
+        rope_theta=1e6,
+        n_experts=8,
+        experts_per_token=2,
+        aux_loss_coef=0.02,
     ),
     "pythia-6.9b": dict(
         family="neox",

@@ -1,7 +1,10 @@
-"""Conversion between hlat models and Hugging Face `LlamaForCausalLM` / `GPTNeoXForCausalLM` directories
-(config.json + safetensors), using only json and safetensors: transformers is not needed at run time.
+"""Conversion between hlat models and Hugging Face `LlamaForCausalLM` / `GPTNeoXForCausalLM` / `MixtralForCausalLM`
+directories (config.json + safetensors), using only json and safetensors: transformers is not needed at run time.
 
-Two layout differences need more than renaming:
+Three layout differences need more than renaming:
+* Mixtral's experts are one tensor per expert and matrix on disk (`block_sparse_moe.experts.{j}.w1.weight`, as
+  every transformers release writes them), stacked per matrix in hlat; transformers 5 holds them fused in memory
+  (`mlp.experts.gate_up_proj`, `down_proj`), which is read too.
 * NeoX fuses q, k and v into one `query_key_value` matrix whose rows are ordered [head, (q, k, v), head_dim].
 * Rotary pairs. Both rotate dimension j with j + half, but HF's partial rotary rotates the first rotary_dim
   dimensions of a head as a block (pairs (j, j + rotary_dim/2)) and passes the rest through, while hlat's
@@ -77,7 +80,24 @@ _FAMILIES = {
         },
         {"hidden_act": "gelu", "attention_bias": True},
     ),
+    "mixtral": _Family(  # the llama family with mixture-of-experts blocks
+        "mixtral",
+        "MixtralForCausalLM",
+        "model.",
+        "embed_tokens",
+        "norm",
+        "lm_head.weight",
+        (),
+        {
+            "attention.wo": "self_attn.o_proj",
+            "feed_forward.router": "block_sparse_moe.gate",
+            "attention_norm": "input_layernorm",
+            "ffn_norm": "post_attention_layernorm",
+        },
+        {"hidden_act": "silu", "router_jitter_noise": 0.0},
+    ),
 }
+_EXPERTS = ("w1", "w2", "w3")  # hlat's stacked matrices, Mixtral's per-expert names alike
 _LLAMA_QKV = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj"}
 _NEOX_QKV = "attention.query_key_value"
 # Buffers that older checkpoints saved alongside the weights.
@@ -85,6 +105,11 @@ _IGNORED = re.compile(r"\.(attention\.bias|attention\.masked_bias|rotary_emb\.in
 
 
 # --- configs ---------------------------------------------------------------------------------------
+
+
+def _kind(cfg: ModelConfig) -> str:
+    """The key of `_FAMILIES` a model converts as: its family, or mixtral for a llama of experts."""
+    return "mixtral" if cfg.moe else cfg.family
 
 
 def hf_config_to_model_config(hf_cfg: dict) -> ModelConfig:
@@ -96,12 +121,13 @@ def hf_config_to_model_config(hf_cfg: dict) -> ModelConfig:
         return hf_cfg[key]
 
     model_type = need("model_type")
-    family = next((f for f, spec in _FAMILIES.items() if spec.model_type == model_type), None)
-    if family is None:
-        raise HlatError(f"model_type {model_type!r} is not supported (supported: llama, gpt_neox)")
-    for field, value in _FAMILIES[family].fixed.items():
+    kind = next((f for f, spec in _FAMILIES.items() if spec.model_type == model_type), None)
+    if kind is None:
+        raise HlatError(f"model_type {model_type!r} is not supported (supported: llama, gpt_neox, mixtral)")
+    for field, value in _FAMILIES[kind].fixed.items():
         if hf_cfg.get(field, value) != value:
             raise HlatError(f"{field}={hf_cfg[field]!r} is not supported for {model_type} (only {value!r})")
+    family = "neox" if kind == "neox" else "llama"
     has_bias = family == "neox"
     dim, n_heads = need("hidden_size"), need("num_attention_heads")
     if hf_cfg.get("head_dim") not in (None, dim // n_heads):
@@ -133,13 +159,27 @@ def hf_config_to_model_config(hf_cfg: dict) -> ModelConfig:
     )
     if has_bias:
         fields["parallel_residual"] = hf_cfg.get("use_parallel_residual", True)
+    if kind == "mixtral":
+        fields.update(mixtral_fields(hf_cfg, need))
     return update(ModelConfig(), fields, "model.").validate()
+
+
+def mixtral_fields(hf_cfg: dict, need) -> dict:
+    """The expert fields of a Mixtral config (which attends to every earlier position: no sliding window)."""
+    window = hf_cfg.get("sliding_window")
+    if window is not None and window < need("max_position_embeddings"):
+        raise HlatError(f"sliding_window={window} is not supported (only full attention: null)")
+    return dict(
+        n_experts=need("num_local_experts"),
+        experts_per_token=need("num_experts_per_tok"),
+        aux_loss_coef=hf_cfg.get("router_aux_loss_coef", 0.001),  # transformers' default
+    )
 
 
 def model_config_to_hf_config(cfg: ModelConfig) -> dict:
     """A config.json dict that transformers 5 (`rope_parameters`) and 4 (top-level rotary fields, which it
     would otherwise fill with its defaults without a word) both read as this model."""
-    spec = _FAMILIES[cfg.family]
+    spec = _FAMILIES[_kind(cfg)]
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     hf = dict(
         architectures=[spec.architecture],
@@ -162,6 +202,13 @@ def model_config_to_hf_config(cfg: ModelConfig) -> dict:
             head_dim=cfg.head_dim,
             rms_norm_eps=cfg.norm_eps,
             rope_theta=cfg.rope_theta,
+        )
+    if cfg.moe:  # capacity is hlat's training alone: its inference routes every token, as transformers' does
+        hf.update(
+            num_local_experts=cfg.n_experts,
+            num_experts_per_tok=cfg.experts_per_token,
+            router_aux_loss_coef=cfg.aux_loss_coef,
+            sliding_window=None,
         )
     else:
         rope["partial_rotary_factor"] = cfg.rotary_pct
@@ -195,7 +242,7 @@ def _params(cfg: ModelConfig) -> tuple[str, ...]:
 
 def _renames(cfg: ModelConfig) -> list[tuple[str, str]]:
     """(hlat key, HF key) of every tensor that only changes its name: all but q, k and v."""
-    spec, params = _FAMILIES[cfg.family], _params(cfg)
+    spec, params = _FAMILIES[_kind(cfg)], _params(cfg)
     pairs = [("tok_embeddings.weight", f"{spec.prefix}{spec.embedding}.weight")]
     for i in range(cfg.n_layers):
         pairs += [
@@ -217,8 +264,12 @@ def _get(state: dict[str, torch.Tensor], key: str) -> torch.Tensor:
 
 def hlat_state_to_hf(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """HF tensors from an hlat state dict (tensors are shared or views where no reordering is needed)."""
-    spec, inverse = _FAMILIES[cfg.family], torch.argsort(_rotary_perm(cfg))
+    spec, inverse = _FAMILIES[_kind(cfg)], torch.argsort(_rotary_perm(cfg))
     out = {theirs: _get(state, ours) for ours, theirs in _renames(cfg)}
+    for i in range(cfg.n_layers if cfg.moe else 0):
+        for w in _EXPERTS:
+            stacked = _get(state, f"layers.{i}.feed_forward.experts.{w}")
+            out.update({_expert_key(i, j, w): t for j, t in enumerate(stacked.unbind(0))})
     for i in range(cfg.n_layers):
         src, dst = f"layers.{i}.", f"{spec.prefix}layers.{i}."
         for p in _params(cfg):
@@ -232,10 +283,32 @@ def hlat_state_to_hf(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[s
     return out
 
 
+def _expert_key(layer: int, expert: int, matrix: str) -> str:
+    return f"model.layers.{layer}.block_sparse_moe.experts.{expert}.{matrix}.weight"
+
+
+def _unfused(hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Mixtral's tensors as on disk, from transformers 5's fused ones in memory (`mlp.gate.weight`,
+    `mlp.experts.gate_up_proj` [experts, 2 ffn, dim] and `mlp.experts.down_proj`); other tensors as they are."""
+    out = {}
+    for key, t in hf_state.items():
+        layer, fused, name = key.partition(".mlp.")
+        if not fused or not name.startswith(("gate.", "experts.")):
+            out[key] = t
+        elif name == "gate.weight":
+            out[f"{layer}.block_sparse_moe.gate.weight"] = t
+        else:
+            i = int(layer.rsplit(".", 1)[1])
+            matrices = dict(zip(("w1", "w3"), t.chunk(2, dim=1))) if name.endswith("gate_up_proj") else {"w2": t}
+            for w, stacked in matrices.items():
+                out.update({_expert_key(i, j, w): expert for j, expert in enumerate(stacked.unbind(0))})
+    return out
+
+
 def _check_hf_state(cfg: ModelConfig, hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The tensors the config calls for, after checking that none is missing, unexpected or misshapen."""
-    spec = _FAMILIES[cfg.family]
-    hf_state = dict(hf_state)
+    spec = _FAMILIES[_kind(cfg)]
+    hf_state = _unfused(hf_state) if cfg.moe else dict(hf_state)
     for alias in spec.output_aliases:
         if alias in hf_state:
             hf_state.setdefault(spec.output, hf_state.pop(alias))
@@ -255,8 +328,12 @@ def _check_hf_state(cfg: ModelConfig, hf_state: dict[str, torch.Tensor]) -> dict
 def hf_state_to_hlat(cfg: ModelConfig, hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """An hlat state dict (loadable with strict=True) from HF tensors."""
     hf_state = _check_hf_state(cfg, hf_state)
-    spec, perm = _FAMILIES[cfg.family], _rotary_perm(cfg)
+    spec, perm = _FAMILIES[_kind(cfg)], _rotary_perm(cfg)
     out = {ours: hf_state[theirs] for ours, theirs in _renames(cfg)}
+    for i in range(cfg.n_layers if cfg.moe else 0):
+        for w in _EXPERTS:
+            experts = [hf_state[_expert_key(i, j, w)] for j in range(cfg.n_experts)]
+            out[f"layers.{i}.feed_forward.experts.{w}"] = torch.stack(experts)
     for i in range(cfg.n_layers):
         src, dst = f"{spec.prefix}layers.{i}.", f"layers.{i}."
         for p in _params(cfg):

@@ -242,7 +242,7 @@ def init_std(cfg: ModelConfig, module_name: str, module: nn.Module, param_name: 
         return 0.0
     if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
         return 1.0
-    if module_name.rsplit(".", 1)[-1] in OUTPUT_PROJECTIONS:
+    if module_name.rsplit(".", 1)[-1] in OUTPUT_PROJECTIONS or param_name in OUTPUT_PROJECTIONS:  # experts' w2 too
         return cfg.init_std / math.sqrt(2 * cfg.n_layers)
     return cfg.init_std
 

@@ -37,16 +37,22 @@ class OptimConfig:
         return self
 
 
+Mode = Literal[tuple(MODES)]  # the precision modes' names, as the config's choices
+
+
 @dataclass
 class PrecisionConfig:
-    mode: str = "fp32"  # one of IMPLEMENTED_MODES, the modes of hlat.optim.modes.MODES
+    # what weights, gradients, optimizer states and compute are kept in (docs/precision.md): fp32; bf16_mixed (bf16
+    # compute, fp32 master weights and states); bf16_sr (pure bf16, stochastic rounding on update); bf16_kahan (pure
+    # bf16, a Kahan compensation buffer)
+    mode: Mode = "fp32"
     # FP8 matmuls in the transformer blocks' linear layers (torchao float8 training, docs/precision.md), on top of
     # a bf16 mode: "none", "tensorwise" or "rowwise" (the scaling granularity); emulated on a CPU
     fp8: Literal["none", "tensorwise", "rowwise"] = "none"
 
     def validate(self) -> PrecisionConfig:
-        if self.mode not in IMPLEMENTED_MODES:
-            raise ConfigError(f"precision.mode: {self.mode!r} is not one of {', '.join(IMPLEMENTED_MODES)}")
+        if self.mode not in MODES:
+            raise ConfigError(f"precision.mode: {self.mode!r} is not one of {', '.join(MODES)}")
         if self.fp8 != "none" and self.mode == "fp32":
             raise ConfigError(
                 "precision.fp8: FP8 matmuls need a bf16 mode (bf16_mixed, bf16_sr or bf16_kahan); "
@@ -55,5 +61,4 @@ class PrecisionConfig:
         return self
 
 
-IMPLEMENTED_MODES = tuple(MODES)
 FP8_RECIPES = tuple(r for r in get_args(get_type_hints(PrecisionConfig)["fp8"]) if r != "none")  # torchao's scalings

@@ -1,6 +1,7 @@
 """Parallelism applied from outside the model, one function per concern, in torchtitan's order: pipeline
-split, tensor parallelism, context parallelism, activation checkpointing, compilation, data parallelism (over
-dp_shard x cp); then the (still meta) parts are allocated and initialised, identically to a single process.
+split, expert parallelism, tensor parallelism, context parallelism, activation checkpointing, compilation, data
+parallelism (over dp_shard x cp); then the (still meta) parts are allocated and initialised, identically to a single
+process.
 
 Torch is imported on first use, so `hlat.parallel.config` stays torch-free for `hlat describe` and the planner."""
 
@@ -48,6 +49,7 @@ def shard_parts(model: nn.Module, topo: Topology) -> list[tuple[int, nn.Module]]
     tensors have this rank's shapes, so what the rank will hold can be counted before it is allocated)."""
     from hlat.parallel.context import apply_context_parallel
     from hlat.parallel.data import apply_data_parallel
+    from hlat.parallel.experts import apply_expert_parallel
     from hlat.parallel.pipeline import split_model
     from hlat.parallel.recompute import apply_recomputation
     from hlat.parallel.tensor import apply_tensor_parallel
@@ -55,6 +57,8 @@ def shard_parts(model: nn.Module, topo: Topology) -> list[tuple[int, nn.Module]]
     cfg = topo.cfg
     parts = split_model(model, topo) if cfg.pp > 1 else [(0, model)]
     for _, part in parts:
+        if cfg.ep > 1:
+            apply_expert_parallel(part, topo)
         if cfg.tp > 1:
             apply_tensor_parallel(part, topo.tp_mesh, cfg.sequence_parallel)
         if cfg.cp > 1:
@@ -63,7 +67,8 @@ def shard_parts(model: nn.Module, topo: Topology) -> list[tuple[int, nn.Module]]
         if cfg.compile:
             compile_blocks(part, cfg)
         if cfg.dp * cfg.cp > 1:
-            apply_data_parallel(part, topo.dp_mesh, cfg.zero1, pipelined=cfg.pp > 1)
+            experts = topo.expert_dp_mesh if cfg.ep > 1 else None
+            apply_data_parallel(part, topo.dp_mesh, cfg.zero1, pipelined=cfg.pp > 1, experts=experts)
     return parts
 
 

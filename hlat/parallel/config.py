@@ -40,6 +40,9 @@ class ParallelConfig:
     tp: int = 1  # tensor parallelism (with sequence parallelism in the norm regions when sequence_parallel)
     pp: int = 1  # pipeline stages (x virtual_stages stage modules under interleaved_1f1b)
     cp: int = 1  # context parallelism: sequences split over cp ranks, sharing FSDP's sharding (docs/long-context.md)
+    # expert parallelism: each mixture-of-experts layer's experts spread over ep of the dp_shard x cp ranks, which
+    # send each other their tokens' choices (docs/moe.md)
+    ep: int = 1
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
     virtual_stages: int = 2  # stage modules per pipeline rank under interleaved_1f1b
     sequence_parallel: bool = True
@@ -60,7 +63,7 @@ class ParallelConfig:
 
     def resolved(self, world_size: int) -> ParallelConfig:
         """A copy with dp_shard (or dp_replicate) filled in, checked against the world size."""
-        for name in ("tp", "pp", "cp", "virtual_stages"):
+        for name in ("tp", "pp", "cp", "ep", "virtual_stages"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"parallel.{name}: must be >= 1, got {getattr(self, name)}")
         if world_size % self.cp:
@@ -99,6 +102,11 @@ class ParallelConfig:
         return self.dp_shard * self.cp
 
     @property
+    def expert_shards(self) -> int:
+        """Ranks FSDP shards each expert over: the dp_shard x cp ranks that hold the same experts."""
+        return self.shards // self.ep
+
+    @property
     def fsdp_dim(self) -> str:
         """The name of that sharding's mesh dimension (hlat.parallel.mesh)."""
         return "dp_shard" if self.cp == 1 else "dp_shard_cp"
@@ -127,6 +135,7 @@ class ParallelConfig:
             raise ConfigError(
                 "parallel.pp: tied embeddings cannot be split across pipeline stages; set model.tie_embeddings = false"
             )
+        check_experts(p, model)
         if p.compile and not p.compile_backend:
             raise ConfigError("parallel.compile_backend: empty; 'inductor' is torch's default")
         if p.zero1 and p.shards == 1:
@@ -137,6 +146,27 @@ class ParallelConfig:
                 f"{p.activation_checkpoint!r} in this torch; turn compile or recomputation off"
             )
         return p
+
+
+def check_experts(p: ParallelConfig, model: ModelConfig) -> None:
+    """Expert parallelism against the model and the data-parallel ranks it spreads the experts over."""
+    if p.ep > 1 and not model.moe:
+        raise ConfigError(f"parallel.ep: {p.ep} needs a mixture-of-experts model (model.n_experts > 0)")
+    if model.moe and model.n_experts % p.ep:
+        raise ConfigError(f"parallel.ep: {p.ep} does not divide model.n_experts {model.n_experts}")
+    if p.shards % p.ep:
+        raise ConfigError(
+            f"parallel.ep: {p.ep} does not divide dp_shard x cp = {p.shards} (the expert-parallel ranks are data- "
+            "or context-parallel ranks, each routing its own tokens)"
+        )
+    if p.compile and model.moe:
+        raise ConfigError("parallel.compile: not supported for mixture-of-experts models (model.n_experts > 0)")
+    local, shards = model.n_experts // p.ep, p.expert_shards
+    if p.ep > 1 and local % shards and (model.ffn_dim // p.tp % shards or model.dim % shards):
+        raise ConfigError(
+            f"parallel.ep: FSDP shards each rank's {local} experts over the {shards} ranks holding them (dp_shard x "
+            f"cp / ep), by experts or by rows: neither divides (ffn_dim / tp {model.ffn_dim // p.tp}, dim {model.dim})"
+        )
 
 
 def check_layout(
@@ -151,10 +181,11 @@ def check_layout(
             f"parallel.cp: train.seq_len {seq_len} is not divisible by 2 x cp = {2 * p.cp} (each "
             "context-parallel rank holds 2 of 2 x cp equal chunks of every sequence)"
         )
-    if p.sequence_parallel and p.tp > 1 and (seq_len // p.cp) % p.tp:
+    if (p.sequence_parallel or model.moe) and p.tp > 1 and (seq_len // p.cp) % p.tp:
         raise ConfigError(
-            f"parallel.sequence_parallel: tp {p.tp} does not divide the {seq_len // p.cp} tokens of "
-            f"each sequence a rank holds (train.seq_len {seq_len} / cp {p.cp})"
+            f"parallel.{'sequence_parallel' if p.sequence_parallel else 'tp'}: tp {p.tp} does not divide the "
+            f"{seq_len // p.cp} tokens of each sequence a rank holds (train.seq_len {seq_len} / cp {p.cp}), which "
+            f"{'sequence parallelism' if p.sequence_parallel else 'mixture-of-experts layers'} split over tp"
         )
     if p.pp > 1 and accum < p.pp:
         raise ConfigError(

@@ -23,6 +23,8 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> None:
     model.split = split
     for block in model.layers.values():
         block.attention.split = split
+        if model.cfg.moe:  # routing spans whole sequences (hlat.models.moe)
+            block.feed_forward.cp = split
 
 
 def split_batch(batch: dict[str, torch.Tensor], cp: int, rank: int) -> dict[str, torch.Tensor]:

@@ -42,5 +42,10 @@ def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
 
 def clip_in_place(params: list[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
     """Every gradient of `params` multiplied in place by clip_coefficient(norm, max_norm), for the optimizers
-    that take the gradients as they are (torch's AdamW)."""
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    that take the gradients as they are (torch's AdamW): one call per device mesh the gradients are on (DTensor
+    multiplies them by one coefficient on one mesh; the experts' weights have a mesh of their own)."""
+    by_mesh: dict = {}
+    for p in params:
+        by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    for group in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)

@@ -6,22 +6,27 @@ FSDP shards the parameters over dp_shard x cp together (the context-parallel ran
 sequences, so they reduce the same gradients), and tensor parallelism inside each shard group: `fully_shard` needs
 its mesh and the tensor-parallel one cut from one root mesh. With cp > 1 that root is a second mesh, (pp,
 dp_replicate, dp_shard_cp, tp), made from the first mesh's groups and one new group per dp_shard x cp block through
-torch's public `DeviceMesh.from_group`, not by flattening the first one (a private method)."""
+torch's public `DeviceMesh.from_group`, not by flattening the first one (a private method).
+
+Expert parallelism (ep > 1) adds a third mesh over the same ranks, (pp, dp_replicate, ep_shard, ep, tp): each
+block of dp_shard x cp ranks split into ep_shard x ep, ep innermost. A mixture-of-experts layer's experts are spread
+over ep (the ranks that send each other their tokens) and FSDP shards each rank's experts over ep_shard (the ranks
+holding the same ones)."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from hlat.parallel.config import ParallelConfig, world_size_from_env
-from hlat.parallel.device import backend_for
+from hlat.parallel.store import AttemptStore, restart_attempt, start_process_group
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+EXPERT_DIMS = ("pp", "dp_replicate", "ep_shard", "ep", "tp")
 
 
 @dataclass
@@ -37,6 +42,8 @@ class Topology:
     dp_rank: int = 0
     cp_rank: int = 0
     tp_rank: int = 0
+    store: AttemptStore | None = None  # where this attempt's workers meet, when this process formed its group
+    experts: DeviceMesh | None = None  # the experts' mesh (EXPERT_DIMS), with ep > 1
 
     @property
     def is_main(self) -> bool:
@@ -58,9 +65,21 @@ class Topology:
     def tp_mesh(self) -> DeviceMesh:
         return self.sharding["tp"]
 
+    @property
+    def expert_weights_mesh(self) -> DeviceMesh:
+        """What the experts' weights are split over under expert parallelism besides data parallelism: ep (their
+        experts), and with tensor parallelism tp (a slice of each expert's ffn_dim)."""
+        return self.experts[("ep", "tp") if self.cfg.tp > 1 else "ep"]
+
+    @property
+    def expert_dp_mesh(self) -> DeviceMesh:
+        """What `fully_shard` shards and replicates the experts over under expert parallelism (as `dp_mesh`)."""
+        return self.experts[data_parallel_dims(self.cfg.dp_replicate, "ep_shard")]
+
     def dim_groups(self) -> dict[str, dist.ProcessGroup]:
-        """{mesh dimension: this rank's group} of both meshes."""
+        """{mesh dimension: this rank's group} of every mesh."""
         meshes = [self.mesh] + ([self.sharding] if self.sharding is not self.mesh else [])
+        meshes += [self.experts] if self.experts is not None else []
         return {dim: mesh.get_group(dim) for mesh in meshes for dim in mesh.mesh_dim_names}
 
 
@@ -78,8 +97,7 @@ def init_topology(cfg: ParallelConfig, device: torch.device, timeout_s: float = 
     (`hlat rehearse`'s fake one) is used as it is."""
     if world_size_from_env() == 1 and not dist.is_initialized():
         return Topology(cfg, None)
-    if not dist.is_initialized():
-        start_process_group(device, timeout_s)
+    store = None if dist.is_initialized() else start_process_group(device, timeout_s)
     shape = tuple(getattr(cfg, d) for d in MESH_DIMS)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
     coord = dict(zip(MESH_DIMS, mesh.get_coordinate()))
@@ -92,13 +110,9 @@ def init_topology(cfg: ParallelConfig, device: torch.device, timeout_s: float = 
         cp_rank=coord["cp"],
         tp_rank=coord["tp"],
         dp_rank=coord["dp_replicate"] * cfg.dp_shard + coord["dp_shard"],
+        store=store,
+        experts=expert_mesh(mesh, cfg) if cfg.ep > 1 else None,
     )
-
-
-def restart_attempt() -> int:
-    """Which attempt of its torchrun job this worker is: 0, or n after torchrun restarted the workers n times in
-    place (--max-restarts)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def continues_run() -> bool:
@@ -108,47 +122,33 @@ def continues_run() -> bool:
     return restart_attempt() > 0 or int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
 
 
-def shares_agent_store() -> bool:
-    """Whether this torchrun worker meets its peers in the store its agents keep for the whole job (torchrun's
-    default) rather than in a store of this attempt's own (`hlat torchrun`: `hlat/jobs/torchrun.py`)."""
-    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-
-
-def start_process_group(device: torch.device, timeout_s: float, bind_device: bool = False) -> None:
-    """The default process group of a torchrun job (the backend of `device`'s type); `bind_device`: its
-    communicators are made at once, on `device` (preflight).
-
-    Where the workers share the agents' store (plain torchrun), restarting them in place leaves the dead attempt's
-    keys in it: a rank of the new attempt could read a peer's old address before the peer wrote its new one, and
-    gloo then fails to connect ("Connection refused", pytorch/pytorch#167288; NCCL is reported alike). Here 5 of
-    10 restarted 2-rank gloo jobs failed so, 0 of 20 with each attempt in a namespace of its own. The attempt
-    number is each node's own count (pytorch/pytorch#108158): on several nodes it differs after a failure, so
-    `hlat torchrun` gives each attempt a fresh store instead, and its ranks form the group there unprefixed."""
-    timeout = timedelta(seconds=timeout_s)
-    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
-    if shares_agent_store():
-        store = dist.PrefixStore(f"hlat/attempt{restart_attempt()}", store)
-    dist.init_process_group(
-        backend_for(device),
-        store=store,
-        rank=rank,
-        world_size=world_size,
-        timeout=timeout,
-        device_id=device if bind_device and device.type != "cpu" else None,
-    )
-
-
 def sharding_mesh(mesh: DeviceMesh, cfg: ParallelConfig) -> DeviceMesh:
     """(pp, dp_replicate, dp_shard_cp, tp) over the same ranks as `mesh`: its pp, dp_replicate and tp groups, and
     a group of each block of dp_shard x cp ranks (every rank creates every block's group, in the same order, as
     `new_group` requires)."""
     ranks = mesh.mesh.reshape(cfg.pp, cfg.dp_replicate, cfg.shards, cfg.tp)
-    mine = None
-    for block in ranks.permute(0, 1, 3, 2).reshape(-1, cfg.shards).tolist():
-        group = dist.new_group(block)
-        if dist.get_rank() in block:
-            mine = group
-    groups = [mesh.get_group("pp"), mesh.get_group("dp_replicate"), mine, mesh.get_group("tp")]
+    groups = [mesh.get_group("pp"), mesh.get_group("dp_replicate"), own_group(ranks, 2), mesh.get_group("tp")]
     return DeviceMesh.from_group(
         groups, mesh.device_type, mesh=ranks, mesh_dim_names=("pp", "dp_replicate", cfg.fsdp_dim, "tp")
     )
+
+
+def expert_mesh(mesh: DeviceMesh, cfg: ParallelConfig) -> DeviceMesh:
+    """(pp, dp_replicate, ep_shard, ep, tp) over the same ranks as `mesh`: its pp, dp_replicate and tp groups, and a
+    group of each block of ep and of ep_shard ranks."""
+    ranks = mesh.mesh.reshape(cfg.pp, cfg.dp_replicate, cfg.expert_shards, cfg.ep, cfg.tp)
+    groups = [mesh.get_group("pp"), mesh.get_group("dp_replicate"), own_group(ranks, 2), own_group(ranks, 3)]
+    return DeviceMesh.from_group(
+        groups + [mesh.get_group("tp")], mesh.device_type, mesh=ranks, mesh_dim_names=EXPERT_DIMS
+    )
+
+
+def own_group(ranks: torch.Tensor, dim: int) -> dist.ProcessGroup:
+    """This rank's group of the ranks along dimension `dim` of the rank grid `ranks`, making every such group (every
+    rank makes every group, in the same order, as `new_group` requires)."""
+    mine = None
+    for block in ranks.movedim(dim, -1).reshape(-1, ranks.shape[dim]).tolist():
+        group = dist.new_group(block)
+        if dist.get_rank() in block:
+            mine = group
+    return mine

@@ -2,7 +2,12 @@
 `selective` keeps the outputs of the matrix multiplications (and of tensor-parallel collectives, so no
 communication is repeated) and recomputes the rest: the attention core (scaled dot-product attention), as HLAT
 did (after Korthikanti et al. 2022), and the cheap elementwise work around it. Parameter names are unchanged, so
-checkpoints do not depend on this setting."""
+checkpoints do not depend on this setting.
+
+A mixture-of-experts block under `selective` recomputes its attention alone, as above, and keeps what its experts'
+half computes: under expert parallelism the experts are an FSDP unit of their own, whose gathers inside a selectively
+recomputed region would run otherwise in recomputation than in the forward (torch's selective checkpointing replays
+the forward's operations in their order)."""
 
 from __future__ import annotations
 
@@ -37,4 +42,5 @@ def apply_recomputation(model: nn.Module, mode: str) -> None:
         return
     for block in model.layers.values():
         # wrapping the bound forward (not the module) keeps the block's parameter names
-        block.forward = functools.partial(_checkpointed, block.forward, mode == "selective")
+        region = block.attention if mode == "selective" and model.cfg.moe else block
+        region.forward = functools.partial(_checkpointed, region.forward, mode == "selective")

@@ -11,14 +11,18 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
+
+from hlat.models.context import SequenceSplit
+from hlat.parallel.experts import split_experts
 
 
 def replicate_kv_heads(projection: nn.Linear, tp_mesh: DeviceMesh, kv_heads: int, head_dim: int) -> None:
@@ -38,6 +42,36 @@ def replicate_kv_heads(projection: nn.Linear, tp_mesh: DeviceMesh, kv_heads: int
         return output.to_local(grad_placements=[Partial()])[..., cols]
 
     distribute_module(projection, tp_mesh, replicate, output_fn=own_head)
+
+
+def mlp_plan(between) -> dict:
+    return {
+        "feed_forward": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=between),
+    }
+
+
+def experts_plan(block: nn.Module, tp_mesh: DeviceMesh, between) -> dict:
+    """A mixture-of-experts layer under tensor parallelism (hlat.models.moe): each rank routes its shard of the
+    sequences (the router's weight replicated, its gradient summed over the ranks as a norm's under sequence
+    parallelism), then every rank runs every shard's tokens through its slice of each expert's ffn_dim
+    (`hlat.parallel.experts`, which splits them over ep and tp where there is expert parallelism), and the partial
+    outputs are summed back into `between`."""
+    moe = block.feed_forward
+    moe.tp = SequenceSplit(tp_mesh)
+    if not isinstance(moe.experts.w1, DTensor):
+        split_experts(moe.experts, tp_mesh)
+    return {
+        "feed_forward": PrepareModuleInputOutput(
+            input_layouts=(between,),
+            desired_input_layouts=(Shard(1),),
+            use_local_input=True,
+            output_layouts=(Partial(),),
+            desired_output_layouts=(between,),
+        ),
+        "feed_forward.router": SequenceParallel(use_local_output=True),
+    }
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
@@ -60,9 +94,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
             ),
             "attention.wq": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=between),
-            "feed_forward": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=between),
+            **(experts_plan(block, tp_mesh, between) if model.cfg.moe else mlp_plan(between)),
         }
         kv_heads = model.cfg.kv_heads
         if kv_heads % tp_mesh.size() == 0:

@@ -52,18 +52,19 @@ def advise(
     per_node: int | None = None,
 ) -> Advice | None:
     """The line for `layout` on `nodes` x `hw`, or None when the layout suits the hardware. `per_node`: the processes
-    a launch places on each node, when not one per device of the profile: the layout is priced on nodes that use
-    that many devices, and the search's layout on the same nodes used whole (what `hlat plan --search` prints)."""
+    a launch places on each node, when not one per device of the profile: the layout, and the search's, are priced
+    on nodes that use that many devices (what `hlat plan --nproc-per-node` prices)."""
     per_node = per_node or hw.devices_per_node
+    hw = replace(hw, devices_per_node=per_node)
     crosses = nodes > 1 and spans_nodes(layout.tp, per_node)
     try:
-        mine = evaluate(work, layout, replace(hw, devices_per_node=per_node), nodes, price)
+        mine = evaluate(work, layout, hw, nodes, price)
     except HlatError:
         return None  # a layout that cannot run at all is refused where it runs, in a line of its own
     found = search(work, hw, nodes, price=price).plans
     best = found[0] if found else None
     t = mine.time
-    comm = t.tp_comm + t.pp_comm + t.dp_comm
+    comm = t.tp_comm + t.ep_comm + t.pp_comm + t.dp_comm
     slow = best is not None and comm > COMM_SHARE * t.total and mine.step_s > SLOWER * best.step_s
     if not crosses and not slow:
         return None
@@ -75,7 +76,8 @@ def advise(
             f"inter-node fabric: predicted {summary(mine, tokens, f' ({comm:.3g} s communicating)')}"
         )
     else:
-        split = f" ({comm:.3g} s communicating: TP {t.tp_comm:.3g}, PP {t.pp_comm:.3g}, DP {t.dp_comm:.3g})"
+        ep = f", EP {t.ep_comm:.3g}" if t.ep_comm else ""
+        split = f" ({comm:.3g} s communicating: TP {t.tp_comm:.3g}{ep}, PP {t.pp_comm:.3g}, DP {t.dp_comm:.3g})"
         what = f"{layout.describe()} is needlessly slow on {hw.name}'s links: predicted {summary(mine, tokens, split)}"
     choice = (
         f"; `hlat plan --search` on {where} chooses {best.layout.describe()}: {summary(best, tokens)}"
@@ -104,7 +106,7 @@ def config_advice(cfg, nodes: int, per_node: int) -> str | None:
     try:
         hw = load_profile(cfg.cluster.hardware)
         other = "reserved" if cfg.cost.pricing == "on_demand" else "on_demand"
-        price = cfg.cost.price_per_device_hour * hw.devices_per_node or hw.price(cfg.cost.pricing) or hw.price(other)
+        price = cfg.cost.price_per_device_hour * per_node or hw.price(cfg.cost.pricing) or hw.price(other)
         work = Workload(
             cfg.model,
             cfg.train.seq_len,

@@ -8,10 +8,12 @@ compilation, batch and sequence, token budget (steps x global_batch x seq_len), 
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import replace
 from pathlib import Path
 
 from hlat import HlatError
+from hlat.config.cli import add_cluster_arguments, cluster_overrides
 from hlat.fields import ConfigError, update
 from hlat.models.config import PRESETS, model_config
 from hlat.optim.config import FP8_RECIPES, PrecisionConfig
@@ -23,11 +25,23 @@ from hlat.planner.layout import Layout, Workload, layout_problem
 from hlat.planner.rehearsal import own_trainer_note, with_rehearsal
 from hlat.planner.report import Request, fp8_note, show
 from hlat.planner.search import OBJECTIVES, RECOMPUTE, TOLERANCE, evaluate, search
-from hlat.profiles import HardwareProfile, load_profile, profile_names
+from hlat.profiles import HardwareProfile, load_profile
 from hlat.resources import recipe_names
 
 HLAT_TOKENS = 1.8e12  # HLAT's training budget: the default for a preset
-LAYOUT_FLAGS = ("tp", "pp", "cp", "dp_shard", "microbatch", "schedule", "virtual_stages", "recompute", "zero1", "no_sp")
+LAYOUT_FLAGS = (
+    "tp",
+    "pp",
+    "cp",
+    "ep",
+    "dp_shard",
+    "microbatch",
+    "schedule",
+    "virtual_stages",
+    "recompute",
+    "zero1",
+    "no_sp",
+)
 
 
 def register(commands) -> None:
@@ -47,12 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", help=f"a model preset ({', '.join(PRESETS)}); with --config it replaces the config's model"
     )
-    parser.add_argument(
-        "--hardware",
-        help=f"profile name ({', '.join(profile_names())}) or a profile TOML path "
-        "(default: the config's [cluster] hardware)",
-    )
-    parser.add_argument("--nodes", type=int, help="number of nodes (default: the config's [cluster] nodes, or 1)")
+    add_cluster_arguments(parser)
     parser.add_argument("--search", action="store_true", help="rank layouts even when the config states one")
     parser.add_argument(
         "--global-batch", type=int, help="sequences per optimizer step (default: the config's, else 1024)"
@@ -74,6 +83,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--compile", action="store_true", help="compiled blocks (parallel.compile; default: the config's)"
+    )
+    parser.add_argument(
+        "--expert-load",
+        type=float,
+        default=1.0,
+        help="a mixture of experts under expert parallelism: the choices the busiest rank's experts take against an "
+        "even share (default 1; a run logs its busiest expert's as moe_imbalance, docs/moe.md)",
     )
     add_ranking_arguments(parser)
     add_layout_arguments(parser)
@@ -132,6 +148,7 @@ def add_layout_arguments(parser: argparse.ArgumentParser) -> None:
     layout.add_argument("--tp", type=int)
     layout.add_argument("--pp", type=int)
     layout.add_argument("--cp", type=int, help="context parallelism: each sequence split over cp ranks")
+    layout.add_argument("--ep", type=int, help="expert parallelism: each layer's experts over ep of the FSDP ranks")
     layout.add_argument("--dp-shard", type=int, help="FSDP degree (dp_replicate is what is left)")
     layout.add_argument("--microbatch", type=int, help="sequences per micro-batch")
     layout.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved_1f1b"))
@@ -143,18 +160,20 @@ def add_layout_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = _load_config(args, overrides)
-    hardware = args.hardware or (cfg.cluster.hardware if cfg else "")
-    if not hardware:
+    from hlat.config.job import load_config
+
+    cluster = cfg.cluster if cfg else load_config(None, cluster_overrides(args)).cluster
+    if not cluster.hardware:
         raise HlatError(
             "hlat plan: --hardware is required" + (" (the config states no [cluster] hardware)" if cfg else "")
         )
-    hw = load_profile(hardware)
-    nodes = args.nodes if args.nodes is not None else cfg.cluster.nodes if cfg else 1
-    if nodes < 1:
-        raise HlatError(f"--nodes: must be >= 1, got {nodes}")
+    hw = load_profile(cluster.hardware)
     if args.calibrate:
         return _calibrate(args, hw)
-    req = _request(args, cfg, hw, nodes)
+    cluster.check_processes(hw)
+    # the devices the job uses on each node: as many as its processes (`hlat launch` starts the same)
+    hw = replace(hw, devices_per_node=cluster.nproc_per_node)
+    req = _request(args, cfg, hw, cluster.nodes)
     return _predict(args, req) if req.layout else _search(args, req)
 
 
@@ -169,7 +188,7 @@ def _predict(args: argparse.Namespace, req: Request) -> int:
     if advice:
         req.notes.append(advice.line)
         said += ["#2: what --search chooses"] if advice.best else []
-    origin = "given" if _layout_flags_given(args) else "of the config"
+    origin = f"of the config{_changed(args)}" if args.config else "given"
     show(
         req,
         plans,
@@ -177,8 +196,8 @@ def _predict(args: argparse.Namespace, req: Request) -> int:
         args.json,
         args.emit if plan.memory.fits else None,
     )
-    if not plan.memory.fits:
-        print(f"does not fit: {plan.memory.shortfall()}")
+    if not plan.memory.fits:  # --json keeps stdout whole: its plan says "fits": false
+        print(f"does not fit: {plan.memory.shortfall()}", file=sys.stderr if args.json else sys.stdout)
         return 1
     return 0
 
@@ -220,7 +239,8 @@ def _load_config(args: argparse.Namespace, overrides: list[str]):
         return None
     from hlat.config.job import load_config
 
-    return load_config(args.config, (["--model.preset", args.model] if args.model else []) + overrides)
+    preset = ["--model.preset", args.model] if args.model else []
+    return load_config(args.config, preset + cluster_overrides(args) + overrides)
 
 
 def _request(args: argparse.Namespace, cfg, hw: HardwareProfile, nodes: int) -> Request:
@@ -259,9 +279,10 @@ def _workload(args: argparse.Namespace, cfg) -> tuple[Workload, str]:
     batch = args.global_batch or batch
     if seq_len < 1 or batch < 1:
         raise HlatError(f"--seq-len and --global-batch must be positive, got {seq_len} and {batch}")
-    return Workload(
-        model, seq_len, batch, args.precision or precision.mode, args.compile or compiled, args.fp8 or precision.fp8
-    ), seq_len_from
+    if args.expert_load < 1:
+        raise HlatError(f"--expert-load: {args.expert_load} is below an even share (1)")
+    mode, fp8 = args.precision or precision.mode, args.fp8 or precision.fp8
+    return Workload(model, seq_len, batch, mode, args.compile or compiled, fp8, args.expert_load), seq_len_from
 
 
 def _price(args: argparse.Namespace, cfg, hw: HardwareProfile) -> tuple[float, str]:
@@ -290,14 +311,41 @@ def _layout_flags_given(args: argparse.Namespace) -> bool:
 
 
 def _layout(args: argparse.Namespace, cfg, work: Workload, devices: int) -> Layout | None:
-    """The layout to price alone: the flags' (data parallelism takes the remaining devices), else the config's
-    `[parallel]` resolved on `devices` (unless --search); None to search."""
+    """The layout to price alone: with a config, its `[parallel]` and micro-batch with only what the layout flags
+    name changed (unless --search without them), resolved on `devices`; without one, the flags' (data
+    parallelism takes the remaining devices); None to search."""
+    if cfg and (_layout_flags_given(args) or not args.search):
+        parallel = replace(_changed_parallel(args, cfg.parallel), compile=work.compile)
+        try:
+            return Layout(parallel.resolved(devices), args.microbatch or cfg.train.micro_batch)
+        except ConfigError as e:
+            raise HlatError(f"the config's layout{_changed(args)}: {e}") from None
     if _layout_flags_given(args):
         return _given_layout(args, work, devices)
-    if cfg and not args.search:
-        parallel = replace(cfg.parallel, compile=work.compile).resolved(devices)
-        return Layout(parallel, cfg.train.micro_batch)
     return None
+
+
+def _changed_parallel(args: argparse.Namespace, parallel: ParallelConfig) -> ParallelConfig:
+    """The config's `[parallel]` with the fields the layout flags name set; data parallelism fills what the
+    degrees leave (dp_replicate, when --dp-shard names the sharding)."""
+    changes = {name: getattr(args, name) for name in ("tp", "pp", "cp", "virtual_stages") if getattr(args, name)}
+    if args.dp_shard:
+        changes |= {"dp_shard": args.dp_shard, "dp_replicate": -1}
+    elif changes and -1 not in (parallel.dp_shard, parallel.dp_replicate):
+        changes["dp_shard"] = -1  # both degrees stated: sharding takes what the changed degrees leave
+    if args.schedule or (args.virtual_stages or 1) > 1:
+        changes["pp_schedule"] = args.schedule or "interleaved_1f1b"
+    changes |= {"activation_checkpoint": args.recompute} if args.recompute else {}
+    changes |= {"zero1": True} if args.zero1 else {}
+    changes |= {"sequence_parallel": False} if args.no_sp else {}
+    return replace(parallel, **changes)
+
+
+def _changed(args: argparse.Namespace) -> str:
+    """' with --cp 4 --recompute full': the layout flags given, as typed ('' without any)."""
+    given = [(f, getattr(args, f)) for f in LAYOUT_FLAGS if getattr(args, f) not in (None, False)]
+    flags = " ".join(f"--{f.replace('_', '-')}" + ("" if value is True else f" {value}") for f, value in given)
+    return f" with {flags}" if flags else ""
 
 
 def _given_layout(args: argparse.Namespace, work: Workload, devices: int) -> Layout:
@@ -313,6 +361,7 @@ def _given_layout(args: argparse.Namespace, work: Workload, devices: int) -> Lay
         tp=tp,
         pp=pp,
         cp=cp,
+        ep=args.ep or 1,
         dp_replicate=dp // shard,
         dp_shard=shard,
         micro_batch=args.microbatch or 1,

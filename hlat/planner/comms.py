@@ -130,6 +130,36 @@ def context_parallel_time(work: Workload, layout: Layout, hw: HardwareProfile, f
     )
 
 
+def expert_parallel_time(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit) -> float:
+    """Seconds of one layer's expert-parallel all-to-alls for one micro-batch, on the critical path (the experts
+    wait for their tokens, the block for their outputs): each choice's token sent to its expert's rank and the
+    output back, in forward and their gradients in backward (the forward's again under full recomputation), in the
+    compute dtype; a rank sends experts_per_token x dim per token it routes and the busiest receives `load` x that.
+    The ep ranks are neighbours in the dp_shard x cp block, tp apart (`hlat.parallel.mesh`): a node holds
+    devices_per_node / tp of a group, and a larger group crosses nodes (`all_to_all_time`)."""
+    if layout.ep == 1:
+        return 0.0
+    model = work.model
+    tokens = layout.held(work.seq_len) * layout.micro_batch
+    nbytes = tokens * model.experts_per_token * model.dim * work.compute_bytes * work.load(layout)
+    per_node = max(1, hw.devices_per_node // layout.tp)
+    count = 6 if layout.activation_checkpoint == "full" else 4
+    return count * all_to_all_time(hw, fit, nbytes, layout.ep, per_node)
+
+
+def all_to_all_time(hw: HardwareProfile, fit: Fit, nbytes: float, group: int, per_node: int) -> float:
+    """Seconds of an all-to-all in which each of `group` ranks, `per_node` of them in each node, sends `nbytes` in
+    all, an equal share to each: what goes to ranks of its node at the intra-node bandwidth, what goes to other
+    nodes at the rank's share of its node's network (every rank of the node sends at once), both at the same time.
+    Unlike a ring collective, nothing is combined on the way: a rank's share for other nodes crosses whole."""
+    g = min(per_node, group)
+    intra = (g - 1) / group * nbytes / (hw.intra_gbs * 1e9) + (g - 1) * hw.intra_latency_us * 1e-6
+    nodes = group // g
+    rank_network = hw.inter_gbps / 8 * 1e9 / hw.devices_per_node
+    inter = (group - g) / group * nbytes / rank_network + (nodes - 1) * hw.inter_latency_us * 1e-6 if nodes > 1 else 0
+    return max(intra * fit.intra_factor, inter * fit.inter_factor)
+
+
 def pipeline_send_time(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit) -> float:
     """Seconds of one micro-batch's pipeline sends on a stage: its tp shard of the activations forward and of
     their gradients backward, once per model chunk, plus the fitted fixed cost of each."""

@@ -13,16 +13,20 @@ import math
 from hlat.models.config import ModelConfig
 
 
-def layer_matmuls(model: ModelConfig, tokens: int, tp: int) -> dict[str, tuple[int, int, int]]:
-    """Forward matmuls of one layer on one tensor-parallel rank, as (rows, inner, columns)."""
+def layer_matmuls(model: ModelConfig, tokens: int, tp: int, load: float = 1.0) -> dict[str, tuple[int, int, int]]:
+    """Forward matmuls of one layer on one tensor-parallel rank, as (rows, inner, columns). A mixture of experts'
+    router runs on the rank's sequence shard, and its experts' matmuls on the choices they take (experts_per_token x
+    `load` of every token: `hlat.planner.layout.Workload.load`), one grouped matmul each."""
     d, hd, f = model.dim, model.head_dim, model.ffn_dim
     heads, kv = model.n_heads // tp, max(1, model.kv_heads // tp)
+    rows = round(tokens * model.experts_per_token * load) if model.moe else tokens
     shapes = {
         "q": (tokens, d, heads * hd),
         "kv": (tokens, d, 2 * kv * hd),
         "attn_out": (tokens, heads * hd, d),
-        "mlp_in": (tokens, d, (2 if model.family == "llama" else 1) * f // tp),
-        "mlp_out": (tokens, f // tp, d),
+        **({"router": (max(1, tokens // tp), d, model.n_experts)} if model.moe else {}),
+        "mlp_in": (rows, d, (2 if model.family == "llama" else 1) * f // tp),
+        "mlp_out": (rows, f // tp, d),
     }
     return shapes
 
@@ -60,17 +64,22 @@ def attention_flops(model: ModelConfig, micro_batch: int, seq_len: int, tp: int,
     return 12.0 * micro_batch * seq_len * seq_len * model.dim / tp / cp
 
 
-def memory_op_bytes(model: ModelConfig, tokens: int, tp: int, sp: bool, act_bytes: int) -> dict[str, float]:
+def memory_op_bytes(
+    model: ModelConfig, tokens: int, tp: int, sp: bool, act_bytes: int, load: float = 1.0
+) -> dict[str, float]:
     """Nominal bytes moved, forward + backward, by one layer's memory-bound operations on one rank: elements read
     and written, counted once each (norm: 2 + 3 passes over its input; SwiGLU's silu(a) * b: 3 + 5 over an
-    f-wide tensor, GeLU 2 + 3; rotary on q and k: 2 + 2; two residual adds: 3 + 3 each)."""
+    f-wide tensor, GeLU 2 + 3; rotary on q and k: 2 + 2; two residual adds: 3 + 3 each). A mixture of experts
+    runs its SwiGLUs on the choices its experts take (`layer_matmuls`), and moves each choice's token and output
+    about 6 times more (grouping, weighting, forward and backward), counted with them."""
     d, f = model.dim, model.ffn_dim // tp
     outside = tokens * d / (tp if sp else 1)  # norms and residuals run on a sequence shard under SP
     rotated = tokens * (model.n_heads + model.kv_heads) * model.head_dim / tp
     act_passes = 8 if model.family == "llama" else 5
+    routed = tokens * model.experts_per_token * load * (act_passes * f + 6 * d) if model.moe else 0.0
     return {
         "norm": 2 * 5 * outside * act_bytes,
-        "activation": act_passes * tokens * f * act_bytes,
+        "activation": (routed or act_passes * tokens * f) * act_bytes,
         "rotary": 4 * rotated * act_bytes,
         "residual": 2 * 6 * outside * act_bytes,
     }
@@ -104,8 +113,9 @@ def block_shape(
     (`parallel.compile`). Preflight records a block's time under this key and the planner uses it only for a
     workload with the same key."""
     m = model
+    experts = f" experts{m.n_experts}/{m.experts_per_token}" if m.moe else ""
     return (
-        f"{m.family} dim{m.dim} layers{m.n_layers} heads{m.n_heads}/{m.kv_heads} ffn{m.ffn_dim} "
+        f"{m.family} dim{m.dim} layers{m.n_layers} heads{m.n_heads}/{m.kv_heads} ffn{m.ffn_dim}{experts} "
         f"vocab{m.vocab_size} rotary{m.rotary_pct:g} tied{int(m.tie_embeddings)} docmask{int(m.doc_mask)} "
         f"parallel_residual{int(m.parallel_residual and m.family == 'neox')} | tp{tp} sp{int(sp and tp > 1)} "
         f"ac:{recompute} mb{micro_batch} seq{seq_len}{f' cp{cp}' if cp > 1 else ''} {precision}"

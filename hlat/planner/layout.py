@@ -21,9 +21,22 @@ class Workload:
     precision: str = "bf16_mixed"  # a key of hlat.optim.modes.MODES
     compile: bool = False  # the layouts a search proposes compile each block (`parallel.compile`), as the run will
     fp8: str = "none"  # `precision.fp8`: the blocks' linear layers in FP8 with this scaling recipe (a bf16 mode)
+    # a mixture of experts under expert parallelism: the choices the busiest rank's experts take, against an even
+    # share (1: balanced, as the load-balancing loss drives a router; a run logs its experts' as moe_imbalance)
+    expert_load: float = 1.0
 
     def __post_init__(self) -> None:
         PrecisionConfig(self.precision, self.fp8).validate()  # the config's own rules (FP8 over a bf16 mode)
+        if self.expert_load <= 0:
+            raise ConfigError(f"expert load: must be positive, got {self.expert_load}")
+
+    def load(self, layout: Layout) -> float:
+        """The choices the busiest rank's experts take against an even share: `expert_load` under expert
+        parallelism, at most the capacity an expert has (`model.capacity_factor`); 1 where one rank holds every
+        expert, or for a dense model."""
+        if layout.ep == 1 or not self.model.moe:
+            return 1.0
+        return min(self.expert_load, self.model.capacity_factor or self.expert_load)
 
     @property
     def mode(self):
@@ -107,6 +120,10 @@ class Layout:
         return self.parallel.cp
 
     @property
+    def ep(self) -> int:
+        return self.parallel.ep
+
+    @property
     def shards(self) -> int:
         """Ranks the parameters' shards, and ZeRO-1's, are spread over: dp_shard x cp."""
         return self.parallel.shards
@@ -162,12 +179,14 @@ class Layout:
         return "ddp"
 
     def describe(self) -> str:
-        """Compact: 'TP8 PP4 DP64 mb1 1F1B vpp2 SP ZeRO-1 AC:sel' (and CP4 after DP with context parallelism)."""
+        """Compact: 'TP8 PP4 DP64 mb1 1F1B vpp2 SP ZeRO-1 AC:sel' (and CP4 and EP8 after DP with context and
+        expert parallelism)."""
         parts = [
             f"TP{self.tp}",
             f"PP{self.pp}",
             f"DP{self.dp}",
             *([f"CP{self.cp}"] if self.cp > 1 else []),
+            *([f"EP{self.ep}"] if self.ep > 1 else []),
             f"mb{self.micro_batch}",
         ]
         if self.pp > 1:

@@ -47,12 +47,18 @@ class Memory:
         )
 
 
-def layer_params_per_device(model: ModelConfig, tp: int) -> float:
+def layer_params_per_device(model: ModelConfig, tp: int, ep: int = 1) -> float:
     """One transformer layer's parameters on one tensor-parallel rank, as `hlat.parallel.tensor` shards them: the
     matrices split over tp (the column-parallel ones with their biases), the norms and the row-parallel biases
     whole on every rank. When tp exceeds the kv heads every rank keeps the whole K and V projections (they are
-    replicated, then each rank keeps the head its query heads use)."""
+    replicated, then each rank keeps the head its query heads use). A mixture of experts' router is whole on every
+    rank, each expert split over tp, and `ep` ranks share the experts (`hlat.parallel.experts`): a rank holds
+    n_experts / ep of them whole before FSDP shards them, and all of them / (ep x ep_shard) = / (dp_shard x cp) as
+    stored, the same share as the rest of the block."""
     d, kv_out = model.dim, 2 * model.kv_heads * model.head_dim
+    if model.moe:
+        experts = model.n_experts // ep * model.expert_params() / tp
+        return block_linear_weights(model, tp) + model.n_experts * d + experts + 2 * d
     if model.family == "llama":  # no biases; the RMSNorm weights
         return block_linear_weights(model, tp) + 2 * d
     biases = (d + model.ffn_dim) / tp + (kv_out if model.kv_heads % tp else kv_out / tp)  # wq's, w1's; wk's, wv's
@@ -61,9 +67,10 @@ def layer_params_per_device(model: ModelConfig, tp: int) -> float:
 
 def block_linear_weights(model: ModelConfig, tp: int) -> float:
     """The weights (without biases) of one layer's linear layers on one tensor-parallel rank: wq, wk, wv, wo and
-    the MLP's, what FP8 training converts (K and V whole on every rank when tp exceeds the kv heads)."""
+    the MLP's (none of a mixture of experts: its experts are not linear layers), what FP8 training converts (K and
+    V whole on every rank when tp exceeds the kv heads)."""
     d, f, kv = model.dim, model.ffn_dim, 2 * model.kv_heads * model.head_dim * model.dim
-    split = 2 * d * d + (3 if model.family == "llama" else 2) * d * f  # wq, wo, the MLP
+    split = 2 * d * d + (0 if model.moe else 3 if model.family == "llama" else 2) * d * f  # wq, wo, the MLP
     return split / tp + (kv if model.kv_heads % tp else kv / tp)
 
 
@@ -82,8 +89,8 @@ def sharded_units(model: ModelConfig, layout: Layout) -> list[tuple[int, float]]
     `hlat.parallel.data`): each block, then the rest of the stage. Data parallelism runs one gather or reduction
     per unit, each at that unit's size."""
     layers = math.ceil(model.n_layers / layout.pp)
-    block = layer_params_per_device(model, layout.tp)
-    return [(layers, block), (1, stage_params(model, layout) - layers * block)]
+    block = layer_params_per_device(model, layout.tp, layout.ep)  # what a block gathers
+    return [(layers, block), (1, stage_params(model, layout) - layers * layer_params_per_device(model, layout.tp))]
 
 
 def layer_activation_bytes(
@@ -96,6 +103,7 @@ def layer_activation_bytes(
     stack: str = "hlat",
     stream_bytes: int = 0,
     norm_bytes: int = 0,
+    expert_load: float = 1.0,
 ) -> float:
     """Bytes one layer keeps for the backward pass of one micro-batch on one device, in tensors of s x b x h
     elements (s: one of them; under context parallelism s counts the rank's share of the sequence, and attention
@@ -120,18 +128,18 @@ def layer_activation_bytes(
     `stream_bytes` (default `act_bytes`): the residual stream's element size, the parameters' under mixed
     precision (bf16_mixed: fp32): the blocks' inputs, the norms and, under sequence parallelism, the all-gathers of
     their outputs are in it; what autocast casts for a matmul (its saved input) and what the matmuls produce are
-    in `act_bytes`. `norm_bytes` (default `stream_bytes`): the element size of what a norm keeps (`norm_bytes`)."""
-    t, cp = layout.tp, layout.cp
-    s = layout.held(seq_len) * layout.micro_batch * model.dim * act_bytes
+    in `act_bytes`. `norm_bytes` (default `stream_bytes`): the element size of what a norm keeps (`norm_bytes`). A
+    mixture-of-experts block: `moe_block_bytes`, its experts taking `expert_load` x an even share of the choices."""
+    t, cp, s = layout.tp, layout.cp, layout.held(seq_len) * layout.micro_batch * model.dim * act_bytes
     # one tensor of the residual stream (Megatron-style stacks keep it in the compute dtype)
-    r = s * (stream_bytes or act_bytes) / act_bytes if stack == "hlat" else s
-    sp = t if layout.sequence_parallel else 1
+    r, sp = s * (stream_bytes or act_bytes) / act_bytes if stack == "hlat" else s, t if layout.sequence_parallel else 1
     if recompute == "full":
         return r / sp
-    kv = model.kv_heads / model.n_heads
-    f = model.ffn_dim / model.dim
-    llama = model.family == "llama"
+    kv, f, llama = model.kv_heads / model.n_heads, model.ffn_dim / model.dim, model.family == "llama"
     scores = model.n_heads * seq_len / model.dim * s / t if recompute == "none" and not flash else 0.0
+    norms = 2 * (2 if llama else 1) * r * (norm_bytes or stream_bytes or act_bytes) / (stream_bytes or act_bytes)
+    if model.moe:
+        return moe_block_bytes(model, layout, recompute, stack, (s, r, norms, scores), act_bytes, expert_load)
     inside = (2 + 2 * kv * cp + (4 if llama else 2) * f) * s / t  # K and V: every context-parallel rank's
     if stack == "megatron":
         return 4 * s / sp + inside + scores
@@ -144,8 +152,50 @@ def layer_activation_bytes(
     # a norm's output is kept by the projections after it (under SP all-gathered, at full size); under mixed
     # precision each projection keeps its own cast of it (Q, K and V; both or the one MLP input projection)
     inputs = (3 + (2 if llama else 1)) * s if r != s else 2 * s
-    norms = 2 * (2 if llama else 1) * r * (norm_bytes or stream_bytes or act_bytes) / (stream_bytes or act_bytes)
     return norms / sp + inputs + inside + scores
+
+
+def moe_block_bytes(
+    model: ModelConfig,
+    layout: Layout,
+    recompute: str,
+    stack: str,
+    tensors: tuple[float, ...],
+    act_bytes: int,
+    expert_load: float,
+) -> float:
+    """A mixture-of-experts block's `layer_activation_bytes` under none or selective recomputation (`tensors`: s, r,
+    norms and scores as there): its norms, its attention as a dense block's, recomputed alone under selective
+    (`hlat.parallel.recompute`: the region's input, Q's projection, K and V's, wo's output and its reduction kept),
+    and its MLP kept whole: the router's input (its cast of this rank's sequence shard under mixed precision, else
+    the norm's output it reads) and the experts' tensors (`experts_bytes`). A Megatron-style stack: its attention
+    as Korthikanti et al.'s, and the experts."""
+    s, r, norms, scores = tensors
+    t, cp, mixed = layout.tp, layout.cp, r != s
+    experts = experts_bytes(model, layout, s, act_bytes, expert_load)
+    sp = t if layout.sequence_parallel else 1
+    if stack == "megatron":
+        return 4 * s / sp + (2 + 2 * model.kv_heads / model.n_heads * cp) * s / t + scores + experts
+    router = s / t if mixed else s / sp
+    if recompute == "selective":
+        reduced = (s / t if layout.sequence_parallel else s) if t > 1 else 0.0
+        attention = r + s / t + kv_bytes(model, t, recompute, s, cp) + s + reduced
+    else:  # each projection's cast of its input (or the input), Q (and K) after rotary, the attention's output
+        attention = (3 * s if mixed else s) + 2 * s / t + kv_bytes(model, t, recompute, s, cp) + scores
+    return norms / sp + attention + router + experts
+
+
+def experts_bytes(model: ModelConfig, layout: Layout, s: float, act_bytes: int, load: float) -> float:
+    """What a mixture-of-experts MLP keeps of one micro-batch besides the router's input, as `hlat.models.moe` keeps
+    it (`s`: one tensor of the micro-batch's tokens this rank holds x dim, in act_bytes): per choice its experts
+    take (experts_per_token x `load` of every token it routes, every tensor-parallel shard's) the token cast for
+    them and the four ffn_dim / tp wide tensors of the expert's SwiGLU; per choice of those tokens its expert's
+    output (whole dim: a partial sum under tensor parallelism); per token the router's probabilities (fp32, of this
+    rank's sequence shard), the choices' weights and the routing's indices (int64), in `small` bytes."""
+    t, k, d = layout.tp, model.experts_per_token, model.dim
+    expert_side = k * load * (1 + 4 * model.ffn_dim / (d * t)) * s
+    small = (4 * model.n_experts + 12 * k + 4) / t + 20 * k + (16 * k * load if layout.ep > 1 else 0)
+    return expert_side + k * s + small / (d * act_bytes) * s
 
 
 def kv_bytes(model: ModelConfig, tp: int, recompute: str, s: float, cp: int = 1) -> float:
@@ -215,6 +265,7 @@ def blocks_activation_bytes(work: Workload, layout: Layout, hw: HardwareProfile,
         hw.activations,
         work.mode.weight_bytes,
         norm_bytes(work, hw),
+        work.load(layout),
     )
 
 
@@ -233,6 +284,7 @@ def rebuilt_bytes(work: Workload, layout: Layout, hw: HardwareProfile) -> float:
         hw.activations,
         work.mode.weight_bytes,
         norm_bytes(work, hw),
+        work.load(layout),
     )
 
 
@@ -259,13 +311,20 @@ def cast_bytes(work: Workload, layout: Layout, layers: int, output: bool) -> flo
     """bf16_mixed: the bf16 copy autocast makes of every parameter a matmul reads (`layers` blocks' but their
     norms, and with the whole logits, `model.loss_chunk = 0`, the output projection's: the chunked loss casts it
     for its forward alone), kept for backward by the forward passes that share it (a step's, under a pipeline
-    schedule; one micro-batch's otherwise)."""
+    schedule; one micro-batch's otherwise). A mixture of experts casts its experts' weights itself, kept by the
+    matmuls that read them; without a pipeline, only what autograd keeps: none under full recomputation, and under
+    selective (which recomputes its attention alone) the router's and the experts'."""
     if work.precision != "bf16_mixed":
         return 0.0
     model, bf16 = work.model, 2
     norms = (2 if model.family == "llama" else 4) * model.dim
     projection = model.vocab_size * model.dim / layout.tp if output and not model.loss_chunk else 0.0
-    return bf16 * (layers * (layer_params_per_device(model, layout.tp) - norms) + projection)
+    block = layer_params_per_device(model, layout.tp, layout.ep) - norms
+    if model.moe and layout.pp == 1:
+        recompute = layout.activation_checkpoint
+        attention = block_linear_weights(model, layout.tp)
+        block = 0.0 if recompute == "full" else block - attention if recompute == "selective" else block
+    return bf16 * (layers * block + projection)
 
 
 def memory(work: Workload, layout: Layout, hw: HardwareProfile) -> Memory:
@@ -289,7 +348,7 @@ def memory(work: Workload, layout: Layout, hw: HardwareProfile) -> Memory:
         # the step, and the gradients accumulate unsharded until the last micro-batch.
         buffers = params * (mode.weight_bytes + mode.grad_bytes * (1 - 1 / shard))
     elif shard > 1:  # the layer being computed and the one prefetched, gathered; one layer's full gradients
-        buffers = (2 * mode.weight_bytes + mode.grad_bytes) * layer_params_per_device(model, layout.tp)
+        buffers = (2 * mode.weight_bytes + mode.grad_bytes) * layer_params_per_device(model, layout.tp, layout.ep)
     return Memory(
         weights=params * mode.weight_bytes / shard,
         grads=params * mode.grad_bytes / shard,

@@ -169,7 +169,20 @@ def rank_traffic(
     if layout.pp > 1:
         sent = 2 * layout.virtual_stages * m * elements * pp_bytes / layout.tp
         traffic["send", "pp"] = traffic["recv", "pp"] = sent
+    if layout.ep > 1:
+        traffic["all_to_all", "ep"] = m * layers * expert_exchange_bytes(work, layout)
     return traffic | data_parallel_traffic(work, layout, rank_params(model, layout, pp_rank), layers, m)
+
+
+def expert_exchange_bytes(work: Workload, layout: Layout) -> float:
+    """The bytes a rank's all-to-alls send for one layer and micro-batch under expert parallelism (each the whole
+    input buffer, as `rank_traffic` counts): its tokens' choices to their experts (experts_per_token x dim per token,
+    compute dtype) and its experts' outputs back (`load` x that), each again reversed in backward and again in the
+    forward's recomputation under full recomputation; and the counts per expert each rank sends (int64)."""
+    model = work.model
+    choices = layout.held(work.seq_len) * layout.micro_batch * model.experts_per_token * model.dim
+    forward = choices * work.compute_bytes * (1 + work.load(layout)) + 8 * model.n_experts
+    return forward * (3 if layout.activation_checkpoint == "full" else 2) - 8 * model.n_experts
 
 
 def data_parallel_traffic(
@@ -179,15 +192,22 @@ def data_parallel_traffic(
     each block twice and the rest once, and reduce-scatters everything, every micro-batch; ZeRO-1 and FSDP under
     a pipeline once a step; replicas all-reduce the gradients (HSDP: the shards') once a step."""
     mode, shard, dim = work.mode, layout.shards, layout.parallel.fsdp_dim
-    if layout.param_shard > 1 and layout.pp == 1:
-        block = layers * layer_params_per_device(work.model, layout.tp)
-        return {
-            ("all_gather", dim): m * (2 * block + params - block) * mode.weight_bytes,
-            ("reduce_scatter", dim): m * params * mode.grad_bytes,
-        }
-    traffic = {}
-    if shard > 1:
-        traffic = {("all_gather", dim): params * mode.weight_bytes, ("reduce_scatter", dim): params * mode.grad_bytes}
+    # under expert parallelism each block's experts (n_experts / ep of them per rank) are a unit of their own, over
+    # the ep_shard ranks that hold the same ones
+    experts = layers * (work.model.n_experts // layout.ep) * work.model.expert_params() / layout.tp
+    experts *= layout.ep > 1
+    blocks = layers * layer_params_per_device(work.model, layout.tp, layout.ep) - experts
+    traffic: dict[tuple[str, str], float] = {}
+    # (dimension, its units' parameters, of which in blocks)
+    for unit_dim, unit, block in ((dim, params - experts * layout.ep, blocks), ("ep_shard", experts, experts)):
+        if not unit:
+            continue
+        if layout.param_shard > 1 and layout.pp == 1:  # the blocks gathered twice, the rest once, every micro-batch
+            traffic["all_gather", unit_dim] = m * (unit + block) * mode.weight_bytes
+            traffic["reduce_scatter", unit_dim] = m * unit * mode.grad_bytes
+        elif shard > 1:
+            traffic["all_gather", unit_dim] = unit * mode.weight_bytes
+            traffic["reduce_scatter", unit_dim] = unit * mode.grad_bytes
     if layout.dp_replicate > 1:
         traffic["all_reduce", "dp_replicate"] = params * mode.grad_bytes / shard
     return traffic

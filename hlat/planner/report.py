@@ -72,7 +72,7 @@ def ceiling_note(req: Request) -> str:
     return (
         f"* predicted above the best MFU hlat has measured on {hw.name} in {dtype} ({best:.1%}, "
         f"{hw.best_mfu.source}): no hlat run has reached more, so the plan promises that best (its step time, "
-        "days and cost follow from it; --json gives the uncapped prediction)"
+        "days and cost follow from it); in brackets the uncapped prediction, by which layouts rank"
     )
 
 
@@ -187,7 +187,7 @@ def print_table(req: Request, plans: list[Plan], note: str) -> None:
             memory_cell(p),
             f"{p.step_s:.3g}",
             si(p.tokens_per_s),
-            f"{p.mfu:.1%}{'*' if p.above_measured_best else ''}",
+            f"{p.mfu:.1%}* ({p.predicted_mfu:.1%})" if p.above_measured_best else f"{p.mfu:.1%}",
             si(p.tokens_per_dollar) if p.tokens_per_dollar else "-",
             f"{days:,.1f}",
             f"${si(dollars)}" if dollars else "-",
@@ -206,6 +206,7 @@ def print_breakdown(console, plan: Plan, notes: list[str]) -> None:
     """Where the first plan's step time and memory go, then the request's remarks."""
     t, m = plan.time, plan.memory
     cp = f" + CP {t.cp_comm:.3g}" if plan.layout.cp > 1 else ""
+    cp += f" + EP {t.ep_comm:.3g}" if plan.layout.ep > 1 else ""
     console.print(
         f"#1 step {t.total:.3g} s = compute {t.compute:.3g} + TP {t.tp_comm:.3g}{cp} + PP {t.pp_comm:.3g} "
         f"+ bubble {t.bubble:.3g} + DP {t.dp_comm:.3g} + optimizer {t.optimizer:.2g} (layer: {t.layer}"

@@ -86,7 +86,12 @@ class Plan:
         return bool(self.measured_best) and self.predicted_mfu > self.measured_best
 
     def score(self, objective: str) -> float:
-        return self.tokens_per_s if objective == "tokens_per_s" else (self.tokens_per_dollar or 0.0)
+        """What the search ranks by: the prediction itself. Capped, every layout predicted above the measured best
+        would score the same, and the simplest of them would rank first whatever its prediction."""
+        per_s = self.predicted_tokens_per_s
+        if objective == "tokens_per_s":
+            return per_s
+        return per_s * 3600 / self.dollars_per_hour if self.price else 0.0
 
 
 def evaluate(work: Workload, layout: Layout, hw: HardwareProfile, nodes: int, price: float = 0.0) -> Plan:
@@ -117,11 +122,21 @@ def shardings(dp: int, cp: int, hw: HardwareProfile) -> list[tuple[int, bool]]:
     return out + ([(dp, False)] if dp > 1 and hw.supports_fsdp else [])
 
 
+def expert_degrees(work: Workload, shards: int, tp: int, per_node: int) -> list[int]:
+    """The ep degrees the search tries: 1, and for a mixture of experts every divisor of n_experts that divides the
+    dp_shard x cp ranks and keeps an expert-parallel group inside a node (its all-to-alls on the node's links)."""
+    model = work.model
+    if not model.moe:
+        return [1]
+    return [ep for ep in _divisors(model.n_experts) if shards % ep == 0 and (ep == 1 or ep * tp <= per_node)]
+
+
 def candidates(work: Workload, hw: HardwareProfile, nodes: int) -> Iterator[Layout]:
     """Every valid layout: tp within a node (or whole nodes), cp for long sequences (`context_degrees`), pp
     dividing the layers, dp the rest; every micro-batch size; 1F1B, and interleaved 1F1B where it applies (GPipe
     never beats 1F1B: same time, more memory); sequence parallelism whenever tp > 1 (never worse); every
-    recomputation; DDP, ZeRO-1 and FSDP; each block compiled or not as the workload says."""
+    recomputation; DDP, ZeRO-1 and FSDP; expert parallelism within a node (`expert_degrees`); each block compiled or
+    not as the workload says."""
     model, per_node = work.model, hw.devices_per_node
     devices = nodes * per_node
     for tp in _divisors(devices):
@@ -144,22 +159,24 @@ def candidates(work: Workload, hw: HardwareProfile, nodes: int) -> Iterator[Layo
                 for (schedule, v), (shard, zero1), recompute in (
                     (s, z, r) for s in schedules for z in shardings(dp, cp, hw) for r in RECOMPUTE
                 ):
-                    layout = Layout.of(
-                        tp=tp,
-                        pp=pp,
-                        cp=cp,
-                        dp_replicate=dp // shard,
-                        dp_shard=shard,
-                        micro_batch=mb,
-                        pp_schedule=schedule,
-                        virtual_stages=v,
-                        sequence_parallel=tp > 1,
-                        zero1=zero1,
-                        activation_checkpoint=recompute,
-                        compile=work.compile,
-                    )
-                    if layout_problem(work, layout, devices) is None:  # the trainer's own check
-                        yield layout
+                    for ep in expert_degrees(work, shard * cp, tp, per_node):
+                        layout = Layout.of(
+                            tp=tp,
+                            pp=pp,
+                            cp=cp,
+                            ep=ep,
+                            dp_replicate=dp // shard,
+                            dp_shard=shard,
+                            micro_batch=mb,
+                            pp_schedule=schedule,
+                            virtual_stages=v,
+                            sequence_parallel=tp > 1,
+                            zero1=zero1,
+                            activation_checkpoint=recompute,
+                            compile=work.compile,
+                        )
+                        if layout_problem(work, layout, devices) is None:  # the trainer's own check
+                            yield layout
 
 
 @dataclass

@@ -9,6 +9,7 @@ can fit them to measurements:
                            + attention scores / HBM bandwidth x attention_factor    (materialised attention only)
                            + tensor-parallel all-reduces x intra/inter_factor)      (4 per layer, 6 with full recompute)
                      + context-parallel K/V all-gathers, reduce-scatters x link     (a rank: seq_len / cp tokens)
+                     + expert-parallel all-to-alls x intra/inter_factor        (4 per layer, 6 with full recompute)
     per micro-batch  = layers x per layer + output layer
                      + pipeline sends of activations and gradients x intra/inter_factor + p2p_ms each
     step             = micro-batches x per micro-batch + pipeline bubble x per micro-batch of the other stages
@@ -50,6 +51,7 @@ from hlat.models.config import ModelConfig
 from hlat.planner.comms import (
     context_parallel_time,
     data_parallel_time,
+    expert_parallel_time,
     measured_data_parallel,
     pipeline_send_time,
     rate,
@@ -84,10 +86,13 @@ class StepTime:
     # copies), "cited" (published collective bandwidths) or "fitted"; "" without data parallelism
     data_parallel: str = ""
     cp_comm: float = 0.0  # context parallelism's gathers of keys and values and their gradients' reductions
+    ep_comm: float = 0.0  # expert parallelism's all-to-alls of the experts' tokens and outputs
 
     @property
     def total(self) -> float:
-        return self.compute + self.tp_comm + self.cp_comm + self.pp_comm + self.bubble + self.dp_comm + self.optimizer
+        return (
+            self.compute + self.tp_comm + self.cp_comm + self.ep_comm + self.pp_comm + self.bubble + self.dp_comm
+        ) + self.optimizer
 
 
 @dataclass(frozen=True)
@@ -100,14 +105,15 @@ class MicroBatch:
     tp: float  # tensor-parallel collectives, on the critical path
     layer: str  # how a layer was priced (`StepTime.layer`)
     cp: float = 0.0  # context-parallel collectives, on the critical path
+    ep: float = 0.0  # expert-parallel all-to-alls, on the critical path
 
 
 def recompute_flops_per_token(model: ModelConfig, seq_len: int, recompute: str) -> float:
-    """FLOPs per token spent again in the backward pass: the layers' forward for 'full', the attention core's
-    forward (QK^T and AV) for 'selective'."""
+    """FLOPs per token spent again in the backward pass: the layers' forward for 'full' (a token's own experts),
+    the attention core's forward (QK^T and AV) for 'selective'."""
     attention_core = 4.0 * model.n_layers * model.dim * seq_len
     if recompute == "full":
-        return 2.0 * model.num_params(embedding=False) + attention_core
+        return 2.0 * model.active_params(embedding=False) + attention_core
     return attention_core if recompute == "selective" else 0.0
 
 
@@ -126,12 +132,14 @@ def check_fp8(work: Workload, hw: HardwareProfile) -> None:
     )
 
 
-def linears_forward(work: Workload, matmul: list[list[float]], tokens: int, tp: int, hw: HardwareProfile) -> float:
+def linears_forward(
+    work: Workload, matmul: list[list[float]], tokens: int, tp: int, hw: HardwareProfile, load: float = 1.0
+) -> float:
     """Seconds of one layer's forward matmuls at their shapes' measured rates in the compute dtype (`matmul`); with
     FP8, each linear layer at its recipe's measured rate, whose forward + backward (casts included) was timed as
     one: a third of that time per pass."""
     if work.fp8 == "none":
-        shapes, table = layer_matmuls(work.model, tokens, tp), matmul
+        shapes, table = layer_matmuls(work.model, tokens, tp, load), matmul
     else:
         shapes, table = block_linears(work.model, tokens, tp), hw.measured.fp8_matmul(work.fp8)
     return sum(matmul_flops(s) / rate(table, matmul_flops(s), 1e12) for s in shapes.values())
@@ -151,7 +159,8 @@ def measured_layer(work: Workload, layout: Layout, hw: HardwareProfile) -> tuple
     tokens = layout.held(work.seq_len) * layout.micro_batch
     recompute = layout.activation_checkpoint
     passes = 4 if recompute == "full" else 3
-    forward = linears_forward(work, matmul, tokens, t, hw)
+    load = work.load(layout)
+    forward = linears_forward(work, matmul, tokens, t, hw, load)
     attn_flops = attention_flops(model, layout.micro_batch, work.seq_len, t, layout.cp)
     if attention:
         core = attn_flops / rate(attention, work.seq_len, 1e12)
@@ -159,7 +168,7 @@ def measured_layer(work: Workload, layout: Layout, hw: HardwareProfile) -> tuple
         core = attn_flops / (hw.peak_tflops * 1e12) * hw.fit.flops_factor
     core *= 4 / 3 if recompute != "none" else 1  # the forward again (selective recomputes just this)
     memory_bound = 0.0  # compiled blocks fuse these operations: their nominal bytes stream at HBM bandwidth
-    for op, nbytes in memory_op_bytes(model, tokens, t, layout.sequence_parallel, work.compute_bytes).items():
+    for op, nbytes in memory_op_bytes(model, tokens, t, layout.sequence_parallel, work.compute_bytes, load).items():
         gbs = hw.hbm_gbs if layout.parallel.compile else getattr(me, f"{op}_gbs") or hw.hbm_gbs
         memory_bound += nbytes / (gbs * 1e9)
     memory_bound *= 1.4 if recompute == "full" else 1  # forward passes (2 of every 5 bytes) again
@@ -176,10 +185,14 @@ def fitted_layer(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit) 
     model, t = work.model, layout.tp
     tokens = layout.held(work.seq_len) * layout.micro_batch
     output_layer = 6.0 * model.vocab_size * model.dim
+    recompute = layout.activation_checkpoint
+    # the busiest expert-parallel rank's experts run `load` x their share of the choices
+    excess = model.n_layers * model.experts_per_token * (work.load(layout) - 1) * model.expert_params()
     per_layer = (
         model.flops_per_token(work.seq_len)
         - output_layer
-        + recompute_flops_per_token(model, work.seq_len, layout.activation_checkpoint)
+        + recompute_flops_per_token(model, work.seq_len, recompute)
+        + (8.0 if recompute == "full" else 6.0) * excess
     ) / model.n_layers
     layer = per_layer * tokens / t / (hw.peak_tflops * 1e12) * fit.flops_factor
     if not hw.flash_attention:  # one nominal pass over the scores; the factor counts the passes
@@ -213,7 +226,8 @@ def micro_batch(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit) -
     layer, output, embedding, how = layer_time(work, layout, hw, fit)
     tp = 0.0 if how == "measured block" else tensor_parallel_time(work, layout, hw, fit)
     cp = context_parallel_time(work, layout, hw, fit)
-    host_excess = max(0.0, fit.layer_overhead_ms * 1e-3 - layer - tp - cp) if how == "fitted" else 0.0
+    ep = expert_parallel_time(work, layout, hw, fit)
+    host_excess = max(0.0, fit.layer_overhead_ms * 1e-3 - layer - tp - cp - ep) if how == "fitted" else 0.0
     return MicroBatch(
         compute=layers * (layer + host_excess) + output,
         output=output,
@@ -221,6 +235,7 @@ def micro_batch(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit) -
         tp=layers * tp,
         layer=how,
         cp=layers * cp,
+        ep=layers * ep,
     )
 
 
@@ -262,10 +277,11 @@ def step_time(work: Workload, layout: Layout, hw: HardwareProfile, fit: Fit | No
         compute=m * mb.compute,
         tp_comm=m * mb.tp,
         pp_comm=pp_comm,
-        bubble=bubble * (mb.compute - mb.output + mb.embedding + mb.tp + mb.cp + bubble_pp),
+        bubble=bubble * (mb.compute - mb.output + mb.embedding + mb.tp + mb.cp + mb.ep + bubble_pp),
         dp_comm=dp_comm,
         optimizer=optimizer_time(work, layout, hw),
         layer=mb.layer,
         data_parallel=dp_priced if layout.shards * layout.dp_replicate > 1 else "",
         cp_comm=m * mb.cp,
+        ep_comm=m * mb.ep,
     )

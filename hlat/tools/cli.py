@@ -6,9 +6,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from hlat import ERROR_EXIT, HlatError
+from hlat.console import Ticker
 
 
 def register(commands) -> None:
@@ -124,35 +126,38 @@ def run_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     checkpoints = [
         c for path in args.checkpoints for c in (checkpoints_in(path) if args.all else [resolve_checkpoint(path)])
     ]
-    if not args.json:
-        print(f"{'step':>10}  {'loss':>8}  {'perplexity':>10}  {'tokens':>12}  {'set':<10}  checkpoint")
+    header = f"{'step':>10}  {'loss':>8}  {'perplexity':>10}  {'tokens':>12}  {'set':<10}  checkpoint"
     made: dict = {}  # the evaluation batches, made once for the checkpoints that share their data and tokenizer
-    damaged = 0
-    for checkpoint in checkpoints:  # each printed once evaluated: a long list shows its progress
-        try:
-            rows = evaluate_checkpoint(checkpoint, args, device, made)
-        except DamagedCheckpoint as e:  # refused in its line; a curve over many checkpoints still gets the others
-            print(f"hlat: error: {e}", file=sys.stderr, flush=True)
-            damaged += 1
-            continue
-        for row in rows:
-            step = "-" if row["step"] is None else row["step"]
-            print(
-                json.dumps(row)
-                if args.json
-                else f"{step:>10}  {row['loss']:>8.4f}  {row['perplexity']:>10.2f}  "
-                f"{row['tokens']:>12,}  {row['set'] or '-':<10}  {checkpoint}",
-                flush=True,
-            )
+    damaged, progress = 0, Ticker("hlat eval")
+    with progress.beating():
+        for checkpoint in checkpoints:  # each printed once evaluated: a long list shows its progress
+            try:
+                rows = evaluate_checkpoint(checkpoint, args, device, made, progress)
+            except DamagedCheckpoint as e:  # refused in its line; a curve over many checkpoints still gets the others
+                print(f"hlat: error: {e}", file=sys.stderr, flush=True)
+                damaged += 1
+                continue
+            for row in rows:
+                if header and not args.json:  # with the first row: an error before any comes alone
+                    print(header)
+                    header = ""
+                step = "-" if row["step"] is None else row["step"]
+                print(
+                    json.dumps(row)
+                    if args.json
+                    else f"{step:>10}  {row['loss']:>8.4f}  {row['perplexity']:>10.2f}  "
+                    f"{row['tokens']:>12,}  {row['set'] or '-':<10}  {checkpoint}",
+                    flush=True,
+                )
     if damaged and len(checkpoints) > 1:
         print(f"hlat eval: {damaged} of {len(checkpoints)} checkpoints damaged, not evaluated", file=sys.stderr)
     return ERROR_EXIT if damaged else 0
 
 
-def evaluate_checkpoint(checkpoint: Path, args: argparse.Namespace, device, made: dict) -> list[dict]:
+def evaluate_checkpoint(checkpoint: Path, args: argparse.Namespace, device, made: dict, progress: Ticker) -> list[dict]:
     """The validation figures of one checkpoint (verified first) on --data, or on each validation set of its run's
     [eval] (its default set of eval.paths or eval.holdout, and each named one of eval.sets), a row each; the
-    batches taken from `made` when an earlier checkpoint made the same."""
+    batches taken from `made` when an earlier checkpoint made the same. What it is doing goes to `progress`."""
     from dataclasses import asdict
 
     from hlat.data.tokenizer import tokenizer_digest
@@ -160,6 +165,7 @@ def evaluate_checkpoint(checkpoint: Path, args: argparse.Namespace, device, made
     from hlat.tools.inference import load_trained
     from hlat.train.validation import evaluate, validation_batches, validation_documents, validation_sets
 
+    progress.doing = f"{checkpoint}: verifying and loading it"
     cfg, model, tokenizer = load_trained(checkpoint, device, args.dtype, args.tokenizer)
     if not args.data and not cfg.eval.paths and not cfg.eval.holdout and not cfg.eval.sets:
         raise HlatError(
@@ -185,11 +191,17 @@ def evaluate_checkpoint(checkpoint: Path, args: argparse.Namespace, device, made
             ],
             default=str,
         )
+        what = f"{checkpoint}: {f'set {name!r}' if name else 'the validation set'}"
         if key not in made:
             made[key] = validation_batches(
-                documents, tokenizer, seq_len, batch_size, args.max_batches or 2**62, cfg.model.doc_mask
+                counted(documents, progress, f"{what}: reading and tokenizing", "documents"),
+                tokenizer,
+                seq_len,
+                batch_size,
+                args.max_batches or 2**62,
+                cfg.model.doc_mask,
             )
-        result = evaluate(model, made[key], device)
+        result = evaluate(model, counted(made[key], progress, f"{what}: evaluating", "batches", len(made[key])), device)
         rows.append(
             {
                 "checkpoint": str(checkpoint),
@@ -201,6 +213,15 @@ def evaluate_checkpoint(checkpoint: Path, args: argparse.Namespace, device, made
             }
         )
     return rows
+
+
+def counted(items: Iterable, progress: Ticker, what: str, unit: str, total: int = 0) -> Iterator:
+    """`items`, telling `progress` how many `unit` have been taken (of `total`, when known)."""
+    done = 0
+    progress.doing = lambda: f"{what} ({unit}: {done:,}{f' of {total:,}' if total else ''})"
+    for item in items:
+        yield item
+        done += 1
 
 
 def run_generate(args: argparse.Namespace, overrides: list[str]) -> int:

@@ -17,7 +17,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from hlat.config.job import Config
 from hlat.optim import OptimConfig, build_optimizer
 from hlat.optim.fp8 import convert_blocks, precompute_scales_after_step
-from hlat.optim.precision import autocast, prepare_model
+from hlat.optim.precision import autocast, dtypes, prepare_model
 from hlat.parallel import Topology, parallelize
 from hlat.parallel.pipeline import StageShapes, build_schedule
 from hlat.train.step import ModelParts
@@ -75,3 +75,10 @@ def assemble(
         autocast=autocast(recipe.mode, device),
         loss_context=loss_parallel if layout.tp > 1 else contextlib.nullcontext,
     )
+
+
+def stage_shapes(cfg: Config) -> StageShapes:
+    """The shapes at a run's pipeline stage boundaries (a micro-batch of hidden states in the mode's compute dtype), so
+    that its stages need no shape-inference pass."""
+    hidden, _ = dtypes(cfg.precision.mode)
+    return StageShapes(cfg.train.micro_batch, cfg.train.seq_len, hidden)

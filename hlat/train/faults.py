@@ -1,10 +1,12 @@
 """Fault handling in the training loop: the bad-step check and policy, the fault a test injects to exercise them
-(train.debug_nan_step), the hang watchdog and stop signals (docs/fault-tolerance.md)."""
+(train.debug_nan_step), the hang watchdog, what a rank does when a lease runs out, and stop signals
+(docs/fault-tolerance.md)."""
 
 from __future__ import annotations
 
 import contextlib
 import faulthandler
+import functools
 import json
 import math
 import os
@@ -18,9 +20,11 @@ from typing import Literal
 
 import torch
 
-from hlat import HANG_EXIT, HlatError
+from hlat import HANG_EXIT, LOST_EXIT, HlatError
 from hlat.config.job import TrainConfig
 from hlat.files import WriteFailed, record_seen, report_and_exit, write_text, writing
+from hlat.parallel import Topology
+from hlat.parallel.lease import Expired, Lease
 
 
 class BadSteps:
@@ -205,6 +209,47 @@ def kill_stopped_sibling(seen: dict) -> bool:
     except (OSError, ValueError, IndexError):  # gone already, or no /proc (not Linux)
         return False
     return True
+
+
+def hold_lease(train: TrainConfig, topo: Topology) -> contextlib.AbstractContextManager:
+    """This rank's lease (hlat.parallel.lease) while the run holds its process group, acted on by `lease_expired`;
+    none with train.lease_s = 0, or where this process did not form the group (one process; a group made before)."""
+    if not train.lease_s or topo.store is None:
+        return contextlib.nullcontext()
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", topo.world_size))
+    act = functools.partial(lease_expired, Path(train.run_dir), topo.rank)
+    return Lease(topo.store, topo.rank, topo.world_size, per_node, train.lease_s, act)
+
+
+def lease_expired(run_dir: Path, rank: int, expired: Expired) -> None:
+    """What a rank does when a lease runs out: the one place that acts on a peer declared lost, or on this rank's own
+    lease that it could not renew. Today the rank ends (the failure recorded for goodput's split, one line, exit
+    code 4), so that torchrun re-forms the job from the hosts that are live and the ranks resume, as after a dead
+    process, rather than wait in a collective until train.collective_timeout_s; a silent peer on this node under
+    the same torchrun (stopped: it cannot act on torchrun's SIGTERM) is killed first. Called from the lease's thread,
+    while the training thread may be waiting in that collective."""
+    line = lease_line(rank, expired)
+    killed = expired.kind == "peer" and kill_stopped_sibling(expired.who)
+    record_seen(run_dir, f"rank{rank}", line.removeprefix("hlat: error: "))
+    killed_text = f"; killed it on this node (pid {expired.who['pid']})" if killed else ""
+    print(line + killed_text, file=sys.stderr, flush=True)
+    os._exit(LOST_EXIT)
+
+
+def lease_line(rank: int, expired: Expired) -> str:
+    me = f"rank {rank} on {socket.gethostname()}"
+    if expired.kind == "store":
+        return (
+            f"hlat: error: {me}: cannot renew its lease at {expired.where} for {expired.silent_s:.1f} s "
+            f"({expired.cause[:160]}): the service is lost or this host is cut off; this rank ends"
+        )
+    who = expired.who
+    silent = f"rank {expired.rank}" + (f" (pid {who['pid']} on {who['host']})" if who else "")
+    by = "" if expired.declared_by == rank else f" by rank {expired.declared_by}"
+    return (
+        f"hlat: error: {me}: {silent} has not renewed its lease for {expired.silent_s:.1f} s (train.lease_s): "
+        f"declared lost{by}; this rank ends so that the job goes on without it"
+    )
 
 
 class StopRequest:

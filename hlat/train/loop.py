@@ -39,8 +39,8 @@ from hlat.models import build_model, count_params
 from hlat.optim.fp8 import fp8_support
 from hlat.parallel import ParallelConfig, Topology, init_topology
 from hlat.parallel.device import pick_device
-from hlat.train.assemble import Recipe, assemble
-from hlat.train.faults import StopRequest, Watchdog
+from hlat.train.assemble import Recipe, assemble, stage_shapes
+from hlat.train.faults import StopRequest, Watchdog, hold_lease
 from hlat.train.goodput import Goodput
 from hlat.train.health import Health
 from hlat.train.metrics import StepReport
@@ -92,6 +92,7 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
     quiet_refused_writes_in_threads()  # a full disk is reported once, in one line
     with contextlib.ExitStack() as cleanup:
         cleanup.callback(destroy_process_group)
+        cleanup.enter_context(hold_lease(cfg.train, topo))  # a silent peer is found in seconds from here on
         make_run_dir(cfg, topo)
         start = decide_start(cfg, topo, inputs.resume_from, inputs.model)  # one start for all ranks, both tiers
         for change in start.changes:
@@ -108,6 +109,8 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
             inputs.device,
             Recipe.of(cfg, inputs.fp8, per_rank),
             weights="loaded" if loaded else "drawn",
+            # MoE stages take their shapes: shape inference runs a backward, which would count routing figures
+            shapes=stage_shapes(cfg) if cfg.model.moe else None,
         )
         stream = open_stream(cfg, topo, tokenizer, inputs.sources)
         cleanup.callback(stream.close)  # stops the tokenizer workers

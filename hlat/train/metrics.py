@@ -13,10 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from rich.console import Console
+from torch import nn
 
 from hlat.config.job import Config, CostConfig
 from hlat.files import append_text, read_metrics, write_text, writing
+from hlat.models.moe import routing_table
 from hlat.profiles import load_profile
 from hlat.train.recovery import PARTS
 from hlat.train.tracking import numeric, open_trackers
@@ -195,7 +198,7 @@ def tensorboard_tag(key: str) -> str:
     data mix's under data_mix/."""
     if key in TENSORBOARD_TAGS:
         return TENSORBOARD_TAGS[key]
-    for prefix, group in (("val_", "eval"), ("mix_", "data_mix")):
+    for prefix, group in (("val_", "eval"), ("mix_", "data_mix"), ("moe_", "moe")):
         if key.startswith(prefix):
             return f"{group}/{key.removeprefix(prefix)}"
     return f"other/{key}"
@@ -263,6 +266,30 @@ def mix_text(record: dict) -> str:
     ]
     shares = ", ".join(f"{n} {record[f'mix_{n}_run'] or 0:.1%}/{record[f'mix_{n}_target']:.1%}" for n in names)
     return f"  mix run/target: {shares}" if names else ""
+
+
+def routing_figures(parts: list[nn.Module]) -> dict:
+    """A mixture of experts' routing over the steps since the last record, summed over every rank (a collective:
+    every rank calls it), or {} for a dense model: each layer's choices per expert (`moe_tokens_per_expert`, before
+    any is dropped), how far its busiest expert is above an even share (`moe_imbalance_layerN`: 1 is even, and
+    `moe_imbalance` the worst layer's), the share of the choices dropped past an expert's capacity (`moe_dropped`),
+    and the load-balancing loss, averaged over layers and micro-batches (`moe_aux_loss`)."""
+    table = routing_table(parts)
+    if table is None:
+        return {}
+    if dist.is_initialized():
+        dist.all_reduce(table)
+    rows = table.tolist()
+    tokens = [[round(share) for share in row[:-3]] for row in rows]
+    imbalance = [max(row) * len(row) / sum(row) if sum(row) else 1.0 for row in tokens]
+    routed, aux = sum(map(sum, tokens)), [row[-2] / row[-1] for row in rows if row[-1]]
+    return {
+        "moe_imbalance": round(max(imbalance), 4),
+        **{f"moe_imbalance_layer{i}": round(value, 4) for i, value in enumerate(imbalance)},
+        "moe_dropped": round(sum(row[-3] for row in rows) / routed, 6) if routed else 0.0,
+        "moe_aux_loss": sum(aux) / len(aux) if aux else None,
+        "moe_tokens_per_expert": tokens,
+    }
 
 
 class StepReport:
@@ -367,6 +394,8 @@ class StepReport:
         spent = f"  ${record['cost_usd']:,.2f}" if self.cost else ""
         val = "".join(f"  {k} {v:7.4f}" for k, v in record.items() if k.startswith("val_") and k.endswith("loss"))
         mix = mix_text(record) if (len(self.losses) - 1) % MIX_EVERY == 0 or step == settings.steps else ""
+        if "moe_imbalance" in record:
+            mix += f"  experts: busiest x{record['moe_imbalance']:.2f} of even, {record['moe_dropped']:.1%} dropped"
         return (
             f"step {step:>6}/{settings.steps}  loss {stats['loss']:7.4f}  grad_norm {stats['grad_norm']:6.3f}  "
             f"lr {record['lr']:.2e}  {tokens_per_s:>9,.0f} tok/s  mfu {record['mfu'] or 0:6.2%}  "

@@ -39,7 +39,7 @@ def numeric(record: dict) -> dict[str, float]:
 
 class WandbTracker:
     def __init__(self, cfg: Config, run_dir: Path):
-        wandb = optional_import("wandb", "tracking.backends = ['wandb']", INSTALL)
+        self.wandb = wandb = optional_import("wandb", "tracking.backends = ['wandb']", INSTALL)
         name = cfg.tracking.run_name or run_dir.resolve().name
         # console="off": the run's own output is left alone (W&B would otherwise wrap stdout and stderr)
         self.run = wandb.init(
@@ -56,7 +56,11 @@ class WandbTracker:
         self.run.log(numeric(record), step=record["step"])
 
     def close(self) -> None:
+        """Finish the run, its files written. W&B's service keeps the run's log (<run>/wandb/.../run-*.wandb) in
+        32 KiB blocks and writes the last of them when it closes the run, which `finish` asks of it without waiting:
+        until then the log may hold no record at all. `teardown` waits for the service to close it, and exit."""
         self.run.finish()
+        self.wandb.teardown()
 
 
 class MlflowTracker:

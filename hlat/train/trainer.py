@@ -18,7 +18,7 @@ from hlat.checkpoint.tiers import Tiers
 from hlat.config.job import Config
 from hlat.train.faults import Watchdog, bad_step_action
 from hlat.train.goodput import Goodput
-from hlat.train.metrics import StepReport
+from hlat.train.metrics import StepReport, routing_figures
 from hlat.train.step import Batches, ModelParts, StepResult, TrainStep
 from hlat.train.validation import Validation
 
@@ -81,7 +81,12 @@ class Trainer:
                 result.lr,
                 self.train_step.bad_steps.total,
                 self.validate if validate else None,
-                {**self.train_step.health.check(), **self.goodput.metric_fields(), **self.tiers.metric_fields()},
+                {
+                    **self.train_step.health.check(),
+                    **self.goodput.metric_fields(),
+                    **self.tiers.metric_fields(),
+                    **routing_figures(self.model.parts),
+                },
             )
             self.goodput.save()
         if validate:

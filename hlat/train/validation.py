@@ -20,7 +20,9 @@ from torch import nn
 from hlat import HlatError
 from hlat.config.job import Config
 from hlat.data.packing import IGNORE, rows_to_batch
-from hlat.data.sources import Source, held_out, iter_documents, resolve_paths, resolve_sources, source_files
+from hlat.data.readers import iter_documents
+from hlat.data.records import held_out
+from hlat.data.sources import Source, resolve_paths, resolve_sources, source_files
 from hlat.data.tokenizer import Tokenizer
 
 

@@ -73,6 +73,23 @@ def test_resume_refuses_a_schedule_change_without_the_flag(checkpoint):
     ]
 
 
+def test_a_refused_schedule_change_names_only_what_moves_the_schedule(checkpoint):
+    """Changes of precision, batch and schedule together: the refusal names the schedule's fields alone; the
+    changes are all said when allowed."""
+    changed = {"precision": {"mode": "bf16_mixed", "fp8": "tensorwise"}, "optim": {"lr": 1e-3, "beta2": 0.99}}
+    with pytest.raises(HlatError) as err:
+        check_resume(checkpoint, config(train={"steps": 12, "global_batch": 16}, **changed))
+    assert "from step 4 on (optim.lr: 0.0003 -> 0.001; train.steps: 8 -> 12); pass" in str(err.value)
+    allowed = check_resume(checkpoint, config(train={"steps": 12, "allow_schedule_change": True}, **changed))
+    assert [line.partition(":")[0] for line in allowed] == [
+        "optim.lr",
+        "optim.beta2",
+        "precision.mode",
+        "precision.fp8",
+        "train.steps",
+    ]
+
+
 def test_trainer_refuses_before_starting(tmp_path, capsys):
     """Through `hlat train`: a resume with more steps (cosine horizon = train.steps) is refused, then allowed
     with the flag, saying what changed; init_from of another shape stops in one line."""
