@@ -309,8 +309,10 @@ def test_torchrun_restarts_a_killed_worker_in_place_bit_exact(launched, restart_
             service.wait()
     assert job.returncode == 0, out[-5000:]
     assert "resumed from" in out and "Connection refused" not in out
-    # the surviving rank said why it ended in one line, not a traceback of torch's internals
-    assert "a peer is lost or unreachable" in out and "Traceback (most recent call last)" not in out, out[-5000:]
+    # the surviving rank said why it ended in one line, not a traceback of torch's internals (unless torchrun saw
+    # the death first and stopped it before its collective failed)
+    assert "Traceback (most recent call last)" not in out, out[-5000:]
+    assert "a peer is lost or unreachable" in out or "closing signal SIGTERM" in out, out[-5000:]
     # goodput's split of the failure: the surviving rank saw its collective fail (hlat.train.recovery)
     (failure,) = json.loads((run / "goodput.json").read_text())["failures"]
     assert failure["seen_by"].startswith(("rank0: ", "rank1: ")), failure
