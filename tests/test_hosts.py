@@ -267,13 +267,11 @@ def test_the_service_lost_ends_the_job_resumably_and_a_cut_link_is_found_within_
     job.hosts.kill_host(SERVICE)
     for i in TRAINING:
         job.agents[i].wait(timeout=60)
-        # the agent's line last, but for its workers' own lines (on their leases or a failed collective), which
-        # may come after it
-        lines = job.log(i).read_text().strip().splitlines()
-        agent = [line for line in lines if not line.startswith("hlat: error: rank ")]
-        assert job.agents[i].returncode == 4 and agent[-1].startswith(
-            f"hlat: error: lost the hlat service at {job.hosts[SERVICE].address}:{SERVICE_PORT}, the job's store"
-        ), job.logs()
+        # the agent's one line (anywhere: its workers' own lines, on their leases or a failed collective, and
+        # torch's warnings come from other processes into the same log, at any time)
+        assert job.agents[i].returncode == 4, job.logs()
+        said = f"hlat: error: lost the hlat service at {job.hosts[SERVICE].address}:{SERVICE_PORT}, the job's store"
+        assert said in job.log(i).read_text(), job.logs()
         job.hosts.kill_host(i, memory_lost=False)  # nothing is left there but the node-local memory
     ended_s = time.time() - lost
     [snapshots] = job.hosts[owner].local_dir.iterdir()  # one run's
