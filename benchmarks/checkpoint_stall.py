@@ -45,7 +45,7 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for mode in ("sync", "async"):
-            writer = BackgroundWriter(device.type == "cuda", None) if mode == "async" else None
+            writer = BackgroundWriter(device.type == "cuda", None, dcp_format=True) if mode == "async" else None
             ckpt = DurableTier(Path(tmp) / mode, keep=1, rank=0, config_toml="", writer=writer)
             stalls, totals = [], []
             for i in range(args.repeats):

@@ -9,12 +9,15 @@ from the checkpoint directory; `memory` adds the node-local in-memory snapshot t
 `memory_auto` snapshots as the default does (train.snapshot_every = -1: as often as keeps the snapshot's measured
 cost under 5% of the steps' time). A path whose overrides the config does not know is reported in one line and
 left out. Without faults, each memory path's snapshot cost is the training's stall for it (goodput.json) and the
-slowdown of the steps (mean step times of metrics.jsonl, one record per step), against the durable path, run before
-and after them.
+slowdown of the steps (mean step times of metrics.jsonl, one record per step), against the durable path, in rounds
+that run every path in turn; `--baseline DIR` measures the memory paths with another checkout of hlat too, in the
+same rounds (what a change costs or saves, on a machine whose other work comes and goes).
 
     python benchmarks/recovery.py                  # 10 minutes per path, mean 90 s between faults
     python benchmarks/recovery.py --quick --paths durable
     python benchmarks/recovery.py --paths ''        # the snapshot's cost alone, no faults
+    git archive e440614 | tar -x -C /tmp/base    # the memory tier's writer thread, before its process
+    python benchmarks/recovery.py --paths '' --rounds 3 --baseline /tmp/base
 """
 
 from __future__ import annotations
@@ -87,7 +90,8 @@ def config_refusal(args: list[str]) -> str:
     return "" if done.returncode == 0 else (errors[-1] if errors else done.stderr.strip()[-300:])
 
 
-def start_job(args: list[str], log: Path) -> subprocess.Popen:
+def start_job(args: list[str], log: Path, tree: Path = ROOT) -> subprocess.Popen:
+    """`hlat torchrun` of 2 ranks, with hlat from `tree`."""
     with open(log, "w") as out:
         return subprocess.Popen(
             [
@@ -106,6 +110,7 @@ def start_job(args: list[str], log: Path) -> subprocess.Popen:
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            env={**os.environ, "PYTHONPATH": str(tree)},
         )
 
 
@@ -169,45 +174,74 @@ def faulted_run(path: str, root: Path, seconds: float, mean_s: float, ckpt_every
     }
 
 
-def no_faults(path: str, root: Path, steps: int, ckpt_every: int, name: str = "") -> tuple[float, float]:
-    """`steps` steps without faults (in `<name or path>_no_faults/`): the mean step time (one metrics record per
+def no_faults(path: str, root: Path, steps: int, ckpt_every: int, name: str, tree: Path) -> dict:
+    """`steps` steps without faults (in `<name>/`) with hlat from `tree`: the mean step time (one metrics record per
     step; the first, which carries the start-up, left out; a mean, so that the steps slowed by a write every K
-    steps count) and the training's stall for saves per step (goodput.json's checkpoint_s)."""
-    run_dir = root / f"{name or path}_no_faults" / "run"
+    steps count), the training's stall for saves per step (goodput.json's checkpoint_s), the memory tier's own
+    measure of its snapshots' parts (the medians of the metrics' snapshot_* fields) and the machine's load."""
+    run_dir = root / name / "run"
     run_dir.parent.mkdir(parents=True)
     args = overrides(path, run_dir, ckpt_every, "--train.log_every", "1")
     args[args.index("--train.steps") + 1] = str(steps)
-    job = start_job(args, run_dir.parent / "job.log")
+    load = os.getloadavg()[0]
+    job = start_job(args, run_dir.parent / "job.log", tree)
     if job.wait(timeout=1800) != 0:
         raise SystemExit(f"{path} without faults failed: see {run_dir.parent / 'job.log'}")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    stall_s = json.loads((run_dir / "goodput.json").read_text())["checkpoint_s"] / steps
-    return statistics.fmean(r["step_time_s"] for r in records[1:]), stall_s
+    measured = [r for r in records if "snapshot_stall_s" in r]
+    return {
+        "step_s": statistics.fmean(r["step_time_s"] for r in records[1:]),
+        "stall_s": json.loads((run_dir / "goodput.json").read_text())["checkpoint_s"] / steps,
+        **{
+            f"tier_{part}": statistics.median(r[f"snapshot_{part}"] for r in measured) if measured else None
+            for part in TIER_PARTS
+        },
+        "load": (load + os.getloadavg()[0]) / 2,
+        "every": cadence(path, run_dir.parent / "job.log"),
+    }
 
 
-def snapshot_cost(root: Path, steps: int, ckpt_every: int, paths: list[str]) -> str:
-    """Each memory path's snapshots against the step time, in two parts: the training's stall for them (the copy
-    to host memory and the waits for writes; the path's runs over the durable path's, which saves as often) and
-    the steps' slowdown while they are written in the background (on a CPU-only machine the write takes the cores
-    the step runs on). The durable path runs before and after the memory paths, its mean the baseline: how far
-    the two differ is the machine's drift, which bounds what a cost of a few percent can be told from."""
-    before = no_faults("durable", root, steps, ckpt_every, "durable_before")
-    runs = {path: no_faults(path, root, steps, ckpt_every) for path in paths}
-    after = no_faults("durable", root, steps, ckpt_every, "durable_after")
-    without, stall_without = statistics.fmean((before[0], after[0])), statistics.fmean((before[1], after[1]))
-    costs = [
-        f"the durable baseline {without * 1e3:.1f} ms a step (before {before[0] * 1e3:.1f}, after "
-        f"{after[0] * 1e3:.1f}: a drift of {after[0] / before[0] - 1:+.1%})"
-    ]
-    for path, (with_tier, stall_with) in runs.items():
-        stall = stall_with - stall_without
-        every = cadence(path, root / f"{path}_no_faults" / "job.log")
-        costs.append(
-            f"{path} (a snapshot {every}): {(with_tier + stall) / without - 1:+.1%} in all, a stall of "
-            f"{stall * 1e3:.1f} ms a step ({stall / without:.1%}) and steps {with_tier / without - 1:+.1%} "
-            f"slower ({with_tier * 1e3:.1f} ms)"
+TIER_PARTS = ("stall_s", "slowdown_s", "settle_s")
+
+
+def snapshot_cost(root: Path, steps: int, ckpt_every: int, paths: list[str], rounds: int, baseline: Path | None):
+    """Each memory path's snapshots against the step time of the durable path (which saves as often), in two parts:
+    the training's stall for them (the copy to the staging buffer and the waits for writes: the path's stall per
+    step over the durable path's) and the steps' slowdown while they are written in the background (on a CPU-only
+    machine the writes take cores the steps run on). `rounds` rounds, each running every path once (and each memory
+    path again with hlat from `baseline`, another checkout, where given), in an order turned by one each round, so
+    that the machine's drift and other work fall on all alike; the medians over the rounds. Returns the rows and a
+    sentence for the caption."""
+    trees = {"this": ROOT} | ({"baseline": baseline} if baseline else {})
+    runs = [("durable", "this")] + [(path, tree) for path in paths for tree in trees]
+    measured: dict[tuple[str, str], list[dict]] = {run: [] for run in runs}
+    for r in range(rounds):
+        for path, tree in runs[r % len(runs) :] + runs[: r % len(runs)]:
+            name = f"{path}_{tree}_{r}"
+            measured[path, tree].append(no_faults(path, root, steps, ckpt_every, name, trees[tree]))
+    step_s, stall_s = (statistics.median(m[k] for m in measured["durable", "this"]) for k in ("step_s", "stall_s"))
+    rows = []
+    for (path, tree), ms in measured.items():
+        median = {
+            k: statistics.median(m[k] for m in ms) if ms[0][k] is not None else None for k in ms[0] if k != "every"
+        }
+        slowdown, stall = median["step_s"] / step_s - 1, (median["stall_s"] - stall_s) / step_s
+        rows.append(
+            {
+                "path": path,
+                "hlat": tree,
+                "every": ms[-1]["every"],
+                "runs": len(ms),
+                **median,
+                "slowdown": slowdown,
+                "stall": stall,
+                "stall_a_step_s": median["stall_s"] - stall_s,
+                "total": slowdown + stall,
+                "each_run": ms,
+            }
         )
-    return "; ".join(costs)
+    loads = [m["load"] for ms in measured.values() for m in ms]
+    return rows, f"load average {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores during the runs"
 
 
 def cadence(path: str, log: Path) -> str:
@@ -267,6 +301,13 @@ def main() -> None:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cost-steps", type=int, default=200, help="steps of each run without faults (snapshot cost)")
+    p.add_argument("--rounds", type=int, default=1, help="runs of each path without faults, interleaved")
+    p.add_argument("--cost-paths", default=",".join(MEMORY_PATHS), help="the memory paths whose cost is measured")
+    p.add_argument(
+        "--baseline",
+        type=Path,
+        help="another hlat checkout (`git archive` of a commit): its memory paths' cost measured beside this one's",
+    )
     p.add_argument(
         "--quick",
         action="store_true",
@@ -289,27 +330,64 @@ def main() -> None:
             for name in paths
             if not refused[name]
         ]
-        measured = [name for name in MEMORY_PATHS if not refused[name] and (name in paths or not paths)]
-        cost = snapshot_cost(root, args.cost_steps, args.ckpt_every, measured) if measured else "not measured"
-    report(args, results, cost, refused)
+        wanted = args.cost_paths.split(",")
+        measured = [
+            name for name in MEMORY_PATHS if not refused[name] and name in wanted and (name in paths or not paths)
+        ]
+        cost = (
+            snapshot_cost(root, args.cost_steps, args.ckpt_every, measured, args.rounds, args.baseline)
+            if measured
+            else ([], "not measured")
+        )
+    report(args, results, *cost, refused)
 
 
-def report(args: argparse.Namespace, results: list[dict], cost: str, refused: dict) -> None:
-    header = [
-        "path",
-        "snapshots",
-        "wall s",
-        "steps",
-        "faults",
-        "failures",
-        "ETTR",
-        "detection s",
-        "restart s",
-        "downtime s",
-        "load s",
-        "recomputed steps",
-        "recomputed s",
+FAULT_HEADER = [
+    "path",
+    "snapshots",
+    "wall s",
+    "steps",
+    "faults",
+    "failures",
+    "ETTR",
+    "detection s",
+    "restart s",
+    "downtime s",
+    "load s",
+    "recomputed steps",
+    "recomputed s",
+]
+COST_HEADER = [
+    "path",
+    "hlat",
+    "snapshots",
+    "runs",
+    "step ms",
+    "steps slower",
+    "stall ms a step",
+    "stall",
+    "cost in all",
+    "tier's measure: stall / slowdown / settle ms",
+]
+
+
+def cost_row(r: dict) -> list:
+    tier = " / ".join("-" if r[f"tier_{k}"] is None else f"{r[f'tier_{k}'] * 1e3:.1f}" for k in TIER_PARTS)
+    return [
+        r["path"],
+        r["hlat"],
+        r["every"],
+        r["runs"],
+        f"{r['step_s'] * 1e3:.1f}",
+        f"{r['slowdown']:+.1%}",
+        f"{r['stall_a_step_s'] * 1e3:.1f}",
+        f"{r['stall']:+.1%}",
+        f"{r['total']:+.1%}",
+        tier,
     ]
+
+
+def report(args: argparse.Namespace, results: list[dict], costs: list[dict], load: str, refused: dict) -> None:
     left_out = "; ".join(f"{name}: {why}" for name, why in refused.items() if why)
     faults = (
         f"{args.minutes:g} min per path, one trainer SIGKILLed at exponential intervals (mean {args.mean_s:g} "
@@ -319,28 +397,34 @@ def report(args: argparse.Namespace, results: list[dict], cost: str, refused: di
         if results
         else f"no faults (the snapshot's cost alone), train.ckpt_every = {args.ckpt_every}. "
     )
+    baseline = f", and each memory path with hlat from {args.baseline} ('baseline')" if args.baseline else ""
     caption = (
         f"Recovery of the tiny model (configs/tiny.toml), 2 ranks under `hlat torchrun --max-restarts`, "
-        f"{faults}Machine: {machine()}; torch {torch_version()}. Snapshots' cost ({args.cost_steps} steps "
-        f"without faults; mean step times and goodput's stall for saves, each memory path against the "
-        f"durable one, run before and after them): {cost}." + (f" Paths left out: {left_out}." if left_out else "")
+        f"{faults}Machine: {machine()}; torch {torch_version()}. Snapshots' cost (the second table): "
+        f"{args.rounds} round(s) of {args.cost_steps} steps without faults, each round running every path in "
+        f"turn{baseline}, the order turned by one each round; the medians over the rounds of the mean step time "
+        f"and of goodput's stall for saves per step, each memory path against the durable one (which checkpoints "
+        f"as often): the steps' slowdown while snapshots are written, the stall, and the two in all; beside them, "
+        f"the tier's own measure of a snapshot (the medians of metrics.jsonl's snapshot_stall_s, "
+        f"snapshot_slowdown_s and snapshot_settle_s); {load}." + (f" Paths left out: {left_out}." if left_out else "")
     )
+    tables = [markdown_table(FAULT_HEADER, [row(r) for r in results])] if results else []
+    tables += [markdown_table(COST_HEADER, [cost_row(r) for r in costs])] if costs else []
     name = "recovery_quick" if args.quick else "recovery" if results else "recovery_cost"
-    write_results(
-        name,
-        {
-            "machine": machine(),
-            "minutes": args.minutes,
-            "mean_s": args.mean_s,
-            "ckpt_every": args.ckpt_every,
-            "seed": args.seed,
-            "snapshot_cost": cost,
-            "left_out": {k: v for k, v in refused.items() if v},
-        },
-        results,
-        caption,
-        markdown_table(header, [row(r) for r in results]),
-    )
+    meta = {
+        "machine": machine(),
+        "minutes": args.minutes,
+        "mean_s": args.mean_s,
+        "ckpt_every": args.ckpt_every,
+        "seed": args.seed,
+        "cost_steps": args.cost_steps,
+        "rounds": args.rounds,
+        "baseline": str(args.baseline or ""),
+        "snapshot_cost": costs,
+        "load": load,
+        "left_out": {k: v for k, v in refused.items() if v},
+    }
+    write_results(name, meta, results, caption, "\n\n".join(tables))
 
 
 def torch_version() -> str:

@@ -10,7 +10,8 @@ what moved.
   (`FUNCTIONAL_COLLECTIVES`, namespace `FUNCTIONAL_NAMESPACE`), and an op's argument names (`op_arguments`);
 - inductor's setting that makes compiled casts round as eager ones (`emulate_precision_casts`);
 - the tensor a tensor subclass wraps (`wrapped_tensor`: torchao's FP8 weights under FSDP);
-- which file of a DCP checkpoint holds each chunk a load reads (`chunk_files`).
+- which file of a DCP checkpoint holds each chunk a load reads (`chunk_files`), and a checkpoint's storage data
+  (`storage_data`: where each item lies, as the storage layer that wrote it put it).
 """
 
 from __future__ import annotations
@@ -59,4 +60,10 @@ def wrapped_tensor(t: torch.Tensor) -> torch.Tensor | None:
 def chunk_files(metadata, plan) -> set[str]:
     """The files of a DCP checkpoint (its `metadata`) that the read items of a load `plan` read: DCP keeps each
     chunk's file in `storage_data[index].relative_path`, which no public API returns."""
-    return {metadata.storage_data[item.storage_index].relative_path for item in plan.items}
+    return {storage_data(metadata)[item.storage_index].relative_path for item in plan.items}
+
+
+def storage_data(metadata) -> dict:
+    """{item's index: where it lies} of DCP checkpoint metadata: DCP's file writer keeps there objects of a private
+    class (`_StorageInfo`), hlat's raw snapshots their `RawChunk`s; a reader of both tells them apart."""
+    return metadata.storage_data

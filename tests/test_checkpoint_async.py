@@ -8,21 +8,16 @@ import subprocess
 import sys
 import time
 
-import pytest
 from test_faults import strict_records, write_config
 from test_train import config, train
 
-from hlat.checkpoint import background
 from hlat.checkpoint.durable import verify_checkpoint
 from hlat.paths import complete_checkpoints
 
 
-@pytest.mark.parametrize("one_stager", [True, False])
-def test_asynchronous_checkpoints_resume_like_synchronous_ones(one_stager, tmp_path, monkeypatch):
+def test_asynchronous_checkpoints_resume_like_synchronous_ones(tmp_path):
     """train.async_checkpoint: the checkpoints are committed (manifest verified, rotation applied) and a resume
-    from them follows the same trajectory as synchronous saves, to the bit; with one stager for the run (its
-    host buffers reused) and with a stager per save (torch < 2.13)."""
-    monkeypatch.setattr(background, "STAGER_KEEPS_BUFFERS", one_stager)
+    from them follows the same trajectory as synchronous saves, to the bit."""
 
     def run(name: str, **fields):
         cfg = config(tmp_path / name, keep_checkpoints=2, ckpt_every=2, **fields)
@@ -43,23 +38,24 @@ def test_asynchronous_checkpoints_resume_like_synchronous_ones(one_stager, tmp_p
 HOLD_THE_STEP_4_WRITE = """
 import sys, time
 from pathlib import Path
-import hlat.checkpoint.durable as c
+import torch.distributed.checkpoint as dcp
 from hlat.cli import main
-own = c._own_digests
-def hold(partial, rank):  # in DCP's writer thread, once every file and the .metadata of the save are written
-    if partial.name.startswith("step_00000004"):
+save = dcp.save
+def hold(state, checkpoint_id, **kwargs):  # in the write's thread, once every file and the .metadata are written
+    metadata = save(state, checkpoint_id=checkpoint_id, **kwargs)
+    if Path(checkpoint_id).name == "step_00000004.partial":
         Path(sys.argv[1]).touch()
         time.sleep(600)
-    return own(partial, rank)
-c._own_digests = hold
+    return metadata
+dcp.save = hold
 sys.exit(main(["train", "--config", sys.argv[2]]))
 """
 
 
 def test_kill_9_during_an_asynchronous_write_resumes_from_the_previous_checkpoint(tmp_path):
     """kill -9 while a save is still being written in the background (held there, after DCP wrote its files and
-    .metadata, before this rank's checksums): that save stays a `.partial` directory that nothing loads, and the
-    run resumes from the previous checkpoint along the uninterrupted run's trajectory."""
+    .metadata, before the write is done): that save stays a `.partial` directory that nothing loads, and the run
+    resumes from the previous checkpoint along the uninterrupted run's trajectory."""
 
     def job(name: str, **fields):
         cfg = config(tmp_path / name, ckpt_every=2, keep_checkpoints=0, async_checkpoint=True, **fields)

@@ -60,6 +60,7 @@ TORCH_FREE = [
     "hlat.optim.config",
     "hlat.optim.modes",
     "hlat.parallel.config",
+    "hlat.checkpoint.writer_process",  # the background writer's process, which starts in a fraction of a second
     # the planner, so that `hlat plan` starts at once (docs/architecture.md)
     *(f"hlat.planner.{p.stem}" for p in sorted((PACKAGE / "planner").glob("*.py")) if p.stem != "__init__"),
 ]
@@ -242,11 +243,12 @@ def test_private_torch_names_are_reached_from_one_module():
 
 
 def test_one_module_writes_in_the_background():
-    """`dcp.async_save` and `StagingOptions`: the one background writer of both tiers."""
-    users = {
-        name for name, path in modules().items() if re.search(r"\basync_save\b|\bStagingOptions\b", path.read_text())
-    }
+    """The one background writer of both tiers starts the writer process (`WriterProcess`); DCP's own asynchronous
+    saving (`dcp.async_save`, `StagingOptions`: a thread of the trainer) is used nowhere."""
+    pattern = r"\bWriterProcess\b|\basync_save\b|\bStagingOptions\b"
+    users = {name for name, path in modules().items() if re.search(pattern, path.read_text())}
     assert users == {"hlat.checkpoint.background"}
+    assert not re.search(r"\basync_save\b|\bStagingOptions\b", (PACKAGE / "checkpoint" / "background.py").read_text())
 
 
 def test_the_step_counter_is_read_through_the_train_state_only():

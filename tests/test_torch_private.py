@@ -94,3 +94,12 @@ def test_dcp_names_the_file_of_each_chunk_a_load_reads(tmp_path):
     planner = dcp.DefaultLoadPlanner()
     planner.set_up_planner({"a": torch.empty(4)}, metadata, is_coordinator=False)
     assert private.chunk_files(metadata, planner.create_local_plan()) == {"__0_0.distcp"}
+
+
+def test_dcp_keeps_where_each_item_lies_in_its_metadata_by_the_items_index(tmp_path):
+    dcp.save({"a": torch.ones(4), "b": torch.zeros(2)}, checkpoint_id=tmp_path)
+    metadata = dcp.FileSystemReader(tmp_path).read_metadata()
+    kept = private.storage_data(metadata)
+    assert {index.fqn for index in kept} == {"a", "b"} and {info.relative_path for info in kept.values()} == {
+        "__0_0.distcp"
+    }

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-import warnings
 import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,6 +24,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from hlat import HlatError
 from hlat.checkpoint.background import BackgroundWriter, RankWriteFailed, failure_reason
+from hlat.checkpoint.raw import Reader
 from hlat.files import refused_write
 from hlat.groups import gather_objects
 from hlat.paths import (
@@ -40,9 +40,6 @@ from hlat.paths import (
 
 if TYPE_CHECKING:
     from rich.console import Console
-
-# DCP warns on every call that no process group exists; single-process saving is intended here.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 class DamagedCheckpoint(HlatError):
@@ -195,9 +192,9 @@ class DurableTier:
     """Writes a run's checkpoints and rotates them (`keep` newest, 0 keeps all).
 
     With a background writer (train.async_checkpoint), `save` stalls training only to copy the state to host
-    memory; the writer writes it, and this rank checksums its files there too. `finish` commits it (manifest,
-    rename, rotation): a collective, so the run calls it on every rank at the same step, once all ranks report
-    `written` (riding on the step's all-reduce), or before the next save and at the end. At most one save is in
+    memory; the writer process writes it, checksumming this rank's files as it writes them. `finish` commits it
+    (manifest, rename, rotation): a collective, so the run calls it on every rank at the same step, once all ranks
+    report `written` (riding on the step's all-reduce), or before the next save and at the end. At most one save is in
     flight; until committed it is only a `.partial` directory."""
 
     def __init__(self, run_dir: str | Path, keep: int, rank: int, config_toml: str, writer: BackgroundWriter | None):
@@ -216,7 +213,7 @@ class DurableTier:
         partial = _partial(final)
         with _writing(final, self.rank):
             _begin(partial, self.rank)
-            self.writer.start(state, partial, lambda: _own_digests(partial, self.rank), started)
+            self.writer.start(state, partial, lambda _, digests: digests, started)
         return None
 
     def written(self) -> bool:
@@ -259,8 +256,9 @@ def _prune(root: Path, keep: int, newest: int) -> None:
 
 
 def read_checkpoint(path: Path, state: dict) -> None:
-    """Load checkpoint `path` into `state` (a state dict of the entries to read, as `TrainState.state_dict` makes
-    them) in place, resharding to this layout whatever layout saved it; an unreadable one raises DamagedCheckpoint."""
+    """Load checkpoint `path` (or a memory snapshot) into `state` (a state dict of the entries to read, as
+    `TrainState.state_dict` makes them) in place, resharding to this layout whatever layout saved it; an unreadable
+    one raises DamagedCheckpoint."""
     try:
         saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     except (Exception, CheckpointException) as e:
@@ -272,6 +270,6 @@ def read_checkpoint(path: Path, state: dict) -> None:
                 "with per-rank data positions (parallel.data_sharding = 'files')"
             )
     try:
-        dcp.load(state, checkpoint_id=path)
+        dcp.load(state, storage_reader=Reader(path))
     except (Exception, CheckpointException) as e:  # DCP's errors are long and nested (and BaseExceptions)
         raise DamagedCheckpoint(path, f"cannot load checkpoint: {failure_reason(e)}") from None

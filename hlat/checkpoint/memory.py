@@ -1,13 +1,15 @@
 """The memory tier: every `train.snapshot_every` steps, each rank's state in node-local memory, with a copy on
 another node, so that a failure costs at most that many steps and a reload from memory (docs/fault-tolerance.md).
 
-On each node, `<train.snapshot_dir>/<run key>/step_XXXXXXXX/` holds one snapshot in DCP's format: the files of the
-node's own ranks (`__R_0.distcp`), the copies it keeps of its ward's files (the ranks of the previous node: rank
-R's buddy is rank R + ranks per node, so losing any one node leaves a complete copy), DCP's `.metadata`, and one
-`rank_R.json` per rank of the node, written last, listing what that rank wrote there (its own files and the copy
-it received, each with its size and CRC-32), the saving world size and the run's token. A snapshot is written in
-the background (training stalls only for the copy to host memory); every rank learns from the step's all-reduce
-when all have written, and the tier then keeps only that newest complete snapshot and the next one being written.
+On each node, `<train.snapshot_dir>/<run key>/step_XXXXXXXX/` holds one snapshot, in DCP's metadata with each rank's
+tensors raw (`hlat.checkpoint.raw`): the files of the node's own ranks (`__R_0.distcp`), the copies it keeps of its
+ward's files (the ranks of the previous node: rank R's buddy is rank R + ranks per node, so losing any one node
+leaves a complete copy), DCP's `.metadata`, and one `rank_R.json` per rank of the node, written last, listing what
+that rank wrote there (its own files and the copy it received, each with its size and CRC-32), the saving world size
+and the run's token. A snapshot is written in the background by the rank's writer process (training stalls only
+for the copy to its staging buffer); every rank learns from the step's all-reduce when all have written, and the
+tier then keeps only that newest complete snapshot and the next one being written, in the directory of the one
+before (`.spare` meanwhile: its files are overwritten in place, and a tmpfs keeps their pages).
 
 A directory under /dev/shm outlives the process that wrote it (a killed trainer, an in-place restart), not its
 node: the restore side (`hlat.checkpoint.memory_restore`) finds and gathers what the surviving nodes hold. How often
@@ -16,9 +18,12 @@ it snapshots, and what that costs, is `hlat.checkpoint.cadence`'s.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import pickle
 import shutil
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,12 +33,13 @@ import torch.distributed as dist
 
 from hlat.checkpoint.background import BackgroundWriter
 from hlat.checkpoint.cadence import SnapshotCadence
-from hlat.checkpoint.durable import digests
-from hlat.groups import recv_object, send_object
+from hlat.checkpoint.writer_process import Listen, Meet, SealSnapshot
+from hlat.groups import gather_objects
 from hlat.paths import CONFIG_FILE, step_dirs, step_name
 
 METADATA = ".metadata"
 RUN_FILE = "run.json"  # in a run's directory of the tier: the run directory it belongs to, for `hlat snapshots`
+SPARE = ".spare"  # the directory of a snapshot no longer kept, which the next one is written into
 
 
 @dataclass(frozen=True)
@@ -92,53 +98,40 @@ class MemoryTier:
     ):
         self.root, self.run_dir, self.token, self.rank, self.node = root, run_dir, token, rank, node
         self.writer, self.group, self.config_toml, self.cadence = writer, writer.group, config_toml, cadence
+        self.met_buddy = False
 
     def save(self, step: int, state: dict, started: float) -> None:
-        """Snapshot `state` (a state dict, taken since `started`: the stall counts it) as step `step`: copied to host
-        memory now, written in the background (the one before is settled: `settle`)."""
+        """Snapshot `state` (a state dict, taken since `started`: the stall counts it) as step `step`: copied to the
+        staging buffer now, written in the background (the one before is settled: `settle`)."""
         target = self.root / step_name(step)
-        target.mkdir(parents=True, exist_ok=True)
-        if self.node.leader and not (self.root / RUN_FILE).is_file():
-            (self.root / RUN_FILE).write_text(json.dumps({"run_dir": self.run_dir, "token": self.token}) + "\n")
-        flight = self.writer.start(state, target, lambda: self._after_write(target, step), started)
+        if self.node.leader:
+            make_directory(target, self.root / SPARE)
+            if not (self.root / RUN_FILE).is_file():
+                (self.root / RUN_FILE).write_text(json.dumps({"run_dir": self.run_dir, "token": self.token}) + "\n")
+        flight = self.writer.start(state, target, lambda metadata, _: self._after_write(target, metadata), started)
         self.cadence.saved(flight.stall_s)
 
-    def _after_write(self, target: Path, step: int) -> None:  # in the writer's thread
-        own = sorted(p.name for p in target.glob(f"__{self.rank}_*.distcp"))
-        received = self._exchange(target, own)
-        self._share_metadata(target)
-        if self.node.leader:
-            (target / CONFIG_FILE).write_text(self.config_toml)
-        self._mark(target, step, own + received + ([METADATA, CONFIG_FILE] if self.node.leader else []))
+    def _after_write(self, target: Path, metadata) -> list[str]:  # in the write's thread
+        """The writer process's work after this rank's file: the copy to the buddy and of the ward's, DCP's metadata
+        and the config (each node's first rank), this rank's record."""
+        extra = {METADATA: pickle.dumps(metadata), CONFIG_FILE: self.config_toml.encode()} if self.node.leader else {}
+        exchange = self._meet_buddy()
+        step = int(target.name.removeprefix("step_"))
+        seal = SealSnapshot(str(target), step, self.rank, self.node.world, self.token, extra, exchange)
+        return self.writer.call(seal)
 
-    def _exchange(self, target: Path, own: list[str]) -> list[str]:
-        """Send this rank's files to its buddy and keep its ward's: the names of the files received."""
-        buddy, ward = self.node.buddy(self.rank), self.node.ward(self.rank)
-        if buddy is None:
-            return []
-        outgoing = {name: (target / name).read_bytes() for name in own}
-        requests = send_object(outgoing, buddy, self.group)  # non-blocking: every rank sends and receives at once
-        incoming = recv_object(ward, self.group)
-        for request in requests:
-            request.wait()
-        for name, data in incoming.items():
-            (target / name).write_bytes(data)
-        return sorted(incoming)
-
-    def _share_metadata(self, target: Path) -> None:
-        """DCP's coordinator (rank 0) wrote `.metadata` on its node; every other node's leader writes a copy."""
-        if self.node.count == 1:
-            return
-        objects = [(target / METADATA).read_bytes() if self.rank == 0 else None]
-        dist.broadcast_object_list(objects, src=0, group=self.group)
-        if self.node.leader and self.rank != 0:
-            (target / METADATA).write_bytes(objects[0])
-
-    def _mark(self, target: Path, step: int, names: list[str]) -> None:
-        record = {"step": step, "world": self.node.world, "token": self.token, "files": digests(target, names)}
-        tmp = target / f".rank_{self.rank}.json.tmp"
-        tmp.write_text(json.dumps(record))
-        tmp.rename(target / f"rank_{self.rank}.json")
+    def _meet_buddy(self) -> bool:
+        """Whether this rank copies its files to a buddy; the first time, where the buddy's writer process listens
+        (every rank's, gathered: a collective of the writes' threads)."""
+        buddy = self.node.buddy(self.rank)
+        if buddy is not None and not self.met_buddy:
+            port = self.writer.call(Listen())
+            addresses = gather_objects((own_address(), port), self.group)
+            # a copy that stalls fails in half the collective timeout, so that the settle's collective after it
+            # still ends within the timeout of a silent peer (a cut link)
+            self.writer.call(Meet(addresses[buddy], self.writer.timeout_s / 2))
+            self.met_buddy = True
+        return buddy is not None
 
     def written(self) -> bool:
         return self.writer.written()
@@ -176,7 +169,7 @@ class MemoryTier:
         if self.node.leader:
             for older, path in step_dirs(self.root):
                 if older < step:
-                    shutil.rmtree(path, ignore_errors=True)
+                    retire(path, self.root / SPARE)
         return None
 
     def discard_after(self, step: int) -> None:
@@ -202,6 +195,38 @@ class MemoryTier:
 
     def close(self) -> None:
         self.writer.close()
+
+
+def own_address() -> str:
+    """This node's address as the other nodes reach it: the one it sends from to the rendezvous host (torchrun's
+    MASTER_ADDR), else its host name."""
+    with contextlib.suppress(OSError, KeyError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((os.environ["MASTER_ADDR"], 9))  # no packet sent: the route's source address is chosen
+        return probe.getsockname()[0]
+    return socket.gethostname()
+
+
+def make_directory(target: Path, spare: Path) -> None:
+    """A snapshot's directory: the spare one where there is one (its files, overwritten in place, keep their pages)."""
+    try:
+        spare.rename(target)
+    except OSError:  # none spare (or one in the way: a fresh directory instead)
+        shutil.rmtree(spare, ignore_errors=True)
+        target.mkdir(parents=True, exist_ok=True)
+
+
+def retire(path: Path, spare: Path) -> None:
+    """Drop a snapshot no longer kept: the spare directory where there is none (its records and metadata removed
+    first, so that it never passes for a snapshot), else removed."""
+    if not spare.exists():
+        try:
+            for name in [METADATA, *(p.name for p in path.glob("rank_*.json"))]:
+                (path / name).unlink(missing_ok=True)
+            path.rename(spare)
+            return
+        except OSError:
+            pass
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @dataclass

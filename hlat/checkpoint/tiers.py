@@ -82,8 +82,11 @@ class Tiers:
             self.run_dir, settings.keep_checkpoints, settings.ckpt_every, settings.steps, bool(cfg.eval.keep_best)
         )
         # asynchronous checkpoints write on a CPU group of their own, never interleaved with the training's
+        timeout_s = settings.collective_timeout_s
         writer = (
-            BackgroundWriter(pinned, side_group(settings.collective_timeout_s)) if settings.async_checkpoint else None
+            BackgroundWriter(pinned, side_group(timeout_s), timeout_s, dcp_format=True)
+            if settings.async_checkpoint
+            else None
         )
         self.durable = DurableTier(self.run_dir, settings.keep_checkpoints, topo.rank, self.config_toml, writer)
         self.memory = (
@@ -93,7 +96,7 @@ class Tiers:
                 start.token,
                 topo.rank,
                 start.node,
-                BackgroundWriter(pinned, start.group),
+                BackgroundWriter(pinned, start.group, timeout_s),
                 self.config_toml,
                 SnapshotCadence(settings.snapshot_every),
             )
