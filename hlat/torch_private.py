@@ -11,7 +11,9 @@ what moved.
 - inductor's setting that makes compiled casts round as eager ones (`emulate_precision_casts`);
 - the tensor a tensor subclass wraps (`wrapped_tensor`: torchao's FP8 weights under FSDP);
 - which file of a DCP checkpoint holds each chunk a load reads (`chunk_files`), and a checkpoint's storage data
-  (`storage_data`: where each item lies, as the storage layer that wrote it put it).
+  (`storage_data`: where each item lies, as the storage layer that wrote it put it);
+- the key of DCP's save-plan cache (`own_plan_cache`, `forget_plans`): kept per process and keyed by the planner's
+  class name, it would carry one run's plans into the next run of the same process, of another layout.
 """
 
 from __future__ import annotations
@@ -67,3 +69,25 @@ def storage_data(metadata) -> dict:
     """{item's index: where it lies} of DCP checkpoint metadata: DCP's file writer keeps there objects of a private
     class (`_StorageInfo`), hlat's raw snapshots their `RawChunk`s; a reader of both tells them apart."""
     return metadata.storage_data
+
+
+PLAN_CACHES = (
+    "_cached_save_plan",
+    "_cached_all_plans",
+    "_cached_global_plan",
+    "_cached_metadata",
+    "_cached_final_save_plan",
+)
+
+
+def own_plan_cache(planner, key: str) -> None:
+    """Keep `planner`'s cached plans (DCP's `enable_plan_caching`) under `key` instead of its class's name."""
+    planner._cached_plans_key = key
+
+
+def forget_plans(key: str) -> None:
+    """Drop the plans DCP cached under `key`."""
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    for cache in PLAN_CACHES:
+        getattr(SavePlanner, cache).pop(key, None)

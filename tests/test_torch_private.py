@@ -103,3 +103,17 @@ def test_dcp_keeps_where_each_item_lies_in_its_metadata_by_the_items_index(tmp_p
     assert {index.fqn for index in kept} == {"a", "b"} and {info.relative_path for info in kept.values()} == {
         "__0_0.distcp"
     }
+
+
+def test_dcp_keeps_cached_save_plans_under_the_key_given_and_forgets_them(tmp_path):
+    """A planner given a key of its own caches its plans there, not under its class's name (a run's plans never
+    reach the next run of the same process), and `forget_plans` drops every cache of that key."""
+    planner = dcp.DefaultSavePlanner(enable_plan_caching=True)
+    private.own_plan_cache(planner, "hlat-test")
+    dcp.save({"a": torch.ones(4)}, checkpoint_id=tmp_path, planner=planner)
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    caches = [getattr(SavePlanner, name) for name in private.PLAN_CACHES]
+    assert all("hlat-test" in cache for cache in caches) and not any("DefaultSavePlanner" in c for c in caches)
+    private.forget_plans("hlat-test")
+    assert not any("hlat-test" in cache for cache in caches)

@@ -12,6 +12,7 @@ of its own.
 from __future__ import annotations
 
 import io
+import itertools
 import mmap
 import os
 import subprocess
@@ -42,6 +43,7 @@ from hlat.checkpoint.raw import RawChunk
 from hlat.checkpoint.writer_process import Checksummed, Request, WriteFile, Writer
 from hlat.dtensor import local
 from hlat.files import refused_write
+from hlat.torch_private import forget_plans, own_plan_cache
 
 ALIGN = 64  # each staged tensor starts on a cache line
 # DCP warns on every call that no process group exists; single-process saving is intended here.
@@ -245,22 +247,19 @@ class Channel:
         self.conn.close()
 
 
-class SnapshotPlanner(dcp.DefaultSavePlanner):
-    """DCP's planner, its plans cached from save to save (the cache is kept per planner class: one per tier)."""
+class CachedPlanner(dcp.DefaultSavePlanner):
+    """DCP's planner, its plans cached from save to save under `key`: one writer's, for one layout of its state
+    (DCP keeps the cache per process: a key per planner class would hand the plans of a run to the next run in the
+    same process, of another layout, and hang its collectives)."""
 
-    def __init__(self):
+    def __init__(self, key: str):
         super().__init__(enable_plan_caching=True)
-
-
-class CheckpointPlanner(SnapshotPlanner):
-    pass
+        own_plan_cache(self, key)
 
 
 class RawFiles(FileSystemWriter):
     """The memory tier's files (`hlat.checkpoint.raw`): this rank's staged tensors that DCP's plan gives it, as
     their raw bytes (runs of the staging buffer), then its objects, written by the writer process."""
-
-    planner = SnapshotPlanner
 
     def __init__(self, path: Path, staging: Staging, channel: Channel):
         super().__init__(path, sync_files=False)  # node-local memory: nothing to force to storage
@@ -301,8 +300,6 @@ class RawFiles(FileSystemWriter):
 
 class CheckpointFiles(FileSystemWriter):
     """A durable checkpoint's files, in DCP's own format, written by the writer process (`WriteCheckpointFiles`)."""
-
-    planner = CheckpointPlanner
 
     def __init__(self, path: Path, staging: Staging, channel: Channel):
         super().__init__(path)
@@ -378,6 +375,9 @@ class ChecksummedFileSystem(FileSystem):
         self.digests[Path(path).name] = stream.digest
 
 
+PLAN_KEYS = itertools.count()
+
+
 class BackgroundWriter:
     def __init__(self, pinned: bool, group: dist.ProcessGroup | None, timeout_s: float = 600.0, dcp_format=False):
         """`pinned`: page-lock the staging buffer (a GPU's state); `group`: a CPU group of every rank for DCP's
@@ -389,6 +389,7 @@ class BackgroundWriter:
         self.channel = WriterProcess.channel(self.fd)  # now: the process is ready by the first save
         self.staging: Staging | None = None
         self.in_flight: Flight | None = None
+        self.plans = ""  # DCP's cached plans' key: this writer's, for its staging buffer's layout
 
     def start(self, state: dict, target: Path, then: Callable[[object, dict], object], started: float) -> Flight:
         """Copy `state`'s tensors into the staging buffer, and write it into `target` in the background, then run
@@ -398,7 +399,9 @@ class BackgroundWriter:
         if staged is None:  # the first save, or a state of another layout
             if self.staging is not None:
                 self.staging.close()
+                forget_plans(self.plans)
             self.staging = Staging(state, self.fd, self.pinned)
+            self.plans = f"hlat-{next(PLAN_KEYS)}"
             staged = self.staging.stage(state)
         flight = self.in_flight = Flight(target, time.perf_counter() - started)
         threading.Thread(target=self._write, args=(flight, staged, then), daemon=True).start()
@@ -411,7 +414,7 @@ class BackgroundWriter:
                 staged,
                 checkpoint_id=flight.target,
                 storage_writer=files,
-                planner=files.planner(),
+                planner=CachedPlanner(self.plans),
                 process_group=self.group,
             )
             flight.result = then(metadata, files.digests)
@@ -441,3 +444,4 @@ class BackgroundWriter:
         if self.staging is not None and (self.in_flight is None or self.in_flight.written.is_set()):
             self.staging.close()
         os.close(self.fd)  # the memory lasts while a mapping holds it
+        forget_plans(self.plans)
