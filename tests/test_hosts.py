@@ -163,9 +163,13 @@ class Job:
             ranks |= {int(v[5:]): pid for v in env if v.startswith(b"RANK=")}
         return ranks
 
-    def first_host(self) -> int:
-        """The training host whose trainers hold rank 0 (and the run directory's lock)."""
-        [first] = [i for i in TRAINING if 0 in self.trainers(i)]
+    def first_host(self, timeout: float = 60) -> int:
+        """The training host whose trainers hold rank 0 (and the run directory's lock), once one does (between two
+        attempts of a worker none may)."""
+        deadline = time.time() + timeout
+        while not (holders := [i for i in TRAINING if 0 in self.trainers(i)]) and time.time() < deadline:
+            time.sleep(0.05)
+        [first] = holders
         return first
 
     def finish(self, *hosts: int, timeout: float = 400) -> None:
