@@ -24,7 +24,7 @@ from hlat.checkpoint.cadence import STALL_SHARE, SnapshotCadence
 from hlat.checkpoint.durable import DurableTier, newest_good_checkpoint, set_aside
 from hlat.checkpoint.memory import MemoryTier
 from hlat.checkpoint.memory_restore import fetch, files_to_read
-from hlat.checkpoint.room import Rotation
+from hlat.checkpoint.room import Rotation, check_memory
 from hlat.checkpoint.start import Start
 from hlat.checkpoint.state import TrainState, load_weights
 from hlat.config.job import Config
@@ -176,16 +176,37 @@ class Tiers:
     def memory_failed(self, failure: str | None) -> bool:
         """Turn the memory tier off after a failed snapshot write (`failure`, on every rank alike); True if so."""
         if failure:
-            self.console.print(
-                f"warning: the memory tier is off for the rest of this process: a snapshot write "
-                f"failed ({failure}); checkpoints go on every train.ckpt_every steps",
-                soft_wrap=True,
-                highlight=False,
-                markup=False,
-            )
-            self.memory.close()
-            self.memory = None
+            self.memory_off(f"a snapshot write failed ({failure})")
         return bool(failure)
+
+    def room_for_memory(self, mode: str) -> str | None:
+        """Before the first step (on every rank): what the memory tier costs per rank, for the log, where every node
+        has room for it (`hlat.checkpoint.room.check_memory`). Where a node has not, a fresh start is refused in one
+        line; a restart (whose tier may have turned itself off in the attempt before) goes on from the state it
+        resumed without the tier, in one warning: refusing it would end the job for good."""
+        if self.memory is None:
+            return None
+        cost, shortfall = check_memory(self.memory, self.state, mode)
+        if shortfall is None:
+            return cost
+        if not self.start.resuming:
+            raise HlatError(shortfall)
+        self.memory_off(shortfall)
+        return None
+
+    def memory_off(self, reason: str) -> None:
+        """Turn the memory tier off for the rest of this process (on every rank alike), saying why in one line, and
+        free the node's memory it held."""
+        self.console.print(
+            f"warning: the memory tier is off for the rest of this process: {reason}; checkpoints go on every "
+            "train.ckpt_every steps",
+            soft_wrap=True,
+            highlight=False,
+            markup=False,
+        )
+        self.memory.drop()
+        self.memory.close()
+        self.memory = None
 
     def metric_fields(self) -> dict:
         """For a metrics record: the memory tier's cadence and the measured cost of its newest snapshot."""

@@ -313,8 +313,6 @@ def run_snapshots(args: argparse.Namespace, overrides: list[str]) -> int:
     import shutil
 
     from hlat.checkpoint.memory import kept_snapshots
-    from hlat.files import size_text
-    from hlat.jobs.writer import live_holder
 
     wanted = {str(Path(r).resolve()) for r in args.runs}
     kept = [k for k in kept_snapshots(args.snapshot_dir) if not wanted or k.run_dir in wanted]
@@ -323,16 +321,10 @@ def run_snapshots(args: argparse.Namespace, overrides: list[str]) -> int:
             f"no snapshots in {args.snapshot_dir} of {', '.join(sorted(wanted - {k.run_dir for k in kept}))}"
         )
     for k in kept:
-        holder = live_holder(k.run_dir) if k.run_dir else None
-        steps = f"step{'s' * (len(k.steps) != 1)} {', '.join(map(str, k.steps))}" if k.steps else "no complete step"
-        state = f"running ({holder.describe()})" if holder else "not running"
-        cleared = args.clear and holder is None
+        cleared = args.clear and k.holder is None
         if cleared:
             shutil.rmtree(k.root, ignore_errors=True)
-        print(
-            f"{'cleared ' if cleared else ''}{k.root}: {k.run_dir or 'run directory unknown'}, {steps}, "
-            f"{size_text(k.size)}, {state}"
-        )
+        print(f"{'cleared ' if cleared else ''}{k.text()}")
     if not kept:
         print(f"no snapshots in {args.snapshot_dir}")
     return 0
