@@ -102,8 +102,9 @@ def test_a_killed_run_resumes_from_memory_exactly_or_from_disk_when_the_snapshot
         raw[len(raw) // 2] ^= 0xFF
         data.write_bytes(bytes(raw))
     capsys.readouterr()
-    train(load_config(cfg_file, ["--train.resume", "auto"]))
+    summary = train(load_config(cfg_file, ["--train.resume", "auto"]))
     out = capsys.readouterr().out
+    assert summary.first_loss == losses(tmp_path / "run")[0]  # the run's first, not the resumed process's
     expected = "checkpoints/step_00000002 at step 2" if damaged else "memory tier's snapshot"
     expected += "" if damaged else f" {(root / step_name(2))} at step 2"
     assert expected in " ".join(out.split()), out
@@ -122,6 +123,17 @@ def test_a_fresh_start_clears_the_memory_of_a_run_directory_it_reuses(tmp_path):
     assert step_dirs(root)
     train(load_config(cfg_file))  # no checkpoint on disk: a fresh start, which must not pick up step 2
     assert len(losses(tmp_path / "run")) == 4 and not root.exists()
+
+
+def test_resume_auto_with_nothing_to_resume_from_says_so_and_starts_at_step_0(tmp_path, capsys):
+    cfg = config(tmp_path / "run", steps=2, snapshot_every=1)
+    assert train(load_config(write_config(tmp_path / "job.toml", cfg), ["--train.resume", "auto"])).steps == 2
+    out = capsys.readouterr().out
+    assert (
+        f"nothing complete to resume from in {tmp_path / 'run'} (no checkpoint, no snapshot): starting at step 0"
+        in (" ".join(out.split()))
+    )
+    assert len(losses(tmp_path / "run")) == 2
 
 
 def test_a_snapshot_dir_that_cannot_be_written_is_refused_in_one_line(tmp_path, capsys):

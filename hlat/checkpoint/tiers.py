@@ -239,7 +239,8 @@ class Tiers:
 
     def restore(self) -> None:
         """Load where the ranks agreed to start (a durable checkpoint, or the memory tier's snapshot once this
-        node holds the files its ranks read), or a fresh run's initial weights (train.init_from)."""
+        node holds the files its ranks read), or a fresh run's initial weights (train.init_from); a resume with
+        nothing to load says so."""
         start = self.start
         if start.tier == "memory":
             wanted = files_to_read(start.path, self.state.state_dict(packed=True))
@@ -257,6 +258,12 @@ class Tiers:
         elif self.init_from:
             load_weights(resolve_checkpoint(self.init_from), self.state.parts)
             self.console.print(f"initialised weights from {self.init_from}")
+        if start.path is None and start.resuming:  # --resume auto, or a restarted worker, with nothing to go on from
+            self.console.print(
+                f"nothing complete to resume from in {self.run_dir} (no checkpoint, no snapshot): starting at step 0",
+                soft_wrap=True,
+                highlight=False,
+            )
 
     def rollback(self, step: int, reason: str) -> Path:
         """Go back to the newest checkpoint that still verifies (the weights and optimizer states and the step; the

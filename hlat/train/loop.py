@@ -265,7 +265,7 @@ def summary(trainer: Trainer, resume_from: Path | None) -> Summary:
         steps=trainer.step,
         tokens_seen=trainer.step * settings.tokens_per_step,
         tokens_per_s=ran * settings.tokens_per_step / elapsed if elapsed > 0 else 0.0,
-        first_loss=report.losses[0] if report.losses else float("nan"),
+        first_loss=report.first_loss(),
         last_loss=report.losses[-1] if report.losses else float("nan"),
         checkpoint=str(trainer.tiers.saved or resume_from or ""),
         ettr=trainer.goodput.ettr(),
