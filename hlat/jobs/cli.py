@@ -160,19 +160,28 @@ def run_service(args: argparse.Namespace, overrides: list[str]) -> int:
 def run_launch(args: argparse.Namespace, overrides: list[str]) -> int:
     from hlat.config.job import load_config
     from hlat.jobs.launch import render
-    from hlat.planner.advice import config_advice
+    from hlat.planner.advice import WATCHDOG_STEPS, config_advice, watchdog
 
     if args.cpu and args.hardware:
         raise HlatError(f"--cpu: plain CPU nodes have no hardware profile; leave out --hardware {args.hardware}")
     cluster = cluster_overrides(args) + (["--cluster.hardware", "", "--cluster.accelerator", "cpu"] if args.cpu else [])
+    cfg = load_config(args.config, cluster + overrides)
+    notes = [config_advice(cfg, cfg.cluster.nodes, cfg.cluster.nproc_per_node)]
+    off = cfg.train.hang_timeout_s == 0 and not any(o.startswith("--train.hang_timeout_s") for o in overrides)
+    if off and (found := watchdog(cfg)):  # a frozen rank named in minutes, not in 10 + 15 (docs/fault-tolerance.md)
+        overrides = [*overrides, "--train.hang_timeout_s", f"{found[0]:g}"]
+        notes.append(
+            f"train.hang_timeout_s = {found[0]:g} s in the job: {WATCHDOG_STEPS} x the planner's predicted "
+            f"{found[1]:.3g} s step on {cfg.cluster.nodes} x {cfg.cluster.hardware}, rounded up to whole minutes "
+            "(the config leaves the hang watchdog off; set train.hang_timeout_s to choose another, 0 to keep it off)"
+        )
     text = render(args.config, args.target, cluster + overrides, args.image)
     if args.out:
         Path(args.out).write_text(text)
         print(f"wrote {args.out}")
     else:
         print(text, end="")
-    cfg = load_config(args.config, cluster + overrides)
-    if line := config_advice(cfg, cfg.cluster.nodes, cfg.cluster.nproc_per_node):
+    for line in filter(None, notes):
         print(f"hlat launch: {line}", file=sys.stderr)  # the job file stays whole on stdout
     return 0
 
