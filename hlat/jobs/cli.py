@@ -110,7 +110,7 @@ def run_torchrun(argv: list[str]) -> int:
     mistake is one line, as from `hlat train` alone, not the trainers' line inside torchrun's report."""
     from hlat.jobs.torchrun import torchrun
 
-    return torchrun(argv, check_training)
+    return torchrun(argv, check_training, held_state)
 
 
 def fixed_world_size(args) -> int | None:
@@ -129,6 +129,25 @@ def check_training(args) -> None:
     if not (args.module and args.training_script == "hlat" and args.training_script_args[:1] == ["train"] and world):
         return
     train_config(args.training_script_args[1:]).resolved_parallel(world)
+
+
+def held_state(args) -> str:
+    """What this node holds of an `hlat train` job's state, for the line of a lost rendezvous host: the newest memory
+    snapshot whose every rank's files are here, verified, and the newest checkpoint of the run directory."""
+    from hlat.checkpoint.memory_restore import holdings, newest_complete
+    from hlat.paths import TOKEN_FILE, checkpoint_root, latest_checkpoint, snapshot_root, step_name
+
+    if not (args.module and args.training_script == "hlat" and args.training_script_args[:1] == ["train"]):
+        return "what this node holds is the training script's to say"
+    settings = train_config(args.training_script_args[1:]).train
+    try:
+        token = (checkpoint_root(settings.run_dir) / TOKEN_FILE).read_text().strip()
+    except OSError:
+        token = None
+    root = snapshot_root(settings.snapshot_dir, settings.run_dir)
+    step = newest_complete([holdings(root, token)]) if token and settings.snapshot_every else None
+    snapshot = f"the snapshot of step {step} ({root / step_name(step)})" if step is not None else "no whole snapshot"
+    return f"this node holds {snapshot} whole; newest checkpoint: {latest_checkpoint(settings.run_dir) or 'none'}"
 
 
 def train_config(argv: list[str]):
