@@ -268,10 +268,12 @@ def test_the_service_lost_ends_the_job_resumably_and_a_cut_link_is_found_within_
     2. The first training host's link cut after step 6: nothing reaches anyone, no reset. The other host's trainers
     declare its ranks lost when their leases run out (train.lease_s, 10 s) and end, and the job goes on at 2 ranks;
     the cut-off ranks fence themselves (they cannot renew their leases) and rank 0's lock on the run directory is
-    free for the survivor."""
+    free for the survivor. The hang watchdog is on, as `hlat launch` sets it (at a minute, its least): the lease
+    names the silent host well within it."""
     cfg_file, cfg, _, _ = references
     lease_s = cfg.train.lease_s
-    job = Job(hosts(3), tmp_path, cfg_file)
+    # the hang watchdog as `hlat launch` sets it at the least (a minute: 30 predicted steps, rounded up to minutes)
+    job = Job(hosts(3), tmp_path, cfg_file, "--train.hang_timeout_s", "60")
     job.wait_for_step(3)
     [owner] = [i for i in TRAINING if 2 in job.trainers(i)]  # rank 2's own files; its buddy copy is on the other
     lost = time.time()
