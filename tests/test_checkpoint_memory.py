@@ -318,3 +318,16 @@ def test_a_restart_on_a_tmpfs_with_little_to_spare_goes_on_by_itself_and_exactly
     weights, ref_weights = trained_state(run, cfg)[0], trained_state(reference, cfg)[0]
     assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
     assert sorted(shm.iterdir()) == ([other] if filled else [])
+
+
+def test_a_fresh_start_without_room_for_the_tier_is_refused_naming_the_other_runs_there(small_tmpfs, tmp_path, capsys):
+    """A fresh start has nothing to lose by waiting: too small a tmpfs is refused in one line (exit code 2) that names
+    the other runs' snapshots holding it, with their sizes and whether a live job writes them."""
+    shm = small_tmpfs(2)
+    other = other_runs_snapshot(shm, 1)
+    cfg = config(tmp_path / "run", steps=2, snapshot_every=1, snapshot_dir=str(shm))
+    assert main(["train", "--config", str(write_config(tmp_path / "job.toml", cfg))]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"hlat: error: train.snapshot_dir: {shm} on node 0 has ") and err.count("\n") == 1, err
+    assert f"other runs' snapshots there: {other}: /nowhere/other-run, step 7, 1.0 MB, not running;" in err
+    assert not (tmp_path / "run" / "checkpoints" / "step_00000001").exists()
