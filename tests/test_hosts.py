@@ -280,13 +280,11 @@ def test_the_service_lost_ends_the_job_resumably_and_a_cut_link_is_found_within_
     job.hosts.kill_host(SERVICE)
     for i in TRAINING:
         job.agents[i].wait(timeout=60)
-        # the agent's line last, but for its workers' own lines (on their leases or a failed collective), which
-        # may come after it
-        lines = job.log(i).read_text().strip().splitlines()
-        agent = [line for line in lines if not line.startswith("hlat: error: rank ")]
-        assert job.agents[i].returncode == 4 and agent[-1].startswith(
-            f"hlat: error: lost the hlat service at {job.hosts[SERVICE].address}:{SERVICE_PORT}, the job's store"
-        ), job.logs()
+        # the agent's one line; its workers' own lines (on their leases or a failed collective) and torch's store
+        # warnings may come after it in the host's log
+        said = f"hlat: error: lost the hlat service at {job.hosts[SERVICE].address}:{SERVICE_PORT}, the job's store"
+        lines = job.log(i).read_text().splitlines()
+        assert job.agents[i].returncode == 4 and sum(line.startswith(said) for line in lines) == 1, job.logs()
         job.hosts.kill_host(i, memory_lost=False)  # nothing is left there but the node-local memory
     ended_s = time.time() - lost
     [snapshots] = job.hosts[owner].local_dir.iterdir()  # one run's
@@ -307,7 +305,8 @@ def test_the_service_lost_ends_the_job_resumably_and_a_cut_link_is_found_within_
         time.sleep(0.05)
     found_s = time.time() - cut
     job.finish(3 - first)
-    (restarted, four), (went_on, two) = job.starts()
+    # at one step (a loaded machine ran on past step 3 before the service's loss ended it), the 4-rank restart first
+    (restarted, four), (went_on, two) = sorted(job.starts(), key=lambda start: (start[0], -start[1]))
     assert (four, two) == (4, 2), job.starts()
     follows(job, references, [(restarted, 4), (went_on, 2)])
     declared = [line for line in job.log(3 - first).read_text().splitlines() if "declared lost" in line]

@@ -139,7 +139,10 @@ def held_state(args) -> str:
 
     if not (args.module and args.training_script == "hlat" and args.training_script_args[:1] == ["train"]):
         return "what this node holds is the training script's to say"
-    settings = train_config(args.training_script_args[1:]).train
+    try:
+        settings = train_config(args.training_script_args[1:]).train
+    except HlatError as e:  # the job's config no longer reads here: the line still names the lost host
+        return f"what this node holds is unknown (its config: {e})"
     try:
         token = (checkpoint_root(settings.run_dir) / TOKEN_FILE).read_text().strip()
     except OSError:

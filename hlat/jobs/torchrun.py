@@ -9,7 +9,9 @@ also exits 1 under torchrun, whatever its trainers said; here it exits 2 when a 
 a full disk: retrying cannot help) and 3 when one's watchdog found a hang. Each start of the workers meets in a
 store of its own (`OWN_STORE_PER_ATTEMPT`), or, at the hlat service (`--rdzv-backend=hlat`: hlat.jobs.service), in a
 namespace of its own there; a job that loses the service ends in one line naming it, with exit code 4 (`LOST_EXIT`:
-its restart resumes it). `hlat torchrun` checks an `hlat train` job before torchrun starts a process
+its restart resumes it). Under torchrun's own c10d rendezvous, whose store a training host's agent hosts, a job that
+loses that host ends on the others in one line naming what each holds and the command that resumes it there, with
+exit code 5 (`LOST_RENDEZVOUS_EXIT`). `hlat torchrun` checks an `hlat train` job before torchrun starts a process
 (`hlat.jobs.cli.check_training`).
 """
 
