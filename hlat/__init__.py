@@ -9,6 +9,9 @@ HANG_EXIT = 3  # the hang watchdog named a stopped rank: restart the job
 # a lease ran out (docs/fault-tolerance.md, "Leases"): a rank ends because a peer went silent or it lost the hlat
 # service, and `hlat torchrun` ends a job that lost the service: resumable, the restart (or requeue) resumes it
 LOST_EXIT = 4
+# `hlat torchrun` under torchrun's own c10d rendezvous lost the training host whose agent hosted the job's store: the
+# other hosts cannot meet again until the job is relaunched with its rendezvous elsewhere (docs/fault-tolerance.md)
+LOST_RENDEZVOUS_EXIT = 5
 # where `hlat torchrun` tells the workers of a rendezvous at the hlat service the namespace of their attempt there
 SERVICE_NAMESPACE_ENV = "HLAT_SERVICE_NAMESPACE"
 

@@ -1,7 +1,8 @@
 """A run directory's files: its metrics.jsonl read back (`read_metrics`, for the trainer,
 `hlat compare` and `hlat plan --calibrate`), and the one way they are written (docs/fault-tolerance.md, "Failed
-writes"), and a failure's moment as its observer saw it (`record_seen`). Torch-free: the supervisor and the planner
-import it.
+writes"), a failure's moment as its observer saw it (`record_seen`), and the record of the job that writes it
+(`live_holder`: `writer.lock`, which `hlat.jobs.writer` keeps; `hlat snapshots` and the memory tier's room check read
+it). Torch-free: the supervisor and the planner import it.
 
 Checkpoints, metrics.jsonl, TensorBoard events, goodput.json and progress.json, restarts.jsonl, hang stamps,
 config.toml and the tokenizer are all written inside `writing`: a write refused because the disk is full, the quota
@@ -21,9 +22,11 @@ import json
 import os
 import re
 import shutil
+import socket
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from hlat import ERROR_EXIT, HlatError
@@ -32,6 +35,8 @@ from hlat.paths import latest_checkpoint
 # errors a restart cannot cure: the same write fails again until a person frees space or fixes permissions
 REFUSED = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
 # the Rust `tokenizers` library reports an I/O error as a plain Exception ending in "(os error N)"
+LOCK_FILE = "writer.lock"  # the job that writes a run directory (hlat.jobs.writer)
+STALE_S = 300.0  # a record from another host not rewritten for this long is a dead job's
 _RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
 
 
@@ -177,3 +182,49 @@ def report_and_exit(error: WriteFailed) -> None:
     """From a background thread, which cannot raise into the run: the one line, then hlat's error exit."""
     print(f"hlat: error: {error}", file=sys.stderr, flush=True)
     os._exit(ERROR_EXIT)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+@dataclass
+class Holder:
+    """A record in the lock file: who writes the run directory."""
+
+    job: str
+    host: str
+    pid: int
+    started: float
+    heartbeat: float
+    attempt: str = ""  # the attempt's namespace at the hlat service ('' elsewhere)
+
+    def fresh(self) -> bool:
+        """Alive, as far as the record can tell: a live process on this host, or a heartbeat within STALE_S."""
+        if self.host == socket.gethostname():
+            return pid_alive(self.pid)
+        return time.time() - self.heartbeat < STALE_S
+
+    def describe(self) -> str:
+        job = f"job {self.job}, " if self.job else ""
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started))
+        return (
+            f"{job}pid {self.pid} on {self.host}, started {since}, last heard from "
+            f"{max(0.0, time.time() - self.heartbeat):.0f} s ago"
+        )
+
+
+def live_holder(run_dir: str | Path) -> Holder | None:
+    """The job writing `run_dir` by its record, if it is alive (a live process on this host, a heartbeat within
+    STALE_S from another): read without taking the lock, so that looking never refuses a job that is starting."""
+    try:
+        holder = Holder(**json.loads((Path(run_dir) / LOCK_FILE).read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+    return holder if holder.fresh() else None

@@ -3,7 +3,9 @@ most one snapshot interval; a damaged snapshot is refused for the next good copy
 a run ends; the default cadence keeps a snapshot's cost under the goal. A lost node's state found on its buddy,
 across hosts: tests/test_hosts.py."""
 
+import contextlib
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -14,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from test_faults import children, restarting_torchrun, strict_records, trained_state
 from test_train import config, final_weights, losses
 
 from hlat.checkpoint.background import BackgroundWriter
@@ -99,8 +102,9 @@ def test_a_killed_run_resumes_from_memory_exactly_or_from_disk_when_the_snapshot
         raw[len(raw) // 2] ^= 0xFF
         data.write_bytes(bytes(raw))
     capsys.readouterr()
-    train(load_config(cfg_file, ["--train.resume", "auto"]))
+    summary = train(load_config(cfg_file, ["--train.resume", "auto"]))
     out = capsys.readouterr().out
+    assert summary.first_loss == losses(tmp_path / "run")[0]  # the run's first, not the resumed process's
     expected = "checkpoints/step_00000002 at step 2" if damaged else "memory tier's snapshot"
     expected += "" if damaged else f" {(root / step_name(2))} at step 2"
     assert expected in " ".join(out.split()), out
@@ -119,6 +123,17 @@ def test_a_fresh_start_clears_the_memory_of_a_run_directory_it_reuses(tmp_path):
     assert step_dirs(root)
     train(load_config(cfg_file))  # no checkpoint on disk: a fresh start, which must not pick up step 2
     assert len(losses(tmp_path / "run")) == 4 and not root.exists()
+
+
+def test_resume_auto_with_nothing_to_resume_from_says_so_and_starts_at_step_0(tmp_path, capsys):
+    cfg = config(tmp_path / "run", steps=2, snapshot_every=1)
+    assert train(load_config(write_config(tmp_path / "job.toml", cfg), ["--train.resume", "auto"])).steps == 2
+    out = capsys.readouterr().out
+    assert (
+        f"nothing complete to resume from in {tmp_path / 'run'} (no checkpoint, no snapshot): starting at step 0"
+        in (" ".join(out.split()))
+    )
+    assert len(losses(tmp_path / "run")) == 2
 
 
 def test_a_snapshot_dir_that_cannot_be_written_is_refused_in_one_line(tmp_path, capsys):
@@ -199,3 +214,120 @@ def test_metrics_hold_the_snapshots_measured_cost_and_cadence_under_either_setti
     parts = last["snapshot_stall_s"] + last["snapshot_slowdown_s"] + last["snapshot_settle_s"]
     assert last["snapshot_stall_s"] > 0 and last["snapshot_cost_s"] == pytest.approx(parts, abs=2e-4)
     assert last["snapshot_share"] > 0 and summary.snapshots == {k: last[k] for k in summary.snapshots}
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """`mount(megabytes)`: a tmpfs of that size of its own (the memory tier's node-local memory, with little to
+    spare), unmounted after the test; skipped where mounting is not allowed (CI runs as root)."""
+    mounted = []
+
+    def mount(megabytes: float) -> Path:
+        target = tmp_path / f"tmpfs{len(mounted)}"
+        target.mkdir()
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={int(megabytes * 1024)}k", "tmpfs", str(target)],
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+        mounted.append(target)
+        return target
+
+    yield mount
+    for target in mounted:
+        subprocess.run(["umount", "-l", str(target)], check=False)
+
+
+@pytest.fixture(scope="module")
+def tight_job(tmp_path_factory, warm_torchrun):
+    """A 2-rank job of 10 steps, a snapshot every step and a checkpoint every 3, and its uninterrupted run
+    (reference/ beside its config; on the session's torchrun launch: the same arithmetic as a fresh torchrun's)."""
+    root = tmp_path_factory.mktemp("tight")
+    cfg = config(root / "run", steps=10, decay_steps=10, ckpt_every=3, snapshot_every=1)
+    cfg.data.workers = 0
+    cfg_file = write_config(root / "c.toml", cfg)
+    done = warm_torchrun.run(2, ["train", "--config", str(cfg_file), "--train.run_dir", str(root / "reference")])
+    assert done.returncode == 0, done.stdout[-3000:]
+    return cfg_file, cfg
+
+
+def other_runs_snapshot(snapshot_dir: Path, megabytes: float) -> Path:
+    """Another run's snapshot (a run killed and never resumed, its directory gone), of that many megabytes, or as much
+    of it as fits: it fills the tmpfs."""
+    root = snapshot_dir / "other-run-0123456789ab"
+    (root / step_name(7)).mkdir(parents=True)
+    (root / "run.json").write_text(json.dumps({"run_dir": "/nowhere/other-run"}))
+    with open(root / step_name(7) / "__0_0.distcp", "wb") as out:
+        with contextlib.suppress(OSError):  # No space left on device: the tmpfs is full
+            for _ in range(int(megabytes * 16)):
+                out.write(b"\0" * 65536)
+                out.flush()
+    return root
+
+
+def wait_for(job: subprocess.Popen, log: Path, run: Path, step: int, seen: str = "") -> None:
+    """Until `step` is in the run's metrics.jsonl (and `seen` in the job's log)."""
+    metrics, deadline = run / "metrics.jsonl", time.time() + 120
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= step and seen in log.read_text()):
+        assert job.poll() is None and time.time() < deadline, log.read_text()[-5000:]
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("filled", [False, True])
+def test_a_restart_on_a_tmpfs_with_little_to_spare_goes_on_by_itself_and_exactly(
+    filled, tight_job, small_tmpfs, tmp_path
+):
+    """A 2-rank job under `hlat torchrun --max-restarts 2` whose tmpfs holds the memory tier's need (2 snapshots)
+    with 20% to spare, one trainer SIGKILLed after step 5: the restart's room check counts the run's own snapshot
+    (it used to refuse every restart: exit code 2), resumes from memory and finishes with the uninterrupted run's
+    losses and weights. `filled`: another run's snapshot fills the tmpfs after step 2; the next snapshot write fails
+    and the tier turns itself off and frees its memory; the restart after the kill still finds no room, says so in
+    one warning naming the other run's snapshot, resumes from the newest checkpoint and finishes exactly. Either way
+    the finished run leaves nothing of its own in the tmpfs."""
+    cfg_file, cfg = tight_job
+    shm, run, log = small_tmpfs(4.1), tmp_path / "run", tmp_path / "job.log"  # the need: 3.4 MB
+    command = [*restarting_torchrun(cfg_file), "--train.run_dir", str(run), "--train.snapshot_dir", str(shm)]
+    with open(log, "w") as out:
+        job = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        if filled:
+            wait_for(job, log, run, 2)
+            other = other_runs_snapshot(shm, 8)
+        wait_for(job, log, run, 5, seen="memory tier is off" if filled else "")
+        os.kill(children(job.pid)[-1], signal.SIGKILL)  # one trainer (the job is torchrun itself)
+        job.wait(timeout=300)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    out = log.read_text()
+    assert job.returncode == 0, out[-5000:]
+    if filled:
+        # rank 0 speaks for the job: the failed write, then the room check at the restart naming the other run
+        write, room = [line for line in out.splitlines() if "the memory tier is off" in line]
+        assert "a snapshot write failed (No space left on device)" in write, out[-5000:]
+        assert f"{shm} on node 0 has" in room and f"snapshots there: {other}: /nowhere/other-run, step 7," in room
+        assert "resumed from" in out and "checkpoints/step_" in out
+    else:
+        assert "resumed from the memory tier's snapshot" in out and "memory tier is off" not in out, out[-5000:]
+    reference = cfg_file.parent / "reference"
+    assert [(r["loss"], r["grad_norm"]) for r in strict_records(run)] == [
+        (r["loss"], r["grad_norm"]) for r in strict_records(reference)
+    ]
+    weights, ref_weights = trained_state(run, cfg)[0], trained_state(reference, cfg)[0]
+    assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
+    assert sorted(shm.iterdir()) == ([other] if filled else [])
+
+
+def test_a_fresh_start_without_room_for_the_tier_is_refused_naming_the_other_runs_there(small_tmpfs, tmp_path, capsys):
+    """A fresh start has nothing to lose by waiting: too small a tmpfs is refused in one line (exit code 2) that names
+    the other runs' snapshots holding it, with their sizes and whether a live job writes them."""
+    shm = small_tmpfs(2)
+    other = other_runs_snapshot(shm, 1)
+    cfg = config(tmp_path / "run", steps=2, snapshot_every=1, snapshot_dir=str(shm))
+    assert main(["train", "--config", str(write_config(tmp_path / "job.toml", cfg))]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"hlat: error: train.snapshot_dir: {shm} on node 0 has ") and err.count("\n") == 1, err
+    assert f"other runs' snapshots there: {other}: /nowhere/other-run, step 7, 1.0 MB, not running;" in err
+    assert not (tmp_path / "run" / "checkpoints" / "step_00000001").exists()

@@ -1,6 +1,7 @@
 """`hlat launch` renders multi-node SLURM and Kubernetes jobs that match the layout and survive restarts."""
 
 import json
+import math
 import subprocess
 
 import pytest
@@ -587,3 +588,27 @@ def test_a_torchrun_job_the_trainers_would_refuse_is_refused_before_any_process(
     with pytest.raises(SystemExit) as done:
         main(["torchrun", "--help"])
     assert done.value.code == 0 and capsys.readouterr().out.startswith("usage: hlat torchrun [-h]")
+
+
+def test_the_launch_file_sets_the_hang_watchdog_at_30_of_the_planners_steps(capsys, tmp_path):
+    """A shipped recipe's job runs with its hang watchdog (the recipe sets it from the planner's step:
+    tests/test_config.py), which the script states. A config that leaves it off gets it in the job's command line:
+    30 x the step `hlat plan` predicts on the same cluster, rounded up to whole minutes, said on stderr; an explicit
+    `--train.hang_timeout_s 0` keeps it off."""
+    script = render(capsys, "--target", "slurm", *TRN2)
+    assert "# hang watchdog: a rank whose step has not finished in 120 s is named and the job restarts" in script
+    off = tmp_path / "off.toml"
+    off.write_text("[train]\nhang_timeout_s = 0\n")
+    flags = ["--hardware", "trn2.48xlarge", "--nodes", "32", "--nproc-per-node", "64"]
+    assert main(["plan", "--config", "hlat-7b", "--config", str(off), *flags, "--json"]) == 0
+    step = json.loads(capsys.readouterr().out)["plans"][0]["step_time_s"]["total"]
+    timeout = 60 * math.ceil(30 * step / 60)
+    assert main(["launch", "--config", "hlat-7b", "--config", str(off), "--target", "slurm", *flags]) == 0
+    script, err = capsys.readouterr()
+    train = next(line for line in script.splitlines() if " -m hlat train " in line)
+    assert train.split().count("--train.hang_timeout_s") == 1 and f"--train.hang_timeout_s {timeout} " in train
+    assert f"# hang watchdog: a rank whose step has not finished in {timeout} s" in script
+    assert err.startswith(f"hlat launch: train.hang_timeout_s = {timeout} s in the job: 30 x the planner's predicted")
+    assert main(["launch", "--config", "hlat-7b", "--target", "slurm", *TRN2, "--train.hang_timeout_s", "0"]) == 0
+    kept_off, err = capsys.readouterr()
+    assert "# hang watchdog off (train.hang_timeout_s = 0): a frozen rank holds the job for" in kept_off and not err

@@ -33,8 +33,14 @@ import torch.distributed as dist
 
 from hlat.checkpoint.background import BackgroundWriter
 from hlat.checkpoint.cadence import SnapshotCadence
+<<<<<<< HEAD
 from hlat.checkpoint.writer_process import Listen, Meet, SealSnapshot
 from hlat.groups import gather_objects
+=======
+from hlat.checkpoint.durable import digests
+from hlat.files import Holder, live_holder, size_text
+from hlat.groups import recv_object, send_object
+>>>>>>> i56
 from hlat.paths import CONFIG_FILE, step_dirs, step_name
 
 METADATA = ".metadata"
@@ -181,7 +187,8 @@ class MemoryTier:
                     shutil.rmtree(path, ignore_errors=True)
 
     def drop(self) -> None:
-        """The run ended with a durable checkpoint at its last step: free the node's memory (on every rank)."""
+        """Free the node's memory (on every rank): the run ended with a durable checkpoint at its last step, or the
+        tier turned itself off."""
         self._quiesce()
         if self.node.leader:
             shutil.rmtree(self.root, ignore_errors=True)
@@ -232,12 +239,23 @@ def retire(path: Path, spare: Path) -> None:
 @dataclass
 class Kept:
     """What node-local memory holds of one run: its directory of the tier, the run directory it belongs to (None where
-    unknown), the steps of its snapshots and their bytes."""
+    unknown), the steps of its snapshots, their bytes, and the live job that writes that run directory (None: none)."""
 
     root: Path
     run_dir: str | None
     steps: list[int]
     size: int
+    holder: Holder | None
+
+    def text(self) -> str:
+        """One line for `hlat snapshots` and the room check's refusal."""
+        steps = (
+            f"step{'s' * (len(self.steps) != 1)} {', '.join(map(str, self.steps))}"
+            if self.steps
+            else "no complete step"
+        )
+        state = f"running ({self.holder.describe()})" if self.holder else "not running"
+        return f"{self.root}: {self.run_dir or 'run directory unknown'}, {steps}, {size_text(self.size)}, {state}"
 
 
 def kept_snapshots(snapshot_dir: str | Path) -> list[Kept]:
@@ -248,6 +266,15 @@ def kept_snapshots(snapshot_dir: str | Path) -> list[Kept]:
             run_dir = json.loads((root / RUN_FILE).read_text())["run_dir"]
         except (OSError, ValueError, KeyError, TypeError):
             run_dir = None
-        size = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
-        kept.append(Kept(root, run_dir, [step for step, _ in step_dirs(root)], size))
+        holder = live_holder(run_dir) if run_dir else None
+        kept.append(Kept(root, run_dir, [step for step, _ in step_dirs(root)], tree_bytes(root), holder))
     return kept
+
+
+def tree_bytes(root: Path) -> int:
+    """The bytes of the files under `root` (0 where it is gone; a file removed while counted counts nothing)."""
+    total = 0
+    for path in root.rglob("*") if root.is_dir() else []:
+        with contextlib.suppress(OSError):
+            total += path.stat().st_size if path.is_file() else 0
+    return total

@@ -1,7 +1,9 @@
 """Room for what the run will keep, checked once before its first step (docs/fault-tolerance.md): the durable
 tier's checkpoints on the run directory's disk (`check_disk`), and the memory tier's snapshots in node-local memory
-(`check_memory`). Each refuses, on every rank alike (one gather), what would not fit: refusing now costs nothing, a
-write that fails later costs the steps since the last good state.
+(`check_memory`). Each decides on every rank alike (one gather): a checkpoint that would not fit is refused, since
+refusing now costs nothing and a write that fails later costs the steps since the last good state; a memory tier
+that would not fit is refused at a fresh start, and turned off at a restart, which goes on from the state it resumed
+(`hlat.checkpoint.tiers.Tiers.room_for_memory`).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hlat import HlatError
-from hlat.checkpoint.memory import MemoryTier
+from hlat.checkpoint.memory import MemoryTier, kept_snapshots, tree_bytes
 from hlat.checkpoint.state import TrainState
 from hlat.files import free_bytes, size_text
 from hlat.groups import gather_objects
@@ -83,10 +85,12 @@ def check_disk(rotation: Rotation, step: int, size: int, local_params: int) -> s
     return None
 
 
-def check_memory(memory: MemoryTier, state: TrainState, mode: str) -> str:
-    """What the memory tier costs each rank, for the log, once every node has room for it: the newest complete
-    snapshot and the one being written, each of this rank's own state and (on several nodes) of its ward's copy, in
-    node-local memory; and the copy of the state in host memory that each snapshot is written from."""
+def check_memory(memory: MemoryTier, state: TrainState, mode: str) -> tuple[str, str | None]:
+    """Whether every node has room for the memory tier: the newest complete snapshot and the one being written, each
+    of this rank's own state and (on several nodes) of its ward's copy, in node-local memory, against the free space
+    there and what this run's own snapshots already hold (a restart's newest snapshot is one of the two). Returns
+    what the tier costs each rank, for the log (with the copy of the state in host memory that each snapshot is
+    written from), and where a node lacks room, why (naming the other runs' snapshots there), else None."""
     node, root, mode_bytes = memory.node, memory.root, MODES[mode]
     # the weights as they are, the optimizer's states in proportion (none exist before the first step)
     scale = 1 + mode_bytes.optimizer_bytes / mode_bytes.weight_bytes
@@ -97,23 +101,32 @@ def check_memory(memory: MemoryTier, state: TrainState, mode: str) -> str:
         unwritable = None
     except OSError as e:
         unwritable = f"cannot write {e.filename or root}: {e.strerror}"
-    gathered = gather_objects((node.index, free_bytes(root), kept, unwritable))
-    if problem := next((p for *_, p in gathered if p), None):
+    room = (free_bytes(root), tree_bytes(root)) if node.leader else None
+    gathered = gather_objects((node.index, room, kept, unwritable, others_text(root) if node.leader else ""))
+    if problem := next((p for *_, p, _ in gathered if p), None):
         raise HlatError(
             f"train.snapshot_dir: {problem}; point it at a directory of yours in node-local memory "
             "(a tmpfs), or set train.snapshot_every = 0 (off)"
         )
-    for index in sorted({i for i, *_ in gathered}):
-        free = next(f for i, f, *_ in gathered if i == index)
-        needed = sum(k for i, _, k, _ in gathered if i == index)
-        if free is not None and free < needed:
-            raise HlatError(
-                f"train.snapshot_dir: {root.parent} on node {index} has {size_text(free)} free; the "
-                f"memory tier needs {size_text(needed)} there; free some, point train.snapshot_dir "
-                "at a larger tmpfs, or set train.snapshot_every = 0 (off)"
-            )
     copies = "2 snapshots of its state" + (" and 2 of its buddy's" if node.count > 1 else "")
-    return (
+    cost = (
         f"memory tier: {size_text(kept)} per rank in {root.parent} ({copies}), and {size_text(size['held'])} "
         "of host memory for the copy each snapshot is written from"
     )
+    for index, (free, own), _, _, others in (g for g in gathered if g[1] is not None):  # each node's leader
+        needed = sum(k for i, _, k, *_ in gathered if i == index)
+        if free is not None and free + own < needed:
+            held = f" (and this run's own snapshots {size_text(own)})" if own else ""
+            return cost, (
+                f"train.snapshot_dir: {root.parent} on node {index} has {size_text(free)} free{held}; the memory "
+                f"tier needs {size_text(needed)} there{others}; free some (hlat snapshots --clear removes those no "
+                "live job writes), point train.snapshot_dir at a larger tmpfs, or set train.snapshot_every = 0 (off)"
+            )
+    return cost, None
+
+
+def others_text(root: Path) -> str:
+    """The other runs' snapshots beside this run's directory of the tier (`root`), for the refusal: each with its size
+    and whether a live job writes its run directory (`hlat snapshots`' lines)."""
+    others = [k.text() for k in kept_snapshots(root.parent) if k.root != root]
+    return f"; other runs' snapshots there: {'; '.join(others)}" if others else ""

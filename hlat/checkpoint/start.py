@@ -4,9 +4,10 @@ Before any process group, each rank found the durable checkpoint to resume from 
 (`hlat.checkpoint.resume.find_resume_checkpoint`). Once the group exists, the ranks gather what they found and what
 their nodes hold of the memory tier, and take the newest of: the durable checkpoint every rank verified, and the
 newest memory snapshot that the surviving nodes hold whole and verified. A memory snapshot at least as new as the
-durable checkpoint wins (it loads from memory, not shared storage). A fresh start clears the run's memory tier;
-an explicit `--resume PATH` loads that path and nothing else. Whatever is chosen (or `train.init_from`'s weights)
-is then checked against the model and the config, once: `Start.changes` is what the config changes against it.
+durable checkpoint wins (it loads from memory, not shared storage). Every other snapshot of the run's memory tier is
+dropped: a fresh start's, those of an explicit `--resume PATH` (which loads that path and nothing else), and the
+dead attempt's newer or older ones. Whatever is chosen (or `train.init_from`'s weights) is then checked against the
+model and the config, once: `Start.changes` is what the config changes against it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,15 @@ from hlat.files import writing
 from hlat.groups import gather_objects, side_group
 from hlat.parallel import Topology
 from hlat.parallel.mesh import continues_run
-from hlat.paths import CONFIG_FILE, TOKEN_FILE, checkpoint_root, checkpoint_step, snapshot_root, step_name
+from hlat.paths import (
+    CONFIG_FILE,
+    TOKEN_FILE,
+    checkpoint_root,
+    checkpoint_step,
+    snapshot_root,
+    step_dirs,
+    step_name,
+)
 
 
 @dataclass
@@ -38,6 +47,7 @@ class Start:
     group: object = None  # the memory tier's CPU process group: its fetches, then its background writes
     held: set[str] = field(default_factory=set)  # the files of the memory snapshot this node holds, verified
     changes: list[str] = field(default_factory=list)  # what the config changes against the checkpoint's
+    resuming: bool = False  # the run goes on (`--resume`, or a worker torchrun restarted), rather than starts afresh
 
 
 def decide_start(cfg: Config, topo: Topology, durable: Path | None, model: nn.Module) -> Start:
@@ -45,32 +55,49 @@ def decide_start(cfg: Config, topo: Topology, durable: Path | None, model: nn.Mo
     `model` on the meta device (the chosen checkpoint's tensors must fit it)."""
     start = _choose(cfg, topo, durable)
     start.changes = check_start(cfg, start.path, model)
+    start.resuming = resuming(cfg)
     return start
 
 
 def _choose(cfg: Config, topo: Topology, durable: Path | None) -> Start:
-    settings = cfg.train
-    resuming = settings.resume != "" or continues_run()
-    token = gather_objects(run_token(settings.run_dir, resuming) if topo.is_main else None)[0]
+    settings, going_on = cfg.train, resuming(cfg)
+    token = gather_objects(run_token(settings.run_dir, going_on) if topo.is_main else None)[0]
     if not settings.snapshot_every:
         return Start(durable, "durable" if durable else "", token)
     node = Node.of_this_process(topo.world_size)
     # the tier's CPU group fails a collective as the training's do: a write to a lost buddy must not outwait it
     group = side_group(settings.collective_timeout_s)
     root = snapshot_root(settings.snapshot_dir, settings.run_dir)
-    if not resuming and node.leader:
-        shutil.rmtree(root, ignore_errors=True)  # another run's, at this run directory's path
-    if not resuming or settings.resume not in ("", "auto"):  # fresh, or the checkpoint named
+    if not going_on or settings.resume not in ("", "auto"):  # fresh (another run's memory), or the checkpoint named
+        keep_only(root, None, node)
         return Start(durable, "durable" if durable else "", token, node, group)
     gathered = gather_objects((holdings(root, token), checkpoint_step(durable) if durable else -1))
     durable = common_durable(settings.run_dir, [d for _, d in gathered])
     step = newest_complete([held for held, _ in gathered])
     if step is None or step < (checkpoint_step(durable) if durable else 0):
+        keep_only(root, None, node)
         return Start(durable, "durable" if durable else "", token, node, group)
     target = root / step_name(step)
+    keep_only(root, target, node)
     held = gathered[topo.rank][0].get(step, Held(0, set(), False, set())).files
     held, _ = fetch(target, held, {METADATA, CONFIG_FILE}, node, topo.rank, group)  # what the check reads
     return Start(target, "memory", token, node, group, held)
+
+
+def keep_only(root: Path, kept: Path | None, node: Node) -> None:
+    """The node's leader drops the run's snapshots but the one it starts from (`kept`; None: all): they belong to
+    another run, or to the abandoned timeline of a dead attempt (a newer snapshot some node lacks, still counted as the
+    run's own in the room check, would otherwise hold memory until the run overtook it)."""
+    if node.leader:
+        for _, path in step_dirs(root):
+            if path != kept:
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def resuming(cfg: Config) -> bool:
+    """Whether the run goes on rather than starts afresh: `--resume`, or a worker torchrun restarted
+    (`hlat.parallel.mesh.continues_run`)."""
+    return cfg.train.resume != "" or continues_run()
 
 
 def common_durable(run_dir: str, steps: list[int]) -> Path | None:

@@ -24,7 +24,7 @@ from hlat.checkpoint.cadence import STALL_SHARE, SnapshotCadence
 from hlat.checkpoint.durable import DurableTier, newest_good_checkpoint, set_aside
 from hlat.checkpoint.memory import MemoryTier
 from hlat.checkpoint.memory_restore import fetch, files_to_read
-from hlat.checkpoint.room import Rotation
+from hlat.checkpoint.room import Rotation, check_memory
 from hlat.checkpoint.start import Start
 from hlat.checkpoint.state import TrainState, load_weights
 from hlat.config.job import Config
@@ -179,16 +179,37 @@ class Tiers:
     def memory_failed(self, failure: str | None) -> bool:
         """Turn the memory tier off after a failed snapshot write (`failure`, on every rank alike); True if so."""
         if failure:
-            self.console.print(
-                f"warning: the memory tier is off for the rest of this process: a snapshot write "
-                f"failed ({failure}); checkpoints go on every train.ckpt_every steps",
-                soft_wrap=True,
-                highlight=False,
-                markup=False,
-            )
-            self.memory.close()
-            self.memory = None
+            self.memory_off(f"a snapshot write failed ({failure})")
         return bool(failure)
+
+    def room_for_memory(self, mode: str) -> str | None:
+        """Before the first step (on every rank): what the memory tier costs per rank, for the log, where every node
+        has room for it (`hlat.checkpoint.room.check_memory`). Where a node has not, a fresh start is refused in one
+        line; a restart (whose tier may have turned itself off in the attempt before) goes on from the state it
+        resumed without the tier, in one warning: refusing it would end the job for good."""
+        if self.memory is None:
+            return None
+        cost, shortfall = check_memory(self.memory, self.state, mode)
+        if shortfall is None:
+            return cost
+        if not self.start.resuming:
+            raise HlatError(shortfall)
+        self.memory_off(shortfall)
+        return None
+
+    def memory_off(self, reason: str) -> None:
+        """Turn the memory tier off for the rest of this process (on every rank alike), saying why in one line, and
+        free the node's memory it held."""
+        self.console.print(
+            f"warning: the memory tier is off for the rest of this process: {reason}; checkpoints go on every "
+            "train.ckpt_every steps",
+            soft_wrap=True,
+            highlight=False,
+            markup=False,
+        )
+        self.memory.drop()
+        self.memory.close()
+        self.memory = None
 
     def metric_fields(self) -> dict:
         """For a metrics record: the memory tier's cadence and the measured cost of its newest snapshot."""
@@ -221,7 +242,8 @@ class Tiers:
 
     def restore(self) -> None:
         """Load where the ranks agreed to start (a durable checkpoint, or the memory tier's snapshot once this
-        node holds the files its ranks read), or a fresh run's initial weights (train.init_from)."""
+        node holds the files its ranks read), or a fresh run's initial weights (train.init_from); a resume with
+        nothing to load says so."""
         start = self.start
         if start.tier == "memory":
             wanted = files_to_read(start.path, self.state.state_dict(packed=True))
@@ -239,6 +261,12 @@ class Tiers:
         elif self.init_from:
             load_weights(resolve_checkpoint(self.init_from), self.state.parts)
             self.console.print(f"initialised weights from {self.init_from}")
+        if start.path is None and start.resuming:  # --resume auto, or a restarted worker, with nothing to go on from
+            self.console.print(
+                f"nothing complete to resume from in {self.run_dir} (no checkpoint, no snapshot): starting at step 0",
+                soft_wrap=True,
+                highlight=False,
+            )
 
     def rollback(self, step: int, reason: str) -> Path:
         """Go back to the newest checkpoint that still verifies (the weights and optimizer states and the step; the

@@ -110,7 +110,7 @@ def run_torchrun(argv: list[str]) -> int:
     mistake is one line, as from `hlat train` alone, not the trainers' line inside torchrun's report."""
     from hlat.jobs.torchrun import torchrun
 
-    return torchrun(argv, check_training)
+    return torchrun(argv, check_training, held_state)
 
 
 def fixed_world_size(args) -> int | None:
@@ -129,6 +129,28 @@ def check_training(args) -> None:
     if not (args.module and args.training_script == "hlat" and args.training_script_args[:1] == ["train"] and world):
         return
     train_config(args.training_script_args[1:]).resolved_parallel(world)
+
+
+def held_state(args) -> str:
+    """What this node holds of an `hlat train` job's state, for the line of a lost rendezvous host: the newest memory
+    snapshot whose every rank's files are here, verified, and the newest checkpoint of the run directory."""
+    from hlat.checkpoint.memory_restore import holdings, newest_complete
+    from hlat.paths import TOKEN_FILE, checkpoint_root, latest_checkpoint, snapshot_root, step_name
+
+    if not (args.module and args.training_script == "hlat" and args.training_script_args[:1] == ["train"]):
+        return "what this node holds is the training script's to say"
+    try:
+        settings = train_config(args.training_script_args[1:]).train
+    except HlatError as e:  # the job's config no longer reads here: the line still names the lost host
+        return f"what this node holds is unknown (its config: {e})"
+    try:
+        token = (checkpoint_root(settings.run_dir) / TOKEN_FILE).read_text().strip()
+    except OSError:
+        token = None
+    root = snapshot_root(settings.snapshot_dir, settings.run_dir)
+    step = newest_complete([holdings(root, token)]) if token and settings.snapshot_every else None
+    snapshot = f"the snapshot of step {step} ({root / step_name(step)})" if step is not None else "no whole snapshot"
+    return f"this node holds {snapshot} whole; newest checkpoint: {latest_checkpoint(settings.run_dir) or 'none'}"
 
 
 def train_config(argv: list[str]):
@@ -160,19 +182,28 @@ def run_service(args: argparse.Namespace, overrides: list[str]) -> int:
 def run_launch(args: argparse.Namespace, overrides: list[str]) -> int:
     from hlat.config.job import load_config
     from hlat.jobs.launch import render
-    from hlat.planner.advice import config_advice
+    from hlat.planner.advice import WATCHDOG_STEPS, config_advice, watchdog
 
     if args.cpu and args.hardware:
         raise HlatError(f"--cpu: plain CPU nodes have no hardware profile; leave out --hardware {args.hardware}")
     cluster = cluster_overrides(args) + (["--cluster.hardware", "", "--cluster.accelerator", "cpu"] if args.cpu else [])
+    cfg = load_config(args.config, cluster + overrides)
+    notes = [config_advice(cfg, cfg.cluster.nodes, cfg.cluster.nproc_per_node)]
+    off = cfg.train.hang_timeout_s == 0 and not any(o.startswith("--train.hang_timeout_s") for o in overrides)
+    if off and (found := watchdog(cfg)):  # a frozen rank named in minutes, not in 10 + 15 (docs/fault-tolerance.md)
+        overrides = [*overrides, "--train.hang_timeout_s", f"{found[0]:g}"]
+        notes.append(
+            f"train.hang_timeout_s = {found[0]:g} s in the job: {WATCHDOG_STEPS} x the planner's predicted "
+            f"{found[1]:.3g} s step on {cfg.cluster.nodes} x {cfg.cluster.hardware}, rounded up to whole minutes "
+            "(the config leaves the hang watchdog off; set train.hang_timeout_s to choose another, 0 to keep it off)"
+        )
     text = render(args.config, args.target, cluster + overrides, args.image)
     if args.out:
         Path(args.out).write_text(text)
         print(f"wrote {args.out}")
     else:
         print(text, end="")
-    cfg = load_config(args.config, cluster + overrides)
-    if line := config_advice(cfg, cfg.cluster.nodes, cfg.cluster.nproc_per_node):
+    for line in filter(None, notes):
         print(f"hlat launch: {line}", file=sys.stderr)  # the job file stays whole on stdout
     return 0
 
@@ -313,8 +344,6 @@ def run_snapshots(args: argparse.Namespace, overrides: list[str]) -> int:
     import shutil
 
     from hlat.checkpoint.memory import kept_snapshots
-    from hlat.files import size_text
-    from hlat.jobs.writer import live_holder
 
     wanted = {str(Path(r).resolve()) for r in args.runs}
     kept = [k for k in kept_snapshots(args.snapshot_dir) if not wanted or k.run_dir in wanted]
@@ -323,16 +352,10 @@ def run_snapshots(args: argparse.Namespace, overrides: list[str]) -> int:
             f"no snapshots in {args.snapshot_dir} of {', '.join(sorted(wanted - {k.run_dir for k in kept}))}"
         )
     for k in kept:
-        holder = live_holder(k.run_dir) if k.run_dir else None
-        steps = f"step{'s' * (len(k.steps) != 1)} {', '.join(map(str, k.steps))}" if k.steps else "no complete step"
-        state = f"running ({holder.describe()})" if holder else "not running"
-        cleared = args.clear and holder is None
+        cleared = args.clear and k.holder is None
         if cleared:
             shutil.rmtree(k.root, ignore_errors=True)
-        print(
-            f"{'cleared ' if cleared else ''}{k.root}: {k.run_dir or 'run directory unknown'}, {steps}, "
-            f"{size_text(k.size)}, {state}"
-        )
+        print(f"{'cleared ' if cleared else ''}{k.text()}")
     if not kept:
         print(f"no snapshots in {args.snapshot_dir}")
     return 0

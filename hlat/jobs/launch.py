@@ -109,6 +109,7 @@ def render_slurm(configs: list[str], cfg: Config, overrides: list[str], node: No
         *(f"export {k}={v}" for k, v in fabric_env(node).items()),
         f"# world size: {c.nodes} nodes x {c.nproc_per_node} processes = {c.world_size}",
         *(f"# {line}" for line in elastic_range(cfg)),
+        f"# {watchdog_text(cfg)}",
         "stop_and_requeue() {  # the time limit is near: the trainers checkpoint and exit, the job queues again",
         '    echo "hlat: time limit in ' + str(c.stop_grace_s) + ' s: checkpointing, then requeueing $SLURM_JOB_ID"',
         '    if [ -n "${train_pid:-}" ]; then  # unset until training starts: nothing to checkpoint yet',
@@ -351,6 +352,17 @@ def elastic_range(cfg: Config) -> list[str]:
         "size, from the newest snapshot (docs/fault-tolerance.md)"
     ] + (
         [f"with {_either(not_fits)} nodes the layout does not fit: the trainers refuse in one line"] if not_fits else []
+    )
+
+
+def watchdog_text(cfg: Config) -> str:
+    """What a frozen rank costs the job under its hang watchdog (docs/fault-tolerance.md, "Timeouts")."""
+    hang, collective = cfg.train.hang_timeout_s, cfg.train.collective_timeout_s
+    if hang:
+        return f"hang watchdog: a rank whose step has not finished in {hang:g} s is named and the job restarts"
+    return (
+        f"hang watchdog off (train.hang_timeout_s = 0): a frozen rank holds the job for the collective timeout "
+        f"({collective:g} s) and then torchrun's shutdown wait ({cfg.cluster.stop_grace_s:g} s)"
     )
 
 

@@ -9,7 +9,9 @@ also exits 1 under torchrun, whatever its trainers said; here it exits 2 when a 
 a full disk: retrying cannot help) and 3 when one's watchdog found a hang. Each start of the workers meets in a
 store of its own (`OWN_STORE_PER_ATTEMPT`), or, at the hlat service (`--rdzv-backend=hlat`: hlat.jobs.service), in a
 namespace of its own there; a job that loses the service ends in one line naming it, with exit code 4 (`LOST_EXIT`:
-its restart resumes it). `hlat torchrun` checks an `hlat train` job before torchrun starts a process
+its restart resumes it). Under torchrun's own c10d rendezvous, whose store a training host's agent hosts, a job that
+loses that host ends on the others in one line naming what each holds and the command that resumes it there, with
+exit code 5 (`LOST_RENDEZVOUS_EXIT`). `hlat torchrun` checks an `hlat train` job before torchrun starts a process
 (`hlat.jobs.cli.check_training`).
 """
 
@@ -17,12 +19,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
+import socket
 import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from hlat import ERROR_EXIT, HANG_EXIT
+from hlat import ERROR_EXIT, HANG_EXIT, LOST_RENDEZVOUS_EXIT
 
 FINISHED_DIR = "HLAT_FINISHED_DIR"  # set for the workers; they mark their return in it
 KEPT_EXIT_CODES = (ERROR_EXIT, HANG_EXIT)  # in this order: an hlat error (not retried), then a hang named
@@ -34,6 +38,7 @@ KEPT_EXIT_CODES = (ERROR_EXIT, HANG_EXIT)  # in this order: an hlat error (not r
 # for another node's failure keeps its count: pytorch/pytorch#108158), so after a failure on one of several nodes
 # the ranks looked for each other in different namespaces (found by tests/test_hosts.py).
 OWN_STORE_PER_ATTEMPT = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+C10D_PORT = 29400  # torchrun's c10d rendezvous's port where --rdzv-endpoint names none
 
 
 def mark_finished() -> None:
@@ -47,14 +52,17 @@ def all_finished(directory: Path) -> bool:
     return bool(marks) and len(marks) == int(marks[0].read_text())
 
 
-def torchrun(argv: list[str], check: Callable[[argparse.Namespace], None]) -> int:
+def torchrun(
+    argv: list[str], check: Callable[[argparse.Namespace], None], held: Callable[[argparse.Namespace], str]
+) -> int:
     """Run torchrun with `argv`, after `check` has seen its parsed arguments (and raised, for a job that must not
     start); 0 after a signal if every local trainer finished, a trainer's own hlat exit code if one failed with it
-    (`KEPT_EXIT_CODES`), 4 (one line) when the rendezvous lost the hlat service, else torchrun's own exit."""
-    from torch.distributed import DistError
+    (`KEPT_EXIT_CODES`), 4 (one line) when the rendezvous lost the hlat service, 5 (one line, naming what this node
+    holds: `held`) when torchrun's own c10d rendezvous lost the host of its store, else torchrun's own exit."""
+    from torch.distributed import DistError, DistNetworkError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
-    from torch.distributed.elastic.rendezvous import RendezvousError
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousError
     from torch.distributed.run import get_args_parser, run
 
     from hlat.jobs.service import SERVICE_BACKEND, lost_service, register_backend
@@ -71,9 +79,11 @@ def torchrun(argv: list[str], check: Callable[[argparse.Namespace], None]) -> in
         try:
             record(run)(args)  # as torchrun's own main does
         except (RendezvousError, DistError) as e:
-            if service is None:
+            if service is not None:
+                return lost_service(service, first_line(e))
+            if not isinstance(e, (RendezvousConnectionError, DistNetworkError)) or args.standalone:
                 raise
-            return lost_service(service, first_line(e))
+            return lost_rendezvous_host(args.rdzv_endpoint, first_line(e.__cause__ or e), held(args), argv)
         except SignalException as e:
             if not all_finished(Path(directory)):
                 raise
@@ -86,6 +96,40 @@ def torchrun(argv: list[str], check: Callable[[argparse.Namespace], None]) -> in
             print(f"hlat: a trainer exited with code {kept}; so does the job", file=sys.stderr)
             return kept
     return 0
+
+
+def lost_rendezvous_host(endpoint: str, cause: str, held: str, argv: list[str]) -> int:
+    """Say in one line that this agent lost the host of torchrun's c10d rendezvous store at `endpoint` (a training
+    host: its agent hosted the store), what this node holds (`held`), and the command that resumes the job with the
+    rendezvous on this host; the exit code that says so."""
+    _, colon, port = endpoint.rpartition(":")
+    here = f"{socket.gethostname()}:{port if colon else C10D_PORT}"
+    print(
+        f"hlat: error: lost {endpoint}, the host of this job's rendezvous store ({cause[:200]}): this host's part of "
+        f"the job ends (exit code {LOST_RENDEZVOUS_EXIT}); {held}; to resume with the rendezvous on this host, run on "
+        f"every host: {shlex.join(['hlat', 'torchrun', *with_endpoint(argv, here)])}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return LOST_RENDEZVOUS_EXIT
+
+
+def with_endpoint(argv: list[str], endpoint: str) -> list[str]:
+    """torchrun's `argv` with its --rdzv-endpoint (either spelling, `=` or a separate word) set to `endpoint`."""
+    names = ("--rdzv-endpoint", "--rdzv_endpoint")
+    out, skip = [], False
+    for word in argv:
+        if skip:
+            out.append(endpoint)
+            skip = False
+        elif word in names:
+            out.append(word)
+            skip = True
+        else:
+            out.append(
+                f"{word.partition('=')[0]}={endpoint}" if word.startswith(tuple(f"{n}=" for n in names)) else word
+            )
+    return out
 
 
 def first_line(e: BaseException) -> str:

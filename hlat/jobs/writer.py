@@ -27,15 +27,13 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from hlat import SERVICE_NAMESPACE_ENV, HlatError
-from hlat.files import writing
+from hlat.files import LOCK_FILE, STALE_S, Holder, writing
 
-LOCK_FILE = "writer.lock"
 HEARTBEAT_S = 30.0  # how often the holder rewrites its record
-STALE_S = 300.0  # a record from another host not rewritten for this long is a dead job's
 OWN_WAIT_S = 300.0  # how long a restart waits for its own job's earlier lock to lapse (NFSv4's lease is 90 s)
 POLL_S = 0.5
 NO_LOCKS = {errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK}  # a file system without flock (Lustre `noflock`)
@@ -49,16 +47,6 @@ def job_id() -> str:
         return f"slurm {slurm}"
     run = os.environ.get("TORCHELASTIC_RUN_ID", "")
     return f"torchrun {run}" if run and run != "none" else ""  # torchrun's default rdzv id is "none"
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
 
 
 def node_local_locks(path: Path) -> str:
@@ -80,42 +68,6 @@ def node_local_locks(path: Path) -> str:
     if kind.startswith("nfs") and options & {"local_lock=flock", "local_lock=all", "nolock"}:
         return f"{point} is NFS mounted with local locks: file locks reach only this node"
     return ""
-
-
-@dataclass
-class Holder:
-    """A record in the lock file: who writes the run directory."""
-
-    job: str
-    host: str
-    pid: int
-    started: float
-    heartbeat: float
-    attempt: str = ""  # the attempt's namespace at the hlat service ('' elsewhere)
-
-    def fresh(self) -> bool:
-        """Alive, as far as the record can tell: a live process on this host, or a heartbeat within STALE_S."""
-        if self.host == socket.gethostname():
-            return pid_alive(self.pid)
-        return time.time() - self.heartbeat < STALE_S
-
-    def describe(self) -> str:
-        job = f"job {self.job}, " if self.job else ""
-        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started))
-        return (
-            f"{job}pid {self.pid} on {self.host}, started {since}, last heard from "
-            f"{max(0.0, time.time() - self.heartbeat):.0f} s ago"
-        )
-
-
-def live_holder(run_dir: str | Path) -> Holder | None:
-    """The job writing `run_dir` by its record, if it is alive (a live process on this host, a heartbeat within
-    STALE_S from another): read without taking the lock, so that looking never refuses a job that is starting."""
-    try:
-        holder = Holder(**json.loads((Path(run_dir) / LOCK_FILE).read_text()))
-    except (OSError, ValueError, TypeError):
-        return None
-    return holder if holder.fresh() else None
 
 
 class RunDirLock:

@@ -5,10 +5,14 @@ on that hardware, with its predicted step time, MFU and price.
 
 "Needlessly slow": the layout spends more than COMM_SHARE of its step in exposed communication and the search's
 first layout is more than SLOWER times faster, far beyond the step-time model's error (5-10% on held-out runs,
-docs/planner-validation.md), so the gap is the layout's, not the model's."""
+docs/planner-validation.md), so the gap is the layout's, not the model's.
+
+The planner's predicted step also sets the hang watchdog that `hlat launch` renders where a config leaves it off
+(`watchdog`)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from hlat import HlatError
@@ -20,6 +24,7 @@ from hlat.profiles import HardwareProfile, load_profile
 
 COMM_SHARE = 0.25
 SLOWER = 1.25
+WATCHDOG_STEPS = 30  # the hang watchdog's timeout, in the planner's predicted steps (`watchdog`)
 
 
 @dataclass(frozen=True)
@@ -104,19 +109,42 @@ def config_advice(cfg, nodes: int, per_node: int) -> str | None:
             )
         return None
     try:
-        hw = load_profile(cfg.cluster.hardware)
-        other = "reserved" if cfg.cost.pricing == "on_demand" else "on_demand"
-        price = cfg.cost.price_per_device_hour * per_node or hw.price(cfg.cost.pricing) or hw.price(other)
-        work = Workload(
-            cfg.model,
-            cfg.train.seq_len,
-            cfg.train.global_batch,
-            cfg.precision.mode,
-            cfg.parallel.compile,
-            cfg.precision.fp8,
-        )
-        layout = Layout(replace(parallel, compile=work.compile), cfg.train.micro_batch)
+        work, layout, hw, price = priced(cfg, parallel, per_node)
         advice = advise(work, layout, hw, nodes, price, cfg.train.steps * work.tokens_per_step, per_node)
     except HlatError:  # hardware the planner cannot price (an unmeasured FP8 recipe): nothing to compare
         return None
     return advice.line if advice else None
+
+
+def priced(cfg, parallel, per_node: int) -> tuple[Workload, Layout, HardwareProfile, float]:
+    """What the planner prices of a config with a `cluster.hardware` profile, its layout resolved (`parallel`):
+    the workload, the layout, the profile and the price of a node of `per_node` devices an hour."""
+    hw = load_profile(cfg.cluster.hardware)
+    other = "reserved" if cfg.cost.pricing == "on_demand" else "on_demand"
+    price = cfg.cost.price_per_device_hour * per_node or hw.price(cfg.cost.pricing) or hw.price(other)
+    work = Workload(
+        cfg.model,
+        cfg.train.seq_len,
+        cfg.train.global_batch,
+        cfg.precision.mode,
+        cfg.parallel.compile,
+        cfg.precision.fp8,
+    )
+    return work, Layout(replace(parallel, compile=work.compile), cfg.train.micro_batch), hw, price
+
+
+def watchdog(cfg) -> tuple[float, float] | None:
+    """The hang watchdog's timeout for a config on its cluster: WATCHDOG_STEPS times the planner's predicted step
+    time (on `cluster.nodes` x `cluster.nproc_per_node` of `cluster.hardware`), rounded up to whole minutes, so that
+    step noise and a save's copy and commit never trip it while a frozen rank is named within minutes; and that step
+    time. None where the planner cannot predict the step (no hardware profile, a layout that does not fit)."""
+    c = cfg.cluster
+    if not c.hardware:
+        return None
+    try:
+        work, layout, hw, price = priced(cfg, cfg.parallel.resolved(c.world_size), c.nproc_per_node)
+        plan = evaluate(work, layout, replace(hw, devices_per_node=c.nproc_per_node), c.nodes, price)
+    except (HlatError, ConfigError):
+        return None
+    step_s = plan.time.total  # the step as predicted, not capped at the best MFU measured (`hlat plan`'s #1 step)
+    return 60 * math.ceil(WATCHDOG_STEPS * step_s / 60), step_s

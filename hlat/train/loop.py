@@ -23,7 +23,7 @@ from torch import nn
 from hlat import HlatError
 from hlat.checkpoint.durable import DamagedCheckpoint, set_aside
 from hlat.checkpoint.resume import find_resume_checkpoint
-from hlat.checkpoint.room import check_disk, check_memory, checkpoint_bytes
+from hlat.checkpoint.room import check_disk, checkpoint_bytes
 from hlat.checkpoint.start import decide_start
 from hlat.checkpoint.state import TrainState
 from hlat.checkpoint.tiers import Tiers
@@ -222,14 +222,12 @@ def open_stream(cfg: Config, topo: Topology, tokenizer, sources: list[Source]) -
 
 def check_room(trainer: Trainer, inputs: RunInputs) -> None:
     """Before the first step: room for the checkpoints the run keeps, against the size of one (refused in one line,
-    or a warning when every checkpoint is kept), and for the memory tier's snapshots (its cost per rank said):
-    `hlat.checkpoint.room`."""
+    or a warning when every checkpoint is kept), and for the memory tier's snapshots (its cost per rank said; where
+    they do not fit, a restart goes on without them): `hlat.checkpoint.room`."""
     tiers, mode = trainer.tiers, trainer.cfg.precision.mode
     size = checkpoint_bytes(inputs.resume_from, inputs.n_params, mode)
-    lines = [check_disk(tiers.rotation, trainer.step, size, local_elements(trainer.model.params))]
-    if tiers.memory is not None:
-        lines.append(check_memory(tiers.memory, trainer.state, mode))
-    for line in filter(None, lines):
+    disk = check_disk(tiers.rotation, trainer.step, size, local_elements(trainer.model.params))
+    for line in filter(None, [disk, tiers.room_for_memory(mode)]):
         trainer.console.print(line, soft_wrap=True, highlight=False, markup=False)
 
 
@@ -267,7 +265,7 @@ def summary(trainer: Trainer, resume_from: Path | None) -> Summary:
         steps=trainer.step,
         tokens_seen=trainer.step * settings.tokens_per_step,
         tokens_per_s=ran * settings.tokens_per_step / elapsed if elapsed > 0 else 0.0,
-        first_loss=report.losses[0] if report.losses else float("nan"),
+        first_loss=report.first_loss(),
         last_loss=report.losses[-1] if report.losses else float("nan"),
         checkpoint=str(trainer.tiers.saved or resume_from or ""),
         ettr=trainer.goodput.ettr(),

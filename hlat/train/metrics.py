@@ -320,10 +320,16 @@ class StepReport:
             )
         records = self.metrics.records() if resumed else []
         self.elapsed_before = float(records[-1].get("elapsed_s") or 0.0) if records else 0.0
+        self.earlier = records[:1]  # the run's first record, written before this process
         self.start, self.stream = step, stream
         self.mix_at = {name: tokens for name, (_, tokens) in stream.mix().items()}  # each source's, at the last record
         self.run_start = time.perf_counter()
         self.interval = Interval(stream.wait_time_s)
+
+    def first_loss(self) -> float:
+        """The run's first logged loss: its first record's, written by an earlier process when resumed."""
+        first = self.earlier[0]["loss"] if self.earlier else (self.losses or [None])[0]
+        return float("nan") if first is None else first  # null in metrics.jsonl: not finite
 
     def add(self, loss: float, grad_norm: float, seconds: float) -> None:
         self.interval.add(loss, grad_norm, seconds)
