@@ -11,6 +11,8 @@ HANG_EXIT = 3  # the hang watchdog named a stopped rank: restart the job
 LOST_EXIT = 4
 # where `hlat torchrun` tells the workers of a rendezvous at the hlat service the namespace of their attempt there
 SERVICE_NAMESPACE_ENV = "HLAT_SERVICE_NAMESPACE"
+# the job-wide namespace at the hlat service where replica groups keep their membership (hlat.train.replicas)
+REPLICAS_NAMESPACE = "hlat/replicas"
 
 
 class HlatError(Exception):

@@ -10,12 +10,17 @@ what moved.
   (`FUNCTIONAL_COLLECTIVES`, namespace `FUNCTIONAL_NAMESPACE`), and an op's argument names (`op_arguments`);
 - inductor's setting that makes compiled casts round as eager ones (`emulate_precision_casts`);
 - the tensor a tensor subclass wraps (`wrapped_tensor`: torchao's FP8 weights under FSDP);
-- which file of a DCP checkpoint holds each chunk a load reads (`chunk_files`).
+- which file of a DCP checkpoint holds each chunk a load reads (`chunk_files`);
+- a gloo group of its own, outside the default group and its world (`gloo_group`: replica groups' cross-replica
+  and healing groups).
 """
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
+import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401 (re-exported)
 
 CAST = torch.ops.aten._to_copy.default  # what autocast runs to cast a parameter
@@ -60,3 +65,10 @@ def chunk_files(metadata, plan) -> set[str]:
     """The files of a DCP checkpoint (its `metadata`) that the read items of a load `plan` read: DCP keeps each
     chunk's file in `storage_data[index].relative_path`, which no public API returns."""
     return {metadata.storage_data[item.storage_index].relative_path for item in plan.items}
+
+
+def gloo_group(store: dist.Store, rank: int, size: int, timeout_s: float) -> dist.ProcessGroup:
+    """A gloo group of `size` processes meeting in `store`, this one `rank`, outside the default group: torch's
+    `ProcessGroupGloo(store, rank, size, timeout)` constructor, which its docs do not name (`dist.new_group` makes
+    groups of the default group's ranks only)."""
+    return dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=timeout_s))

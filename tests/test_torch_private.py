@@ -94,3 +94,15 @@ def test_dcp_names_the_file_of_each_chunk_a_load_reads(tmp_path):
     planner = dcp.DefaultLoadPlanner()
     planner.set_up_planner({"a": torch.empty(4)}, metadata, is_coordinator=False)
     assert private.chunk_files(metadata, planner.create_local_plan()) == {"__0_0.distcp"}
+
+
+def test_a_gloo_group_of_its_own_forms_in_a_store_and_reduces():
+    """torch's undocumented ProcessGroupGloo(store, rank, size, timeout): a group of one, outside any default group,
+    whose all-reduce returns a work with a future (what a replica group's wait watches)."""
+    store = dist.HashStore()
+    group = private.gloo_group(dist.PrefixStore("epoch1", store), 0, 1, 10.0)
+    x = torch.full((3,), 2.0)
+    work = group.allreduce([x])
+    work.get_future().wait()
+    assert work.is_completed() and x.tolist() == [2.0, 2.0, 2.0]
+    assert group.size() == 1 and group.rank() == 0
