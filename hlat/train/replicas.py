@@ -258,6 +258,7 @@ class ReplicaGroups:
         """Record the step just committed (`replicas_rank<R>.jsonl` in the group's run directory): its epoch, the
         live groups, this process, the micro-batches and tokens it trained on, so that a run's data can be counted."""
         record = {"step": self.state.step + 1, "epoch": self.epoch, "live": len(self.members), "pid": os.getpid()}
+        record["time"] = time.time()
         record |= self.batches.trained(self.dp, self.dp_rank)
         append_text(self.log, json.dumps(record) + "\n", self.log.parent)
 
