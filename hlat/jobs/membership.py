@@ -2,12 +2,13 @@
 workers' side, and the keys both read, are `hlat.train.replicas`'s.
 
 A group's incarnation (one start of its workers) is live while every rank's beat counter moves, by the service's
-own clock, within its lease (the group's train.lease_s). The service publishes a new epoch, the members' list, when
-a member is no longer live (a silent or dead rank: found within the lease), when a member reports a failed
-cross-replica collective (then a roll call: the groups whose every rank answers within `ROLL_CALL_S` stay; a killed
-rank's group is out in that time rather than the lease's), or when a live group asks to join. The first epoch waits
-for every group (or `FIRST_WAIT_S`), so that a job's groups start together. A dropped incarnation is never admitted
-again: its group starts anew, as a new incarnation, and heals.
+own clock, within its lease (the group's train.lease_s), and until a rank of it says that it ends on an error (a
+peer of its group gone: the group is out at once). The service publishes a new epoch, the members' list, when a
+member is no longer live, when a member reports a failed cross-replica collective (then a roll call: the groups
+whose every rank answers within `ROLL_CALL_S` stay; a killed rank's group is out in that time rather than the
+lease's), or when a live group asks to join. The first epoch waits for every group (or `FIRST_WAIT_S`), so that a
+job's groups start together. A dropped incarnation is never admitted again: its group starts anew, as a new
+incarnation, and heals.
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ class Membership:
                 continue
             asked = json.loads(self.store.get(f"ready/g{g}"))
             self.first_ready = self.first_ready or now
+            if self.store.check([f"down/g{g}"]) and self.store.get(f"down/g{g}").decode() == asked["inc"]:
+                continue  # a rank of it ended on an error: out now, not at its lease
             keys = [f"beat/g{g}/r{r}/{asked['inc']}" for r in range(asked["ranks"])]
             if not self.store.check(keys):
                 continue

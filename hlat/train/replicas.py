@@ -6,6 +6,7 @@ failure in one touches no other. What the groups share lives at the hlat service
 
   groups                    the number of replica groups
   ready/g{G}                JSON {"inc", "ranks", "lease_s"}: group G's incarnation asks to be a member
+  down/g{G}                 the incarnation of group G whose rank ended on an error (a peer of its group gone)
   beat/g{G}/r{R}/{inc}      each rank's beat counter, added to by a thread of its own (`Membership`)
   epoch, epoch/{E}          the membership: {"e": E, "members": [[G, inc], ...]}, one epoch per change
   fail/e{E}                 a member's cross-replica collective of epoch E failed: the service calls the roll
@@ -25,6 +26,7 @@ group at that step, over a group of the two (a broadcast: gloo's send and receiv
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -41,7 +43,7 @@ import torch.distributed as dist
 from torch.distributed import DistError
 from torch.distributed.tensor import DTensor
 
-from hlat import LOST_EXIT, REPLICAS_NAMESPACE, SERVICE_NAMESPACE_ENV
+from hlat import REPLICAS_NAMESPACE, SERVICE_NAMESPACE_ENV
 from hlat.checkpoint.state import TrainState, rng_state, set_rng_state
 from hlat.dtensor import local
 from hlat.files import append_text
@@ -151,9 +153,12 @@ class ReplicaGroups:
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
+        self.membership.stop()
         if exc_type is None and self.rank == 0:  # every step done: a group that starts now has no one to join
             self.store.set("finished", str(self.state.step))
-        self.membership.stop()
+        elif exc_type is not None:  # this rank ends (a peer of its group is gone): the service drops the group now
+            with contextlib.suppress(DistError):
+                self.store.set(f"down/g{self.group}", self.inc)
 
     @property
     def me(self) -> tuple[int, str]:
@@ -171,12 +176,16 @@ class ReplicaGroups:
             if self.me not in members:
                 time.sleep(0.05)  # not admitted yet (a dropped member is ended by its membership's thread)
                 continue
-            try:
+            ok, heal = True, None
+            try:  # every rank of the group takes the epoch, or none: its side group's collectives stay in step
                 self._form(epoch, members)
-                self.join()
+                heal = self.join()
+            except (Lost, DistError, RuntimeError):
+                ok = False
+            if agree(ok, self.side):
+                self.healed(heal)
                 return
-            except Lost:
-                self.abandon()
+            self.abandon()
 
     def ended_without_us(self) -> None:
         """A group that asks to join a job whose groups have all finished ends: there is no one to heal from, and
@@ -210,26 +219,34 @@ class ReplicaGroups:
         thread.start()
         while thread.is_alive():
             thread.join(0.02)
-            if self.membership.dropped_any(self.epoch, self.members):
+            if self.membership.epoch != self.epoch:
                 self.graveyard.append(thread)
-                raise Lost(f"epoch {self.membership.epoch} dropped a member while epoch {self.epoch}'s groups formed")
+                raise Lost(f"epoch {self.membership.epoch} came while epoch {self.epoch}'s groups formed")
         if not made:
             raise Lost(f"epoch {self.epoch}'s group did not form")
         return made[0]
 
     def abandon(self) -> None:
-        """The epoch is lost: keep its groups referenced and wait for the service's next one."""
+        """The epoch is lost: keep its groups referenced and wait for the service's next one, asking for it (a
+        failure report: the service's roll call keeps the members that answer) where no member was dropped, so that
+        groups whose ranks gave the epoch up at different points meet again in a fresh one."""
         self.graveyard.append(self.cross)
         self.cross = None
+        if self.membership.epoch == self.epoch:
+            with contextlib.suppress(DistError):
+                self.store.set(f"fail/e{self.epoch}", f"g{self.group}r{self.rank} gave the epoch up")
         while self.membership.epoch == self.epoch:
             time.sleep(0.02)
 
-    def wait(self, work) -> None:
-        """Wait for `work`; raise Lost as soon as an epoch drops one of this epoch's members."""
+    def wait(self, work, joining: bool = False) -> None:
+        """Wait for `work`; raise Lost as soon as an epoch drops one of this epoch's members (`joining`: as soon as
+        any new epoch comes, which a join never outlives)."""
         done = threading.Event()
         work.get_future().add_done_callback(lambda _: done.set())
         while not done.wait(0.02):
-            if self.membership.dropped_any(self.epoch, self.members):
+            if self.membership.dropped_any(self.epoch, self.members) or (
+                joining and self.membership.epoch != self.epoch
+            ):
                 raise Lost(f"epoch {self.membership.epoch} dropped a member of epoch {self.epoch}")
         work.wait()  # raises the collective's own error
 
@@ -269,9 +286,10 @@ class ReplicaGroups:
 
     # --- joining ---------------------------------------------------------------------------------------------
 
-    def join(self) -> None:
+    def join(self) -> tuple[int, int, torch.Tensor | None]:
         """Every member posts its committed step; each group behind the highest receives, rank by rank, the state of
-        the first group at it."""
+        the first group at it. (the group it came from, the step, what this rank received: None when not behind);
+        loaded by `healed` once the group's ranks agree that every one has it."""
         if self.rank == 0:
             self.store.set(f"e{self.epoch}/step/g{self.group}", str(self.state.step))
         keys = [f"e{self.epoch}/step/g{g}" for g, _ in self.members]
@@ -279,41 +297,34 @@ class ReplicaGroups:
         posted = [int(v) for v in self.store.multi_get(keys)]
         top = max(posted)
         source, behind = posted.index(top), [i for i, s in enumerate(posted) if s < top]
-        position = self.members.index(self.me)
-        ok, received = True, None
-        try:
-            if position == source:
-                for i in behind:
-                    self._pair(i, 0).send(heal_payload(self.state, self.batches), self.wait)
-            elif position in behind:
-                received = self._pair(position, 1).receive(self.wait)
-        except (Lost, DistError, RuntimeError):
-            ok = False
-        if not agree(ok, self.side):
-            if position in behind:  # a group healed on some ranks only holds mixed shards: it starts again
-                print(
-                    f"hlat: error: rank {self.rank} of replica group {self.group}: its heal failed on some rank; the "
-                    "group ends and starts again",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                raise SystemExit(LOST_EXIT)
-            raise Lost("a heal failed")
+        position, received = self.members.index(self.me), None
+        if position == source:
+            for i in behind:
+                self._pair(i, 0).send(heal_payload(self.state, self.batches), self.joining_wait)
+        elif position in behind:
+            received = self._pair(position, 1).receive(self.joining_wait)
+        return self.members[source][0], top, received
+
+    def healed(self, heal: tuple[int, int, torch.Tensor | None]) -> None:
+        """Load what this rank received, if anything, and say where the group stands."""
+        source, top, received = heal
         if received is not None:
             load_heal_payload(self.state, self.batches, received)
         if self.rank == 0:
-            healed = f"; healed from group {self.members[source][0]} at step {top}" if received is not None else ""
             print(
                 f"hlat: replica group {self.group}: epoch {self.epoch}, {len(self.members)} groups live from step "
-                f"{self.state.step}{healed}",
+                f"{self.state.step}" + (f"; healed from group {source} at step {top}" if received is not None else ""),
                 file=sys.stderr,
                 flush=True,
             )
 
+    def joining_wait(self, work) -> None:
+        self.wait(work, joining=True)
+
     def _wait_keys(self, keys: list[str]) -> None:
         while not self.store.check(keys):
-            if self.membership.dropped_any(self.epoch, self.members):
-                raise Lost("a member was dropped while the epoch's members posted their steps")
+            if self.membership.epoch != self.epoch:
+                raise Lost(f"epoch {self.membership.epoch} came while epoch {self.epoch}'s members posted their steps")
             time.sleep(0.02)
 
     def _pair(self, behind: int, rank: int) -> Pair:
