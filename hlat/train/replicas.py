@@ -139,7 +139,6 @@ class ReplicaGroups:
         self.epoch, self.members, self.cross = -1, [], None
         self.graveyard: list = []  # groups abandoned with an operation in flight: kept until their threads end
         self.dp, self.dp_rank, self.log = topo.cfg.dp, topo.dp_rank, run_dir / f"replicas_rank{topo.rank}.jsonl"
-        self.admitted = False
 
     def __enter__(self) -> ReplicaGroups:
         """Beat, then (rank 0, once every rank beats) ask the service to admit this incarnation."""
@@ -205,7 +204,7 @@ class ReplicaGroups:
         return int(seen.item())
 
     def _form(self, epoch: int, members: list) -> None:
-        self.epoch, self.members, self.admitted = epoch, members, True
+        self.epoch, self.members = epoch, members
         position, live = members.index(self.me), len(members)
         self.batches.share = Share(position, live)
         store = dist.PrefixStore(f"x/e{epoch}/r{self.rank}", self.store)
