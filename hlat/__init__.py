@@ -14,6 +14,8 @@ LOST_EXIT = 4
 LOST_RENDEZVOUS_EXIT = 5
 # where `hlat torchrun` tells the workers of a rendezvous at the hlat service the namespace of their attempt there
 SERVICE_NAMESPACE_ENV = "HLAT_SERVICE_NAMESPACE"
+# the job-wide namespace at the hlat service where replica groups keep their membership (hlat.train.replicas)
+REPLICAS_NAMESPACE = "hlat/replicas"
 
 
 class HlatError(Exception):

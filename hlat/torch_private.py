@@ -13,12 +13,17 @@ what moved.
 - which file of a DCP checkpoint holds each chunk a load reads (`chunk_files`), and a checkpoint's storage data
   (`storage_data`: where each item lies, as the storage layer that wrote it put it);
 - the key of DCP's save-plan cache (`own_plan_cache`, `forget_plans`): kept per process and keyed by the planner's
-  class name, it would carry one run's plans into the next run of the same process, of another layout.
+  class name, it would carry one run's plans into the next run of the same process, of another layout;
+- a gloo group of its own, outside the default group and its world (`gloo_group`: replica groups' cross-replica
+  and healing groups).
 """
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
+import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401 (re-exported)
 
 CAST = torch.ops.aten._to_copy.default  # what autocast runs to cast a parameter
@@ -91,3 +96,10 @@ def forget_plans(key: str) -> None:
 
     for cache in PLAN_CACHES:
         getattr(SavePlanner, cache).pop(key, None)
+
+
+def gloo_group(store: dist.Store, rank: int, size: int, timeout_s: float) -> dist.ProcessGroup:
+    """A gloo group of `size` processes meeting in `store`, this one `rank`, outside the default group: torch's
+    `ProcessGroupGloo(store, rank, size, timeout)` constructor, which its docs do not name (`dist.new_group` makes
+    groups of the default group's ranks only)."""
+    return dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=timeout_s))

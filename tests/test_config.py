@@ -302,3 +302,34 @@ def test_config_fields_lists_types_defaults_and_comments(capsys):
     assert "'concat' | 'best_fit'" in rows["data.packing"]
     assert main(["config", "fields", "cluster"]) == 0
     assert all(line.startswith("cluster.") for line in capsys.readouterr().out.splitlines())
+
+
+@pytest.mark.parametrize(
+    "fields, world, message",
+    [
+        ({"replica_groups": 1}, 2, "needs at least 2 groups"),
+        ({"replica_groups": 2, "replica_group": 2}, 2, "0 <= replica_group < replica_groups"),
+        ({"replica_groups": 2, "data_sharding": "files"}, 2, "needs data_sharding = 'global'"),
+        ({"replica_groups": 2, "pp": 2}, 2, "and pp = 1"),
+        # 4 micro-batches a step: 2 groups of 2 ranks share them, 3 would not
+        (
+            {"replica_groups": 3},
+            2,
+            "must divide among any number of live groups of 2 data-parallel ranks: make them a multiple of 12",
+        ),
+    ],
+)
+def test_replica_groups_refuse_what_they_cannot_serve_in_one_line(fields, world, message):
+    cfg = build_config({"model": {"preset": "tiny"}, "train": {"global_batch": 8, "micro_batch": 2}})
+    cfg.parallel = dataclasses.replace(cfg.parallel, **fields)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        cfg.resolved_parallel(world)
+
+
+def test_each_replica_group_keeps_its_own_run_directory():
+    train = {"run_dir": "runs/a", "global_batch": 8, "micro_batch": 2}
+    cfg = build_config({"train": train, "parallel": {"replica_groups": 2, "replica_group": 1}})
+    assert cfg.for_replica_group().train.run_dir == "runs/a/replica1"
+    assert cfg.for_replica_group().resolved_parallel(2).dp == 2
+    plain = build_config({"train": {"run_dir": "runs/a"}})
+    assert plain.for_replica_group() is plain

@@ -612,3 +612,33 @@ def test_the_launch_file_sets_the_hang_watchdog_at_30_of_the_planners_steps(caps
     assert main(["launch", "--config", "hlat-7b", "--target", "slurm", *TRN2, "--train.hang_timeout_s", "0"]) == 0
     kept_off, err = capsys.readouterr()
     assert "# hang watchdog off (train.hang_timeout_s = 0): a frozen rank holds the job for" in kept_off and not err
+
+
+def test_slurm_runs_one_torchrun_per_replica_group_and_requeues_a_lost_service(capsys):
+    """parallel.replica_groups = 2 on 4 nodes: two torchrun jobs of 2 nodes each (each its own rendezvous at the
+    service, its own restarts, its group's index), run together; one that lost the service requeues the job. Refused
+    where a group would not be whole nodes, and on Kubernetes (not rendered)."""
+    flags = ["--target", "slurm", "--nodes", "4", "--nproc-per-node", "2", "--parallel.replica_groups", "2"]
+    script = render(capsys, *flags, "--train.global_batch", "16", "--train.micro_batch", "2", config="tiny")
+    groups = [line for line in script.splitlines() if "hlat torchrun" in line]
+    for g, line in enumerate(groups):
+        assert line.strip().startswith(f"srun --het-group=1 --nodes=2 --relative={2 * g} hlat torchrun --nnodes=2 ")
+        assert f'--rdzv-id="$SLURM_JOB_ID-replica{g}"' in line and line.endswith(f"--parallel.replica_group {g} &")
+    lines = script.splitlines()
+    tail = "\n".join(lines[lines.index("trap stop_and_requeue USR1") + 1 :])
+    srun = (
+        'srun() { for a in "$@"; do case $a in service) return 0;; 1) echo group1; return 4;; 0) echo group0; '
+        'return 0;; esac; done; }\nscontrol() { echo scontrol "$@"; }'
+    )
+    done = subprocess.run(
+        ["bash", "-c", f"set -uo pipefail\nSLURM_JOB_ID=7\nservice_node=h\n{srun}\n{tail}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    out = done.stdout.splitlines()
+    assert done.returncode == 0 and sorted(out[:2]) == ["group0", "group1"], done.stdout + done.stderr
+    assert out[-1] == "scontrol requeue 7"
+    for refused in (["--nodes", "3"], ["--target", "k8s"]):
+        assert main(["launch", "--config", "tiny", *flags, *refused]) == 2
+        assert "parallel.replica_groups: 2 groups are rendered for SLURM" in capsys.readouterr().err

@@ -174,9 +174,10 @@ def expected_collectives(job: dict, stages: list[int]) -> dict[tuple[str, str], 
         ("all_reduce", "tp"): (None, 4 * ((2 * blocks + last) * d + kv_grads + tp_sharded)),
         ("all_reduce", "dp_shard"): (None, 4 * n_params),  # clipping: every gradient is FSDP's shard
         ("all_reduce", "pp"): (1, 4),  # the squared gradient norm summed over the stages
-        # the step's loss, its stop flag and its background writes' flags (a checkpoint's, the memory tier's and
-        # whether one failed: hlat.checkpoint.tiers.Writes), fp32 each
-        ("all_reduce", "world"): (1, 4 * (2 + len(Writes().flags()))),
+        # the step's loss, its stop flag, whether a cross-replica all-reduce failed (parallel.replica_groups) and its
+        # background writes' flags (a checkpoint's, the memory tier's and whether one failed:
+        # hlat.checkpoint.tiers.Writes), fp32 each
+        ("all_reduce", "world"): (1, 4 * (3 + len(Writes().flags()))),
     }
 
 

@@ -117,3 +117,15 @@ def test_dcp_keeps_cached_save_plans_under_the_key_given_and_forgets_them(tmp_pa
     assert all("hlat-test" in cache for cache in caches) and not any("DefaultSavePlanner" in c for c in caches)
     private.forget_plans("hlat-test")
     assert not any("hlat-test" in cache for cache in caches)
+
+
+def test_a_gloo_group_of_its_own_forms_in_a_store_and_reduces():
+    """torch's undocumented ProcessGroupGloo(store, rank, size, timeout): a group of one, outside any default group,
+    whose all-reduce returns a work with a future (what a replica group's wait watches)."""
+    store = dist.HashStore()
+    group = private.gloo_group(dist.PrefixStore("epoch1", store), 0, 1, 10.0)
+    x = torch.full((3,), 2.0)
+    work = group.allreduce([x])
+    work.get_future().wait()
+    assert work.is_completed() and x.tolist() == [2.0, 2.0, 2.0]
+    assert group.size() == 1 and group.rank() == 0

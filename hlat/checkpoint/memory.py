@@ -33,14 +33,9 @@ import torch.distributed as dist
 
 from hlat.checkpoint.background import BackgroundWriter
 from hlat.checkpoint.cadence import SnapshotCadence
-<<<<<<< HEAD
 from hlat.checkpoint.writer_process import Listen, Meet, SealSnapshot
-from hlat.groups import gather_objects
-=======
-from hlat.checkpoint.durable import digests
 from hlat.files import Holder, live_holder, size_text
-from hlat.groups import recv_object, send_object
->>>>>>> i56
+from hlat.groups import gather_objects
 from hlat.paths import CONFIG_FILE, step_dirs, step_name
 
 METADATA = ".metadata"

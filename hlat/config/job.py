@@ -451,6 +451,15 @@ class Config:
                 )
         return p
 
+    def for_replica_group(self) -> Config:
+        """The config this torchrun job trains: under parallel.replica_groups, each replica group keeps its own run
+        directory, train.run_dir/replica<g> (its metrics, goodput, snapshots and checkpoints: no group waits for
+        another's files, and a restarted group heals from a live one rather than from them)."""
+        if not self.parallel.replica_groups:
+            return self
+        run_dir = str(Path(self.train.run_dir) / f"replica{self.parallel.replica_group}")
+        return Config(**{**self.__dict__, "train": TrainConfig(**{**self.train.__dict__, "run_dir": run_dir})})
+
     def lr_at(self, step: int) -> float:
         """The learning rate of optimizer step `step` (0-based): optim's warmup, then its cosine decay over
         optim.decay_steps, or over the whole run (train.steps) when that is 0."""

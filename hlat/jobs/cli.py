@@ -225,6 +225,7 @@ def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.print_config:
         print(cfg.to_toml(), end="")
         return 0
+    cfg = cfg.for_replica_group()
     console = make_console()
     if (rank := os.environ.get("RANK", "0")) == "0" and (line := seen_cluster_advice(cfg)):
         console.print(line, soft_wrap=True, highlight=False, markup=False)

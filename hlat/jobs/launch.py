@@ -122,7 +122,7 @@ def render_slurm(configs: list[str], cfg: Config, overrides: list[str], node: No
         "trap stop_and_requeue USR1",
         "# the job's store and rendezvous, a step of its own on the first component's node (this script's)",
         f"srun --het-group=0 hlat service --port {SERVICE_PORT} &",
-        *_slurm_training(c, check, train, endpoint),
+        *_slurm_training(c, check, train, endpoint, cfg.parallel.replica_groups),
     ]
     return "\n".join(lines) + "\n"
 
@@ -160,15 +160,20 @@ def _slurm_header(c: ClusterConfig, name: str, node: NodeRequest) -> list[str]:
     ]
 
 
-def _slurm_training(c: ClusterConfig, preflight: str, train: list[str], endpoint: str) -> list[str]:
+def _slurm_training(c: ClusterConfig, preflight: str, train: list[str], endpoint: str, groups: int) -> list[str]:
     """The preflight (cluster.preflight), then training in the background, for the stop handler to signal. With
     cluster.preflight_restarts the script itself starts torchrun (which then restarts nothing) up to
-    1 + max_restarts times, with the preflight before each start. A job that lost its service is requeued."""
+    1 + max_restarts times, with the preflight before each start. Under parallel.replica_groups, one torchrun per
+    group (`_slurm_replica_groups`). A job that lost its service is requeued."""
     if not c.preflight_restarts:
         torchrun = _torchrun(c, '"$SLURM_JOB_ID"', endpoint, c.max_restarts)
         return [
             *([f"{preflight} || exit 1"] if c.preflight else []),
-            f"{TRAINING_STEP} {' '.join(torchrun)} {shlex.join(train)} &",
+            *(
+                _slurm_replica_groups(c, train, endpoint, groups)
+                if groups
+                else [f"{TRAINING_STEP} {' '.join(torchrun)} {shlex.join(train)} &"]
+            ),
             "train_pid=$!",
             'wait "$train_pid"; code=$?',
             REQUEUE_LOST,
@@ -191,6 +196,31 @@ def _slurm_training(c: ClusterConfig, preflight: str, train: list[str], endpoint
         f'    echo "hlat: training failed (start $((attempt + 1)) of {c.max_restarts + 1}): preflight, then resume"',
         "done",
         "exit 1",
+    ]
+
+
+def _slurm_replica_groups(c: ClusterConfig, train: list[str], endpoint: str, groups: int) -> list[str]:
+    """One torchrun per replica group (parallel.replica_groups), each on its share of the training nodes with a
+    rendezvous of its own at the service, restarting only its own workers; a function run in the background, which
+    passes the stop signal on to every group and returns the last failure's exit code."""
+    nodes = c.nodes // groups
+    group = ClusterConfig(**{**c.__dict__, "nodes": nodes})
+    steps = []
+    for g in range(groups):
+        torchrun = _torchrun(group, f'"$SLURM_JOB_ID-replica{g}"', endpoint, c.max_restarts)
+        steps.append(
+            f"    {TRAINING_STEP} --nodes={nodes} --relative={g * nodes} {' '.join(torchrun)} "
+            f"{shlex.join([*train, '--parallel.replica_group', str(g)])} &"
+        )
+    return [
+        f"train_replica_groups() {{  # {groups} replica groups of {nodes} nodes: a failure restarts its group alone",
+        "    trap 'kill -TERM $(jobs -p) 2>/dev/null' TERM",
+        *steps,
+        "    code=0",
+        '    for pid in $(jobs -p); do wait "$pid" || code=$?; done',
+        '    return "$code"',
+        "}",
+        "train_replica_groups &",
     ]
 
 
@@ -374,7 +404,16 @@ def render(configs: list[str], target: str, overrides: list[str], image: str) ->
     """The job file for `target`, after checking the configs (merged in order), the layout on the `[cluster]`
     they state and that cluster against its hardware profile."""
     cfg = load_config(configs, overrides)
-    cfg.resolved_parallel(cfg.cluster.world_size)
+    groups = cfg.parallel.replica_groups
+    if groups and (
+        target != "slurm" or cfg.cluster.nodes % groups or cfg.cluster.min_nodes or cfg.cluster.preflight_restarts
+    ):
+        raise ConfigError(
+            f"parallel.replica_groups: {groups} groups are rendered for SLURM, each a whole number of the "
+            f"{cfg.cluster.nodes} nodes, without cluster.min_nodes or cluster.preflight_restarts (each group restarts "
+            "its own workers)"
+        )
+    cfg.resolved_parallel(cfg.cluster.world_size // (groups or 1))  # a replica group's layout: its own job's
     elastic_range(cfg)  # refuses a min_nodes the layout does not fit
     node = cfg.cluster.node_request()
     if target == "slurm":

@@ -6,7 +6,8 @@ training host: losing that host ended the job on every host. Here the store is a
 `hlat service` hosts, and every training agent is its client (`hlat torchrun --rdzv-backend=hlat`: torch's own c10d
 rendezvous at that store, `is_host` false). Each round of the rendezvous also gives its workers a namespace of their
 own in the same store (`ServiceRendezvous`), where they form their process group and keep their leases
-(`hlat.parallel.store`), so no training host keeps anything the others need. An agent that loses the service ends its
+(`hlat.parallel.store`), so no training host keeps anything the others need. Under parallel.replica_groups the
+service also decides which replica groups are members (`hlat.jobs.membership`). An agent that loses the service ends its
 part of the job in one line naming it, with exit code 4 (`lost_service`: the job's restart resumes it).
 """
 
@@ -34,6 +35,7 @@ from torch.distributed.elastic.rendezvous import (
 
 from hlat import LOST_EXIT, SERVICE_NAMESPACE_ENV, HlatError
 from hlat.jobs.launch import SERVICE_PORT
+from hlat.jobs.membership import Membership
 
 SERVICE_BACKEND = "hlat"  # torchrun's --rdzv-backend for a rendezvous at the service (registered by hlat torchrun)
 NAMESPACE_KEY = "hlat/namespace"  # in the round's own keys: the namespace its workers meet in
@@ -47,6 +49,7 @@ def serve(port: int) -> int:
         store = TCPStore("localhost", port, is_master=True, wait_for_workers=False)
     except DistError as e:
         raise HlatError(f"service: cannot listen on port {port}: {str(e).splitlines()[0]}") from None
+    Membership(port).start()  # the replica groups' (parallel.replica_groups), decided here
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
     host = socket.gethostname()

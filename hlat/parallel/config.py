@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Literal
@@ -52,6 +53,11 @@ class ParallelConfig:
     compile: bool = False  # torch.compile each block
     compile_backend: str = "inductor"  # torch.compile backend (a device's plugin may register its own)
     compile_cache_dir: str = ""  # "" = the node's local disk (/tmp/hlat-compile-cache), not a shared FS
+    # data-parallel replica groups as fault domains (docs/fault-tolerance.md, "Replica groups"): 0 = off; N >= 2:
+    # the job is N replica groups, each its own torchrun job of this layout meeting at the hlat service, and a
+    # failure in one restarts only it while the others step on; it rejoins by healing from a live group
+    replica_groups: int = 0
+    replica_group: int = 0  # which replica group this torchrun job is (hlat launch sets it)
 
     def stages(self) -> int:
         return self.pp * (self.virtual_stages if self.pp_schedule == "interleaved_1f1b" else 1)
@@ -136,6 +142,7 @@ class ParallelConfig:
                 "parallel.pp: tied embeddings cannot be split across pipeline stages; set model.tie_embeddings = false"
             )
         check_experts(p, model)
+        check_replica_groups(p)
         if p.compile and not p.compile_backend:
             raise ConfigError("parallel.compile_backend: empty; 'inductor' is torch's default")
         if p.zero1 and p.shards == 1:
@@ -169,6 +176,29 @@ def check_experts(p: ParallelConfig, model: ModelConfig) -> None:
         )
 
 
+def check_replica_groups(p: ParallelConfig) -> None:
+    """Replica groups as fault domains: each group is a whole torchrun job, so its tensor, pipeline, context and expert
+    groups are its own; what the cross-replica all-reduce and the shared data stream cannot serve is refused."""
+    if p.replica_groups == 0:
+        return
+    if p.replica_groups < 2 or not 0 <= p.replica_group < p.replica_groups:
+        raise ConfigError(
+            f"parallel.replica_groups: {p.replica_groups} with replica_group {p.replica_group}: needs at least 2 "
+            "groups (0 = off) and 0 <= replica_group < replica_groups"
+        )
+    if p.data_sharding != "global" or p.pp > 1:
+        raise ConfigError(
+            "parallel.replica_groups: needs data_sharding = 'global' (the live groups share each step's "
+            f"micro-batches) and pp = 1 (got {p.data_sharding!r}, pp {p.pp})"
+        )
+
+
+def every_membership(dp: int, groups: int) -> int:
+    """The divisor of a step's micro-batches that lets any number of live replica groups (1 to `groups`) of `dp`
+    data-parallel ranks each share them evenly: dp x lcm(1, ..., groups)."""
+    return dp * math.lcm(*range(1, groups + 1))
+
+
 def check_layout(
     parallel: ParallelConfig, model: ModelConfig, world_size: int, global_batch: int, micro_batch: int, seq_len: int
 ) -> ParallelConfig:
@@ -176,6 +206,12 @@ def check_layout(
     every candidate): raises ConfigError naming the field, or returns the resolved config."""
     p = parallel.validate(model, world_size)
     accum = p.microbatches(global_batch, micro_batch)
+    if p.replica_groups and (global_batch // micro_batch) % every_membership(p.dp, p.replica_groups):
+        raise ConfigError(
+            f"parallel.replica_groups: the {global_batch // micro_batch} micro-batches of a step (train.global_batch"
+            f" / micro_batch) must divide among any number of live groups of {p.dp} data-parallel ranks: make them "
+            f"a multiple of {every_membership(p.dp, p.replica_groups)}"
+        )
     if p.cp > 1 and seq_len % (2 * p.cp):
         raise ConfigError(
             f"parallel.cp: train.seq_len {seq_len} is not divisible by 2 x cp = {2 * p.cp} (each "

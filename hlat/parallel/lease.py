@@ -33,10 +33,11 @@ LOST_COUNT, LOST_RECORD = "lease/lost", "lease/lost_record"
 
 @dataclass
 class Expired:
-    """A lease that ran out: `rank`'s (a peer declared lost, kind "peer"), or this rank's own (kind "store": it
-    could not renew it, `cause` says why)."""
+    """A lease that ran out: `rank`'s (a peer declared lost, kind "peer"), this rank's own (kind "store": it
+    could not renew it, `cause` says why), or replica group `rank`'s membership (kind "replica": the service dropped
+    it, `cause` names the epoch; hlat.train.replicas)."""
 
-    kind: Literal["peer", "store"]
+    kind: Literal["peer", "store", "replica"]
     rank: int
     silent_s: float
     where: str  # the store, described

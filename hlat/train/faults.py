@@ -221,13 +221,24 @@ def hold_lease(train: TrainConfig, topo: Topology) -> contextlib.AbstractContext
     return Lease(topo.store, topo.rank, topo.world_size, per_node, train.lease_s, act)
 
 
-def lease_expired(run_dir: Path, rank: int, expired: Expired) -> None:
-    """What a rank does when a lease runs out: the one place that acts on a peer declared lost, or on this rank's own
-    lease that it could not renew. Today the rank ends (the failure recorded for goodput's split, one line, exit
-    code 4), so that torchrun re-forms the job from the hosts that are live and the ranks resume, as after a dead
-    process, rather than wait in a collective until train.collective_timeout_s; a silent peer on this node under
-    the same torchrun (stopped: it cannot act on torchrun's SIGTERM) is killed first. Called from the lease's thread,
-    while the training thread may be waiting in that collective."""
+def lease_expired(run_dir: Path, rank: int, expired: Expired, replica_group: int | None = None) -> None:
+    """What a rank does when a lease runs out: the one place that acts on a peer declared lost, on this rank's own
+    lease that it could not renew, and (parallel.replica_groups, `replica_group` this rank's) on a replica group the
+    service's membership dropped. A dropped group other than this rank's leaves this one a survivor: it goes on
+    (its wait on the dropped group is abandoned, `hlat.train.replicas`). Otherwise the rank ends (the failure
+    recorded for goodput's split, one line, exit code 4), so that torchrun re-forms the job (or, under replica
+    groups, this group alone, which then rejoins by healing) from the hosts that are live and the ranks resume, as
+    after a dead process, rather than wait in a collective until train.collective_timeout_s; a silent peer on this
+    node under the same torchrun (stopped: it cannot act on torchrun's SIGTERM) is killed first. Called from the
+    lease's thread (or the membership's), while the training thread may be waiting in that collective."""
+    if expired.kind == "replica" and expired.rank != replica_group:
+        print(
+            f"hlat: rank {rank} of replica group {replica_group}: replica group {expired.rank} was dropped from the "
+            f"job ({expired.cause}); this group goes on without it",
+            file=sys.stderr,
+            flush=True,
+        )
+        return
     line = lease_line(rank, expired)
     killed = expired.kind == "peer" and kill_stopped_sibling(expired.who)
     record_seen(run_dir, f"rank{rank}", line.removeprefix("hlat: error: "))
@@ -238,6 +249,11 @@ def lease_expired(run_dir: Path, rank: int, expired: Expired) -> None:
 
 def lease_line(rank: int, expired: Expired) -> str:
     me = f"rank {rank} on {socket.gethostname()}"
+    if expired.kind == "replica":
+        return (
+            f"hlat: error: {me}: its replica group {expired.rank} was dropped from the job ({expired.cause}: a rank "
+            "of it failed or went silent); this rank ends, torchrun starts the group again and it rejoins by healing"
+        )
     if expired.kind == "store":
         return (
             f"hlat: error: {me}: cannot renew its lease at {expired.where} for {expired.silent_s:.1f} s "

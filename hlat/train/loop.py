@@ -10,6 +10,7 @@ it `hlat.train.trainer.Trainer`'s.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 from dataclasses import dataclass
@@ -40,11 +41,12 @@ from hlat.optim.fp8 import fp8_support
 from hlat.parallel import ParallelConfig, Topology, init_topology
 from hlat.parallel.device import pick_device
 from hlat.train.assemble import Recipe, assemble, stage_shapes
-from hlat.train.faults import StopRequest, Watchdog, hold_lease
+from hlat.train.faults import StopRequest, Watchdog, hold_lease, lease_expired
 from hlat.train.goodput import Goodput
 from hlat.train.health import Health
 from hlat.train.metrics import StepReport
 from hlat.train.recovery import seeing_failures
+from hlat.train.replicas import ReplicaGroups
 from hlat.train.step import Batches, TrainStep
 from hlat.train.tracking import require_backends
 from hlat.train.trainer import Trainer
@@ -101,14 +103,13 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
         cleanup.push(goodput.take_back_if_refused)
         tokenizer = load_tokenizer(cfg, topo, inputs.sources)
         per_rank = inputs.layout.microbatches(cfg.train.global_batch, cfg.train.micro_batch)
-        # a resume (or train.init_from) loads every weight: drawing them first would only slow its start
-        loaded = start.path is not None or cfg.train.init_from
         parts = assemble(
             inputs.model,
             topo,
             inputs.device,
             Recipe.of(cfg, inputs.fp8, per_rank),
-            weights="loaded" if loaded else "drawn",
+            # a resume (or train.init_from) loads every weight: drawing them first would only slow its start
+            weights="loaded" if start.path is not None or cfg.train.init_from else "drawn",
             # MoE stages take their shapes: shape inference runs a backward, which would count routing figures
             shapes=stage_shapes(cfg) if cfg.model.moe else None,
         )
@@ -117,11 +118,12 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
         batches = Batches(stream, topo, per_rank)
         health = Health(cfg.health, topo, inputs.device, parts.parts, console)
         state = TrainState(parts.parts, parts.optimizers, stream, batches.state_key)
+        replicas = replica_groups(cfg, topo, state, batches)
         trainer = Trainer(
             cfg=cfg,
             console=console,
             state=state,
-            train_step=TrainStep(cfg, topo, inputs.device, parts, batches, health),
+            train_step=TrainStep(cfg, topo, inputs.device, parts, batches, health, replicas and replicas.all_reduce),
             goodput=goodput,
             tiers=Tiers(cfg, topo, inputs.device, state, goodput, console, start),
             report=StepReport(cfg, inputs.device, topo.world_size, topo.is_main, console),
@@ -136,7 +138,7 @@ def train(cfg: Config, console: Console | None = None) -> Summary:
         check_room(trainer, inputs)
         announce(trainer, inputs)
         goodput.start_up_done()
-        run_steps(trainer)
+        run_steps(trainer, replicas)
         trainer.tiers.finish()
         goodput.finished()
         return summary(trainer, inputs.resume_from)
@@ -242,11 +244,48 @@ def announce(trainer: Trainer, inputs: RunInputs) -> None:
     )
 
 
-def run_steps(trainer: Trainer) -> None:
-    """Steps until `train.steps`, or until a stop signal, after which the run checkpoints and stops."""
-    with StopRequest().installed() as stop, trainer.watchdog:
+def replica_groups(cfg: Config, topo: Topology, state: TrainState, batches: Batches) -> ReplicaGroups | None:
+    """This rank's side of parallel.replica_groups (None when off), which needs the hlat service."""
+    layout = topo.cfg
+    if not layout.replica_groups:
+        return None
+    if topo.store is None or not topo.store.service:
+        raise HlatError(
+            "parallel.replica_groups: each replica group meets the others at the hlat service: run each group with "
+            "hlat torchrun --rdzv-backend=hlat (hlat launch renders it)"
+        )
+    settings = cfg.train
+    act = functools.partial(lease_expired, Path(settings.run_dir), topo.rank, replica_group=layout.replica_group)
+    return ReplicaGroups(
+        topo,
+        layout.replica_group,
+        layout.replica_groups,
+        settings.collective_timeout_s,
+        settings.lease_s or 10.0,
+        Path(settings.run_dir),
+        state,
+        batches,
+        act,
+    )
+
+
+def run_steps(trainer: Trainer, replicas: ReplicaGroups | None = None) -> None:
+    """Steps until `train.steps`, or until a stop signal, after which the run checkpoints and stops. Under replica
+    groups each step starts in the epoch the group agrees on (joining, and healing, in a new one), and a step whose
+    cross-replica all-reduce failed somewhere is run again."""
+    with StopRequest().installed() as stop, trainer.watchdog, replicas or contextlib.nullcontext():
         while trainer.step < trainer.cfg.train.steps:
+            if replicas is not None:
+                replicas.begin()
+                if trainer.step >= trainer.cfg.train.steps:  # healed to the end
+                    break
             result = trainer.train_step(trainer.step, stop.requested, trainer.tiers.writes())
+            if result.redo:
+                replicas.step_failed()
+                continue
+            if replicas is not None:
+                replicas.committed()
+            trainer.batches.committed()
             trainer.after_step(result)
             if result.stopping:
                 trainer.console.print(

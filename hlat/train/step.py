@@ -23,7 +23,7 @@ from torch import nn
 
 from hlat.checkpoint.tiers import Writes
 from hlat.config.job import Config
-from hlat.data.packing import DataStream
+from hlat.data.packing import IGNORE, DataStream
 from hlat.optim.bf16 import BF16AdamW
 from hlat.parallel import Topology
 from hlat.parallel.context import split_batch
@@ -45,6 +45,7 @@ class StepResult:
     written: Writes  # the background writes every rank has finished (any rank's failure): commit them
     seconds: float  # the step's wall time
     data_wait_s: float  # of which waiting for data
+    redo: bool = False  # replica groups: some rank's cross-replica all-reduce failed; nothing was updated
 
 
 @dataclass
@@ -65,6 +66,15 @@ class ModelParts:
         return [p for part in self.parts for p in part.parameters()]
 
 
+@dataclass
+class Share:
+    """A replica group's place in a step (parallel.replica_groups): its position among the live groups and their
+    number; (0, 1) without replica groups."""
+
+    position: int = 0
+    live: int = 1
+
+
 class Batches:
     """This rank's micro-batches for each step, which its stream gives it (docs/data.md).
 
@@ -73,16 +83,50 @@ class Batches:
     the data state is the same on all ranks: one copy in the checkpoint, which resumes under any layout.
     `files`: each data-parallel rank reads its own files, for storage that cannot serve every rank all the data;
     the data states are per rank and a resume needs the same data-parallel size. Context-parallel peers share a
-    data-parallel rank, and each keeps its own chunks of the sequences (`split_batch`)."""
+    data-parallel rank, and each keeps its own chunks of the sequences (`split_batch`).
+
+    Under replica groups (`keep`) each group's stream is the whole global stream shared by its own ranks, and a rank
+    holds every micro-batch it could be given at any membership: with `dp` ranks a group, micro-batches dp_rank,
+    dp_rank + dp, ... of the step. It trains on every `live`-th of those from its group's `position` (`share`),
+    and keeps them until the step is committed, so that a step run again among other groups needs no new data."""
 
     def __init__(self, stream: DataStream, topo: Topology, per_rank: int):
         self.stream, self.rank, self.per_rank = stream, topo.rank, per_rank
+        self.keep = bool(topo.cfg.replica_groups)
         self.shared = topo.cfg.data_sharding == "global"
         self.cp, self.cp_rank = topo.cfg.cp, topo.cp_rank
+        self.share = Share()
+        self.held: list[dict] | None = None  # the step's micro-batches, while kept
+        self.before: dict | None = None  # the stream's state before them
 
     def next_step(self, device: torch.device) -> list[dict]:
-        micro = [split_batch(next(self.stream), self.cp, self.cp_rank) for _ in range(self.per_rank)]
+        if self.held is None:
+            self.before = self.stream.state_dict() if self.keep else None
+            self.held = [split_batch(next(self.stream), self.cp, self.cp_rank) for _ in range(self.per_rank)]
+        micro = self.held[self.share.position :: self.share.live]
+        if not self.keep:
+            self.held = None
         return [{k: to_device(t, device) for k, t in batch.items()} for batch in micro]
+
+    def trained(self, dp: int, dp_rank: int) -> dict:
+        """Which of the step's micro-batches this rank trains on under replica groups (their indices in the step,
+        of `dp` ranks a group) and the tokens they train on (targets that are not padding)."""
+        indices = range(self.share.position, self.per_rank, self.share.live)
+        tokens = sum(int((self.held[j]["targets"] != IGNORE).sum()) for j in indices)
+        return {"micro_batches": [j * dp + dp_rank for j in indices], "tokens": tokens}
+
+    def committed(self) -> None:
+        """The step these micro-batches were for is done: the next step takes new ones."""
+        self.held = None
+
+    def position(self) -> dict:
+        """The stream's state at the start of the step not yet committed."""
+        return self.before if self.held is not None else self.stream.state_dict()
+
+    def restart_at(self, state: dict) -> None:
+        """Continue from stream state `state` (a heal), dropping the micro-batches held."""
+        self.stream.load_state_dict(state)
+        self.held = None
 
     @property
     def state_key(self) -> str:
@@ -108,6 +152,9 @@ class TrainStep:
     parts: ModelParts
     batches: Batches
     health: Health
+    # parallel.replica_groups: the gradients and loss averaged over the live groups (hlat.train.replicas), and
+    # whether that completed
+    cross_replica: Callable[[list, torch.Tensor], tuple[torch.Tensor, bool]] | None = None
     bad_steps: BadSteps = field(init=False)
     fault: InjectedNaN = field(init=False)
 
@@ -128,12 +175,15 @@ class TrainStep:
             local_loss = forward_backward(self.parts, micro, self.device)
         local_loss = self.fault(step + 1, local_loss, self.parts.params)
         with self.health.at_collective():
-            reduced = reduce_step(local_loss, stop_requested, written)
+            crossed = True
+            if self.cross_replica is not None:
+                local_loss, crossed = self.cross_replica(self.parts.params, local_loss)
+            reduced = reduce_step(local_loss, stop_requested, written, failed=not crossed)
         grad_norm = global_grad_norm(self.parts.params, self.pp_group)
-        loss, norm, stopping, written = read_figures(reduced, grad_norm, self.topo)  # the step's one read
+        loss, norm, stopping, written, redo = read_figures(reduced, grad_norm, self.topo)  # the step's one read
         self.health.step_read()
-        bad = self.bad_steps.check(loss, norm)
-        if bad is None:
+        bad = None if redo else self.bad_steps.check(loss, norm)
+        if bad is None and not redo:
             clipped_update(self.parts.optimizers, grad_norm, self.cfg.optim.clip_grad_norm)
         for optimizer in self.parts.optimizers:
             optimizer.zero_grad(set_to_none=True)
@@ -146,6 +196,7 @@ class TrainStep:
             written,
             time.perf_counter() - started,
             self.batches.stream.wait_time_s - waited,
+            redo,
         )
 
     @property
@@ -219,25 +270,30 @@ def pipelined_forward_backward(model: ModelParts, micro: list[dict], device: tor
     return torch.stack([loss.detach() for loss in microbatch_losses]).mean()
 
 
-def reduce_step(local_loss: torch.Tensor, stop_requested: bool, written: Writes) -> torch.Tensor:
-    """[the losses, the ranks asked to stop, the ranks done with each background write (`Writes`)], each summed over
-    every rank by one all-reduce and left on the device (`read_figures` reads them)."""
-    flags = torch.tensor([float(stop_requested), *map(float, written.flags())], device=local_loss.device)
+def reduce_step(local_loss: torch.Tensor, stop_requested: bool, written: Writes, failed: bool = False) -> torch.Tensor:
+    """[the losses, the ranks asked to stop, the ranks whose cross-replica all-reduce failed, the ranks done with each
+    background write (`Writes`)], each summed over every rank by one all-reduce and left on the device
+    (`read_figures` reads them)."""
+    flags = torch.tensor([float(stop_requested), float(failed), *map(float, written.flags())], device=local_loss.device)
     packed = torch.cat([local_loss.float().reshape(1), flags])
     if dist.is_initialized():
         dist.all_reduce(packed)
     return packed
 
 
-def read_figures(reduced: torch.Tensor, grad_norm: torch.Tensor, topo: Topology) -> tuple[float, float, bool, Writes]:
+def read_figures(
+    reduced: torch.Tensor, grad_norm: torch.Tensor, topo: Topology
+) -> tuple[float, float, bool, Writes, bool]:
     """The step's one read from the device, in one transfer: the loss over the global batch (the mean over data- and
     context-parallel ranks of the last stage's losses; tensor-parallel peers hold the same value), the gradient norm,
-    whether any rank was asked to stop, and the background writes every rank is done with."""
+    whether any rank was asked to stop, the background writes every rank is done with, and whether any rank's
+    cross-replica all-reduce failed (the step is run again)."""
     both = torch.cat([reduced, grad_norm.float().reshape(1).to(reduced.device)])
-    loss_sum, stops, *written, norm = both.tolist()
+    loss_sum, stops, failed, *written, norm = both.tolist()
     return (
         loss_sum / (topo.cfg.dp * topo.cfg.cp * topo.cfg.tp),
         norm,
         stops > 0,
         Writes.agreed(written, topo.world_size),
+        failed > 0,
     )
