@@ -277,8 +277,9 @@ def test_the_service_lost_ends_the_job_resumably_and_a_cut_link_is_found_within_
     memory; on one host, rank 2's own file of every snapshot is then damaged. Started again (the service first),
     the job resumes at 4 ranks from the newest snapshot, rank 2's part from the copy the other host holds: the
     damaged bytes are never loaded.
-    2. The first training host's link cut after step 6: nothing reaches anyone, no reset. The other host's trainers
-    declare its ranks lost when their leases run out (train.lease_s, 10 s) and end, and the job goes on at 2 ranks;
+    2. The first training host's link cut two steps into the restart: nothing reaches anyone, no reset. The other
+    host's trainers declare its ranks lost when their leases run out (train.lease_s, 10 s) and end, and the job goes
+    on at 2 ranks;
     the cut-off ranks fence themselves (they cannot renew their leases) and rank 0's lock on the run directory is
     free for the survivor. The hang watchdog is on, as `hlat launch` sets it (at a minute, its least): the lease
     names the silent host well within it."""
@@ -307,8 +308,9 @@ def test_the_service_lost_ends_the_job_resumably_and_a_cut_link_is_found_within_
         raw[len(raw) // 2] ^= 0xFF
         path.write_bytes(bytes(raw))
     job.start_service()
+    before = len(job.records())  # the first start's steps (it may have gone on past step 3 until its leases ended)
     job.agents = {i: job.start(i) for i in TRAINING}
-    job.wait_for_step(6)
+    job.wait_for_step(before + 2)  # the restarted job's trainers up and stepping, before a link is cut
     first = job.first_host()
     survivors = job.trainers(3 - first)
     cut = time.time()
@@ -329,7 +331,7 @@ def test_the_service_lost_ends_the_job_resumably_and_a_cut_link_is_found_within_
     went_on_s = next(r["time"] for r in job.records() if r["step"] == went_on + 1) - cut
     print(
         f"service lost after step 3: the job ended {ended_s:.1f} s after, resumed at step {restarted} on 4 ranks; "
-        f"link cut after step 6: declared lost "
+        f"link cut two steps into the restart: declared lost "
         f"{found_s:.1f} s after the cut, resumed on 2 ranks at step {went_on}, its next step {went_on_s:.1f} s after "
         "the cut"
     )
