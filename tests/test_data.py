@@ -686,6 +686,27 @@ def test_workers_give_the_same_stream_and_resume_exactly(tmp_path, packing):
     resumed.close()
 
 
+def test_a_stream_reads_on_to_a_later_state_with_its_workers_up(tmp_path):
+    """A replica group that heals moves its stream to the live groups' position: reading on to it gives the batches
+    that loading the state gives, with the same tokenizer workers; a state behind, or of other settings, is left
+    to `load_state_dict`."""
+    files = _corpus(tmp_path)
+    cfg = dict(round_bytes=200, shuffle_rows=4, shuffle_files=True, seed=1, workers=1)
+    ahead = stream(files, 16, 2, **cfg)
+    take(ahead, 13)
+    target = ahead.state_dict()
+    s = stream(files, 16, 2, **cfg)
+    take(s, 3)
+    workers = s.worker_pids
+    assert s.read_on_to(target) and s.state_dict() == target and s.worker_pids == workers
+    assert same(take(s, 9), take(ahead, 9))
+    assert not s.read_on_to(target)  # behind it now: nothing read
+    other = stream(files, 16, 2, **{**cfg, "seed": 2})
+    assert not other.read_on_to(target) and other.state_dict()["rows"] == 0
+    for each in (ahead, s, other):
+        each.close()
+
+
 def test_changed_settings_are_refused_unless_forced(tmp_path):
     files = _corpus(tmp_path)
     s = stream(files, packing="concat")

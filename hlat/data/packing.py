@@ -285,6 +285,17 @@ class DataStream:
         self.rows_taken = state["rows"]
         self.taken = list(state.get("taken", self.taken))  # a checkpoint from before it counts from this resume
 
+    def read_on_to(self, state: dict) -> bool:
+        """Reach `state` by reading on, where it lies ahead of this stream's position (the tokenizer workers stay up,
+        where `load_state_dict` starts them again): whether the stream is now at it. Every rank of the stream's group
+        calls it alike (reading is collective)."""
+        if self._batches_left or self._mismatch(state) or state["rows"] < self.rows_taken:
+            return False
+        while self.rows_taken < state["rows"]:
+            self._step()
+            self._batches_left.clear()
+        return self.state_dict() == state
+
     def _mismatch(self, state: dict) -> str:
         if state.get("version") != STATE_VERSION:
             return f"the saved data state has format version {state.get('version')}, this hlat reads {STATE_VERSION}"

@@ -17,9 +17,9 @@ failure in one touches no other. What the groups share lives at the hlat service
 A step: every rank of a group agrees on the newest epoch any of them has seen; each local rank position forms a gloo
 group with the same position of every member (`cross`, anew for each epoch); the step's gradient shards (and the
 loss) are summed over it, and the step is committed where every rank of the group completed that all-reduce (agreed
-with the step's own flags: `hlat.train.step`). A wait on a peer that the epoch drops is abandoned (gloo cannot
-cancel an operation in flight: the group is kept referenced, its thread ends at its timeout), and the step runs
-again among the survivors. A group behind the highest committed step when an epoch starts receives, rank by rank,
+with the step's own flags: `hlat.train.step`). A wait on a peer is abandoned as soon as a later epoch comes (gloo
+cannot cancel an operation in flight: the group is kept referenced, its thread ends at its timeout), and the step
+runs again in that epoch. A group behind the highest committed step when an epoch starts receives, rank by rank,
 the local shards of the weights and the optimizer state, the step, the data position and the generators from a
 group at that step, over a group of the two (a broadcast: gloo's send and receive have no futures to watch).
 """
@@ -108,9 +108,11 @@ class Membership:
         if store.check([call]):
             store.set(f"ack/e{self.epoch}/g{self.group}/r{self.rank}", "1")
 
-    def dropped_any(self, epoch: int, members: list) -> bool:
-        """Whether an epoch after `epoch` has dropped one of `members`."""
-        return self.epoch != epoch and not set(members) <= set(self.members)
+    def after(self, epoch: int) -> bool:
+        """Whether this thread has seen an epoch after `epoch`. Each rank's thread learns of an epoch on its own beat,
+        so it may still be at an earlier one than the epoch its group agreed on (`ReplicaGroups.begin`): only a later
+        one ends `epoch`."""
+        return self.epoch > epoch
 
 
 class ReplicaGroups:
@@ -141,8 +143,11 @@ class ReplicaGroups:
         self.dp, self.dp_rank, self.log = topo.cfg.dp, topo.dp_rank, run_dir / f"replicas_rank{topo.rank}.jsonl"
 
     def __enter__(self) -> ReplicaGroups:
-        """Beat, then (rank 0, once every rank beats) ask the service to admit this incarnation."""
+        """Beat, take the first step's micro-batches (a group that joins a running job does not hold the others'
+        first step with it while its tokenizer workers start), then (rank 0, once every rank is there) ask the
+        service to admit this incarnation."""
         self.membership.start()
+        self.batches.fetch()
         dist.barrier(group=self.side)
         if self.rank == 0:
             self.store.set("groups", str(self.groups))
@@ -218,7 +223,7 @@ class ReplicaGroups:
         thread.start()
         while thread.is_alive():
             thread.join(0.02)
-            if self.membership.epoch != self.epoch:
+            if self.membership.after(self.epoch):
                 self.graveyard.append(thread)
                 raise Lost(f"epoch {self.membership.epoch} came while epoch {self.epoch}'s groups formed")
         if not made:
@@ -231,22 +236,21 @@ class ReplicaGroups:
         groups whose ranks gave the epoch up at different points meet again in a fresh one."""
         self.graveyard.append(self.cross)
         self.cross = None
-        if self.membership.epoch == self.epoch:
+        if not self.membership.after(self.epoch):
             with contextlib.suppress(DistError):
                 self.store.set(f"fail/e{self.epoch}", f"g{self.group}r{self.rank} gave the epoch up")
-        while self.membership.epoch == self.epoch:
+        while not self.membership.after(self.epoch):
             time.sleep(0.02)
 
-    def wait(self, work, joining: bool = False) -> None:
-        """Wait for `work`; raise Lost as soon as an epoch drops one of this epoch's members (`joining`: as soon as
-        any new epoch comes, which a join never outlives)."""
+    def wait(self, work) -> None:
+        """Wait for `work`; raise Lost as soon as a later epoch comes. An epoch ends for a member that was dropped,
+        one that was admitted, or a member that gave the epoch up (a group whose join failed while the others'
+        succeeded): the others must not wait for it in a collective it has left."""
         done = threading.Event()
         work.get_future().add_done_callback(lambda _: done.set())
         while not done.wait(0.02):
-            if self.membership.dropped_any(self.epoch, self.members) or (
-                joining and self.membership.epoch != self.epoch
-            ):
-                raise Lost(f"epoch {self.membership.epoch} dropped a member of epoch {self.epoch}")
+            if self.membership.after(self.epoch):
+                raise Lost(f"epoch {self.membership.epoch} came while epoch {self.epoch}'s collective ran")
         work.wait()  # raises the collective's own error
 
     def all_reduce(self, params: list[torch.Tensor], local_loss: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -299,9 +303,9 @@ class ReplicaGroups:
         position, received = self.members.index(self.me), None
         if position == source:
             for i in behind:
-                self._pair(i, 0).send(heal_payload(self.state, self.batches), self.joining_wait)
+                self._pair(i, 0).send(heal_payload(self.state, self.batches), self.wait)
         elif position in behind:
-            received = self._pair(position, 1).receive(self.joining_wait)
+            received = self._pair(position, 1).receive(self.wait)
         return self.members[source][0], top, received
 
     def healed(self, heal: tuple[int, int, torch.Tensor | None]) -> None:
@@ -317,12 +321,9 @@ class ReplicaGroups:
                 flush=True,
             )
 
-    def joining_wait(self, work) -> None:
-        self.wait(work, joining=True)
-
     def _wait_keys(self, keys: list[str]) -> None:
         while not self.store.check(keys):
-            if self.membership.epoch != self.epoch:
+            if self.membership.after(self.epoch):
                 raise Lost(f"epoch {self.membership.epoch} came while epoch {self.epoch}'s members posted their steps")
             time.sleep(0.02)
 

@@ -100,13 +100,17 @@ class Batches:
         self.before: dict | None = None  # the stream's state before them
 
     def next_step(self, device: torch.device) -> list[dict]:
-        if self.held is None:
-            self.before = self.stream.state_dict() if self.keep else None
-            self.held = [split_batch(next(self.stream), self.cp, self.cp_rank) for _ in range(self.per_rank)]
+        self.fetch()
         micro = self.held[self.share.position :: self.share.live]
         if not self.keep:
             self.held = None
         return [{k: to_device(t, device) for k, t in batch.items()} for batch in micro]
+
+    def fetch(self) -> None:
+        """Take the step's micro-batches from the stream, unless held."""
+        if self.held is None:
+            self.before = self.stream.state_dict() if self.keep else None
+            self.held = [split_batch(next(self.stream), self.cp, self.cp_rank) for _ in range(self.per_rank)]
 
     def trained(self, dp: int, dp_rank: int) -> dict:
         """Which of the step's micro-batches this rank trains on under replica groups (their indices in the step,
@@ -124,9 +128,11 @@ class Batches:
         return self.before if self.held is not None else self.stream.state_dict()
 
     def restart_at(self, state: dict) -> None:
-        """Continue from stream state `state` (a heal), dropping the micro-batches held."""
-        self.stream.load_state_dict(state)
+        """Continue from stream state `state` (a heal), dropping the micro-batches held: read on to it where it lies
+        ahead, else start the stream there."""
         self.held = None
+        if not self.stream.read_on_to(state):
+            self.stream.load_state_dict(state)
 
     @property
     def state_key(self) -> str:
