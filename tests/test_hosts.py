@@ -34,11 +34,12 @@ STEPS = 12
 SERVICE = 0  # the host that runs only the service
 TRAINING = (1, 2)
 # replica groups against the plain 4-rank run: each step's gradient is the mean of the same 4 micro-batches' gradients,
-# summed in another order (2 ranks' FSDP, then across groups; or one group alone, 2 micro-batches a rank), each sum
-# within 3 fp32 roundings of the exact one, which AdamW's later steps carry on. Measured: 3.7e-7 after 12 steps (the
-# prototype: 6e-6 between one process and 2 groups after 40); the bound is an order of magnitude above what 40 steps
-# of reordered sums reached, not derived from a float64 run (docs/fault-tolerance.md, "Replica groups")
-TOLERANCE = 1e-4
+# summed in another order (2 ranks' FSDP, then across groups; or one group alone, 2 micro-batches a rank). How far
+# a mere reordering of those sums carries the weights in these 12 steps is measured on the same data: the 4-rank run
+# against one process taking each step's 8 rows as one micro-batch (`order_spread`). Another order lands at a
+# distance of the same size (the largest of many elements' differences, each the sum of many roundings);
+# ORDER_FACTOR leaves room for how that distance varies from order to order
+ORDER_FACTOR = 4
 
 
 def job_config(root: Path):
@@ -376,7 +377,8 @@ def replica_group_command(cfg_file: Path, run_dir: Path, service: str, group: in
         *(sys.executable, "-m", "hlat", "torchrun", "--nnodes=1", "--nproc-per-node=2", "--max-restarts=3"),
         *("--rdzv-backend=hlat", f"--rdzv-id=replica{group}", f"--rdzv-endpoint={service}:{SERVICE_PORT}"),
         *("-m", "hlat", "train", "--config", str(cfg_file), "--train.run_dir", str(run_dir)),
-        *("--train.ckpt_every", "0", "--parallel.replica_groups", "2", "--parallel.replica_group", str(group)),
+        *("--train.ckpt_every", "0", "--train.snapshot_every", "1"),  # a restarted group resumes from memory, heals
+        *("--parallel.replica_groups", "2", "--parallel.replica_group", str(group)),
         *("--health.debug_delay", "0:700"),  # steps slow enough that the healed group rejoins before the end
     ]
 
@@ -398,14 +400,15 @@ def step_tokens(cfg, run: Path) -> list[int]:
 
 
 @pytest.mark.slow
-def test_a_replica_group_that_lost_a_worker_heals_while_the_other_steps_on(hosts, references, tmp_path):
+def test_a_replica_group_that_lost_a_worker_heals_while_the_other_steps_on(hosts, references, tmp_path, warm_torchrun):
     """Each training host a replica group of 2 ranks (parallel.replica_groups = 2). A worker of one SIGKILLed after
     step 3: the other group's all-reduce fails at once, it reports it, the service's roll call drops the broken
     group, and the survivor goes on alone (its processes never restart), taking every micro-batch of each step; the
-    broken group's torchrun starts its workers again, they heal from the survivor (weights, optimizer state, step,
-    data position) and the job goes on at 2 groups. Every step's micro-batches were trained on once by the groups
-    that committed it, and their tokens are the stream's; the final weights of both groups are equal, and within
-    TOLERANCE of the uninterrupted 4-rank run (measured: equal to the bit)."""
+    broken group's torchrun starts its workers again, they resume from the group's newest snapshot in memory, then
+    heal from the survivor (weights, optimizer state, step, data position) and the job goes on at 2 groups. Every
+    step's micro-batches were trained on once by the groups that committed it, and their tokens are the stream's;
+    the final weights of both groups are equal, and within ORDER_FACTOR times what reordering the sums alone does
+    of the uninterrupted 4-rank run."""
     cfg_file, cfg, reference, _ = references
     run, env = tmp_path / "run", dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TMPDIR=str(tmp_path))
     job = hosts(3)
@@ -441,7 +444,8 @@ def test_a_replica_group_that_lost_a_worker_heals_while_the_other_steps_on(hosts
     assert len({(r["pid"]) for r in survivor}) == 2, "a survivor's process restarted"
     alone = [r["step"] for r in survivor if r["live"] == 1]
     assert alone, text()  # the survivor stepped while the other group was out
-    assert "healed from group 0 at step" in logs[TRAINING[1]].read_text(), text()
+    restarted = logs[TRAINING[1]].read_text()
+    assert "resumed from the memory tier's snapshot" in restarted and "healed from group 0 at step" in restarted, text()
     tokens = step_tokens(cfg, reference)
     for step in range(1, STEPS + 1):
         committed = [r for r in survivor + healed if r["step"] == step]
@@ -451,9 +455,24 @@ def test_a_replica_group_that_lost_a_worker_heals_while_the_other_steps_on(hosts
     weights = [trained_state(run / f"replica{g}", cfg)[0] for g in (0, 1)]
     ref = trained_state(reference, cfg)[0]
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in ref)
-    off = max((weights[0][k] - ref[k]).abs().max().item() for k in ref)
-    assert off <= TOLERANCE, off
+    off, spread = max_difference(weights[0], ref), order_spread(cfg_file, cfg, reference, tmp_path, warm_torchrun)
+    assert 0 < spread and off <= ORDER_FACTOR * spread, (off, spread)
     print(
         f"a worker killed after step 3: the other group stepped alone through steps {alone[0]}-{alone[-1]}, "
-        f"max |w - w_uninterrupted| = {off:.3g}"
+        f"max |w - w_uninterrupted| = {off:.3g} (reordered sums alone: {spread:.3g})"
     )
+
+
+def max_difference(a: dict, b: dict) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in b)
+
+
+def order_spread(cfg_file: Path, cfg, reference: Path, tmp_path: Path, warm_torchrun) -> float:
+    """How far reordering each step's gradient sums moves the final weights: the uninterrupted 4-rank run (a
+    micro-batch of 2 rows a rank, reduced by FSDP) against the same steps in one process with each step's 8 rows
+    as one micro-batch."""
+    one = tmp_path / "one_process"
+    argv = ["train", "--config", str(cfg_file), "--train.run_dir", str(one), "--train.micro_batch", "8"]
+    done = warm_torchrun.run(1, argv)
+    assert done.returncode == 0, done.stdout[-3000:]
+    return max_difference(trained_state(one, cfg)[0], trained_state(reference, cfg)[0])
