@@ -33,6 +33,7 @@ sys.path[:0] = [str(ROOT / "benchmarks")]
 from results_io import markdown_table, write_results  # noqa: E402
 
 PORT = 29833
+SAMPLE_S = 0.5  # how often the restarting groups' CPU time is sampled
 
 
 def start(argv: list[str], log: Path) -> subprocess.Popen:
@@ -51,16 +52,55 @@ def group_command(run_dir: Path, group: int) -> list[str]:
     ]
 
 
+def stat(pid: int) -> list[str]:
+    """/proc/<pid>/stat's fields after the command name (state first: ppid at 1, utime/stime at 11/12, starttime
+    at 19); [] where the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
+def processes() -> dict[int, list[str]]:
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (fields := stat(int(entry.name))):
+            found[int(entry.name)] = fields
+    return found
+
+
 def trainers(agent: int) -> list[int]:
     """An agent's worker processes (its children running `hlat train`)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == agent:
-                found.append(int(entry.name))
-        except (OSError, ValueError, IndexError):
-            continue
-    return found
+    return [pid for pid, fields in processes().items() if int(fields[1]) == agent]
+
+
+class RestartCpu:
+    """The CPU time of the processes a failed group starts after a kill (its trainers, their tokenizer workers and
+    writer processes), sampled as they run: on this machine it is taken from the survivors' 2 cores."""
+
+    TICK = os.sysconf("SC_CLK_TCK")
+
+    def __init__(self, agent: int):
+        self.agent, self.since = agent, float(Path("/proc/uptime").read_text().split()[0]) * self.TICK
+        self.cpu: dict[int, int] = {}  # pid: CPU ticks, the last seen (a process killed since keeps its count)
+        self.samples: list[tuple[float, float]] = []  # (time, CPU seconds so far)
+
+    def sample(self, table: dict[int, list[str]]) -> None:
+        """Add a sample from `table` (`processes()`)."""
+        tree, grew = {self.agent}, True
+        while grew:  # the agent's descendants
+            grown = tree | {pid for pid, fields in table.items() if int(fields[1]) in tree}
+            grew, tree = len(grown) > len(tree), grown
+        for pid in tree - {self.agent}:
+            fields = table[pid]
+            if int(fields[19]) >= self.since:
+                self.cpu[pid] = int(fields[11]) + int(fields[12])
+        self.samples.append((time.time(), sum(self.cpu.values()) / self.TICK))
+
+    def until(self, moment: float) -> float | None:
+        """CPU seconds used by `moment`."""
+        before = [cpu for t, cpu in self.samples if t <= moment]
+        return round(before[-1], 1) if before else None
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -77,7 +117,7 @@ def run(root: Path, seconds: float, mean_s: float, seed: int) -> tuple[list[dict
     service = start([sys.executable, "-m", "hlat", "service", "--port", str(PORT)], root / "service.log")
     time.sleep(3)
     agents = [start(group_command(run_dir, g), root / f"group{g}.log") for g in (0, 1)]
-    draw, faults = random.Random(seed), []
+    draw, faults, next_sample = random.Random(seed), [], 0.0
     try:
         while not records(run_dir):  # the clock starts at the first step
             assert all(a.poll() is None for a in agents), (root / "group0.log").read_text()[-3000:]
@@ -90,9 +130,14 @@ def run(root: Path, seconds: float, mean_s: float, seed: int) -> tuple[list[dict
                 group = draw.randrange(2)
                 victims = trainers(agents[group].pid)
                 if victims:
+                    watch = RestartCpu(agents[group].pid)
                     os.kill(draw.choice(sorted(victims)), signal.SIGKILL)
-                    faults.append((time.time(), group))
+                    faults.append((time.time(), group, watch))
                 next_fault = time.time() + draw.expovariate(1 / mean_s)
+            if faults and time.time() >= next_sample:  # the failures that may still be restarting
+                table, next_sample = processes(), time.time() + SAMPLE_S
+                for _, _, watch in faults[-3:]:
+                    watch.sample(table)
     finally:
         for process in (*agents, service):
             os.killpg(process.pid, signal.SIGKILL)
@@ -100,11 +145,12 @@ def run(root: Path, seconds: float, mean_s: float, seed: int) -> tuple[list[dict
     return [r for r in records(run_dir) if r["time"] <= began + seconds], faults, began
 
 
-def split(recs: list[dict], faults: list[tuple[float, int]]) -> list[dict]:
+def split(recs: list[dict], faults: list[tuple[float, int, RestartCpu]]) -> list[dict]:
     """Each failure: the survivors' first step alone and their steps alone, the failed group's first step back with
-    them, and whether a survivor's process changed, each from the kill."""
+    them, whether a survivor's process changed, each from the kill, and the CPU time the failed group's new
+    processes used until it was back."""
     out = []
-    for k, (at, failed) in enumerate(faults):
+    for k, (at, failed, watch) in enumerate(faults):
         until = faults[k + 1][0] if k + 1 < len(faults) else float("inf")
         survivor = [r for r in recs if r["group"] != failed]
         alone = [r for r in survivor if at < r["time"] < until and r["live"] == 1]
@@ -117,6 +163,7 @@ def split(recs: list[dict], faults: list[tuple[float, int]]) -> list[dict]:
                 "steps_alone": len({r["step"] for r in alone}),
                 "back_s": round(back[0]["time"] - at, 2) if back else None,
                 "survivor_restarts": len(after - before),
+                "restart_cpu_s": watch.until(back[0]["time"]) if back else None,
             }
         )
     return out
@@ -130,7 +177,7 @@ def summary(recs: list[dict], faults, began: float, seconds: float) -> dict:
         if (
             a["live"] == b["live"] == 2
             and b["step"] == a["step"] + 1
-            and not any(a["time"] <= t <= b["time"] + 5 for t, _ in faults)
+            and not any(a["time"] <= t <= b["time"] + 5 for t, *_ in faults)
         ):
             quiet.append(b["time"] - a["time"])
     step_s = statistics.median(quiet)
@@ -151,7 +198,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name", default="replica_recovery", help="the results' name in benchmarks/results/")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:  # a writer may still be ending
         recs, faults, began = run(Path(tmp), args.minutes * 60, args.mean_s, args.seed)
     whole = summary(recs, faults, began, args.minutes * 60)
     failures = split(recs, faults)
@@ -163,13 +210,17 @@ def main() -> None:
         f"{args.mean_s:g} s, seed {args.seed}). Machine: {platform.node()}: {os.cpu_count()} cores, shared (load "
         f"average {load:.1f} at the end). ETTR: the job's steps x the median fault-free step ({whole['step_s']} s) / "
         f"the wall time. Per failure, from the kill: the survivors' first step alone, their steps alone, the failed "
-        f"group's first step back (restarted, healed), survivor processes restarted."
+        f"group's first step back (restarted, healed), survivor processes restarted, and the CPU time the failed "
+        f"group's new processes (trainers, tokenizer workers, writers) used until it was back, which on this "
+        f"machine comes out of the survivors' {os.cpu_count()} cores."
     )
     rows = [[k + 1, *f.values()] for k, f in enumerate(failures)]
     table = "\n\n".join(
         [
             markdown_table(list(whole), [list(whole.values())]),
-            markdown_table(["failure", "first step alone s", "steps alone", "back s", "survivor restarts"], rows),
+            markdown_table(
+                ["failure", "first step alone s", "steps alone", "back s", "survivor restarts", "restart CPU s"], rows
+            ),
         ]
     )
     meta = {"summary": whole, "load": load, "minutes": args.minutes, "mean_s": args.mean_s, "seed": args.seed}
