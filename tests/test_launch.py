@@ -622,7 +622,7 @@ def test_the_launch_file_sets_the_hang_watchdog_at_30_of_the_planners_steps(caps
 def test_slurm_runs_one_torchrun_per_replica_group_and_requeues_a_lost_service(capsys):
     """parallel.replica_groups = 2 on 4 nodes: two torchrun jobs of 2 nodes each (each its own rendezvous at the
     service, its own restarts, its group's index), run together; one that lost the service requeues the job. Refused
-    where a group would not be whole nodes, and on Kubernetes (not rendered)."""
+    where a group would not be whole nodes, on either target."""
     flags = ["--target", "slurm", "--nodes", "4", "--nproc-per-node", "2", "--parallel.replica_groups", "2"]
     script = render(capsys, *flags, "--train.global_batch", "16", "--train.micro_batch", "2", config="tiny")
     groups = [line for line in script.splitlines() if "hlat torchrun" in line]
@@ -635,6 +635,28 @@ def test_slurm_runs_one_torchrun_per_replica_group_and_requeues_a_lost_service(c
     groups_said = sorted(line for line in out if line.startswith("group"))
     assert done.returncode == 0 and groups_said == ["group0", "group1"], done.stdout + done.stderr
     assert [line for line in out if not line.startswith("group")][-1] == "scontrol requeue 7"
-    for refused in (["--nodes", "3"], ["--target", "k8s"]):
+    for refused in (["--nodes", "3"], ["--nodes", "3", "--target", "k8s"]):
         assert main(["launch", "--config", "tiny", *flags, *refused]) == 2
-        assert "parallel.replica_groups: 2 groups are rendered for SLURM" in capsys.readouterr().err
+        assert "parallel.replica_groups: 2 groups are rendered each on a whole number of" in capsys.readouterr().err
+
+
+def test_kubernetes_runs_one_pytorchjob_per_replica_group(capsys):
+    """parallel.replica_groups = 2 on 4 nodes: one PyTorchJob of 2 pods per group (a failure restarts its own pods),
+    each torchrun with a rendezvous of its own at the one service and its group's index; every pod is kept off the
+    service's node."""
+    flags = ["--target", "k8s", "--nodes", "4", "--nproc-per-node", "2", "--parallel.replica_groups", "2"]
+    text = render(capsys, *flags, "--train.global_batch", "16", "--train.micro_batch", "2", config="tiny")
+    items = json.loads(text)["items"]
+    jobs = [item for item in items if item["kind"] == "PyTorchJob"]
+    assert [item["kind"] for item in items].count("Deployment") == 1 and len(jobs) == 2
+    away = next(item for item in items if item["kind"] == "Deployment")["spec"]["template"]["spec"]["affinity"]
+    (rule,) = away["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    for g, job in enumerate(jobs):
+        specs = job["spec"]["pytorchReplicaSpecs"]
+        assert job["metadata"]["name"].endswith(f"-replica{g}")
+        assert (specs["Master"]["replicas"], specs["Worker"]["replicas"]) == (1, 1)
+        for spec in specs.values():
+            command = spec["template"]["spec"]["containers"][0]["command"]
+            assert "--nnodes=2" in command and command[-2:] == ["--parallel.replica_group", str(g)]
+            assert next(a for a in command if a.startswith("--rdzv-id=")).endswith(f"-replica{g}")
+            assert rule["labelSelector"]["matchLabels"].items() <= spec["template"]["metadata"]["labels"].items()

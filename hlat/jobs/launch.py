@@ -226,8 +226,8 @@ def _slurm_replica_groups(c: ClusterConfig, train: list[str], endpoint: str, gro
 
 def render_k8s(configs: list[str], cfg: Config, image: str, node: NodeRequest) -> str:
     """A ConfigMap with the resolved config, the service (a Deployment of `hlat service`, kept off the training pods'
-    nodes, behind a Service that names it) and a Kubeflow PyTorchJob that trains at it; run directories live on the
-    `cluster.run_volume` claim."""
+    nodes, behind a Service that names it) and a Kubeflow PyTorchJob that trains at it (one per replica group under
+    parallel.replica_groups); run directories live on the `cluster.run_volume` claim."""
     c, name = cfg.cluster, _job_name(configs)
     run_dir = PurePosixPath(K8S_WORKDIR, cfg.train.run_dir)  # an absolute run_dir stays as it is
     if not run_dir.is_relative_to(K8S_RUNS):
@@ -235,17 +235,29 @@ def render_k8s(configs: list[str], cfg: Config, image: str, node: NodeRequest) -
             f"train.run_dir: {cfg.train.run_dir} is outside the volume mounted at {K8S_RUNS}: a "
             f"restarted pod would not find its checkpoints; use a relative path such as runs/{name}"
         )
-    pod = k8s_pod(c, name, image, node)
     config_map = {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": {"name": f"{name}-config"},
         "data": {PurePosixPath(K8S_CONFIG).name: cfg.to_toml()},
     }
-    job = {
+    groups = cfg.parallel.replica_groups
+    if groups:  # one PyTorchJob per replica group, on its share of the nodes: a failure restarts its group's pods alone
+        share = ClusterConfig(**{**c.__dict__, "nodes": c.nodes // groups})
+        jobs = [_pytorch_job(share, name, k8s_pod(share, name, image, node, g), g) for g in range(groups)]
+    else:
+        jobs = [_pytorch_job(c, name, k8s_pod(c, name, image, node))]
+    items = [config_map, *k8s_service(name, image), *jobs]
+    # JSON is valid YAML and needs no YAML library; a List applies every object with one `kubectl apply -f`
+    return json.dumps({"apiVersion": "v1", "kind": "List", "items": items}, indent=2) + "\n"
+
+
+def _pytorch_job(c: ClusterConfig, name: str, pod: dict, group: int | None = None) -> dict:
+    """The PyTorchJob of the job's `c.nodes` training pods (of replica group `group`, where given)."""
+    return {
         "apiVersion": "kubeflow.org/v1",
         "kind": "PyTorchJob",
-        "metadata": {"name": name},
+        "metadata": {"name": name if group is None else f"{name}-replica{group}"},
         "spec": {
             "nprocPerNode": str(c.nproc_per_node),
             "runPolicy": {"backoffLimit": c.max_restarts},
@@ -255,9 +267,6 @@ def render_k8s(configs: list[str], cfg: Config, image: str, node: NodeRequest) -
             },
         },
     }
-    items = [config_map, *k8s_service(name, image), job]
-    # JSON is valid YAML and needs no YAML library; a List applies every object with one `kubectl apply -f`
-    return json.dumps({"apiVersion": "v1", "kind": "List", "items": items}, indent=2) + "\n"
 
 
 def _replica(pod: dict, count: int, name: str) -> dict:
@@ -301,24 +310,27 @@ def service_name(name: str) -> str:
     return f"{name}-service"
 
 
-def k8s_pod(c: ClusterConfig, name: str, image: str, node: NodeRequest) -> dict:
-    """The pod of each node: torchrun (after preflight, if asked) at the service, what the node asks for, the
-    volumes."""
+def k8s_pod(c: ClusterConfig, name: str, image: str, node: NodeRequest, group: int | None = None) -> dict:
+    """The pod of each node (of replica group `group`, where given: a rendezvous of its own): torchrun (after
+    preflight, if asked) at the service, what the node asks for, the volumes."""
     endpoint = f"{service_name(name)}:{SERVICE_PORT}"
+    rdzv_id = name if group is None else f"{name}-replica{group}"
     # with cluster.preflight_restarts the pods restart (runPolicy.backoffLimit), each start after its preflight
     restarts = 0 if c.preflight_restarts else c.max_restarts
     command = [
-        *_torchrun(c, name, endpoint, restarts),
-        "-m",
-        "hlat",
-        "train",
-        "--config",
-        K8S_CONFIG,
-        "--resume",
-        "auto",
+        *_torchrun(c, rdzv_id, endpoint, restarts),
+        *("-m", "hlat", "train", "--config", K8S_CONFIG, "--resume", "auto"),
+        *(() if group is None else ("--parallel.replica_group", str(group))),
     ]
     if c.preflight:  # exec: the training torchrun stays PID 1 and receives the pod's SIGTERM
-        preflight = [*_torchrun(c, f"{name}-preflight", endpoint, 0), "-m", "hlat", "preflight", "--config", K8S_CONFIG]
+        preflight = [
+            *_torchrun(c, f"{rdzv_id}-preflight", endpoint, 0),
+            "-m",
+            "hlat",
+            "preflight",
+            "--config",
+            K8S_CONFIG,
+        ]
         command = ["bash", "-c", f"{shlex.join(preflight)} && exec {shlex.join(command)}"]
     data = bool(c.data_volume)
     container = {
@@ -405,11 +417,9 @@ def render(configs: list[str], target: str, overrides: list[str], image: str) ->
     they state and that cluster against its hardware profile."""
     cfg = load_config(configs, overrides)
     groups = cfg.parallel.replica_groups
-    if groups and (
-        target != "slurm" or cfg.cluster.nodes % groups or cfg.cluster.min_nodes or cfg.cluster.preflight_restarts
-    ):
+    if groups and (cfg.cluster.nodes % groups or cfg.cluster.min_nodes or cfg.cluster.preflight_restarts):
         raise ConfigError(
-            f"parallel.replica_groups: {groups} groups are rendered for SLURM, each a whole number of the "
+            f"parallel.replica_groups: {groups} groups are rendered each on a whole number of the "
             f"{cfg.cluster.nodes} nodes, without cluster.min_nodes or cluster.preflight_restarts (each group restarts "
             "its own workers)"
         )
