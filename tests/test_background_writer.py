@@ -1,28 +1,35 @@
 """The one background writer of both tiers (hlat/checkpoint/background.py) and its writer process: what it writes
 loads back to the bit, its checksums are the files' own, its staging buffer and a dropped snapshot's files are
-reused, a failed write is one line and the process goes on, and the process runs at the lowest priority and ends
-with its trainer. What the tiers guarantee with it: tests/test_memory_tier.py, test_faults.py, test_hosts.py."""
+reused, a snapshot after the first of a layout is written with no DCP save and no collective, a failed write is one
+line and the process goes on, and the process runs at the lowest priority and ends with its trainer. What the
+tiers guarantee with it: tests/test_checkpoint_memory.py, test_faults.py, test_hosts.py."""
 
 import json
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
 import time
 import zlib
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor, Shard
 
-from hlat.checkpoint.background import BackgroundWriter, Flight
+from hlat.checkpoint import background
+from hlat.checkpoint.background import BackgroundWriter, CheckpointFiles, Flight
 from hlat.checkpoint.cadence import SnapshotCadence
 from hlat.checkpoint.durable import read_checkpoint
 from hlat.checkpoint.memory import SPARE, MemoryTier, Node
 from hlat.checkpoint.memory_restore import holdings
-from hlat.paths import step_dirs
+from hlat.paths import step_dirs, step_name
+
+dcp_save = dcp.save
 
 
 def live_state() -> dict:
@@ -58,15 +65,41 @@ def assert_equal(a: dict, b: dict) -> None:
 
 
 def written(writer: BackgroundWriter, state: dict, target: Path) -> Flight:
-    writer.start(state, target, lambda metadata, digests: digests, time.perf_counter())
+    """The write of `state` into `target`, done; raw files' metadata written after them, as the memory tier does."""
+
+    def then(metadata, digests: dict) -> dict:
+        if writer.files is not CheckpointFiles:
+            (target / ".metadata").write_bytes(pickle.dumps(metadata))
+        return digests
+
+    writer.start(state, target, then, time.perf_counter())
     return writer.take()
 
 
+@pytest.fixture
+def dcp_saves(monkeypatch) -> list:
+    """One entry per DCP save that a background writer runs."""
+    saves = []
+    monkeypatch.setattr(background.dcp, "save", counting(saves))
+    return saves
+
+
+def counting(saves: list):
+    """DCP's save, which appends the checkpoint of each call to `saves`."""
+
+    def counted(*args, **kwargs):
+        saves.append(kwargs["checkpoint_id"])
+        return dcp_save(*args, **kwargs)
+
+    return counted
+
+
 @pytest.mark.parametrize("dcp_format", [False, True])
-def test_what_it_writes_loads_back_to_the_bit_and_its_checksums_are_the_files(dcp_format, tmp_path):
+def test_what_it_writes_loads_back_to_the_bit_and_its_checksums_are_the_files(dcp_format, tmp_path, dcp_saves):
     """A snapshot (raw tensors, read by hlat's reader) and a durable checkpoint (DCP's own format, which DCP's own
-    reader loads), each written twice from the same staging buffer (the second holds the second state), then once
-    from a state of another layout (the buffer made again)."""
+    reader loads), each written twice from the same staging buffer (the second holds the second state, its objects
+    of other sizes), then once from a state of another layout (the buffer made again). A durable checkpoint is
+    DCP's save each time; a snapshot only at the first of a layout."""
     writer = BackgroundWriter(False, None, dcp_format=dcp_format)
     try:
         live = live_state()
@@ -75,6 +108,7 @@ def test_what_it_writes_loads_back_to_the_bit_and_its_checksums_are_the_files(dc
                 live["model"]["w"] = torch.randn(4, 6)
             flight = written(writer, live, target)
             assert flight.failure is None and flight.stall_s > 0
+            assert (dcp_saves[-1] == target) == (dcp_format or target.name != "second")
             assert flight.result == {
                 name: [(target / name).stat().st_size, zlib.crc32((target / name).read_bytes())]
                 for name in flight.result
@@ -91,8 +125,81 @@ def test_what_it_writes_loads_back_to_the_bit_and_its_checksums_are_the_files(dc
                 assert (writer.staging is staging) == (target.name == "second")
             live["model"]["w"] += 1
             live["trainer"] = json.dumps({"step": 3})
+            live["optim_settings"] = pickle.dumps({"lr": 0.1, "betas": (0.9, 0.95)})
     finally:
         writer.close()
+
+
+def snapshot_state(step: int, rows: int, mesh=None) -> dict:
+    """A snapshot's state at `step`: a weight of `rows` rows (sharded by rows over `mesh`), a bfloat16 tensor, a
+    scalar, and objects whose sizes grow with the step."""
+    w = torch.arange(rows * 4, dtype=torch.float32).view(rows, 4) + step
+    if mesh is not None:
+        shard = w.chunk(mesh.size())[mesh.get_local_rank()].clone()
+        w = DTensor.from_local(shard, mesh, [Shard(0)], run_check=False, shape=w.shape, stride=w.stride())
+    return {
+        "model": {"w": w, "b": torch.full((3,), step / 3).to(torch.bfloat16), "count": torch.tensor(step)},
+        "trainer": json.dumps({"step": step, "data": list(range(step))}),
+        "optim_settings": pickle.dumps({"lr": [0.1] * step}),
+    }
+
+
+ROWS = {1: 8, 2: 8, 3: 8, 4: 10}  # the state of step 4 is of another layout
+
+
+def fast_path_worker(out: str) -> None:  # one rank of a job of tests/warm_torchrun.py
+    """Snapshots of steps 1-4 by a memory tier of 2 ranks (one node), each kept in `out`/kept. At steps 2 and 3
+    rank 1 writes its whole snapshot before rank 0 starts its own: a collective in rank 1's save would wait for rank
+    0 until the group's timeout, and fail the write. Each rank's count of DCP saves per step: `out`/rankR.json."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank, saves, counts = dist.get_rank(), [], []
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=20))
+    mesh = init_device_mesh("cpu", (2,))
+    background.dcp.save = counting(saves)
+    root = Path(out) / "snapshots"
+    tier = MemoryTier(
+        root, "run", "token", rank, Node(0, rank, 2, 2), BackgroundWriter(False, group, 20), "", SnapshotCadence(1)
+    )
+    try:
+        for step, rows in ROWS.items():
+            done_before, apart = len(saves), step in (2, 3)
+            if apart and rank == 0:
+                dist.barrier()
+            tier.save(step, snapshot_state(step, rows, mesh), time.perf_counter())
+            if apart and rank == 1:
+                tier.writer.in_flight.written.wait()
+                assert tier.writer.in_flight.failure is None, tier.writer.in_flight.failure
+                dist.barrier()
+            assert tier.settle() is None
+            counts.append(len(saves) - done_before)
+            if rank == 0:
+                shutil.copytree(root / step_name(step), Path(out) / "kept" / step_name(step))
+            dist.barrier()
+        Path(out, f"rank{rank}.json").write_text(json.dumps(counts))
+    finally:
+        background.dcp.save = dcp_save
+        tier.close()
+        dist.destroy_process_group(group)
+
+
+def test_a_snapshot_after_the_first_of_a_layout_skips_dcp_and_loads_back_exactly(tmp_path, warm_torchrun):
+    """On 2 ranks (a sharded weight, tensors DCP gives one rank, objects only the first rank writes, their sizes
+    changed at every step): DCP saves the first snapshot and the first of another layout; the two between are
+    written with no DCP save and no collective. Every snapshot is complete by its records and loads back exactly
+    through the restore path's reader, into one process."""
+    done = warm_torchrun.call(2, "test_background_writer:fast_path_worker", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == [1, 0, 0, 1]
+    kept = holdings(tmp_path / "kept", "token")
+    assert {step: (held.ranks, held.metadata) for step, held in kept.items()} == {s: ({0, 1}, True) for s in ROWS}
+    for step, rows in ROWS.items():
+        expected = snapshot_state(step, rows)
+        loaded = blank(expected)
+        read_checkpoint(tmp_path / "kept" / step_name(step), loaded)
+        assert_equal(loaded, expected)
 
 
 def test_a_failed_write_is_this_ranks_failure_in_one_line_and_the_process_goes_on(tmp_path):
