@@ -25,7 +25,7 @@ from hlat.checkpoint import background
 from hlat.checkpoint.background import BackgroundWriter, CheckpointFiles, Flight
 from hlat.checkpoint.cadence import SnapshotCadence
 from hlat.checkpoint.durable import read_checkpoint
-from hlat.checkpoint.memory import SPARE, MemoryTier, Node
+from hlat.checkpoint.memory import RUN_FILE, SPARE, MemoryTier, Node
 from hlat.checkpoint.memory_restore import holdings
 from hlat.paths import step_dirs, step_name
 
@@ -212,6 +212,24 @@ def test_a_failed_write_is_this_ranks_failure_in_one_line_and_the_process_goes_o
         assert written(writer, live_state(), tmp_path / "good").failure is None
     finally:
         writer.close()
+
+
+def test_the_runs_record_refused_costs_the_trainer_nothing_and_is_written_at_a_later_snapshot(tmp_path):
+    """The run's record in the tier, written by the node's first rank as its first snapshot starts, refused (a tmpfs
+    that another job filled; here a directory in its place): the training loop goes on, the snapshot is written
+    and committed, and a later snapshot writes the record."""
+    (tmp_path / RUN_FILE).mkdir()
+    tier = MemoryTier(
+        tmp_path, "run", "token", 0, Node(0, 0, 1, 1), BackgroundWriter(False, None), "", SnapshotCadence(1)
+    )
+    try:
+        tier.save(1, live_state(), time.perf_counter())
+        assert tier.settle() is None and set(holdings(tmp_path, "token")) == {1}
+        (tmp_path / RUN_FILE).rmdir()
+        tier.save(2, live_state(), time.perf_counter())
+        assert tier.settle() is None and json.loads((tmp_path / RUN_FILE).read_text())["token"] == "token"
+    finally:
+        tier.close()
 
 
 def test_a_snapshot_is_written_into_the_files_of_the_one_dropped_before_it(tmp_path):

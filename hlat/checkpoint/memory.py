@@ -106,11 +106,18 @@ class MemoryTier:
         staging buffer now, written in the background (the one before is settled: `settle`)."""
         target = self.root / step_name(step)
         if self.node.leader:
+            self._prepare(target)
+        flight = self.writer.start(state, target, lambda metadata, _: self._after_write(target, metadata), started)
+        self.cadence.saved(flight.stall_s)
+
+    def _prepare(self, target: Path) -> None:
+        """The snapshot's directory and the run's record in the tier (each node's first rank). Refused (a tmpfs that
+        another job filled), neither ends the trainer: each rank's write makes the directory too, and a write that
+        fails turns the tier off on every rank; the record (for `hlat snapshots`) is written at a later snapshot."""
+        with contextlib.suppress(OSError):
             make_directory(target, self.root / SPARE)
             if not (self.root / RUN_FILE).is_file():
                 (self.root / RUN_FILE).write_text(json.dumps({"run_dir": self.run_dir, "token": self.token}) + "\n")
-        flight = self.writer.start(state, target, lambda metadata, _: self._after_write(target, metadata), started)
-        self.cadence.saved(flight.stall_s)
 
     def _after_write(self, target: Path, metadata) -> list[str]:  # in the write's thread
         """The writer process's work after this rank's file: the copy to the buddy and of the ward's, DCP's metadata
