@@ -150,11 +150,12 @@ ROWS = {1: 8, 2: 8, 3: 8, 4: 10}  # the state of step 4 is of another layout
 def fast_path_worker(out: str) -> None:  # one rank of a job of tests/warm_torchrun.py
     """Snapshots of steps 1-4 by a memory tier of 2 ranks (one node), each kept in `out`/kept. At steps 2 and 3
     rank 1 writes its whole snapshot before rank 0 starts its own: a collective in rank 1's save would wait for rank
-    0 until the group's timeout, and fail the write. Each rank's count of DCP saves per step: `out`/rankR.json."""
+    0 until the group's timeout, and fail the write. Each rank's count of DCP saves per step, and the inode of its
+    file of each snapshot: `out`/rankR.json."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    rank, saves, counts = dist.get_rank(), [], []
+    rank, saves, counts, inodes = dist.get_rank(), [], [], []
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=20))
     mesh = init_device_mesh("cpu", (2,))
     background.dcp.save = counting(saves)
@@ -174,10 +175,11 @@ def fast_path_worker(out: str) -> None:  # one rank of a job of tests/warm_torch
                 dist.barrier()
             assert tier.settle() is None
             counts.append(len(saves) - done_before)
+            inodes.append((root / step_name(step) / f"__{rank}_0.distcp").stat().st_ino)
             if rank == 0:
                 shutil.copytree(root / step_name(step), Path(out) / "kept" / step_name(step))
             dist.barrier()
-        Path(out, f"rank{rank}.json").write_text(json.dumps(counts))
+        Path(out, f"rank{rank}.json").write_text(json.dumps({"dcp_saves": counts, "inodes": inodes}))
     finally:
         background.dcp.save = dcp_save
         tier.close()
@@ -187,12 +189,15 @@ def fast_path_worker(out: str) -> None:  # one rank of a job of tests/warm_torch
 def test_a_snapshot_after_the_first_of_a_layout_skips_dcp_and_loads_back_exactly(tmp_path, warm_torchrun):
     """On 2 ranks (a sharded weight, tensors DCP gives one rank, objects only the first rank writes, their sizes
     changed at every step): DCP saves the first snapshot and the first of another layout; the two between are
-    written with no DCP save and no collective. Every snapshot is complete by its records and loads back exactly
-    through the restore path's reader, into one process."""
+    written with no DCP save and no collective. Each rank writes into the files of the snapshot before the one kept
+    (step 3 into step 1's), whichever rank writes first. Every snapshot is complete by its records and loads back
+    exactly through the restore path's reader, into one process."""
     done = warm_torchrun.call(2, "test_background_writer:fast_path_worker", str(tmp_path))
     assert done.returncode == 0, done.stderr[-3000:]
     for rank in (0, 1):
-        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == [1, 0, 0, 1]
+        held = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert held["dcp_saves"] == [1, 0, 0, 1]
+        assert held["inodes"][2] == held["inodes"][0] and held["inodes"][3] == held["inodes"][1], held
     kept = holdings(tmp_path / "kept", "token")
     assert {step: (held.ranks, held.metadata) for step, held in kept.items()} == {s: ({0, 1}, True) for s in ROWS}
     for step, rows in ROWS.items():

@@ -8,8 +8,9 @@ leaves a complete copy), DCP's `.metadata`, and one `rank_R.json` per rank of th
 that rank wrote there (its own files and the copy it received, each with its size and CRC-32), the saving world size
 and the run's token. A snapshot is written in the background by the rank's writer process (training stalls only
 for the copy to its staging buffer); every rank learns from the step's all-reduce when all have written, and the
-tier then keeps only that newest complete snapshot and the next one being written, in the directory of the one
-before (`.spare` meanwhile: its files are overwritten in place, and a tmpfs keeps their pages).
+tier then keeps only that newest complete snapshot and the next one being written, into the files of the one
+before (`.spare` meanwhile: each file is moved into the next snapshot as its writer overwrites it in place, and a
+tmpfs keeps their pages).
 
 A directory under /dev/shm outlives the process that wrote it (a killed trainer, an in-place restart), not its
 node: the restore side (`hlat.checkpoint.memory_restore`) finds and gathers what the surviving nodes hold. How often
@@ -33,14 +34,13 @@ import torch.distributed as dist
 
 from hlat.checkpoint.background import BackgroundWriter
 from hlat.checkpoint.cadence import SnapshotCadence
-from hlat.checkpoint.writer_process import Listen, Meet, SealSnapshot
+from hlat.checkpoint.writer_process import SPARE, Listen, Meet, SealSnapshot
 from hlat.files import Holder, live_holder, size_text
 from hlat.groups import gather_objects
 from hlat.paths import CONFIG_FILE, step_dirs, step_name
 
 METADATA = ".metadata"
 RUN_FILE = "run.json"  # in a run's directory of the tier: the run directory it belongs to, for `hlat snapshots`
-SPARE = ".spare"  # the directory of a snapshot no longer kept, which the next one is written into
 
 
 @dataclass(frozen=True)
@@ -106,16 +106,15 @@ class MemoryTier:
         staging buffer now, written in the background (the one before is settled: `settle`)."""
         target = self.root / step_name(step)
         if self.node.leader:
-            self._prepare(target)
+            self._record_run()
         flight = self.writer.start(state, target, lambda metadata, _: self._after_write(target, metadata), started)
         self.cadence.saved(flight.stall_s)
 
-    def _prepare(self, target: Path) -> None:
-        """The snapshot's directory and the run's record in the tier (each node's first rank). Refused (a tmpfs that
-        another job filled), neither ends the trainer: each rank's write makes the directory too, and a write that
-        fails turns the tier off on every rank; the record (for `hlat snapshots`) is written at a later snapshot."""
+    def _record_run(self) -> None:
+        """The run's record in the tier (each node's first rank, at its first snapshot), for `hlat snapshots`.
+        Refused (a tmpfs that another job filled), it ends no trainer: it is written at a later snapshot, and a
+        snapshot's write that fails turns the tier off on every rank."""
         with contextlib.suppress(OSError):
-            make_directory(target, self.root / SPARE)
             if not (self.root / RUN_FILE).is_file():
                 (self.root / RUN_FILE).write_text(json.dumps({"run_dir": self.run_dir, "token": self.token}) + "\n")
 
@@ -215,27 +214,17 @@ def own_address() -> str:
     return socket.gethostname()
 
 
-def make_directory(target: Path, spare: Path) -> None:
-    """A snapshot's directory: the spare one where there is one (its files, overwritten in place, keep their pages)."""
-    try:
-        spare.rename(target)
-    except OSError:  # none spare (or one in the way: a fresh directory instead)
-        shutil.rmtree(spare, ignore_errors=True)
-        target.mkdir(parents=True, exist_ok=True)
-
-
 def retire(path: Path, spare: Path) -> None:
-    """Drop a snapshot no longer kept: the spare directory where there is none (its records and metadata removed
-    first, so that it never passes for a snapshot), else removed."""
-    if not spare.exists():
-        try:
-            for name in [METADATA, *(p.name for p in path.glob("rank_*.json"))]:
-                (path / name).unlink(missing_ok=True)
-            path.rename(spare)
-            return
-        except OSError:
-            pass
-    shutil.rmtree(path, ignore_errors=True)
+    """Drop a snapshot no longer kept: it becomes the spare directory (its records and metadata removed first, so
+    that it never passes for a snapshot), whose files the next snapshot's writers take; the spare before it, whose
+    files the snapshot just committed took, goes with whatever no rank took."""
+    shutil.rmtree(spare, ignore_errors=True)
+    try:
+        for name in [METADATA, *(p.name for p in path.glob("rank_*.json"))]:
+            (path / name).unlink(missing_ok=True)
+        path.rename(spare)
+    except OSError:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @dataclass

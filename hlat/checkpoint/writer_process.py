@@ -17,6 +17,7 @@ It ends when the trainer closes the control socket, or is gone (kill -9 included
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
@@ -31,6 +32,18 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 CHUNK = 1 << 22  # written and checksummed piece by piece, so that the checksum reads bytes still in the cache
+
+
+SPARE = ".spare"  # beside a run's snapshots in the memory tier: the files of the one dropped last, for the next
+
+
+def from_spare(path: Path) -> Path:
+    """`path`, a file of a snapshot about to be written, made of the spare file of its name where there is one:
+    overwritten in place, it keeps its pages (a tmpfs allocates none). Each rank's writer takes its own files, so no
+    rank waits for another, and the node never holds more than the two snapshots it keeps."""
+    with contextlib.suppress(FileNotFoundError):
+        os.rename(path.parent.parent / SPARE / path.name, path)
+    return path
 
 
 class Checksummed:
@@ -136,7 +149,7 @@ class Writer:
             raise RuntimeError(f"the ward's copy is of step {header['step']}, not {step}")
         size, crc = header["digest"]
         buffer = memoryview(bytearray(min(CHUNK, size) or 1))
-        with Checksummed(target / header["name"]) as out:
+        with Checksummed(from_spare(target / header["name"])) as out:
             while out.size < size:
                 n = self.from_ward.recv_into(buffer, min(len(buffer), size - out.size))
                 if not n:
@@ -174,7 +187,7 @@ class WriteFile(Request):
 
     def run(self, writer: Writer) -> list[int]:
         pieces = writer.pieces(self.ranges, self.tail)
-        with Checksummed(Path(self.path)) as out:
+        with Checksummed(from_spare(Path(self.path))) as out:
             for piece in pieces:
                 out.write(piece)
         writer.last = (Path(self.path), pieces, out.digest)
@@ -225,7 +238,7 @@ class SealSnapshot(Request):
         if self.exchange:
             files |= writer.exchange(target, self.step)
         for name, data in self.extra.items():
-            with Checksummed(target / name) as out:
+            with Checksummed(from_spare(target / name)) as out:
                 out.write(data)
             files[name] = out.digest
         record = {"step": self.step, "world": self.world, "token": self.token, "files": files}
