@@ -11,6 +11,8 @@ step.
 
     python benchmarks/replica_recovery.py                  # 10 minutes, mean 90 s between faults
     python benchmarks/replica_recovery.py --minutes 2 --mean-s 30
+    python benchmarks/replica_recovery.py --async-checkpoint   # checkpoints by the background writer
+    python benchmarks/replica_recovery.py --round-bytes 262144  # smaller tokenizer rounds: a restart redoes one
 """
 
 from __future__ import annotations
@@ -42,13 +44,14 @@ def start(argv: list[str], log: Path) -> subprocess.Popen:
         return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
 
 
-def group_command(run_dir: Path, group: int) -> list[str]:
+def group_command(run_dir: Path, group: int, *extra: str) -> list[str]:
     return [
         *(sys.executable, "-m", "hlat", "torchrun", "--nnodes=1", "--nproc-per-node=2", "--max-restarts=1000"),
         *("--rdzv-backend=hlat", f"--rdzv-id=bench-replica{group}", f"--rdzv-endpoint=127.0.0.1:{PORT}"),
         *("-m", "hlat", "train", "--config", str(ROOT / "configs" / "tiny.toml"), "--train.run_dir", str(run_dir)),
         *("--train.steps", "1000000", "--train.micro_batch", "4", "--train.ckpt_every", "20"),
         *("--train.snapshot_every", "0", "--parallel.replica_groups", "2", "--parallel.replica_group", str(group)),
+        *extra,
     ]
 
 
@@ -112,11 +115,11 @@ def records(run_dir: Path) -> list[dict]:
     return sorted(out, key=lambda r: r["time"])
 
 
-def run(root: Path, seconds: float, mean_s: float, seed: int) -> tuple[list[dict], list, float]:
+def run(root: Path, seconds: float, mean_s: float, seed: int, extra: list[str]) -> tuple[list[dict], list, float]:
     run_dir = root / "run"
     service = start([sys.executable, "-m", "hlat", "service", "--port", str(PORT)], root / "service.log")
     time.sleep(3)
-    agents = [start(group_command(run_dir, g), root / f"group{g}.log") for g in (0, 1)]
+    agents = [start(group_command(run_dir, g, *extra), root / f"group{g}.log") for g in (0, 1)]
     draw, faults, next_sample = random.Random(seed), [], 0.0
     try:
         while not records(run_dir):  # the clock starts at the first step
@@ -197,15 +200,22 @@ def main() -> None:
     ap.add_argument("--mean-s", type=float, default=90)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name", default="replica_recovery", help="the results' name in benchmarks/results/")
+    ap.add_argument(
+        "--async-checkpoint", action="store_true", help="checkpoints written in the background (train.async_checkpoint)"
+    )
+    ap.add_argument("--round-bytes", type=int, help="data.round_bytes (the tokenizer's unit of work; default 4 MiB)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:  # a writer may still be ending
-        recs, faults, began = run(Path(tmp), args.minutes * 60, args.mean_s, args.seed)
+        extra = ["--train.async_checkpoint", "true"] if args.async_checkpoint else []
+        extra += ["--data.round_bytes", str(args.round_bytes)] if args.round_bytes else []
+        recs, faults, began = run(Path(tmp), args.minutes * 60, args.mean_s, args.seed, extra)
     whole = summary(recs, faults, began, args.minutes * 60)
     failures = split(recs, faults)
     load = os.getloadavg()[0]
     header = (
         "Recovery of the tiny model (configs/tiny.toml, micro-batches of 4, a checkpoint every 20 steps for a job "
-        "whose groups all fail) as 2 replica groups of 2 ranks "
+        f"whose groups all fail, {'written in the background' if args.async_checkpoint else 'synchronous'}; "
+        f"data.round_bytes {args.round_bytes or 'the default, 4 MiB'}) as 2 replica groups of 2 ranks "
         f"(parallel.replica_groups = 2), {args.minutes:g} min, one trainer SIGKILLed at exponential intervals (mean "
         f"{args.mean_s:g} s, seed {args.seed}). Machine: {platform.node()}: {os.cpu_count()} cores, shared (load "
         f"average {load:.1f} at the end). ETTR: the job's steps x the median fault-free step ({whole['step_s']} s) / "
@@ -224,6 +234,7 @@ def main() -> None:
         ]
     )
     meta = {"summary": whole, "load": load, "minutes": args.minutes, "mean_s": args.mean_s, "seed": args.seed}
+    meta |= {"async_checkpoint": args.async_checkpoint, "round_bytes": args.round_bytes}
     write_results(args.name, meta, failures, header, table)
 
 
