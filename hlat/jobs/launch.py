@@ -210,14 +210,16 @@ def _slurm_replica_groups(c: ClusterConfig, train: list[str], endpoint: str, gro
         torchrun = _torchrun(group, f'"$SLURM_JOB_ID-replica{g}"', endpoint, c.max_restarts)
         steps.append(
             f"    {TRAINING_STEP} --nodes={nodes} --relative={g * nodes} {' '.join(torchrun)} "
-            f"{shlex.join([*train, '--parallel.replica_group', str(g)])} &"
+            f"{shlex.join([*train, '--parallel.replica_group', str(g)])} & pids+=($!)"
         )
+    # each group's pid kept as it starts: `jobs -p` omits a job that already ended, and its exit code with it
     return [
         f"train_replica_groups() {{  # {groups} replica groups of {nodes} nodes: a failure restarts its group alone",
-        "    trap 'kill -TERM $(jobs -p) 2>/dev/null' TERM",
+        "    pids=()",
+        """    trap 'kill -TERM "${pids[@]}" 2>/dev/null' TERM""",
         *steps,
         "    code=0",
-        '    for pid in $(jobs -p); do wait "$pid" || code=$?; done',
+        '    for pid in "${pids[@]}"; do wait "$pid" || code=$?; done',
         '    return "$code"',
         "}",
         "train_replica_groups &",
