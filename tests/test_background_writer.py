@@ -25,8 +25,9 @@ from hlat.checkpoint import background
 from hlat.checkpoint.background import BackgroundWriter, CheckpointFiles, Flight
 from hlat.checkpoint.cadence import SnapshotCadence
 from hlat.checkpoint.durable import read_checkpoint
-from hlat.checkpoint.memory import RUN_FILE, SPARE, MemoryTier, Node
+from hlat.checkpoint.memory import RUN_FILE, MemoryTier, Node
 from hlat.checkpoint.memory_restore import holdings
+from hlat.checkpoint.writer_process import SPARE
 from hlat.paths import step_dirs, step_name
 
 dcp_save = dcp.save
