@@ -214,7 +214,8 @@ def main() -> None:
     load = os.getloadavg()[0]
     header = (
         "Recovery of the tiny model (configs/tiny.toml, micro-batches of 4, a checkpoint every 20 steps for a job "
-        f"whose groups all fail, {'written in the background' if args.async_checkpoint else 'synchronous'}; "
+        "whose groups all fail, the groups taking them in turns, "
+        f"{'written in the background' if args.async_checkpoint else 'synchronous'}; "
         f"data.round_bytes {args.round_bytes or 'the default, 4 MiB'}) as 2 replica groups of 2 ranks "
         f"(parallel.replica_groups = 2), {args.minutes:g} min, one trainer SIGKILLed at exponential intervals (mean "
         f"{args.mean_s:g} s, seed {args.seed}). Machine: {platform.node()}: {os.cpu_count()} cores, shared (load "

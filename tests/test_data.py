@@ -686,24 +686,34 @@ def test_workers_give_the_same_stream_and_resume_exactly(tmp_path, packing):
     resumed.close()
 
 
-def test_a_stream_reads_on_to_a_later_state_with_its_workers_up(tmp_path):
-    """A replica group that heals moves its stream to the live groups' position: reading on to it gives the batches
-    that loading the state gives, with the same tokenizer workers; a state behind, or of other settings, is left
-    to `load_state_dict`."""
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_stream_that_adopts_a_peers_rounds_makes_none_of_them_again(tmp_path, workers):
+    """A replica group that heals takes the live group's position and the rounds its stream holds: its batches are
+    those that loading the position gives, it makes only the rounds after the ones handed over (from where they
+    end), and a peer whose rounds no longer reach back to the position hands over none."""
     files = _corpus(tmp_path)
-    cfg = dict(round_bytes=200, shuffle_rows=4, shuffle_files=True, seed=1, workers=1)
-    ahead = stream(files, 16, 2, **cfg)
-    take(ahead, 13)
-    target = ahead.state_dict()
+    cfg = dict(round_bytes=200, shuffle_rows=4, shuffle_files=True, seed=1, workers=workers)
+    peer = stream(files, 16, 2, **cfg)
+    take(peer, 13)
+    state, rounds = peer.state_dict(), peer.rounds_in_hand()
+    reference = stream(files, 16, 2, **cfg)
+    reference.load_state_dict(state)
+    expected = take(reference, 30)
+    first = state["sources"][0]["round"]
+    handed = sum(info.size for (_, index), info in rounds["infos"].items() if index >= first)
+    assert handed > 0 and all(index >= first for _, index in rounds["tokens"])
     s = stream(files, 16, 2, **cfg)
-    take(s, 3)
-    workers = s.worker_pids
-    assert s.read_on_to(target) and s.state_dict() == target and s.worker_pids == workers
-    assert same(take(s, 9), take(ahead, 9))
-    assert not s.read_on_to(target)  # behind it now: nothing read
-    other = stream(files, 16, 2, **{**cfg, "seed": 2})
-    assert not other.read_on_to(target) and other.state_dict()["rows"] == 0
-    for each in (ahead, s, other):
+    s.adopt(state, rounds)
+    assert same(take(s, 30), expected)
+    assert s.tokenized == reference.tokenized - handed
+    if workers:  # a worker makes its rounds in order: one started at a handed round would leave it unclaimed here
+        last = max(index for _, index in rounds["infos"])
+        assert all(index > last for _, index in s._fetcher.ready)
+    take(peer, 20)
+    stale = stream(files, 16, 2, **cfg)
+    stale.adopt(state, peer.rounds_in_hand())  # the peer forgot the position's first round
+    assert same(take(stale, 30), expected) and stale.tokenized == reference.tokenized
+    for each in (peer, reference, s, stale):
         each.close()
 
 

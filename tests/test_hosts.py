@@ -29,6 +29,7 @@ from hlat import LOST_RENDEZVOUS_EXIT
 from hlat.config.job import ClusterConfig
 from hlat.jobs.launch import SERVICE_PORT, rendezvous_conf
 from hlat.jobs.torchrun import C10D_PORT
+from hlat.paths import complete_checkpoints
 
 STEPS = 12
 SERVICE = 0  # the host that runs only the service
@@ -377,7 +378,8 @@ def replica_group_command(cfg_file: Path, run_dir: Path, service: str, group: in
         *(sys.executable, "-m", "hlat", "torchrun", "--nnodes=1", "--nproc-per-node=2", "--max-restarts=3"),
         *("--rdzv-backend=hlat", f"--rdzv-id=replica{group}", f"--rdzv-endpoint={service}:{SERVICE_PORT}"),
         *("-m", "hlat", "train", "--config", str(cfg_file), "--train.run_dir", str(run_dir)),
-        *("--train.ckpt_every", "0", "--train.snapshot_every", "1"),  # a restarted group resumes from memory, heals
+        # a restarted group resumes from memory and heals; the groups take the checkpoints in turns
+        *("--train.ckpt_every", "2", "--train.snapshot_every", "1"),
         *("--parallel.replica_groups", "2", "--parallel.replica_group", str(group)),
         *("--health.debug_delay", "0:700"),  # steps slow enough that the healed group rejoins before the end
     ]
@@ -405,7 +407,8 @@ def test_a_replica_group_that_lost_a_worker_heals_while_the_other_steps_on(hosts
     step 3: the other group's all-reduce fails at once, it reports it, the service's roll call drops the broken
     group, and the survivor goes on alone (its processes never restart), taking every micro-batch of each step; the
     broken group's torchrun starts its workers again, they resume from the group's newest snapshot in memory, then
-    heal from the survivor (weights, optimizer state, step, data position) and the job goes on at 2 groups. Every
+    heal from the survivor (weights, optimizer state, step, data position and rounds) and the job goes on at 2
+    groups; the groups took the checkpoints in turns, none written twice. Every
     step's micro-batches were trained on once by the groups that committed it, and their tokens are the stream's;
     the final weights of both groups are equal, and within ORDER_FACTOR times what reordering the sums alone does
     of the uninterrupted 4-rank run."""
@@ -452,6 +455,8 @@ def test_a_replica_group_that_lost_a_worker_heals_while_the_other_steps_on(hosts
         last = [r for r in committed if r["epoch"] == max(r["epoch"] for r in committed)]
         assert sorted(m for r in last for m in r["micro_batches"]) == [0, 1, 2, 3], (step, last)
         assert sum(r["tokens"] for r in last) == tokens[step - 1], step
+    saved = [{step for step, _ in complete_checkpoints(run / f"replica{g}")} for g in (0, 1)]
+    assert all(STEPS in steps for steps in saved) and not saved[0] & saved[1] - {STEPS}, saved  # each written once
     weights = [trained_state(run / f"replica{g}", cfg)[0] for g in (0, 1)]
     ref = trained_state(reference, cfg)[0]
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in ref)

@@ -1,14 +1,15 @@
 """The run's saved state in both tiers, the one object the trainer asks to save and restore (`Tiers`): when to save
-(a durable checkpoint every `train.ckpt_every` steps, at the last step, on a stop signal and, eval.keep_best, at a
-validation with the lowest loss so far; a memory snapshot at its cadence), committing background writes once every
-rank has written its part, what to restore at the start (where the ranks agreed to start, or train.init_from's
-weights) and on a rollback (the newest checkpoint that still verifies). The state is the trainer's `TrainState`;
-each save's stall and commit are told to a `SaveLog` (the run's goodput).
+(a durable checkpoint every `train.ckpt_every` steps, which replica groups take in turns, at the last step, on a
+stop signal and, eval.keep_best, at a validation with the lowest loss so far; a memory snapshot at its cadence),
+committing background writes once every rank has written its part, what to restore at the start (where the ranks
+agreed to start, or train.init_from's weights) and on a rollback (the newest checkpoint that still verifies). The
+state is the trainer's `TrainState`; each save's stall and commit are told to a `SaveLog` (the run's goodput).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -70,12 +71,22 @@ class Tiers:
     checkpoint of this process."""
 
     def __init__(
-        self, cfg: Config, topo, device: torch.device, state: TrainState, log: SaveLog, console: Console, start: Start
+        self,
+        cfg: Config,
+        topo,
+        device: torch.device,
+        state: TrainState,
+        log: SaveLog,
+        console: Console,
+        start: Start,
+        takes_turn: Callable[[int], bool] | None = None,
     ):
         """`topo`: where this rank sits (`hlat.parallel.Topology`); `start`: where the ranks agreed to start
-        (`hlat.checkpoint.start.decide_start`)."""
+        (`hlat.checkpoint.start.decide_start`); `takes_turn(k)`: whether this process writes the k-th periodic
+        checkpoint (replica groups take them in turns: `ReplicaGroups.takes_turn`), None: every one."""
         settings, pinned = cfg.train, device.type == "cuda"
         self.state, self.log, self.console, self.start = state, log, console, start
+        self.takes_turn = takes_turn or (lambda _: True)
         self.rank, self.is_main, self.init_from = topo.rank, topo.is_main, settings.init_from
         self.run_dir, self.config_toml = Path(settings.run_dir), cfg.to_toml()
         self.rotation = Rotation(
@@ -110,7 +121,8 @@ class Tiers:
 
     def due(self, step: int, stopping: bool) -> bool:
         every = self.rotation.every
-        return bool(every and step % every == 0) or step == self.rotation.last or stopping
+        periodic = bool(every and step % every == 0) and self.takes_turn(step // every)
+        return periodic or step == self.rotation.last or stopping
 
     def save(self, commit_now: bool) -> None:
         """Checkpoint the state at its step: training stalls for the whole write, or (asynchronous) for the copy to

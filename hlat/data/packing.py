@@ -176,8 +176,15 @@ class DataStream:
         return self._learnt.pop((source, index))
 
     def _start_fetcher(self) -> None:
-        """Start making this rank's rounds, from the round where each source's state starts on."""
-        starts = [(source.state.round, source.state.start) for source in self.sources]
+        """Start making this rank's rounds, from the first round of each source that is neither placed nor learnt
+        (its state's round, unless rounds were handed over: `adopt`)."""
+        starts = []
+        for source in self.sources:
+            last = source.rounds[-1].info if source.rounds else None
+            index, start = (last.index + 1, last.end) if last else (source.state.round, source.state.start)
+            while (source.index, index) in self._learnt:
+                index, start = index + 1, self._learnt[source.index, index].end
+            starts.append((index, start))
         self._first_rounds = [index for index, _ in starts]  # the fetcher makes none before these
         setup = MakerSetup(self.specs, self.packing, self.tokenizer, starts)
         self._fetcher = Workers(self.cfg.workers, setup, self.rank, self.world) if self.cfg.workers else InPlace(setup)
@@ -285,16 +292,27 @@ class DataStream:
         self.rows_taken = state["rows"]
         self.taken = list(state.get("taken", self.taken))  # a checkpoint from before it counts from this resume
 
-    def read_on_to(self, state: dict) -> bool:
-        """Reach `state` by reading on, where it lies ahead of this stream's position (the tokenizer workers stay up,
-        where `load_state_dict` starts them again): whether the stream is now at it. Every rank of the stream's group
-        calls it alike (reading is collective)."""
-        if self._batches_left or self._mismatch(state) or state["rows"] < self.rows_taken:
-            return False
-        while self.rows_taken < state["rows"]:
-            self._step()
-            self._batches_left.clear()
-        return self.state_dict() == state
+    def rounds_in_hand(self) -> dict:
+        """The rounds this stream has learnt and not yet forgotten, and the tokens of those this rank made: what a
+        stream of the same ranks that starts at this one's position takes instead of making them again (`adopt`)."""
+        infos = {(source.index, placed.info.index): placed.info for source in self.sources for placed in source.rounds}
+        return {"infos": infos | self._learnt, "tokens": dict(self._my_tokens)}
+
+    def adopt(self, state: dict, rounds: dict) -> None:
+        """Start at `state` (as `load_state_dict`) holding `rounds` (a peer's `rounds_in_hand`, the same rank of a
+        stream of as many ranks, at the same position): no round it holds is made again. A source whose first
+        round needed is not among them takes none, and makes its rounds from there. Every rank of the stream's
+        group adopts its own peer's rounds at once (the peers learnt the same rounds)."""
+        self.load_state_dict(state)
+        for source in self.sources:
+            if (source.index, source.state.round) in rounds["infos"]:
+                ours = {
+                    key: info
+                    for key, info in rounds["infos"].items()
+                    if key[0] == source.index and key[1] >= source.state.round
+                }
+                self._learnt.update(ours)
+                self._my_tokens.update({key: t for key, t in rounds["tokens"].items() if key in ours})
 
     def _mismatch(self, state: dict) -> str:
         if state.get("version") != STATE_VERSION:

@@ -20,8 +20,9 @@ loss) are summed over it, and the step is committed where every rank of the grou
 with the step's own flags: `hlat.train.step`). A wait on a peer is abandoned as soon as a later epoch comes (gloo
 cannot cancel an operation in flight: the group is kept referenced, its thread ends at its timeout), and the step
 runs again in that epoch. A group behind the highest committed step when an epoch starts receives, rank by rank,
-the local shards of the weights and the optimizer state, the step, the data position and the generators from a
-group at that step, over a group of the two (a broadcast: gloo's send and receive have no futures to watch).
+the local shards of the weights and the optimizer state, the step, the data position with the rounds of data in hand
+and the generators from a group at that step, over a group of the two (a broadcast: gloo's send and receive have
+no futures to watch).
 """
 
 from __future__ import annotations
@@ -143,11 +144,9 @@ class ReplicaGroups:
         self.dp, self.dp_rank, self.log = topo.cfg.dp, topo.dp_rank, run_dir / f"replicas_rank{topo.rank}.jsonl"
 
     def __enter__(self) -> ReplicaGroups:
-        """Beat, take the first step's micro-batches (a group that joins a running job does not hold the others'
-        first step with it while its tokenizer workers start), then (rank 0, once every rank is there) ask the
-        service to admit this incarnation."""
+        """Beat, then (rank 0, once every rank is there) ask the service to admit this incarnation. A group that
+        joins a running job makes no round of data before it heals: the live group hands it the rounds it holds."""
         self.membership.start()
-        self.batches.fetch()
         dist.barrier(group=self.side)
         if self.rank == 0:
             self.store.set("groups", str(self.groups))
@@ -274,6 +273,11 @@ class ReplicaGroups:
             offset += g.numel()
         return flat[-1].to(local_loss.device), True
 
+    def takes_turn(self, interval: int) -> bool:
+        """Whether this group writes the job's `interval`-th periodic checkpoint: the live groups hold the same state,
+        so they take the checkpoints in turns, each written once (every group writes the last step's)."""
+        return self.members[interval % len(self.members)] == self.me
+
     def committed(self) -> None:
         """Record the step just committed (`replicas_rank<R>.jsonl` in the group's run directory): its epoch, the
         live groups, this process, the micro-batches and tokens it trained on, so that a run's data can be counted."""
@@ -385,9 +389,9 @@ def is_tensor(value) -> bool:
 
 def heal_payload(state: TrainState, batches: Batches) -> torch.Tensor:
     """Everything a healing rank receives, in one byte buffer: the header's length, the pickled header (step, data
-    position, generators, the optimizer's layout and settings), the tensors' bytes."""
+    position and rounds in hand, generators, the optimizer's layout and settings), the tensors' bytes."""
     tensors, described = heal_tensors(state)
-    header = {"step": state.step, "data": batches.position(), "rng": rng_state(), **described}
+    header = {"step": state.step, "data": batches.handover(), "rng": rng_state(), **described}
     head = torch.frombuffer(bytearray(pickle.dumps(header)), dtype=torch.uint8)
     body = [t.contiguous().reshape(-1).cpu().view(torch.uint8) for t in tensors]
     return torch.cat([torch.tensor([head.numel()], dtype=torch.int64).view(torch.uint8), head, *body])
@@ -413,7 +417,7 @@ def load_heal_payload(state: TrainState, batches: Batches, payload: torch.Tensor
             t.copy_(payload[offset : offset + n].clone().view(t.dtype).view(t.shape))  # clone: aligned for its dtype
             offset += n
     state.step = header["step"]
-    batches.restart_at(header["data"])
+    batches.take_over(header["data"])
     set_rng_state(header["rng"])
 
 

@@ -123,16 +123,17 @@ class Batches:
         """The step these micro-batches were for is done: the next step takes new ones."""
         self.held = None
 
-    def position(self) -> dict:
-        """The stream's state at the start of the step not yet committed."""
-        return self.before if self.held is not None else self.stream.state_dict()
+    def handover(self) -> dict:
+        """What a group that heals from this one takes of the data: the stream's state at the start of the step not
+        yet committed, and the rounds the stream holds (`DataStream.rounds_in_hand`)."""
+        state = self.before if self.held is not None else self.stream.state_dict()
+        return {"state": state, "rounds": self.stream.rounds_in_hand()}
 
-    def restart_at(self, state: dict) -> None:
-        """Continue from stream state `state` (a heal), dropping the micro-batches held: read on to it where it lies
-        ahead, else start the stream there."""
+    def take_over(self, handed: dict) -> None:
+        """Continue from a healthy peer's `handover` (a heal), dropping the micro-batches held: its rounds are not
+        made again (`DataStream.adopt`)."""
         self.held = None
-        if not self.stream.read_on_to(state):
-            self.stream.load_state_dict(state)
+        self.stream.adopt(handed["state"], handed["rounds"])
 
     @property
     def state_key(self) -> str:
