@@ -259,7 +259,7 @@ def _pytorch_job(c: ClusterConfig, name: str, pod: dict, group: int | None = Non
     return {
         "apiVersion": "kubeflow.org/v1",
         "kind": "PyTorchJob",
-        "metadata": {"name": name if group is None else f"{name}-replica{group}"},
+        "metadata": {"name": group_name(name, group)},
         "spec": {
             "nprocPerNode": str(c.nproc_per_node),
             "runPolicy": {"backoffLimit": c.max_restarts},
@@ -308,6 +308,11 @@ def k8s_service(name: str, image: str) -> list[dict]:
     return [deployment, service]
 
 
+def group_name(name: str, group: int | None) -> str:
+    """Replica group `group`'s PyTorchJob and rendezvous id (the job's own name where there are no groups)."""
+    return name if group is None else f"{name}-replica{group}"
+
+
 def service_name(name: str) -> str:
     return f"{name}-service"
 
@@ -316,7 +321,7 @@ def k8s_pod(c: ClusterConfig, name: str, image: str, node: NodeRequest, group: i
     """The pod of each node (of replica group `group`, where given: a rendezvous of its own): torchrun (after
     preflight, if asked) at the service, what the node asks for, the volumes."""
     endpoint = f"{service_name(name)}:{SERVICE_PORT}"
-    rdzv_id = name if group is None else f"{name}-replica{group}"
+    rdzv_id = group_name(name, group)
     # with cluster.preflight_restarts the pods restart (runPolicy.backoffLimit), each start after its preflight
     restarts = 0 if c.preflight_restarts else c.max_restarts
     command = [

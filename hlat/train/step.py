@@ -100,17 +100,13 @@ class Batches:
         self.before: dict | None = None  # the stream's state before them
 
     def next_step(self, device: torch.device) -> list[dict]:
-        self.fetch()
+        if self.held is None:
+            self.before = self.stream.state_dict() if self.keep else None
+            self.held = [split_batch(next(self.stream), self.cp, self.cp_rank) for _ in range(self.per_rank)]
         micro = self.held[self.share.position :: self.share.live]
         if not self.keep:
             self.held = None
         return [{k: to_device(t, device) for k, t in batch.items()} for batch in micro]
-
-    def fetch(self) -> None:
-        """Take the step's micro-batches from the stream, unless held."""
-        if self.held is None:
-            self.before = self.stream.state_dict() if self.keep else None
-            self.held = [split_batch(next(self.stream), self.cp, self.cp_rank) for _ in range(self.per_rank)]
 
     def trained(self, dp: int, dp_rank: int) -> dict:
         """Which of the step's micro-batches this rank trains on under replica groups (their indices in the step,
