@@ -4,6 +4,7 @@ a run ends; the default cadence keeps a snapshot's cost under the goal. A lost n
 across hosts: tests/test_hosts.py."""
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -15,11 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from test_faults import children, restarting_torchrun, strict_records, trained_state
 from test_train import config, final_weights, losses
 
-from hlat.checkpoint.background import BackgroundWriter
+from hlat.checkpoint.background import BackgroundWriter, RawFiles
 from hlat.checkpoint.cadence import AUTO, STALL_SHARE, SnapshotCadence
 from hlat.checkpoint.memory import MemoryTier, Node
 from hlat.checkpoint.memory_restore import files_to_read
@@ -318,6 +320,37 @@ def test_a_restart_on_a_tmpfs_with_little_to_spare_goes_on_by_itself_and_exactly
     weights, ref_weights = trained_state(run, cfg)[0], trained_state(reference, cfg)[0]
     assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
     assert sorted(shm.iterdir()) == ([other] if filled else [])
+
+
+def train_with_one_snapshot_refused(rank: int, step: int, argv: list[str]) -> int:
+    """`hlat train argv` in which rank `rank`'s snapshot write of step `step` is refused for want of space; the other
+    ranks' writes go through (a warm_torchrun job)."""
+    save = BackgroundWriter._save
+
+    def refused_on_one_rank(self, staged, files):
+        if isinstance(files, RawFiles) and dist.get_rank() == rank and Path(files.path).name == step_name(step):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(files.path))
+        return save(self, staged, files)
+
+    BackgroundWriter._save = refused_on_one_rank
+    try:
+        return main(["train", *argv])
+    finally:
+        BackgroundWriter._save = save
+
+
+def test_a_snapshot_write_refused_on_another_rank_is_named_by_the_rank_that_speaks(warm_torchrun, tmp_path):
+    """Rank 1's snapshot write of step 3 is refused (no space); rank 0's succeeds. Rank 0, which speaks for the job,
+    says why the tier turned itself off with rank 1's reason (it said only "on another rank"), and the run goes on
+    with its checkpoints."""
+    cfg = config(tmp_path / "run", steps=5, decay_steps=5, ckpt_every=5, snapshot_every=1)
+    cfg.data.workers = 0
+    argv = ["--config", str(write_config(tmp_path / "c.toml", cfg))]
+    done = warm_torchrun.call(2, "test_checkpoint_memory:train_with_one_snapshot_refused", 1, 3, argv)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    [off] = [line for line in done.stdout.splitlines() if "the memory tier is off" in line]
+    assert f"a snapshot write failed (No space left on device ({tmp_path / 'snapshots'}/" in off, off
+    assert step_name(3) in off and len(losses(tmp_path / "run")) == 5
 
 
 def test_a_fresh_start_without_room_for_the_tier_is_refused_naming_the_other_runs_there(small_tmpfs, tmp_path, capsys):

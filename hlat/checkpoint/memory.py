@@ -162,8 +162,8 @@ class MemoryTier:
 
     def commit(self, failed: bool) -> str | None:
         """Every rank has written the snapshot in flight: keep it as the newest, drop the older ones (each node's
-        leader). `failed`: some rank's write failed; the snapshot is dropped instead and its reason returned where
-        this rank knows it."""
+        leader). `failed` (alike on every rank): some rank's write failed; the snapshot is dropped instead, and the
+        first failed rank's reason returned on every rank (gathered: the rank that speaks may have written its own)."""
         flight = self.writer.take()
         if flight is None:
             return None
@@ -172,7 +172,8 @@ class MemoryTier:
         if failed:
             if self.node.leader:
                 shutil.rmtree(flight.target, ignore_errors=True)
-            return flight.failure.reason if flight.failure else "a snapshot write failed on another rank"
+            failures = gather_objects(flight.failure, self.group) if self.group is not None else [flight.failure]
+            return next(f.reason for f in failures if f is not None)
         if self.node.leader:
             for older, path in step_dirs(self.root):
                 if older < step:
